@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Each runs `setup` first; setup is idempotent
+# (a stamp file), so later runs skip it unless its inputs changed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := .stamps/setup
+EMBEDDED := model_repository/kev/embedded
+export HTTP_PORT ?= 8000
+export GRPC_PORT ?= 8001
+export METRICS_PORT ?= 8002
+
+.PHONY: setup serve test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml build/install_tritonserver.sh kev_backend/tiny.py kev_backend/qwen35.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	build/install_tritonserver.sh $(VENV) build/.tritonserver
+	rm -rf $(EMBEDDED) && $(PY) -m kev_backend.tiny $(EMBEDDED)
+	mkdir -p $(dir $(STAMP)) && touch $@
+
+serve: setup
+	KEV_VENV=$(abspath $(VENV)) build/serve.sh
+
+test: setup
+	$(PY) -m pytest -q -rs tests
+
+lint: setup
+	$(VENV)/bin/ruff check kev_backend tests model_repository loadtest
+	$(VENV)/bin/ruff format --check kev_backend tests model_repository loadtest
+
+clean:
+	rm -rf $(VENV) .stamps build/.tritonserver build/.downloads $(EMBEDDED)

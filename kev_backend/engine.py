@@ -1,0 +1,125 @@
+"""The batch-first engine: many System One requests in, one response body or one RequestError each out.
+
+Parsing, Kev's limits and answer assembly live here; the probabilities come from a scorer (the reference PyTorch
+path today). One bad request never affects the others of its batch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .bank import BankStats, StateBank
+from .checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
+from .encoding import Encoded, KevTokenizer, Limits, encode
+from .reference import ReferenceScorer
+from .systemone import Record, RequestError, answers_from_probabilities, answers_json, parse_request, response_body
+
+Body = str | bytes | dict
+
+
+class Scorer(Protocol):
+    def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]: ...
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "auto"  # "auto": CUDA when available, else CPU
+    bank_bytes: int = 1 << 30
+    row_pass_tokens: int = 16_384
+    limits: Limits = field(default_factory=Limits)
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass
+class BatchReport:
+    """What the last `answer` call did, for metrics and tests."""
+
+    requests: int = 0
+    errors: int = 0
+    questions: int = 0
+    state_tokens: int = 0
+    row_tokens: int = 0
+    model_ms: float = 0.0
+
+
+class Engine:
+    def __init__(self, checkpoint: KevCheckpoint, options: EngineOptions | None = None) -> None:
+        self.options = options or EngineOptions()
+        self.checkpoint = checkpoint
+        self.tokenizer = KevTokenizer(checkpoint.tokenizer_dir)
+        self.bank: StateBank = StateBank(self.options.bank_bytes)
+        self.device = next(checkpoint.model.parameters()).device
+        self.scorer: Scorer = ReferenceScorer(
+            checkpoint.model,
+            checkpoint.head,
+            checkpoint.temperature,
+            self.tokenizer.delimiters.pad,
+            self.bank,
+            self.options.row_pass_tokens,
+        )
+        self.last_batch = BatchReport()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:
+        options = options or EngineOptions()
+        checkpoint = load_checkpoint(path, options.resolved_device(), options.load)
+        return cls(checkpoint, options)
+
+    @property
+    def bank_stats(self) -> BankStats:
+        return self.bank.stats
+
+    def prepare(self, body: Body) -> tuple[Record, Encoded]:
+        """Validates and encodes one request; raises RequestError with Kev's 422 message."""
+        record = parse_request(body)
+        return record, encode(record, self.tokenizer, self.options.limits)
+
+    def answer(self, bodies: Sequence[Body]) -> list[dict | RequestError]:
+        """One response body (a dict, Kev 1.0's JSON) or one RequestError per request, in order."""
+        results: list[dict | RequestError | None] = [None] * len(bodies)
+        accepted: list[tuple[int, Record, Encoded]] = []
+        for i, body in enumerate(bodies):
+            try:
+                record, encoded = self.prepare(body)
+            except RequestError as error:
+                results[i] = error
+            else:
+                accepted.append((i, record, encoded))
+        report = BatchReport(requests=len(bodies), errors=len(bodies) - len(accepted))
+        if accepted:
+            batch = [encoded for _, _, encoded in accepted]
+            started = self._clock()
+            probabilities = self.scorer.probabilities(batch)
+            report.model_ms = (self._clock() - started) * 1000.0
+            report.questions = sum(len(e.questions) for e in batch)
+            report.state_tokens = sum(len(state) for state in {e.state for e in batch})
+            report.row_tokens = sum(len(q.tokens) for e in batch for q in e.questions)
+            for (i, record, encoded), probs in zip(accepted, probabilities):
+                answers = answers_from_probabilities(record, probs)
+                output_tokens = self.tokenizer.count_tokens(answers_json(answers))
+                results[i] = response_body(record.model, answers, encoded.input_tokens, output_tokens, report.model_ms)
+        self.last_batch = report
+        return results  # type: ignore[return-value]
+
+    def _clock(self) -> float:
+        # latency_ms is the model time of the whole batch, measured between device syncs, as Kev reports it.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def dumps(body: dict) -> str:
+    """The response as FastAPI's JSONResponse renders it."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))

@@ -1,0 +1,111 @@
+"""Reference scorer: the PyTorch model run eagerly (fp32 on CPU by default), with the state bank.
+
+Each distinct state of a batch runs once (or comes from the bank); every question is a row continuing from its
+state's cache, with positions after the state. Rows of a state are right-padded into passes bounded by a token
+budget that counts the state once per row, as Kev's eager path does. It is the oracle the fast paths are held to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .bank import StateBank
+from .encoding import Encoded, EncodedQuestion
+from .head import pointer_probabilities
+from .qwen35 import Qwen35TextModel, SequenceCache
+
+
+class ReferenceScorer:
+    def __init__(
+        self,
+        model: Qwen35TextModel,
+        head: dict[str, torch.Tensor],
+        temperature: float,
+        pad_id: int,
+        bank: StateBank[SequenceCache],
+        row_pass_tokens: int = 16_384,
+    ) -> None:
+        self.model = model
+        self.head = head
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.bank = bank
+        self.row_pass_tokens = row_pass_tokens
+        self.device = next(model.parameters()).device
+
+    def state_cache(self, state: tuple[int, ...]) -> SequenceCache:
+        cache = self.bank.get(state)
+        if cache is None:
+            _, cache = self.model(torch.tensor([state], device=self.device))
+            self.bank.put(state, cache)
+        return cache
+
+    def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+        """Per request, per question, the option probabilities."""
+        by_state: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for r, encoded in enumerate(batch):
+            for q in range(len(encoded.questions)):
+                by_state.setdefault(encoded.state, []).append((r, q))
+        decide: dict[tuple[int, int], torch.Tensor] = {}
+        options: dict[tuple[int, int], torch.Tensor] = {}
+        for state, items in by_state.items():
+            cache = self.state_cache(state)
+            rows = [batch[r].questions[q] for r, q in items]
+            for chunk in self.row_passes(len(state), rows):
+                hidden = self.row_pass(cache, [rows[i] for i in chunk])
+                for j, i in enumerate(chunk):
+                    row = rows[i]
+                    decide[items[i]] = hidden[j, row.decide]
+                    options[items[i]] = hidden[j, list(row.option_ends)]
+        order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
+        if not order:
+            return [[] for _ in batch]
+        flat = pointer_probabilities(
+            self.head,
+            self.temperature,
+            torch.stack([decide[key] for key in order]),
+            torch.cat([options[key] for key in order]),
+            [len(batch[r].questions[q].option_ends) for r, q in order],
+        )
+        out: list[list[list[float]]] = [[] for _ in batch]
+        for (r, _), p in zip(order, flat):
+            out[r].append(p)
+        return out
+
+    def row_passes(self, state_len: int, rows: Sequence[EncodedQuestion]) -> list[list[int]]:
+        """Row indices per pass: as many rows as fit the budget counting the state once per row."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
+        passes: list[list[int]] = []
+        current: list[int] = []
+        for i in order:
+            longest = len(rows[i].tokens)  # rows are sorted, so the newest is the longest
+            if current and (len(current) + 1) * (state_len + longest) > self.row_pass_tokens:
+                passes.append(current)
+                current = []
+            current.append(i)
+        if current:
+            passes.append(current)
+        return passes
+
+    def row_pass(self, cache: SequenceCache, rows: Sequence[EncodedQuestion]) -> torch.Tensor:
+        """Final-norm hidden states [R, L, d] of right-padded rows continuing `cache`, in fp32."""
+        width = max(len(row.tokens) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for j, row in enumerate(rows):
+            ids[j, : len(row.tokens)] = torch.tensor(row.tokens)
+        hidden, _ = self.model(ids.to(self.device), cache)
+        return hidden.float()
+
+    def row_form_probabilities(self, encoded: Encoded) -> list[list[float]]:
+        """Kev's row form, the oracle: each question as one causal row state + branch from an empty cache."""
+        decide, options, counts = [], [], []
+        for row in encoded.questions:
+            ids = torch.tensor([encoded.state + row.tokens], device=self.device)
+            hidden = self.model(ids)[0][0].float()
+            offset = len(encoded.state)
+            decide.append(hidden[offset + row.decide])
+            options.append(hidden[[offset + i for i in row.option_ends]])
+            counts.append(len(row.option_ends))
+        return pointer_probabilities(self.head, self.temperature, torch.stack(decide), torch.cat(options), counts)

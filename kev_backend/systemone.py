@@ -1,0 +1,314 @@
+"""The System One contract as Kev 1.0 serves it: request validation, rendering, answers and the response body.
+
+Pure Python (pydantic, no torch, no tokenizer): the engine tokenizes the texts of a `Record` and hands back one
+probability row per question. Facts follow ../shared/docs/kev-model.md §2.5, §2.6 and §4.1–§4.6; where Kev's
+HTTP layer (FastAPI) shapes an error, the same shape is produced here so clients see the same 422 bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+JSONContent = str | dict | list | int | float | bool | None
+MAX_OPTIONS = 255
+MAX_STATE_TOKENS = 65_536  # Ls, the <state> token included
+MAX_ROW_TOKENS = 73_728  # Ls + len(branch) for each question row (65,536 + 8,192)
+DEFAULT_MODEL = "kev-latest"
+
+
+# --- request models (Kev 1.0 shapes; unknown fields are ignored, pydantic's default) -----------------------------
+
+
+class Noul(BaseModel):
+    type: Literal["noul"]
+    instructions: JSONContent = None
+    criteria: dict[str, JSONContent] | None = None  # only "true" / "false" are read
+
+
+class Choice(BaseModel):
+    type: Literal["choice"]
+    instructions: JSONContent = None
+    criteria: dict[str, JSONContent]
+
+    # The name matters: pydantic tags union errors "function-after[_check(), Choice]", as Kev's 422 bodies do.
+    @model_validator(mode="after")
+    def _check(self) -> Choice:
+        if not 1 <= len(self.criteria) <= MAX_OPTIONS:
+            raise ValueError(f"criteria must have 1..{MAX_OPTIONS} options")
+        return self
+
+
+class Score(BaseModel):
+    type: Literal["score"]
+    instructions: JSONContent = None
+    criteria: list[JSONContent] = Field(min_length=1, max_length=MAX_OPTIONS)
+
+
+QuestionModel = Noul | Choice | Score  # plain (smart) union, like Kev: errors list every member
+
+
+class SystemOneRequest(BaseModel):
+    state: JSONContent
+    model: str = DEFAULT_MODEL
+    questions: dict[str, QuestionModel] = Field(min_length=1)
+
+
+# --- errors --------------------------------------------------------------------------------------------------------
+
+
+class RequestError(ValueError):
+    """A request Kev refuses. `detail` is what FastAPI puts under "detail": a string (context overflow) or the
+    list of pydantic errors with "body" first in each loc. `status` is 422, or 400 for a body FastAPI cannot read."""
+
+    def __init__(self, detail: str | list[dict[str, Any]], status: int = 422) -> None:
+        self.detail = detail
+        self.status = status
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        if isinstance(self.detail, str):
+            return self.detail
+        return "; ".join(_error_line(e) for e in self.detail)
+
+    @property
+    def json_detail(self) -> str | list[dict[str, Any]]:
+        """`detail` as FastAPI's jsonable_encoder writes it: an exception in ctx becomes {} (its vars())."""
+        return _jsonable(self.detail)
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return {"detail": self.json_detail}
+
+
+def _error_line(error: dict[str, Any]) -> str:
+    path = ".".join(str(part) for part in error["loc"][1:]) or "body"
+    line = f"{path}: {error['msg']}"
+    if error["type"] == "json_invalid":
+        line += f" ({error['ctx']['error']})"
+    return line
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, BaseException):
+        return {}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def _body_error(error: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic error as FastAPI reports a body error: loc prefixed with "body", no url."""
+    out = {"type": error["type"], "loc": ["body", *error["loc"]], "msg": error["msg"], "input": error["input"]}
+    if "ctx" in error:
+        out["ctx"] = error["ctx"]
+    return out
+
+
+# --- parsing ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str  # reported back, never shown to the model
+    type: str
+    instruction: str
+    options: tuple[str, ...]  # option texts, in option order (unescaped)
+    keys: tuple[str, ...]  # the keys probabilities are reported under, same order
+    legend: dict[str, str] | None  # score only: {"i": level text}
+
+
+@dataclass(frozen=True)
+class Record:
+    model: str
+    state_text: str
+    questions: tuple[Question, ...]
+
+
+def _load_json(body: str | bytes) -> Any:
+    """json.loads as Starlette runs it (bytes: encoding detected), with FastAPI's error shapes."""
+    if not body:
+        return None  # FastAPI reads an empty body as a missing one
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as e:
+        error = {"type": "json_invalid", "loc": ["body", e.pos], "msg": "JSON decode error", "input": {}}
+        raise RequestError([{**error, "ctx": {"error": e.msg}}]) from None
+    except ValueError:  # undecodable bytes, an int over Python's digit limit: FastAPI answers 400
+        raise RequestError("There was an error parsing the body", status=400) from None
+
+
+def parse_request(body: str | bytes | dict[str, Any]) -> Record:
+    """Validate a /v1/systemone body and build the record the engine encodes. Pass the raw bytes for FastAPI parity
+    (a str with a BOM is refused by json.loads; bytes are decoded as utf-8-sig)."""
+    data = body if isinstance(body, dict) else _load_json(body)
+    if data is None:
+        raise RequestError([{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}])
+    try:
+        request = SystemOneRequest.model_validate(data, from_attributes=True)  # as FastAPI validates a body
+    except ValidationError as e:
+        raise RequestError([_body_error(err) for err in e.errors(include_url=False)]) from None
+    # Render from the raw JSON: the texts must not depend on any coercion the models might do.
+    questions = tuple(_question(qid, raw) for qid, raw in data["questions"].items())
+    return Record(model=request.model, state_text=render(data["state"]), questions=questions)
+
+
+def _question(qid: str, raw: dict[str, Any]) -> Question:
+    kind, criteria, legend = raw["type"], raw.get("criteria"), None
+    if kind == "noul":
+        criteria = criteria or {}
+        keys = ("false", "true")
+        options = (_option_text("no", criteria.get("false")), _option_text("yes", criteria.get("true")))
+    elif kind == "choice":
+        keys = tuple(criteria)
+        options = tuple(_option_text(name, desc) for name, desc in criteria.items())
+    else:
+        keys = tuple(str(i) for i in range(len(criteria)))
+        options = tuple(render(level) for level in criteria)
+        legend = dict(zip(keys, options))
+    return Question(qid, kind, render(raw.get("instructions")), options, keys, legend)
+
+
+def _option_text(name: str, description: Any) -> str:
+    return name if description is None or description == "" else f"{name}: {render(description)}"
+
+
+# --- text ------------------------------------------------------------------------------------------------------------
+
+
+def render(value: Any, indent: int = 0) -> str:
+    """JSON -> the text the model reads (§4.2). Python str() of scalars is part of the contract (True, 532.0, 1e-07)."""
+    pad = "  " * indent
+    if value is None:
+        return ""
+    if isinstance(value, (str, int, float, bool)):
+        return str(value)
+    if isinstance(value, list):
+        return "\n".join(f"{pad}- {render(item, indent + 1).lstrip()}" for item in value)
+    lines = []
+    for key, item in value.items():
+        if isinstance(item, (dict, list)):
+            lines.append(f"{pad}{key}:\n{render(item, indent + 1)}")
+        else:
+            lines.append(f"{pad}{key}: {render(item)}")
+    return "\n".join(lines)
+
+
+_DELIMITER = re.compile(r"<\|([A-Za-z0-9_]+)\|>")
+
+
+def escape_user_text(text: str) -> str:
+    """<|name|> -> <¦name¦> (U+00A6), so caller text can never spell a delimiter token (§4.3)."""
+    return _DELIMITER.sub("<\u00a6\\1\u00a6>", text)
+
+
+# --- answers ---------------------------------------------------------------------------------------------------------
+# Sums use plain sum() over Python floats, as Kev does: Python 3.12+ compensates float sums and 3.11 does not, so
+# the last bit of a score or confidence follows the interpreter, exactly as it does in Kev itself.
+
+
+def round4(x: float) -> float:
+    """Python round(x, 4): the exact binary value is rounded, exact ties go to even."""
+    return round(float(x), 4)
+
+
+def _first_argmax(p: Sequence[float]) -> int:
+    return max(range(len(p)), key=p.__getitem__)
+
+
+def _normalised(p: Sequence[float]) -> list[float]:
+    total = sum(p)
+    return [1 / len(p)] * len(p) if total == 0 else [x / total for x in p]
+
+
+def choice_confidence(p: Sequence[float]) -> float:
+    """(max p̂ − 1/K) / (1 − 1/K) on p normalised to sum 1; one option is certain."""
+    k = len(p)
+    if k == 1:
+        return 1.0
+    return (max(_normalised([float(x) for x in p])) - 1 / k) / (1 - 1 / k)
+
+
+def score_confidence(p: Sequence[float]) -> float:
+    """max(0, 1 − E|i − mode| / D) on normalised p; D = the mean |i − (L−1)/2| of a uniform spread; one level is
+    certain."""
+    n = len(p)
+    if n == 1:
+        return 1.0
+    q = _normalised([float(x) for x in p])
+    mode = _first_argmax(q)
+    spread = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
+    return max(0.0, 1.0 - sum(pi * abs(i - mode) for i, pi in enumerate(q)) / spread)
+
+
+def answers_from_probabilities(record: Record, probs: Sequence[Sequence[float]]) -> dict[str, dict[str, Any]]:
+    """One probability row per question (request order, option order) -> the response's answers."""
+    if len(probs) != len(record.questions):
+        raise ValueError(f"{len(probs)} probability rows for {len(record.questions)} questions")
+    return {q.id: _answer(q, [float(x) for x in p]) for q, p in zip(record.questions, probs)}
+
+
+def _answer(question: Question, p: list[float]) -> dict[str, Any]:
+    if len(p) != len(question.keys):
+        raise ValueError(f"question {question.id!r}: {len(p)} probabilities for {len(question.keys)} options")
+    if question.type == "noul":
+        return {"type": "noul", "noul": round4(p[1])}
+    probabilities = {key: round4(x) for key, x in zip(question.keys, p)}
+    if question.type == "choice":
+        return {
+            "type": "choice",
+            "choice": question.keys[_first_argmax(p)],  # unrounded p: ties go to the earliest option
+            "confidence": round4(choice_confidence(p)),
+            "probabilities": probabilities,
+        }
+    return {
+        "type": "score",
+        "score": round4(sum(i * x for i, x in enumerate(p))),
+        "legend": dict(question.legend or {}),
+        "probabilities": probabilities,
+        "confidence": round4(score_confidence(p)),
+    }
+
+
+# --- response and limits ---------------------------------------------------------------------------------------------
+
+
+def answers_json(answers: dict[str, Any]) -> str:
+    """The text whose token count (plain tokenizer, no special tokens) is usage.output_tokens."""
+    return json.dumps(answers)
+
+
+def response_body(
+    model: str, answers: dict[str, Any], input_tokens: int, output_tokens: int, latency_ms: float
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "answers": answers,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+        "latency_ms": round(latency_ms, 1),
+    }
+
+
+def state_too_long_message(n_tokens: int, limit: int = MAX_STATE_TOKENS) -> str:
+    """Kev 1.0's 422 text for a state over the limit (kev.model.admit plus kev.serve's truncation hint)."""
+    return (
+        f"state is {n_tokens:,} tokens, over the {limit:,}-token limit (the <state> token included): "
+        "shorten the document or split it across requests; "
+        f"or start the server with KEV_TRUNCATE_STATES=1 to read only its first {limit:,} tokens "
+        "(responses then say truncated: true)"
+    )
+
+
+def row_too_long_message(branch_tokens: int, state_tokens: int, limit: int = MAX_ROW_TOKENS) -> str:
+    """Kev's 422 text for a question row (state + branch) over the row limit."""
+    return f"branch too long: {branch_tokens} tokens with a {state_tokens}-token state (row limit {limit})"

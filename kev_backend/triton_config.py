@@ -1,0 +1,46 @@
+"""Engine settings from the Triton model config (`parameters` in config.pbtxt), with KEV_* environment overrides.
+
+Relative checkpoint paths resolve against the model directory, so the repository can move as a whole.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import LoadOptions
+from .encoding import Limits
+from .engine import EngineOptions
+
+
+def parameters(model_config: dict[str, Any]) -> dict[str, str]:
+    return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+
+
+def checkpoint_path(params: dict[str, str], model_dir: Path) -> Path:
+    """KEV_CHECKPOINT, else the `checkpoint` parameter (relative to the model directory)."""
+    raw = os.environ.get("KEV_CHECKPOINT") or params.get("checkpoint", "")
+    if not raw:
+        raise ValueError("no checkpoint: set KEV_CHECKPOINT or the model parameter `checkpoint`")
+    path = Path(raw)
+    return path if path.is_absolute() else (model_dir / path).resolve()
+
+
+def engine_options(params: dict[str, str], device: str) -> EngineOptions:
+    def integer(key: str, default: int) -> int:
+        value = os.environ.get(f"KEV_{key.upper()}") or params.get(key, "")
+        return int(value) if value else default
+
+    limits = Limits(
+        max_state_tokens=integer("max_state_tokens", Limits.max_state_tokens),
+        max_row_tokens=integer("max_row_tokens", Limits.max_row_tokens),
+    )
+    load = LoadOptions.from_env(dtype=params.get("dtype") or None, base=params.get("base") or None)
+    return EngineOptions(
+        device=params.get("device") or device,
+        bank_bytes=integer("bank_bytes", EngineOptions.bank_bytes),
+        row_pass_tokens=integer("row_pass_tokens", EngineOptions.row_pass_tokens),
+        limits=limits,
+        load=load,
+    )
