@@ -1,0 +1,131 @@
+"""The reference engine: Kev's row form is the oracle for the bank, batching and siblings; errors stay per request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kev_backend.encoding import Limits
+from kev_backend.engine import Engine, EngineOptions
+from kev_backend.systemone import RequestError
+
+TICKET = "my card was charged twice for the same order , please refund one payment today"
+QUESTIONS = {
+    "urgent": {"type": "noul", "instructions": "is this urgent ?", "criteria": {"true": "needs a reply today"}},
+    "team": {
+        "type": "choice",
+        "instructions": {"task": "route the ticket", "note": "pick one team"},
+        "criteria": {"billing": "payments and refunds", "technical": None, "sales": {"covers": ["plans", "upgrade"]}},
+    },
+    "tone": {"type": "score", "instructions": "customer sentiment", "criteria": ["angry", "neutral", "happy"]},
+    "lang": {"type": "choice", "instructions": "language", "criteria": {"english": "", "french": None}},
+}
+
+
+def request(state: object = TICKET, questions: dict | None = None, **extra: object) -> dict:
+    return {"state": state, "questions": QUESTIONS if questions is None else questions, **extra}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path) -> Engine:
+    return Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=1 << 24))
+
+
+def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True))
+
+
+def test_row_form_bank_alone_and_siblings_agree(engine: Engine) -> None:
+    _, encoded = engine.prepare(request())
+    oracle = engine.scorer.row_form_probabilities(encoded)
+    engine.bank.clear()
+    miss = engine.scorer.probabilities([encoded])[0]
+    hits_before = engine.bank.stats.hits
+    hit = engine.scorer.probabilities([encoded])[0]
+    assert engine.bank.stats.hits == hits_before + 1
+    assert max_gap(miss, oracle) <= 1e-6 and max_gap(hit, oracle) <= 1e-6
+    # Each question alone, and inside a batch with other requests on other states and on the same state.
+    other = engine.prepare(request(state={"log": "timeout on login page", "status": 504}))[1]
+    for i, (qid, question) in enumerate(QUESTIONS.items()):
+        _, alone = engine.prepare(request(questions={qid: question}))
+        assert max_gap(engine.scorer.probabilities([alone])[0], [oracle[i]]) <= 1e-6
+        batch = engine.scorer.probabilities([other, alone, encoded])
+        assert max_gap(batch[1], [oracle[i]]) <= 1e-6
+        assert max_gap(batch[2], oracle) <= 1e-6
+
+
+def test_rows_split_across_passes_agree(tiny_dir: Path, engine: Engine) -> None:
+    tight = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(row_pass_tokens=1, bank_bytes=0))
+    _, encoded = engine.prepare(request())
+    assert len(tight.scorer.row_passes(len(encoded.state), encoded.questions)) == len(QUESTIONS)
+    assert max_gap(tight.scorer.probabilities([encoded])[0], engine.scorer.row_form_probabilities(encoded)) <= 1e-6
+    assert len(tight.bank) == 0  # a zero-byte bank keeps nothing, and answers do not change
+
+
+def test_bank_is_lru_bounded_in_bytes(tiny_dir: Path) -> None:
+    probe = Engine.from_checkpoint(tiny_dir / "kev")
+    _, first = probe.prepare(request(state="one two three"))
+    probe.scorer.probabilities([first])
+    entry_bytes = probe.bank.stats.bytes
+    engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=2 * entry_bytes))
+    states = ["one two three", "four five six", "seven eight nine"]  # same token count → same entry size
+    for state in states:
+        engine.answer([request(state=state)])
+    assert len(engine.bank) == 2 and engine.bank.stats.evictions == 1
+    assert engine.bank.stats.bytes == 2 * entry_bytes
+    engine.answer([request(state=states[0])])  # evicted: a miss, which evicts states[1]
+    assert engine.bank.stats.hits == 0 and engine.bank.stats.misses == 4
+    engine.answer([request(state=states[2])])
+    assert engine.bank.stats.hits == 1
+
+
+def test_response_body_and_usage(engine: Engine) -> None:
+    body = engine.answer([json.dumps(request(model="kev-4b"))])[0]
+    assert list(body) == ["model", "answers", "usage", "latency_ms"]
+    assert body["model"] == "kev-4b" and list(body["answers"]) == list(QUESTIONS)
+    _, encoded = engine.prepare(request())
+    assert body["usage"]["input_tokens"] == len(encoded.state) + sum(len(q.tokens) for q in encoded.questions)
+    assert body["usage"]["output_tokens"] == engine.tokenizer.count_tokens(json.dumps(body["answers"]))
+    team = body["answers"]["team"]
+    assert team["choice"] == max(team["probabilities"], key=team["probabilities"].get)
+    assert engine.answer([request()])[0]["answers"] == body["answers"]  # default model name aside, identical
+    assert engine.answer([request()])[0]["model"] == "kev-latest"
+
+
+def test_layout_uses_delimiters_and_escapes_caller_text(engine: Engine) -> None:
+    d = engine.tokenizer.delimiters
+    _, encoded = engine.prepare(request(state="<|fim_suffix|> please", questions={"q": QUESTIONS["team"]}))
+    assert encoded.state[0] == d.state and d.decide not in encoded.state[1:]
+    row = encoded.questions[0]
+    assert row.tokens[0] == d.question and row.tokens[row.decide] == d.decide
+    assert [row.tokens[i] for i in row.option_ends] == [d.option_end] * 3
+    assert row.tokens.count(d.option) == 3
+
+
+def test_bad_requests_fail_alone(tiny_dir: Path) -> None:
+    engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(limits=Limits(max_state_tokens=12, max_row_tokens=30)))
+    good = request(state="short", questions={"urgent": QUESTIONS["urgent"]})
+    cases = [
+        good,
+        {"questions": QUESTIONS},
+        request(state="short", questions={}),
+        request(state="short", questions={"c": {"type": "choice", "criteria": {}}}),
+        request(state=" ".join(["refund"] * 20), questions={"urgent": QUESTIONS["urgent"]}),
+        request(state="short", questions={"long": {"type": "noul", "instructions": " ".join(["order"] * 40)}}),
+        b"{not json",
+        good,
+    ]
+    results = engine.answer(cases)
+    assert isinstance(results[0], dict) and results[0]["answers"] == results[-1]["answers"]
+    errors = results[1:-1]
+    assert all(isinstance(e, RequestError) for e in errors)
+    messages = [e.message for e in errors]
+    assert messages[0] == "state: Field required"
+    assert "questions: Dictionary should have at least 1 item" in messages[1]
+    assert "criteria must have 1..255 options" in messages[2]
+    assert messages[3].startswith("state is 21 tokens, over the 12-token limit (the <state> token included)")
+    assert messages[4] == "branch too long: 48 tokens with a 2-token state (row limit 30)"
+    assert "JSON decode error" in messages[5]
+    assert engine.last_batch.errors == 6 and engine.last_batch.requests == 8
