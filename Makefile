@@ -25,7 +25,7 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml build/install_tr
 serve: setup
 	KEV_VENV=$(abspath $(VENV)) build/serve.sh
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -rs tests
 
 lint: setup

@@ -19,8 +19,14 @@ from safetensors.torch import load_file
 from .qwen35 import Qwen35Config, Qwen35TextModel
 from .weights import load_text_weights, read_config, text_model_name
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 # head.pt keys and the defaults Kev applies when they are missing (Meta).
 META_DEFAULTS: dict[str, Any] = {
@@ -123,7 +129,9 @@ def resolve_base(checkpoint_dir: Path, meta: Meta, override: str | None) -> Path
     )
 
 
-def choose_dtype(requested: str | None, device: torch.device, trained: str, kind: str, config_dtype: str | None) -> torch.dtype:
+def choose_dtype(
+    requested: str | None, device: torch.device, trained: str, kind: str, config_dtype: str | None
+) -> torch.dtype:
     if requested:
         if requested not in DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; use one of fp32, bf16, fp16")
@@ -163,8 +171,12 @@ def lora_deltas(checkpoint_dir: Path, lora_scale: float) -> dict[str, torch.Tens
     return deltas
 
 
-def build_model(config: Qwen35Config, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                deltas: dict[str, torch.Tensor] | None = None) -> Qwen35TextModel:
+def build_model(
+    config: Qwen35Config,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    deltas: dict[str, torch.Tensor] | None = None,
+) -> Qwen35TextModel:
     """The text model with `weights` (+ fp32 LoRA deltas merged before the single rounding to `dtype`)."""
     with torch.device("meta"):
         model = Qwen35TextModel(config)
@@ -189,7 +201,9 @@ def build_model(config: Qwen35Config, weights: dict[str, torch.Tensor], dtype: t
     return model.eval().requires_grad_(False)
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", options: LoadOptions | None = None) -> KevCheckpoint:
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", options: LoadOptions | None = None
+) -> KevCheckpoint:
     """Loads a Kev checkpoint directory onto `device`."""
     directory = Path(path).resolve()
     device = torch.device(device)
@@ -208,17 +222,38 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", option
     weights_dir = base_dir if has_adapter else directory
     raw_config = read_config(weights_dir)
     config = Qwen35Config.from_dict(raw_config)
-    if kind == "full" and config.dtype and meta.weights_dtype and DTYPES.get(config.dtype) != DTYPES.get(meta.weights_dtype):
-        raise ValueError(f"head.pt says weights_dtype={meta.weights_dtype!r} but config.json says dtype={config.dtype!r}")
+    if (
+        kind == "full"
+        and config.dtype
+        and meta.weights_dtype
+        and DTYPES.get(config.dtype) != DTYPES.get(meta.weights_dtype)
+    ):
+        raise ValueError(
+            f"head.pt says weights_dtype={meta.weights_dtype!r} but config.json says dtype={config.dtype!r}"
+        )
     dtype = choose_dtype(options.dtype, device, meta.weights_dtype, kind, config.dtype)
     deltas = lora_deltas(directory, options.lora_scale) if has_adapter else None
     model = build_model(config, load_text_weights(weights_dir), dtype, deltas).to(device)
 
     head = {k: v.float().to(device) for k, v in meta.head.items()}
-    expected_head = {"q.weight": (meta.head_dim, config.hidden_size), "q.bias": (meta.head_dim,),
-                     "k.weight": (meta.head_dim, config.hidden_size), "k.bias": (meta.head_dim,)}
+    expected_head = {
+        "q.weight": (meta.head_dim, config.hidden_size),
+        "q.bias": (meta.head_dim,),
+        "k.weight": (meta.head_dim, config.hidden_size),
+        "k.bias": (meta.head_dim,),
+    }
     if {k: tuple(v.shape) for k, v in head.items()} != expected_head:
-        raise ValueError(f"head.pt head tensors {sorted(head)} do not match head_dim={meta.head_dim}, d={config.hidden_size}")
+        raise ValueError(
+            f"head.pt head tensors {sorted(head)} do not match head_dim={meta.head_dim}, d={config.hidden_size}"
+        )
     temperature = options.temperature if options.temperature is not None else meta.temperature
-    return KevCheckpoint(model=model, head=head, head_dim=meta.head_dim, temperature=temperature,
-                         tokenizer_dir=base_dir, kind=kind, dtype=dtype, meta=meta)
+    return KevCheckpoint(
+        model=model,
+        head=head,
+        head_dim=meta.head_dim,
+        temperature=temperature,
+        tokenizer_dir=base_dir,
+        kind=kind,
+        dtype=dtype,
+        meta=meta,
+    )

@@ -14,8 +14,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from .systemone import MAX_ROW_TOKENS, MAX_STATE_TOKENS, Record, RequestError, escape_user_text
-from .systemone import row_too_long_message, state_too_long_message
+from .systemone import (
+    MAX_ROW_TOKENS,
+    MAX_STATE_TOKENS,
+    Record,
+    RequestError,
+    escape_user_text,
+    row_too_long_message,
+    state_too_long_message,
+)
 
 # Kev reuses rarely used Qwen special tokens as its delimiters; ids are looked up by string.
 DELIMITER_TOKENS = {

@@ -91,7 +91,10 @@ class Qwen35Config:
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     @property
     def rotary_dim(self) -> int:
@@ -151,7 +154,9 @@ class Qwen35RMSNormGated(nn.Module):
         return (out * F.silu(gate.float())).to(dtype)
 
 
-def rope_cos_sin(config: Qwen35Config, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    config: Qwen35Config, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [L, rotary_dim] for 1-D NeoX RoPE, computed in fp32 like transformers."""
     dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=positions.device) / dim))
@@ -234,7 +239,8 @@ def gated_delta_rule(
 
     The recurrence S_t = e^{g_t} S_{t-1} + k_t u_tᵀ with u_t = β_t (v_t − (e^{g_t} S_{t-1})ᵀ k_t), o_t = S_tᵀ q_t,
     unrolled over a chunk with cumulative decay γ: (I + A) U = β ⊙ (V − e^{γ} K S₀), A[t,s] = β_t e^{γ_t−γ_s} k_t·k_s
-    for s < t, solved exactly by a unit lower-triangular solve; o_t = e^{γ_t} S₀ᵀ q_t + Σ_{s≤t} e^{γ_t−γ_s} (q_t·k_s) u_s.
+    for s < t, solved exactly by a unit lower-triangular solve;
+    o_t = e^{γ_t} S₀ᵀ q_t + Σ_{s≤t} e^{γ_t−γ_s} (q_t·k_s) u_s.
     """
     B, H, L, Dk = k.shape
     Dv = v.shape[-1]
@@ -295,7 +301,9 @@ class Qwen35GatedDeltaNet(nn.Module):
         seq = torch.cat((past_conv.expand(B, -1, -1).to(qkv.dtype), qkv), dim=-1)
         conv_out = F.silu(F.conv1d(seq, self.conv1d.weight, groups=self.conv_dim))  # [B, C, L]
         new_conv = seq[..., -window:]
-        q, k, v = torch.split(conv_out.transpose(1, 2), [self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], -1)
+        q, k, v = torch.split(
+            conv_out.transpose(1, 2), [self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], -1
+        )
         rep = self.n_v // self.n_k  # each k-head serves `rep` consecutive v-heads
         q = q.reshape(B, L, self.n_k, self.dk).repeat_interleave(rep, dim=2).transpose(1, 2).float()
         k = k.reshape(B, L, self.n_k, self.dk).repeat_interleave(rep, dim=2).transpose(1, 2).float()
@@ -346,7 +354,9 @@ class Qwen35TextModel(nn.Module):
         self.norm = Qwen35RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: SequenceCache | None = None) -> tuple[torch.Tensor, SequenceCache]:
+    def forward(
+        self, input_ids: torch.Tensor, cache: SequenceCache | None = None
+    ) -> tuple[torch.Tensor, SequenceCache]:
         """input_ids [B, L] continue `cache` (batch 1, shared by every row, or batch B), or start from nothing.
 
         Rows may be right-padded: every op is causal, so pads never change a real token's hidden state (the

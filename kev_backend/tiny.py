@@ -22,8 +22,20 @@ from .encoding import DELIMITER_TOKENS
 from .qwen35 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, Qwen35TextModel
 
 PAD, UNK = "<|endoftext|>", "<unk>"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_a",
+    "in_proj_b",
+    "out_proj",
+)
 WORDS = """
 a an the and or but not no yes is are was were be been has have had do does did can could will would should may might
 must of to in on at by for with from as about into over after before under between through during without within up
@@ -85,8 +97,12 @@ def write_tokenizer(directory: Path) -> int:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in vocab[:7]])
     tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": UNK, "pad_token": PAD,
-              "additional_special_tokens": list(DELIMITER_TOKENS.values())}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": UNK,
+        "pad_token": PAD,
+        "additional_special_tokens": list(DELIMITER_TOKENS.values()),
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return len(vocab)
 
@@ -151,12 +167,24 @@ def random_head(hidden_size: int, head_dim: int, seed: int, scale: float = 2.5) 
 
 
 def head_meta(base: str, head: dict[str, torch.Tensor], weights: str, lora: int, temperature: float = 2.0) -> dict:
-    return {"base": base, "base_revision": None, "lora": lora, "head_dim": head["q.weight"].shape[0], "head": head,
-            "temperature": temperature, "weights": weights, "weights_dtype": "fp32", "option_isolation": False,
-            "special_embeddings": False, "holdout": []}
+    return {
+        "base": base,
+        "base_revision": None,
+        "lora": lora,
+        "head_dim": head["q.weight"].shape[0],
+        "head": head,
+        "temperature": temperature,
+        "weights": weights,
+        "weights_dtype": "fp32",
+        "option_isolation": False,
+        "special_embeddings": False,
+        "holdout": [],
+    }
 
 
-def write_base(directory: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], prefix: str = "model.") -> None:
+def write_base(
+    directory: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], prefix: str = "model."
+) -> None:
     """An HF-layout base as `Qwen3_5ForCausalLM.save_pretrained` writes it (prefix `model.`, untied lm_head)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -168,15 +196,26 @@ def write_base(directory: Path, config: dict[str, Any], weights: dict[str, torch
 
 def write_lora_checkpoint(directory: Path, base: str, config: Qwen35Config, rank: int, head: dict, seed: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    adapter = {"peft_type": "LORA", "task_type": "FEATURE_EXTRACTION", "r": rank, "lora_alpha": 2 * rank,
-               "lora_dropout": 0.05, "bias": "none", "target_modules": sorted(LORA_TARGETS),
-               "base_model_name_or_path": base, "use_rslora": False, "use_dora": False}
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "FEATURE_EXTRACTION",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.05,
+        "bias": "none",
+        "target_modules": sorted(LORA_TARGETS),
+        "base_model_name_or_path": base,
+        "use_rslora": False,
+        "use_dora": False,
+    }
     (directory / "adapter_config.json").write_text(json.dumps(adapter, indent=2) + "\n")
     save_file(random_lora(config, rank, seed), str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     torch.save(head_meta(base, head, "lora", rank), directory / "head.pt")
 
 
-def write_full_checkpoint(directory: Path, base: str, config: dict, weights: dict[str, torch.Tensor], head: dict) -> None:
+def write_full_checkpoint(
+    directory: Path, base: str, config: dict, weights: dict[str, torch.Tensor], head: dict
+) -> None:
     """Full weights as Kev's full fine-tunes save them: the bare text model, unprefixed names, no lm_head."""
     write_base(directory, {**config, "tie_word_embeddings": True}, weights, prefix="")
     torch.save(head_meta(base, head, "full", 0), directory / "head.pt")

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -51,3 +58,69 @@ def hf_qwen35_torch_path() -> ModuleType:
             else:
                 sys.modules[name] = module
     return modeling
+
+
+@dataclass
+class TritonServer:
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    log: Path
+    process: subprocess.Popen
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_triton(checkpoint: Path, log: Path, timeout_s: float = 180.0) -> TritonServer:
+    """The real tritonserver (build/serve.sh, as `make serve` runs it) on free loopback ports."""
+    if not (REPO / "build" / ".tritonserver" / "bin" / "tritonserver").exists():
+        pytest.fail("tritonserver is not installed: run `make setup`")
+    ports = [free_port() for _ in range(3)]
+    env = {
+        **os.environ,
+        "KEV_VENV": sys.prefix,
+        "KEV_CHECKPOINT": str(checkpoint),
+        "BIND_ADDRESS": "127.0.0.1",
+        "HTTP_PORT": str(ports[0]),
+        "GRPC_PORT": str(ports[1]),
+        "METRICS_PORT": str(ports[2]),
+    }
+    handle = log.open("wb")
+    process = subprocess.Popen([str(REPO / "build" / "serve.sh")], env=env, stdout=handle, stderr=subprocess.STDOUT)
+    server = TritonServer(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}", log, process)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"tritonserver exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as response:
+                if response.status == 200:
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_triton(server)
+    pytest.fail(f"tritonserver not ready after {timeout_s} s:\n{server.log_tail()}")
+
+
+def stop_triton(server: TritonServer) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        server.process.wait(timeout=45)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def triton(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    server = start_triton(tiny_dir / "kev", tmp_path_factory.mktemp("triton") / "tritonserver.log")
+    yield server
+    stop_triton(server)

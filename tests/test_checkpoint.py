@@ -94,7 +94,7 @@ def test_head_pt_defaults_and_temperature_override(tiny_dir: Path, monkeypatch: 
     p_raw = raw.scorer.probabilities([encoded])[0][1]
     p_cal = calibrated.scorer.probabilities([encoded])[0][1]
     # softmax(z/T) = normalised p_raw^(1/T): T changes the spread, never the argmax.
-    sharpened = [p ** 0.5 for p in p_raw]
+    sharpened = [p**0.5 for p in p_raw]
     assert all(abs(x / sum(sharpened) - y) <= 1e-6 for x, y in zip(sharpened, p_cal))
 
 

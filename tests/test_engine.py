@@ -105,7 +105,9 @@ def test_layout_uses_delimiters_and_escapes_caller_text(engine: Engine) -> None:
 
 
 def test_bad_requests_fail_alone(tiny_dir: Path) -> None:
-    engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(limits=Limits(max_state_tokens=12, max_row_tokens=30)))
+    engine = Engine.from_checkpoint(
+        tiny_dir / "kev", EngineOptions(limits=Limits(max_state_tokens=12, max_row_tokens=30))
+    )
     good = request(state="short", questions={"urgent": QUESTIONS["urgent"]})
     cases = [
         good,

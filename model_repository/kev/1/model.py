@@ -39,7 +39,9 @@ class TritonPythonModel:
             if errors:
                 i, error = errors[0]
                 message = error.message if len(items) == 1 else f"REQUEST[{i}]: {error.message}"
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)))
+                responses.append(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
+                )
                 continue
             out = np.array([dumps(r).encode() for r in mine], dtype=np.object_).reshape(len(items), 1)
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RESPONSE", out)]))
