@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,12 +25,17 @@ Body = str | bytes | dict
 
 
 class Scorer(Protocol):
+    bank: Any
+
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]: ...
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     device: str = "auto"  # "auto": CUDA when available, else CPU
+    # "auto": the fused GPU path on CUDA with fla and a bf16/fp16 model, else the reference path.
+    backend: str = "auto"
+    pass_tokens: int = 32_768  # fused path: tokens per pass (new states, rows and the prefixes rows read)
     bank_bytes: int = 1 << 30
     row_pass_tokens: int = 16_384
     limits: Limits = field(default_factory=Limits)
@@ -59,17 +64,46 @@ class Engine:
         self.options = options or EngineOptions()
         self.checkpoint = checkpoint
         self.tokenizer = KevTokenizer(checkpoint.tokenizer_dir)
-        self.bank: StateBank = StateBank(self.options.bank_bytes)
         self.device = next(checkpoint.model.parameters()).device
-        self.scorer: Scorer = ReferenceScorer(
-            checkpoint.model,
-            checkpoint.head,
-            checkpoint.temperature,
-            self.tokenizer.delimiters.pad,
-            self.bank,
-            self.options.row_pass_tokens,
-        )
+        self.backend = self._choose_backend()
+        pad = self.tokenizer.delimiters.pad
+        if self.backend == "fused":
+            from .fused import FusedScorer
+
+            self.scorer: Scorer = FusedScorer(
+                checkpoint.model,
+                checkpoint.head,
+                checkpoint.temperature,
+                pad,
+                self.options.bank_bytes,
+                pass_tokens=self.options.pass_tokens,
+                max_state_tokens=self.options.limits.max_state_tokens,
+            )
+        else:
+            self.scorer = ReferenceScorer(
+                checkpoint.model,
+                checkpoint.head,
+                checkpoint.temperature,
+                pad,
+                StateBank(self.options.bank_bytes),
+                self.options.row_pass_tokens,
+            )
         self.last_batch = BatchReport()
+
+    def _choose_backend(self) -> str:
+        requested = self.options.backend
+        if requested not in ("auto", "fused", "reference"):
+            raise ValueError(f"unknown backend {requested!r}: auto, fused or reference")
+        if requested == "reference":
+            return "reference"
+        from .fused import FLA_VERSION, fla_available
+
+        usable = self.device.type == "cuda" and fla_available()
+        if requested == "fused":
+            if not usable:
+                raise RuntimeError(f"the fused path needs CUDA and fla-core=={FLA_VERSION} (device: {self.device})")
+            return "fused"
+        return "fused" if usable and self.checkpoint.dtype != torch.float32 else "reference"
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:
@@ -78,8 +112,12 @@ class Engine:
         return cls(checkpoint, options)
 
     @property
+    def bank(self):
+        return self.scorer.bank
+
+    @property
     def bank_stats(self) -> BankStats:
-        return self.bank.stats
+        return self.scorer.bank.stats
 
     def prepare(self, body: Body) -> tuple[Record, Encoded]:
         """Validates and encodes one request; raises RequestError with Kev's 422 message."""

@@ -1,0 +1,690 @@
+"""Fused GPU path: Qwen3.5 in bf16 on fla kernels and varlen attention, with the state bank on the GPU.
+
+One pass through the weights per batch: the tokens of every new state and of every question row share each layer's
+GEMMs (concatenated projections after the LoRA merge); inside a layer the mixers run per segment kind — first the
+new states (varlen, from empty caches; their conv windows, fp32 DeltaNet states and K/V are written into the bank
+pool), then the rows (varlen, each continuing its state read from the pool). fp32 where Kev needs it: DeltaNet
+recurrent state, norm statistics and the residual stream, the picked hidden states and the pointer head. There is
+no LM head: after the last mixer only the tokens at `</opt>` and `<decide>` go on.
+
+fla hazards (../shared/docs/qwen35-and-kernels.md §4.7): fla memoises results derived from `cu_seqlens` by tensor
+identity, so every pass builds fresh `cu_seqlens` tensors and never mutates them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .bank import BankStats
+from .encoding import Encoded, EncodedQuestion
+from .head import pointer_probabilities
+from .qwen35 import FULL_ATTENTION, Qwen35Config, Qwen35TextModel
+
+FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
+
+
+def fla_available() -> bool:
+    """fla kernels only with a CUDA device and exactly the pinned fla-core (never on a CPU: they crash there)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if version != FLA_VERSION:
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# weights
+
+
+@dataclass
+class LayerWeights:
+    kind: str
+    input_norm: torch.Tensor  # (1 + w), fp32
+    post_norm: torch.Tensor  # (1 + w), fp32
+    in_proj: torch.Tensor  # GDN: [qkv | z | b | a]; attention: [q+gate | k | v]
+    out_proj: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    conv: torch.Tensor | None = None  # [conv_dim, W]
+    a_log: torch.Tensor | None = None  # fp32
+    dt_bias: torch.Tensor | None = None  # fp32
+    gated_norm: torch.Tensor | None = None  # plain weight, fp32
+    q_norm: torch.Tensor | None = None  # (1 + w), fp32
+    k_norm: torch.Tensor | None = None
+
+
+class FusedWeights:
+    """Concatenated bf16 projections built from a (merged) reference model; norm weights kept in fp32."""
+
+    def __init__(self, model: Qwen35TextModel, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.config = model.config
+        self.dtype = dtype
+        self.embed = model.embed_tokens.weight.detach().to(dtype)
+        self.final_norm = 1.0 + model.norm.weight.detach().float()
+        self.layers: list[LayerWeights] = []
+        for layer in model.layers:
+            common = dict(
+                input_norm=1.0 + layer.input_layernorm.weight.detach().float(),
+                post_norm=1.0 + layer.post_attention_layernorm.weight.detach().float(),
+                gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().to(dtype),
+                down=layer.mlp.down_proj.weight.detach().to(dtype),
+            )
+            if layer.layer_type == FULL_ATTENTION:
+                a = layer.self_attn
+                self.layers.append(
+                    LayerWeights(
+                        kind=FULL_ATTENTION,
+                        in_proj=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().to(dtype),
+                        out_proj=a.o_proj.weight.detach().to(dtype),
+                        q_norm=1.0 + a.q_norm.weight.detach().float(),
+                        k_norm=1.0 + a.k_norm.weight.detach().float(),
+                        **common,
+                    )
+                )
+            else:
+                g = layer.linear_attn
+                proj = [g.in_proj_qkv.weight, g.in_proj_z.weight, g.in_proj_b.weight, g.in_proj_a.weight]
+                self.layers.append(
+                    LayerWeights(
+                        kind=layer.layer_type,
+                        in_proj=torch.cat(proj).detach().to(dtype),
+                        out_proj=g.out_proj.weight.detach().to(dtype),
+                        conv=g.conv1d.weight.detach().squeeze(1).to(dtype).contiguous(),
+                        a_log=g.A_log.detach().float(),
+                        dt_bias=g.dt_bias.detach().float(),
+                        gated_norm=g.norm.weight.detach().float(),
+                        **common,
+                    )
+                )
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.embed] + [t for w in self.layers for t in vars(w).values() if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the state bank on the GPU
+
+
+@dataclass
+class Slot:
+    """Where one state lives in the pool: a DeltaNet slot and the pages of its attention K/V."""
+
+    slot: int
+    pages: list[int]
+    length: int
+    nbytes: int
+
+    def kv_index(self, page_size: int) -> list[int]:
+        return [self.pages[j // page_size] * page_size + j % page_size for j in range(self.length)]
+
+
+class StatePool:
+    """Preallocated bank storage: per GDN layer a conv window [slots, conv_dim, W] and an fp32 recurrent state
+    [slots, Hv, Dk, Dv]; per attention layer K and V in pages of `page_size` tokens. Fixed addresses, so passes
+    (and later CUDA graphs) read states by index."""
+
+    def __init__(
+        self, config: Qwen35Config, n_slots: int, n_pages: int, page_size: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        gdn = sum(t != FULL_ATTENTION for t in config.layer_types)
+        attn = len(config.layer_types) - gdn
+        c = config
+        self.page_size = page_size
+        self.recurrent = torch.zeros(
+            gdn,
+            n_slots,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+            device=device,
+            dtype=torch.float32,
+        )
+        self.conv = torch.zeros(gdn, n_slots, c.conv_dim, c.linear_conv_kernel_dim, device=device, dtype=dtype)
+        kv_shape = (attn, n_pages * page_size, c.num_key_value_heads, c.head_dim)
+        self.keys = torch.zeros(kv_shape, device=device, dtype=dtype)
+        self.values = torch.zeros(kv_shape, device=device, dtype=dtype)
+        self.slot_bytes = self.recurrent[:, 0].numel() * 4 + self.conv[:, 0].numel() * self.conv.element_size()
+        self.page_bytes = 2 * attn * page_size * c.num_key_value_heads * c.head_dim * self.keys.element_size()
+        self.free_slots = list(range(n_slots))
+        self.free_pages = list(range(n_pages))
+
+    @classmethod
+    def sized(
+        cls,
+        config: Qwen35Config,
+        capacity_bytes: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        page_size: int = 64,
+        min_slots: int = 1,
+        min_tokens: int = 0,
+    ) -> StatePool:
+        """Half the bytes for DeltaNet slots, half for K/V pages (at least what one batch must hold)."""
+        probe = cls(config, 1, 1, page_size, torch.device("meta"), dtype)
+        slots = max(min_slots, capacity_bytes // 2 // probe.slot_bytes)
+        pages = max(math.ceil(min_tokens / page_size), capacity_bytes // 2 // max(probe.page_bytes, 1))
+        return cls(config, int(slots), int(pages), page_size, device, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.recurrent, self.conv, self.keys, self.values))
+
+    def allocate(self, length: int) -> Slot | None:
+        n_pages = math.ceil(length / self.page_size)
+        if not self.free_slots or len(self.free_pages) < n_pages:
+            return None
+        pages = [self.free_pages.pop() for _ in range(n_pages)]
+        return Slot(self.free_slots.pop(), pages, length, self.slot_bytes + n_pages * self.page_bytes)
+
+    def release(self, slot: Slot) -> None:
+        self.free_slots.append(slot.slot)
+        self.free_pages.extend(slot.pages)
+
+
+class GpuBank:
+    """LRU of states in a StatePool, keyed by exact state tokens. States of the batch in flight are pinned."""
+
+    def __init__(self, pool: StatePool) -> None:
+        self.pool = pool
+        self.entries: OrderedDict[tuple[int, ...], Slot] = OrderedDict()
+        self.stats = BankStats()
+
+    def lookup(self, key: tuple[int, ...]) -> Slot | None:
+        slot = self.entries.get(key)
+        if slot is None:
+            self.stats.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.stats.hits += 1
+        return slot
+
+    def allocate(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> Slot | None:
+        """A slot for a new state, evicting least recently used unpinned states; None if the pinned ones fill it."""
+        while (slot := self.pool.allocate(len(key))) is None:
+            victim = next((k for k in self.entries if k not in pinned), None)
+            if victim is None:
+                return None
+            self._drop(victim)
+            self.stats.evictions += 1
+        self.entries[key] = slot
+        self.stats.bytes += slot.nbytes
+        self.stats.entries = len(self.entries)
+        return slot
+
+    def forget(self, key: tuple[int, ...]) -> None:
+        """Drops a state whose pass failed (its slot holds garbage)."""
+        if key in self.entries:
+            self._drop(key)
+
+    def clear(self) -> None:
+        for key in list(self.entries):
+            self._drop(key)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: tuple[int, ...]) -> bool:
+        return key in self.entries
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        slot = self.entries.pop(key)
+        self.pool.release(slot)
+        self.stats.bytes -= slot.nbytes
+        self.stats.entries = len(self.entries)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one pass
+
+
+@dataclass
+class Segments:
+    """Varlen segments of one kind inside a pass: token range [start, end) of the pass, lengths, slots."""
+
+    start: int
+    lengths: list[int]
+    slots: list[int]  # pool slot per segment (the state's own, or the state a row continues)
+    device: torch.device
+    cu: torch.Tensor = field(init=False)  # int64, fresh per pass (fla caches by tensor identity)
+    cu32: torch.Tensor = field(init=False)
+    slot_index: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        offsets = [0]
+        for n in self.lengths:
+            offsets.append(offsets[-1] + n)
+        self.cu = torch.tensor(offsets, dtype=torch.int64, device=self.device)
+        self.cu32 = self.cu.to(torch.int32)
+        self.slot_index = torch.tensor(self.slots, dtype=torch.int64, device=self.device)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens
+
+
+@dataclass
+class PassInput:
+    ids: torch.Tensor  # [T]: new-state tokens, then row tokens
+    positions: torch.Tensor  # [T]
+    states: Segments | None  # new states computed in this pass
+    state_kv_dst: torch.Tensor | None  # pool K/V index of each new-state token
+    rows: Segments
+    row_kv_src: torch.Tensor  # pool K/V index of every row's state prefix, row by row
+    row_kv_prefix_dst: torch.Tensor  # where those go in the packed row K/V
+    row_kv_own_dst: torch.Tensor  # where each row token's own K/V goes in the packed row K/V
+    row_kv_cu: torch.Tensor  # int32 cu_seqlens of the packed row K/V (prefix + row)
+    row_kv_tokens: int
+    max_row_kv: int
+    picks: torch.Tensor  # pass token index of every </opt> and <decide> read by the head
+
+
+class FusedQwen35:
+    """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
+
+    # Rows this short and few run the recurrent delta rule; longer or many sequences the chunked one.
+    RECURRENT_MAX_LEN = 64
+    RECURRENT_MAX_TOKENS = 2048
+
+    def __init__(self, weights: FusedWeights, pool: StatePool) -> None:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.modules.norm.layernorm import rms_norm
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from torch.nn.attention.varlen import varlen_attn
+
+        self.w = weights
+        self.pool = pool
+        self.c = weights.config
+        self._conv = causal_conv1d
+        self._gated_norm = rms_norm_gated
+        self._rms_norm = rms_norm
+        self._chunk = chunk_gated_delta_rule
+        self._recurrent = fused_recurrent_gated_delta_rule
+        self._attn = varlen_attn
+        c = self.c
+        self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+        dim = c.rotary_dim
+        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
+        """Residual add + RMSNorm in one kernel; the residual stream stays fp32."""
+        return self._rms_norm(
+            x, weight, None, residual=residual, eps=self.c.rms_norm_eps, prenorm=True, residual_in_fp32=True
+        )
+
+    @torch.no_grad()
+    def forward(self, p: PassInput) -> torch.Tensor:
+        w = self.w
+        device = p.ids.device
+        freqs = p.positions.float()[:, None] * self.inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        rope = (emb.cos().to(w.dtype), emb.sin().to(w.dtype))
+        hidden = F.embedding(p.ids, w.embed)
+        residual = None
+        gdn = attn = 0
+        last = len(w.layers) - 1
+        for i, layer in enumerate(w.layers):
+            x, residual = self.norm(hidden, layer.input_norm, residual)
+            if layer.kind == FULL_ATTENTION:
+                hidden = self.attention(layer, attn, x, rope, p)
+                attn += 1
+            else:
+                hidden = self.gated_deltanet(layer, gdn, x, p)
+                gdn += 1
+            if i == last:
+                break
+            x, residual = self.norm(hidden, layer.post_norm, residual)
+            hidden = self.mlp(layer, x)
+        # Only the picked tokens go through the last MLP and the final norm.
+        h = residual[p.picks] + hidden[p.picks].float()
+        x = self.rms_fp32(h, w.layers[last].post_norm)
+        h = h + self.mlp(w.layers[last], x.to(w.dtype)).float()
+        return self.rms_fp32(h, w.final_norm)
+
+    def rms_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps) * weight
+
+    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)
+
+    # -- Gated DeltaNet ------------------------------------------------------------------------------------------
+
+    def gated_deltanet(self, layer: LayerWeights, index: int, x: torch.Tensor, p: PassInput) -> torch.Tensor:
+        c = self.c
+        proj = F.linear(x, layer.in_proj)
+        qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
+        out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
+        if p.states is not None:
+            s = p.states
+            o, conv_state, recurrent = self.deltanet_segments(
+                layer, qkv[s.start : s.end], a[s.start : s.end], b[s.start : s.end], s, None, None
+            )
+            # The states' end caches go into their bank slots (fresh slots: nothing else reads them yet).
+            self.pool.conv[index].index_copy_(0, s.slot_index, conv_state.to(self.pool.conv.dtype))
+            self.pool.recurrent[index].index_copy_(0, s.slot_index, recurrent)
+            out[s.start : s.end] = o
+        r = p.rows
+        conv0 = self.pool.conv[index].index_select(0, r.slot_index)
+        state0 = self.pool.recurrent[index].index_select(0, r.slot_index)
+        o, _, _ = self.deltanet_segments(
+            layer, qkv[r.start : r.end], a[r.start : r.end], b[r.start : r.end], r, conv0, state0
+        )
+        out[r.start : r.end] = o
+        normed = self._gated_norm(
+            out.view(-1, c.linear_value_head_dim),
+            z.reshape(-1, c.linear_value_head_dim),
+            layer.gated_norm,
+            None,
+            activation="silu",
+            eps=c.rms_norm_eps,
+        )
+        return F.linear(normed.view(x.shape[0], self.value_dim), layer.out_proj)
+
+    def deltanet_segments(
+        self,
+        layer: LayerWeights,
+        qkv: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        seg: Segments,
+        conv0: torch.Tensor | None,
+        state0: torch.Tensor | None,
+    ):
+        c = self.c
+        final = state0 is None  # a state pass keeps its end caches; rows never write back
+        mixed, conv_state = self._conv(
+            qkv.unsqueeze(0),
+            layer.conv,
+            initial_state=conv0,
+            output_final_state=final,
+            activation="silu",
+            cu_seqlens=seg.cu,
+        )
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        T = qkv.shape[0]
+        q = q.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
+        k = k.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
+        v = v.reshape(1, T, c.linear_num_value_heads, c.linear_value_head_dim)
+        g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
+        beta = torch.sigmoid(b).unsqueeze(0)
+        short = max(seg.lengths) <= self.RECURRENT_MAX_LEN and T <= self.RECURRENT_MAX_TOKENS
+        kernel = self._recurrent if short else self._chunk
+        o, recurrent = kernel(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=state0,
+            output_final_state=final,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=seg.cu,
+        )
+        return o.squeeze(0), conv_state, recurrent
+
+    # -- gated attention -----------------------------------------------------------------------------------------
+
+    def attention(self, layer: LayerWeights, index: int, x: torch.Tensor, rope, p: PassInput) -> torch.Tensor:
+        c = self.c
+        T, Hq, Hkv, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        proj = F.linear(x, layer.in_proj)
+        qg, k, v = proj.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, gate = qg.view(T, Hq, 2 * D).chunk(2, dim=-1)
+        q = self._rms_norm(q.contiguous(), layer.q_norm, None, eps=c.rms_norm_eps)
+        k = self._rms_norm(k.reshape(T, Hkv, D), layer.k_norm, None, eps=c.rms_norm_eps)
+        v = v.reshape(T, Hkv, D)
+        q, k = self.rotate(q, rope), self.rotate(k, rope)
+        out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)
+        keys, values = self.pool.keys[index], self.pool.values[index]
+        if p.states is not None:
+            s = p.states
+            ks, vs = k[s.start : s.end], v[s.start : s.end]
+            longest = max(s.lengths)
+            out[s.start : s.end] = self._attn(
+                q[s.start : s.end], ks, vs, s.cu32, s.cu32, longest, longest, window_size=(-1, 0)
+            )
+            keys.index_copy_(0, p.state_kv_dst, ks)
+            values.index_copy_(0, p.state_kv_dst, vs)
+        r = p.rows
+        # Each row attends to [its state's K/V | its own K/V], packed contiguously (bottom-right causal).
+        packed_k = torch.empty(p.row_kv_tokens, Hkv, D, device=x.device, dtype=x.dtype)
+        packed_v = torch.empty_like(packed_k)
+        packed_k[p.row_kv_prefix_dst] = keys.index_select(0, p.row_kv_src)
+        packed_v[p.row_kv_prefix_dst] = values.index_select(0, p.row_kv_src)
+        packed_k[p.row_kv_own_dst] = k[r.start : r.end]
+        packed_v[p.row_kv_own_dst] = v[r.start : r.end]
+        out[r.start : r.end] = self._attn(
+            q[r.start : r.end],
+            packed_k,
+            packed_v,
+            r.cu32,
+            p.row_kv_cu,
+            max(r.lengths),
+            p.max_row_kv,
+            window_size=(-1, 0),
+        )
+        out = out.view(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))
+        return F.linear(out, layer.out_proj)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, rope) -> torch.Tensor:
+        cos, sin = rope
+        dim = cos.shape[-1]
+        rot = x[..., :dim]
+        half = dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * cos[:, None] + rotated * sin[:, None], x[..., dim:]), dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the scorer: plans passes over a batch and reads the head
+
+
+@dataclass
+class Row:
+    request: int
+    question: int
+    tokens: EncodedQuestion
+    state: tuple[int, ...]
+
+
+class FusedScorer:
+    """Same interface as ReferenceScorer: per request, per question, the option probabilities."""
+
+    def __init__(
+        self,
+        model: Qwen35TextModel,
+        head: dict[str, torch.Tensor],
+        temperature: float,
+        pad_id: int,
+        bank_bytes: int,
+        pass_tokens: int = 32_768,
+        max_state_tokens: int = 65_536,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        self.device = next(model.parameters()).device
+        self.weights = FusedWeights(model, dtype)
+        self.head = head
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.pass_tokens = pass_tokens
+        self.max_state_tokens = max_state_tokens
+        self.bank_bytes = bank_bytes
+        self.dtype = dtype
+        self.bank = self._new_bank()
+        self.model = FusedQwen35(self.weights, self.bank.pool)
+        self.oom_retries = 0
+
+    def _new_bank(self) -> GpuBank:
+        pool = StatePool.sized(
+            self.weights.config,
+            self.bank_bytes,
+            self.device,
+            self.dtype,
+            min_slots=1,
+            min_tokens=self.max_state_tokens + 64,
+        )
+        return GpuBank(pool)
+
+    def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+        try:
+            return self._probabilities(batch)
+        except torch.cuda.OutOfMemoryError:
+            # Drop the bank (and its pool), free the failed pass, retry once; a second failure fails the batch.
+            self.oom_retries += 1
+            self.bank.clear()
+            del self.model
+            self.bank = None  # type: ignore[assignment]
+            torch.cuda.empty_cache()
+            self.bank = self._new_bank()
+            self.model = FusedQwen35(self.weights, self.bank.pool)
+            return self._probabilities(batch)
+
+    def _probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+        rows = [Row(r, q, tokens, e.state) for r, e in enumerate(batch) for q, tokens in enumerate(e.questions)]
+        hidden: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for group in self.plan(rows):
+            hidden.update(self.run_group(group))
+        order = [(row.request, row.question) for row in rows]
+        if not order:
+            return [[] for _ in batch]
+        flat = pointer_probabilities(
+            self.head,
+            self.temperature,
+            torch.stack([hidden[key][0] for key in order]),
+            torch.cat([hidden[key][1] for key in order]),
+            [len(batch[r].questions[q].option_ends) for r, q in order],
+        )
+        out: list[list[list[float]]] = [[] for _ in batch]
+        for (r, _), p in zip(order, flat):
+            out[r].append(p)
+        return out
+
+    def plan(self, rows: list[Row]) -> list[list[Row]]:
+        """Groups of rows per pass: whole states at a time, split only by the token budget (new-state tokens, row
+        tokens and the state prefixes the rows' attention reads) and by the bank's capacity."""
+        by_state: OrderedDict[tuple[int, ...], list[Row]] = OrderedDict()
+        for row in rows:
+            by_state.setdefault(row.state, []).append(row)
+        groups: list[list[Row]] = []
+        current: list[Row] = []
+        cost = 0
+        states = 0
+        max_states = len(self.bank.pool.recurrent[0]) if len(self.bank.pool.recurrent) else 1 << 30
+        for state, members in by_state.items():
+            need = len(state) + sum(2 * len(m.tokens.tokens) + len(state) for m in members)
+            if current and (cost + need > self.pass_tokens or states + 1 > max_states):
+                groups.append(current)
+                current, cost, states = [], 0, 0
+            current.extend(members)
+            cost += need
+            states += 1
+        if current:
+            groups.append(current)
+        return groups
+
+    def run_group(self, rows: list[Row]) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        states = list(OrderedDict.fromkeys(row.state for row in rows))
+        pinned = set(states)
+        slots: dict[tuple[int, ...], Slot] = {}
+        new: list[tuple[int, ...]] = []
+        for state in states:
+            slot = self.bank.lookup(state)
+            if slot is None:
+                slot = self.bank.allocate(state, pinned)
+                if slot is None:
+                    raise RuntimeError("the state bank cannot hold one pass's states: raise bank_bytes")
+                new.append(state)
+            slots[state] = slot
+        try:
+            p = self.pass_input(rows, new, slots)
+            picked = self.model.forward(p)
+        except BaseException:
+            for state in new:
+                self.bank.forget(state)
+            raise
+        out = {}
+        offset = 0
+        for row in rows:
+            n = len(row.tokens.option_ends)
+            out[(row.request, row.question)] = (picked[offset], picked[offset + 1 : offset + 1 + n])
+            offset += 1 + n
+        return out
+
+    def pass_input(self, rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, ...], Slot]) -> PassInput:
+        page = self.bank.pool.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        state_kv_dst: list[int] = []
+        for state in new:
+            ids.extend(state)
+            positions.extend(range(len(state)))
+            state_kv_dst.extend(slots[state].kv_index(page))
+        n_state_tokens = len(ids)
+        kv_src: list[int] = []
+        kv_prefix_dst: list[int] = []
+        kv_own_dst: list[int] = []
+        kv_offsets = [0]
+        picks: list[int] = []
+        for row in rows:
+            start = len(ids)
+            tokens = row.tokens.tokens
+            ids.extend(tokens)
+            positions.extend(range(len(row.state), len(row.state) + len(tokens)))
+            base = kv_offsets[-1]
+            prefix = slots[row.state].kv_index(page)
+            kv_src.extend(prefix)
+            kv_prefix_dst.extend(range(base, base + len(prefix)))
+            kv_own_dst.extend(range(base + len(prefix), base + len(prefix) + len(tokens)))
+            kv_offsets.append(base + len(prefix) + len(tokens))
+            picks.append(start + row.tokens.decide)
+            picks.extend(start + i for i in row.tokens.option_ends)
+        device = self.device
+
+        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        states = None
+        if new:
+            states = Segments(0, [len(s) for s in new], [slots[s].slot for s in new], device)
+        row_segments = Segments(
+            n_state_tokens, [len(r.tokens.tokens) for r in rows], [slots[r.state].slot for r in rows], device
+        )
+        return PassInput(
+            ids=tensor(ids),
+            positions=tensor(positions),
+            states=states,
+            state_kv_dst=tensor(state_kv_dst) if new else None,
+            rows=row_segments,
+            row_kv_src=tensor(kv_src),
+            row_kv_prefix_dst=tensor(kv_prefix_dst),
+            row_kv_own_dst=tensor(kv_own_dst),
+            row_kv_cu=tensor(kv_offsets, torch.int32),
+            row_kv_tokens=kv_offsets[-1],
+            max_row_kv=max(b - a for a, b in zip(kv_offsets, kv_offsets[1:])),
+            picks=tensor(picks),
+        )
