@@ -9,7 +9,7 @@ export HTTP_PORT ?= 8000
 export GRPC_PORT ?= 8001
 export METRICS_PORT ?= 8002
 
-.PHONY: setup serve test lint clean
+.PHONY: setup serve test lint bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ test: setup lint
 lint: setup
 	$(VENV)/bin/ruff check kev_backend tests model_repository loadtest
 	$(VENV)/bin/ruff format --check kev_backend tests model_repository loadtest
+
+# GPU benchmark, in-process (on the GPU machine: the image's python3 with fla-core from requirements-gpu.txt).
+bench:
+	$(if $(wildcard $(PY)),$(PY),python3) -m kev_backend.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .stamps build/.tritonserver build/.downloads $(EMBEDDED)

@@ -144,7 +144,7 @@ def choose_dtype(
 
 
 def lora_deltas(checkpoint_dir: Path, lora_scale: float) -> dict[str, torch.Tensor]:
-    """fp32 ΔW = (B·A)·scaling per bare weight name, from a PEFT adapter."""
+    """fp32 ΔW = (B·A)·scaling per bare weight name, from a PEFT adapter directory."""
     config = json.loads((checkpoint_dir / "adapter_config.json").read_text())
     for unsupported in ("trainable_token_indices", "modules_to_save", "rank_pattern", "alpha_pattern"):
         if config.get(unsupported):
@@ -153,7 +153,11 @@ def lora_deltas(checkpoint_dir: Path, lora_scale: float) -> dict[str, torch.Tens
         raise ValueError("adapter_config.json: DoRA and LoRA biases are not supported")
     r, alpha = int(config["r"]), float(config["lora_alpha"])
     scaling = (alpha / r**0.5 if config.get("use_rslora") else alpha / r) * lora_scale
-    tensors = load_file(str(checkpoint_dir / "adapter_model.safetensors"))
+    return merge_deltas(load_file(str(checkpoint_dir / "adapter_model.safetensors")), scaling)
+
+
+def merge_deltas(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """PEFT-named `lora_A`/`lora_B` pairs → fp32 ΔW = (B·A)·scaling keyed by bare weight name."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)

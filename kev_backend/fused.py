@@ -456,7 +456,7 @@ class FusedQwen35:
         q, gate = qg.view(T, Hq, 2 * D).chunk(2, dim=-1)
         q = self._rms_norm(q.contiguous(), layer.q_norm, None, eps=c.rms_norm_eps)
         k = self._rms_norm(k.reshape(T, Hkv, D), layer.k_norm, None, eps=c.rms_norm_eps)
-        v = v.reshape(T, Hkv, D)
+        v = v.reshape(T, Hkv, D).contiguous()
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)
         keys, values = self.pool.keys[index], self.pool.values[index]

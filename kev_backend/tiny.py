@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
+from .checkpoint import KevCheckpoint, Meta, build_model, lora_deltas, merge_deltas
 from .encoding import DELIMITER_TOKENS
 from .qwen35 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, Qwen35TextModel
 
@@ -83,6 +84,25 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
+# Qwen3.5-4B's text config (../shared/docs/qwen35-and-kernels.md §3): random weights of Kev-4B shapes.
+KEV4B_CONFIG: dict[str, Any] = {
+    **TINY_CONFIG,
+    "hidden_size": 2560,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "layer_types": [FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(32)],
+    "vocab_size": 248_320,
+    "tie_word_embeddings": True,
+}
+
+
 def vocabulary() -> list[str]:
     specials = [UNK, PAD, *DELIMITER_TOKENS.values()]
     words = list(dict.fromkeys(WORDS + PUNCTUATION))
@@ -107,23 +127,23 @@ def write_tokenizer(directory: Path) -> int:
     return len(vocab)
 
 
-def random_text_weights(config: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
+def random_text_weights(config: Qwen35Config, seed: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Bare-name fp32 weights at a trained model's scale: projections with std 1/sqrt(fan_in) so every activation
     stays O(1), output projections further scaled by 1/sqrt(2·layers) so the residual stream does not grow with
     depth, non-zero norm weights (so a missing 1+w shows), negative A_log (per-step decay in (0, 1))."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in Qwen35TextModel(config).named_parameters()}
     depth_scale = 1.0 / math.sqrt(2 * config.num_hidden_layers)
     weights = {}
     for name, shape in shapes.items():
-        normal = torch.randn(shape, generator=generator)
+        normal = torch.randn(shape, generator=generator, device=device)
         if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "norm.weight":
             tensor = 0.1 * normal  # zero-centred norms: scale is 1 + w
         elif name.endswith("linear_attn.norm.weight"):
             tensor = 1.0 + 0.1 * normal  # plain-weight gated norm
         elif name.endswith("A_log"):
-            tensor = torch.log(torch.rand(shape, generator=generator) * 0.9 + 0.05)
+            tensor = torch.log(torch.rand(shape, generator=generator, device=device) * 0.9 + 0.05)
         elif name.endswith("dt_bias"):
             tensor = 1.0 + 0.1 * normal
         elif name.endswith("conv1d.weight"):
@@ -138,9 +158,11 @@ def random_text_weights(config: Qwen35Config, seed: int) -> dict[str, torch.Tens
     return weights
 
 
-def random_lora(config: Qwen35Config, rank: int, seed: int) -> dict[str, torch.Tensor]:
+def random_lora(
+    config: Qwen35Config, rank: int, seed: int, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """PEFT-named fp32 LoRA tensors for every target module; B is non-zero (PEFT initialises it to zero)."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)
     with torch.device("meta"):
         modules = dict(Qwen35TextModel(config).named_modules())
     tensors = {}
@@ -148,8 +170,8 @@ def random_lora(config: Qwen35Config, rank: int, seed: int) -> dict[str, torch.T
         if name.rsplit(".", 1)[-1] not in LORA_TARGETS or not isinstance(module, torch.nn.Linear):
             continue
         prefix = f"base_model.model.{name}"
-        a = torch.randn(rank, module.in_features, generator=generator) / math.sqrt(module.in_features)
-        b = torch.randn(module.out_features, rank, generator=generator) * 0.01
+        a = torch.randn(rank, module.in_features, generator=generator, device=device) / math.sqrt(module.in_features)
+        b = torch.randn(module.out_features, rank, generator=generator, device=device) * 0.01
         tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
         tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
     return tensors
@@ -221,6 +243,44 @@ def write_full_checkpoint(
     torch.save(head_meta(base, head, "full", 0), directory / "head.pt")
 
 
+def synthetic_checkpoint(
+    config_dict: dict[str, Any],
+    tokenizer_dir: Path,
+    device: str | torch.device,
+    seed: int = 0,
+    lora_rank: int = 16,
+    head_dim: int = 256,
+) -> KevCheckpoint:
+    """A Kev checkpoint built in memory on `device` (fp32, LoRA merged), e.g. Kev-4B shapes for GPU parity and
+    benchmarks, with the tiny tokenizer of `tokenizer_dir` (its ids are a subset of any larger vocabulary)."""
+    config = Qwen35Config.from_dict(config_dict)
+    weights = random_text_weights(config, seed, device)
+    deltas = merge_deltas(random_lora(config, lora_rank, seed + 1, device), 2.0)
+    model = build_model(config, weights, torch.float32, deltas)
+    del weights, deltas
+    head = {k: v.to(device) for k, v in random_head(config.hidden_size, head_dim, seed + 2).items()}
+    meta = Meta(
+        base=str(tokenizer_dir),
+        head=head,
+        base_revision=None,
+        lora=lora_rank,
+        head_dim=head_dim,
+        weights_dtype="fp32",
+        temperature=2.0,
+        weights="lora",
+    )
+    return KevCheckpoint(
+        model=model,
+        head=head,
+        head_dim=head_dim,
+        temperature=2.0,
+        tokenizer_dir=tokenizer_dir,
+        kind="lora",
+        dtype=torch.float32,
+        meta=meta,
+    )
+
+
 def build(out: Path, seed: int = 0) -> None:
     base_dir, kev_dir = out / "base", out / "kev"
     base_dir.mkdir(parents=True, exist_ok=True)
@@ -231,8 +291,6 @@ def build(out: Path, seed: int = 0) -> None:
     head = random_head(config.hidden_size, 32, seed + 2)
     write_lora_checkpoint(kev_dir, "../base", config, 16, head, seed + 1)
     # The same model as full weights: the LoRA merged in fp32.
-    from .checkpoint import lora_deltas
-
     merged = {name: t + lora_deltas(kev_dir, 1.0).get(name, 0.0) for name, t in weights.items()}
     write_full_checkpoint(out / "kev-full", "../base", config_dict, merged, head)
 

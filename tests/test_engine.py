@@ -131,3 +131,18 @@ def test_bad_requests_fail_alone(tiny_dir: Path) -> None:
     assert messages[4] == "branch too long: 48 tokens with a 2-token state (row limit 30)"
     assert "JSON decode error" in messages[5]
     assert engine.last_batch.errors == 6 and engine.last_batch.requests == 8
+
+
+def test_parity_report_plumbing(tiny_dir: Path) -> None:
+    """The parity figures the GPU tests assert on, computed here reference vs reference (exactly equal)."""
+    from kev_backend.parity import parity_report
+    from kev_backend.workloads import realistic, short6
+
+    reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=1 << 26))
+    other = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=1 << 26))
+    requests = realistic(40, seed=5, max_words=120) + [short6(1), short6()]
+    report = parity_report(reference, other, requests, batch_size=8)
+    assert report["vs_reference"]["questions"] >= 40
+    assert report["vs_reference"]["max_abs"] <= 1e-6 and report["vs_reference"]["flips"] == 0
+    assert report["alone_vs_batch"]["max_abs"] <= 1e-6 and report["bank_hit_vs_miss"]["max_abs"] <= 1e-6
+    assert 0.0 < report["spread_reference"]["normalised_entropy_mean"] < 1.0

@@ -1,0 +1,67 @@
+"""Parity of a fast engine against the fp32 reference, and of a fast engine against itself (alone vs in a batch,
+bank hit vs miss), on encoded requests. Used by the GPU tests and by the benchmark, which records the figures."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from .encoding import Encoded
+from .engine import Engine
+
+Probabilities = list[list[list[float]]]
+
+
+def scored(engine: Engine, encoded: Sequence[Encoded], batch_size: int) -> Probabilities:
+    out: Probabilities = []
+    for start in range(0, len(encoded), batch_size):
+        out.extend(engine.scorer.probabilities(encoded[start : start + batch_size]))
+    return out
+
+
+def compare(a: Probabilities, b: Probabilities) -> dict[str, Any]:
+    """Max and mean |Δp| over every option, and argmax flips (first maximum, as Kev picks `choice`)."""
+    gaps, flips, questions = [], 0, 0
+    for pa_request, pb_request in zip(a, b, strict=True):
+        for pa, pb in zip(pa_request, pb_request, strict=True):
+            questions += 1
+            gaps.extend(abs(x - y) for x, y in zip(pa, pb, strict=True))
+            flips += pa.index(max(pa)) != pb.index(max(pb))
+    return {"questions": questions, "max_abs": max(gaps), "mean_abs": sum(gaps) / len(gaps), "flips": flips}
+
+
+def spread(probabilities: Probabilities) -> dict[str, float]:
+    """How decided the answers are: random weights must be neither saturated nor flat for parity to mean much."""
+    top, entropy = [], []
+    for request in probabilities:
+        for p in request:
+            top.append(max(p))
+            entropy.append(-sum(x * math.log(x) for x in p if x > 0) / math.log(len(p)) if len(p) > 1 else 0.0)
+    top.sort()
+    return {
+        "top_p_median": top[len(top) // 2],
+        "top_p_p10": top[len(top) // 10],
+        "top_p_p90": top[9 * len(top) // 10],
+        "share_top_over_0.99": sum(t > 0.99 for t in top) / len(top),
+        "normalised_entropy_mean": sum(entropy) / len(entropy),
+    }
+
+
+def parity_report(reference: Engine, fast: Engine, requests: Sequence[Any], batch_size: int = 32) -> dict[str, Any]:
+    """The figures issue 3 asks for: fast vs fp32 reference, alone vs batched, bank hit vs miss."""
+    encoded = [reference.prepare(r)[1] for r in requests]
+    expected = scored(reference, encoded, 4)
+    fast.bank.clear()
+    batched = scored(fast, encoded, batch_size)  # misses, except states repeated across requests
+    hits = scored(fast, encoded, batch_size)  # the same batches again: every state from the bank
+    fast.bank.clear()
+    alone = scored(fast, encoded, 1)
+    return {
+        "requests": len(encoded),
+        "state_tokens": [min(len(e.state) for e in encoded), max(len(e.state) for e in encoded)],
+        "vs_reference": compare(expected, batched),
+        "alone_vs_batch": compare(alone, batched),
+        "bank_hit_vs_miss": compare(hits, batched),
+        "spread_reference": spread(expected),
+    }

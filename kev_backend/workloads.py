@@ -1,0 +1,132 @@
+"""Request shapes for benchmarks and parity checks.
+
+`short6` and `long5` follow Kev's own serving benchmark (kev-serving.md §3.1): a ~34-token support ticket with six
+questions, and a ~2,200-token document with five of them; a "new" state differs by a "Ticket {i}. " prefix.
+`realistic` draws a reproducible mix of states (text, objects, lists; 30 to 2,500 tokens) and 1 to 8 questions of
+every type.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from .tiny import WORDS
+
+TICKET = (
+    "Shoes arrived two weeks late and in the wrong size. Also I see two charges on my card. "
+    "What are you going to do about this?"
+)
+PARAGRAPH = (
+    "The customer reports that the order was placed on the first of the month and paid with a credit card. "
+    "The package was marked as delivered but the box was damaged and one item was missing. The customer called "
+    "support twice, was promised a refund within five days, and has not received it. The account shows a second "
+    "charge for the same amount, and the customer asks whether the subscription renewal was also billed twice. "
+)
+SUPPORT_QUESTIONS: dict[str, dict[str, Any]] = {
+    "department": {
+        "type": "choice",
+        "instructions": "Which department should handle this ticket?",
+        "criteria": {
+            "billing": "charges, refunds and invoices",
+            "shipping": "late, lost or damaged deliveries",
+            "product": "sizing, defects and product questions",
+        },
+    },
+    "return_reason": {
+        "type": "choice",
+        "instructions": "Why does the customer want to return the item?",
+        "criteria": {
+            "wrong_size": "the item does not fit",
+            "damaged": "the item arrived broken",
+            "late": "the item arrived too late",
+            "not_as_described": None,
+            "no_return": "the customer does not want a return",
+        },
+    },
+    "requested_resolution": {
+        "type": "choice",
+        "instructions": "What resolution does the customer ask for?",
+        "criteria": {"refund": None, "exchange": None, "store_credit": None, "apology": "only an apology"},
+    },
+    "tone": {
+        "type": "choice",
+        "instructions": "What is the tone of the message?",
+        "criteria": {"calm": None, "annoyed": None, "furious": None},
+    },
+    "escalate": {
+        "type": "noul",
+        "instructions": "Should this ticket be escalated to a manager?",
+        "criteria": {"true": "the customer is at risk of leaving", "false": "support can resolve it"},
+    },
+    "frustration": {
+        "type": "score",
+        "instructions": "How frustrated is the customer?",
+        "criteria": ["not frustrated", "somewhat frustrated", "very frustrated"],
+    },
+}
+FIVE = {k: v for k, v in SUPPORT_QUESTIONS.items() if k != "tone"}
+
+
+def short6(i: int | None = None) -> dict[str, Any]:
+    """Kev's support ticket with its six questions; `i` makes a new state ("Ticket {i}. " prefix)."""
+    state = TICKET if i is None else f"Ticket {i}. {TICKET}"
+    return {"state": state, "questions": SUPPORT_QUESTIONS}
+
+
+def long5(i: int | None = None, paragraphs: int = 30) -> dict[str, Any]:
+    """A ~2,200-token document (Kev's PARAGRAPH x30) with five questions."""
+    text = PARAGRAPH * paragraphs
+    return {"state": text if i is None else f"Ticket {i}. {text}", "questions": FIVE}
+
+
+def _sentence(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _state(rng: random.Random, n_words: int) -> Any:
+    kind = rng.choice(["text", "object", "list"])
+    if kind == "text":
+        return _sentence(rng, n_words)
+    parts = max(1, n_words // 40)
+    chunks = [_sentence(rng, max(1, n_words // parts)) for _ in range(parts)]
+    if kind == "list":
+        return [{"note": c, "id": rng.randint(1, 9999)} if rng.random() < 0.3 else c for c in chunks]
+    return {f"field_{j}": c for j, c in enumerate(chunks)} | {"priority": rng.choice([1, 2.5, True, None])}
+
+
+def _question(rng: random.Random) -> dict[str, Any]:
+    kind = rng.choice(["noul", "choice", "choice", "score"])
+    instructions = _sentence(rng, rng.randint(3, 14))
+    if kind == "noul":
+        criteria = {"true": _sentence(rng, 4)} if rng.random() < 0.5 else None
+        return {"type": "noul", "instructions": instructions, "criteria": criteria}
+    if kind == "choice":
+        names = rng.sample(WORDS, rng.randint(2, 8))
+        return {
+            "type": "choice",
+            "instructions": instructions,
+            "criteria": {n: (_sentence(rng, rng.randint(1, 6)) if rng.random() < 0.6 else None) for n in names},
+        }
+    return {
+        "type": "score",
+        "instructions": instructions,
+        "criteria": [_sentence(rng, rng.randint(1, 4)) for _ in range(rng.randint(3, 5))],
+    }
+
+
+def realistic(n_questions: int, seed: int = 0, min_words: int = 30, max_words: int = 2_500) -> list[dict[str, Any]]:
+    """Requests until `n_questions` questions: log-uniform state sizes, 1–8 questions, some states repeated."""
+    rng = random.Random(seed)
+    requests: list[dict[str, Any]] = []
+    total = 0
+    while total < n_questions:
+        if requests and rng.random() < 0.15:
+            state = rng.choice(requests)["state"]  # several requests about the same document
+        else:
+            words = int(round(min_words * (max_words / min_words) ** rng.random()))
+            state = _state(rng, words)
+        questions = {f"q{j}": _question(rng) for j in range(rng.randint(1, 8))}
+        requests.append({"state": state, "questions": questions})
+        total += len(questions)
+    return requests

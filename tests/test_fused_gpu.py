@@ -1,0 +1,81 @@
+"""The fused GPU path against the fp32 reference (on the device; CPU CI skips these).
+
+Parity on >= 1,000 questions of realistic requests (noul/choice/score mix, states of 30 to 2,500 tokens, 1 to 8
+questions) with the tiny checkpoint and with random weights of Kev-4B shapes: bf16 fused vs fp32 reference
+max |Δp| <= 0.03 and argmax flips <= 1 in 300; alone vs batched <= 0.01; bank hit vs miss <= 0.01.
+KEV_RESULTS_DIR, when set, receives each report as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kev_backend import tiny
+from kev_backend.checkpoint import LoadOptions, load_checkpoint
+from kev_backend.engine import Engine, EngineOptions
+from kev_backend.parity import parity_report
+from kev_backend.workloads import realistic
+
+pytestmark = pytest.mark.gpu
+
+
+def check(report: dict, name: str) -> None:
+    print(name, json.dumps(report))
+    if os.environ.get("KEV_RESULTS_DIR"):
+        Path(os.environ["KEV_RESULTS_DIR"], f"parity-{name}.json").write_text(json.dumps(report, indent=2))
+    assert report["vs_reference"]["questions"] >= 1000
+    assert report["vs_reference"]["max_abs"] <= 0.03
+    assert report["vs_reference"]["flips"] <= report["vs_reference"]["questions"] / 300
+    assert report["alone_vs_batch"]["max_abs"] <= 0.01
+    assert report["bank_hit_vs_miss"]["max_abs"] <= 0.01
+    # Parity on saturated or flat answers would prove nothing.
+    assert 0.2 < report["spread_reference"]["normalised_entropy_mean"] < 0.95
+
+
+def engines(checkpoint, bank_bytes: int) -> tuple[Engine, Engine]:
+    reference = Engine(checkpoint, EngineOptions(backend="reference", bank_bytes=0))
+    fused = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=bank_bytes))
+    return reference, fused
+
+
+def test_tiny_checkpoint_parity(tiny_dir: Path) -> None:
+    checkpoint = load_checkpoint(tiny_dir / "kev", "cuda", LoadOptions(dtype="fp32"))
+    reference, fused = engines(checkpoint, 2 << 30)
+    check(parity_report(reference, fused, realistic(1000, seed=1, max_words=2300)), "tiny")
+
+
+def test_kev4b_shapes_parity(tiny_dir: Path) -> None:
+    config = {**tiny.KEV4B_CONFIG}
+    checkpoint = tiny.synthetic_checkpoint(config, tiny_dir / "base", "cuda", seed=0)
+    reference, fused = engines(checkpoint, 48 << 30)
+    check(parity_report(reference, fused, realistic(1000, seed=2, max_words=2300)), "kev4b")
+    del reference, fused, checkpoint
+    torch.cuda.empty_cache()
+
+
+def test_cuda_eager_reference_matches_cpu(tiny_dir: Path) -> None:
+    """Issue 2's reference path on CUDA (fp32, eager) gives the CPU's probabilities."""
+    requests = realistic(60, seed=3, max_words=400)
+    cpu = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(device="cpu"))
+    cuda = Engine.from_checkpoint(
+        tiny_dir / "kev", EngineOptions(device="cuda", backend="reference", load=LoadOptions(dtype="fp32"))
+    )
+    assert cuda.backend == "reference" and cuda.device.type == "cuda"
+    a, b = cpu.answer(requests), cuda.answer(requests)
+    for x, y in zip(a, b, strict=True):
+        for qid, answer in x["answers"].items():
+            for key, value in answer.items():
+                if isinstance(value, float):
+                    assert abs(value - y["answers"][qid][key]) <= 2e-4
+
+
+def test_fused_engine_serves_through_the_engine_api(tiny_dir: Path) -> None:
+    engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(device="cuda"))
+    assert engine.backend == "fused"
+    results = engine.answer([{"state": "x", "questions": {}}, realistic(5, seed=4)[0]])
+    assert results[0].__class__.__name__ == "RequestError" and isinstance(results[1], dict)
