@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call on the GPU machine: install the carried wheels (.whl: fla-core, pydantic), run the GPU tests
+# (fused vs fp32 reference parity, CUDA eager reference), then the benchmark. Everything lands in $OUT.
+#   bench/gpu_run.sh [tests|parity|bench|all] [pytest -k expression]
+set -uo pipefail
+mode=${1:-all}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KEV_RESULTS_DIR=$out
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'fla-core', m.version('fla-core'),
+'transformers', m.version('transformers'), 'triton', m.version('triton'))"
+status=0
+if [[ $mode == tests || $mode == all ]]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fused_gpu.py -k "${2:-not parity}" 2>&1 \
+    | tee "$out/gpu-tests.log" | tail -30 || status=1
+fi
+if [[ $mode == parity || $mode == all ]]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_fused_gpu.py -k "${2:-parity}" 2>&1 \
+    | tee "$out/gpu-parity.log" | grep -E "^(tiny|kev4b) |passed|failed|Error|error" | cut -c1-1500 || status=1
+fi
+if [[ $mode == bench || $mode == all ]]; then
+  python3 -m kev_backend.bench --out "$out" 2>&1 | tee "$out/bench.log" | tail -12 || status=1
+fi
+exit $status
