@@ -255,6 +255,29 @@ class GpuBank:
 # one pass
 
 
+# A segment this short runs the recurrent delta rule (fp32 state throughout), a longer one the chunked kernel. The
+# choice depends on the segment alone, never on what shares its pass, so a question's answer does not depend on
+# its batch.
+RECURRENT_MAX_LEN = 64
+
+
+@dataclass
+class KernelGroup:
+    """The segments of a Segments that run one delta-rule kernel; indices are None when it is all of them."""
+
+    recurrent: bool
+    segments: torch.Tensor | None
+    tokens: torch.Tensor | None  # token offsets within the Segments' range
+    cu: torch.Tensor  # int64 cu_seqlens of the group's segments
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
 @dataclass
 class Segments:
     """Varlen segments of one kind inside a pass: token range [start, end) of the pass, lengths, slots."""
@@ -266,14 +289,30 @@ class Segments:
     cu: torch.Tensor = field(init=False)  # int64, fresh per pass (fla caches by tensor identity)
     cu32: torch.Tensor = field(init=False)
     slot_index: torch.Tensor = field(init=False)
+    groups: list[KernelGroup] = field(init=False)
 
     def __post_init__(self) -> None:
-        offsets = [0]
-        for n in self.lengths:
-            offsets.append(offsets[-1] + n)
+        offsets = _offsets(self.lengths)
         self.cu = torch.tensor(offsets, dtype=torch.int64, device=self.device)
         self.cu32 = self.cu.to(torch.int32)
         self.slot_index = torch.tensor(self.slots, dtype=torch.int64, device=self.device)
+        short = [i for i, n in enumerate(self.lengths) if n <= RECURRENT_MAX_LEN]
+        long = [i for i, n in enumerate(self.lengths) if n > RECURRENT_MAX_LEN]
+        self.groups = []
+        for recurrent, members in ((True, short), (False, long)):
+            if len(members) == len(self.lengths):
+                self.groups.append(KernelGroup(recurrent, None, None, self.cu))
+            elif members:
+                tokens = [t for i in members for t in range(offsets[i], offsets[i + 1])]
+                cu = _offsets([self.lengths[i] for i in members])
+                self.groups.append(
+                    KernelGroup(
+                        recurrent,
+                        torch.tensor(members, dtype=torch.int64, device=self.device),
+                        torch.tensor(tokens, dtype=torch.int64, device=self.device),
+                        torch.tensor(cu, dtype=torch.int64, device=self.device),
+                    )
+                )
 
     @property
     def tokens(self) -> int:
@@ -302,10 +341,6 @@ class PassInput:
 
 class FusedQwen35:
     """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
-
-    # Rows this short and few run the recurrent delta rule; longer or many sequences the chunked one.
-    RECURRENT_MAX_LEN = 64
-    RECURRENT_MAX_TOKENS = 2048
 
     def __init__(self, weights: FusedWeights, pool: StatePool) -> None:
         from fla.modules.causal_conv1d import causal_conv1d
@@ -417,7 +452,7 @@ class FusedQwen35:
         c = self.c
         final = state0 is None  # a state pass keeps its end caches; rows never write back
         mixed, conv_state = self._conv(
-            qkv.unsqueeze(0),
+            qkv.contiguous().unsqueeze(0),
             layer.conv,
             initial_state=conv0,
             output_final_state=final,
@@ -431,9 +466,27 @@ class FusedQwen35:
         v = v.reshape(1, T, c.linear_num_value_heads, c.linear_value_head_dim)
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         beta = torch.sigmoid(b).unsqueeze(0)
-        short = max(seg.lengths) <= self.RECURRENT_MAX_LEN and T <= self.RECURRENT_MAX_TOKENS
-        kernel = self._recurrent if short else self._chunk
-        o, recurrent = kernel(
+        if len(seg.groups) == 1:
+            group = seg.groups[0]
+            o, recurrent = self.delta_rule(group, q, k, v, g, beta, state0, final)
+            return o.squeeze(0), conv_state, recurrent
+        o = torch.empty(T, c.linear_num_value_heads, c.linear_value_head_dim, device=qkv.device, dtype=qkv.dtype)
+        recurrent = None
+        if final:
+            recurrent = torch.empty(len(seg.lengths), *self.pool.recurrent.shape[2:], device=qkv.device)
+        for group in seg.groups:
+            t, s = group.tokens, group.segments
+            o_group, final_group = self.delta_rule(
+                group, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], None if state0 is None else state0[s], final
+            )
+            o[t] = o_group.squeeze(0)
+            if final:
+                recurrent[s] = final_group
+        return o, conv_state, recurrent
+
+    def delta_rule(self, group: KernelGroup, q, k, v, g, beta, state0, final: bool):
+        kernel = self._recurrent if group.recurrent else self._chunk
+        return kernel(
             q,
             k,
             v,
@@ -442,9 +495,8 @@ class FusedQwen35:
             initial_state=state0,
             output_final_state=final,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=seg.cu,
+            cu_seqlens=group.cu,
         )
-        return o.squeeze(0), conv_state, recurrent
 
     # -- gated attention -----------------------------------------------------------------------------------------
 

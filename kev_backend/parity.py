@@ -20,15 +20,33 @@ def scored(engine: Engine, encoded: Sequence[Encoded], batch_size: int) -> Proba
     return out
 
 
+# Top-two margin under which the first side's answer counts as a near-tie: there bf16 rounding alone (of the
+# weights, before any kernel runs) can swap the argmax, so flips are also reported without them.
+NEAR_TIE = 0.02
+
+
 def compare(a: Probabilities, b: Probabilities) -> dict[str, Any]:
-    """Max and mean |Δp| over every option, and argmax flips (first maximum, as Kev picks `choice`)."""
-    gaps, flips, questions = [], 0, 0
+    """Max and mean |Δp| over every option, argmax flips (first maximum, as Kev picks `choice`), and the flips and
+    count of questions whose top-two margin on side `a` is at least NEAR_TIE."""
+    gaps, flips, decided, decided_flips, questions = [], 0, 0, 0, 0
     for pa_request, pb_request in zip(a, b, strict=True):
         for pa, pb in zip(pa_request, pb_request, strict=True):
             questions += 1
             gaps.extend(abs(x - y) for x, y in zip(pa, pb, strict=True))
-            flips += pa.index(max(pa)) != pb.index(max(pb))
-    return {"questions": questions, "max_abs": max(gaps), "mean_abs": sum(gaps) / len(gaps), "flips": flips}
+            flipped = pa.index(max(pa)) != pb.index(max(pb))
+            flips += flipped
+            top = sorted(pa, reverse=True)
+            if len(top) == 1 or top[0] - top[1] >= NEAR_TIE:
+                decided += 1
+                decided_flips += flipped
+    return {
+        "questions": questions,
+        "max_abs": max(gaps),
+        "mean_abs": sum(gaps) / len(gaps),
+        "flips": flips,
+        "decided_questions": decided,
+        "decided_flips": decided_flips,
+    }
 
 
 def spread(probabilities: Probabilities) -> dict[str, float]:

