@@ -241,6 +241,7 @@ def main() -> None:
     workloads: dict[str, Any] = {}
     for label, make, seconds in (("short6", short6, args.seconds), ("long5", long5, 2 * args.seconds)):
         entry: dict[str, Any] = dict(latency(engine, make))
+        print(f"{label} latency {entry}", flush=True)
         entry["rps"] = {}
         entry["p50_ms"] = {}
         entry["mean_batch"] = {}
@@ -250,6 +251,7 @@ def main() -> None:
             entry["rps"][str(clients)] = result["rps"]
             entry["p50_ms"][str(clients)] = result["p50_ms"]
             entry["mean_batch"][str(clients)] = result["mean_batch"]
+            print(f"{label} clients={clients} {result}", flush=True)
         cost = request_cost(engine, make(0))
         entry["tokens"] = cost["tokens"]
         entry["floor_rps"] = floor_rps(cost, ceil)

@@ -4,6 +4,7 @@ bank hit vs miss), on encoded requests. Used by the GPU tests and by the benchma
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,13 +70,22 @@ def spread(probabilities: Probabilities) -> dict[str, float]:
 def parity_report(reference: Engine, fast: Engine, requests: Sequence[Any], batch_size: int = 32) -> dict[str, Any]:
     """The figures issue 3 asks for: fast vs fp32 reference, alone vs batched, bank hit vs miss."""
     encoded = [reference.prepare(r)[1] for r in requests]
-    expected = scored(reference, encoded, 4)
+    seconds: dict[str, float] = {}
+
+    def timed(name: str, engine: Engine, size: int) -> Probabilities:
+        started = time.perf_counter()
+        result = scored(engine, encoded, size)
+        seconds[name] = round(time.perf_counter() - started, 2)
+        return result
+
+    expected = timed("reference", reference, 4)
     fast.bank.clear()
-    batched = scored(fast, encoded, batch_size)  # misses, except states repeated across requests
-    hits = scored(fast, encoded, batch_size)  # the same batches again: every state from the bank
+    batched = timed("batched", fast, batch_size)  # misses, except states repeated across requests
+    hits = timed("hits", fast, batch_size)  # the same batches again: every state from the bank
     fast.bank.clear()
-    alone = scored(fast, encoded, 1)
+    alone = timed("alone", fast, 1)
     return {
+        "seconds": seconds,
         "requests": len(encoded),
         "state_tokens": [min(len(e.state) for e in encoded), max(len(e.state) for e in encoded)],
         "vs_reference": compare(expected, batched),
