@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import queue
@@ -64,11 +65,15 @@ def model_time(engine: Engine, body: dict) -> float:
     return engine.last_batch.model_ms
 
 
+# Every "new" request of the run gets a number never used before, so it really misses the bank.
+NEW_STATE = itertools.count(1)
+
+
 def latency(engine: Engine, make, repeat: int = 20) -> dict[str, float]:
-    for i in range(3):  # warm-up: autotune and first launches stay out of the numbers
-        model_time(engine, make(10_000 + i))
+    for _ in range(3):  # warm-up: autotune and first launches stay out of the numbers
+        model_time(engine, make(next(NEW_STATE)))
     model_time(engine, make(None))
-    new = [model_time(engine, make(i)) for i in range(repeat)]
+    new = [model_time(engine, make(next(NEW_STATE))) for _ in range(repeat)]
     same = [model_time(engine, make(None)) for _ in range(repeat)]
     return {"new_ms": statistics.median(new), "same_ms": statistics.median(same)}
 
@@ -80,7 +85,6 @@ def throughput(engine: Engine, make, clients: int, seconds: float) -> dict[str, 
     stop = time.perf_counter() + seconds
     done: list[float] = []
     batches: list[int] = []
-    counter = iter(range(10**9))
     lock = threading.Lock()
 
     def model_loop() -> None:
@@ -103,7 +107,7 @@ def throughput(engine: Engine, make, clients: int, seconds: float) -> dict[str, 
     def client() -> None:
         while time.perf_counter() < stop:
             with lock:
-                i = next(counter)
+                i = next(NEW_STATE)
             event = threading.Event()
             started = time.perf_counter()
             inbox.put((make(i), event))
@@ -262,7 +266,7 @@ def main() -> None:
             entry["baseline_error"] = baseline["error"]
         workloads[label] = entry
     stats = engine.bank_stats
-    result = {
+    result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": commit(),
@@ -271,7 +275,13 @@ def main() -> None:
         "graphs": False,
         "torch": torch.__version__,
         "ceilings": ceil,
-        "bank": {"hits": stats.hits, "misses": stats.misses, "evictions": stats.evictions, "bytes": stats.bytes},
+        "bank": {
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "evictions": stats.evictions,
+            "bytes": stats.bytes,
+            "oom_retries": getattr(engine.scorer, "oom_retries", 0),
+        },
         "workloads": workloads,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -344,17 +344,17 @@ class FusedQwen35:
 
     def __init__(self, weights: FusedWeights, pool: StatePool) -> None:
         from fla.modules.causal_conv1d import causal_conv1d
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.modules.norm.layernorm import rms_norm
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         from torch.nn.attention.varlen import varlen_attn
+
+        from . import kernels
 
         self.w = weights
         self.pool = pool
         self.c = weights.config
         self._conv = causal_conv1d
-        self._gated_norm = rms_norm_gated
-        self._rms_norm = rms_norm
+        self._gated_norm = kernels.gated_rms_norm
+        self._rms_norm = kernels.rms_norm
         self._chunk = chunk_gated_delta_rule
         self._recurrent = fused_recurrent_gated_delta_rule
         self._attn = varlen_attn
@@ -366,9 +366,7 @@ class FusedQwen35:
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
         """Residual add + RMSNorm in one kernel; the residual stream stays fp32."""
-        return self._rms_norm(
-            x, weight, None, residual=residual, eps=self.c.rms_norm_eps, prenorm=True, residual_in_fp32=True
-        )
+        return self._rms_norm(x, weight, self.c.rms_norm_eps, residual, store_residual=True)
 
     @torch.no_grad()
     def forward(self, p: PassInput) -> torch.Tensor:
@@ -433,9 +431,7 @@ class FusedQwen35:
             out.view(-1, c.linear_value_head_dim),
             z.reshape(-1, c.linear_value_head_dim),
             layer.gated_norm,
-            None,
-            activation="silu",
-            eps=c.rms_norm_eps,
+            c.rms_norm_eps,
         )
         return F.linear(normed.view(x.shape[0], self.value_dim), layer.out_proj)
 
@@ -506,8 +502,8 @@ class FusedQwen35:
         proj = F.linear(x, layer.in_proj)
         qg, k, v = proj.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = qg.view(T, Hq, 2 * D).chunk(2, dim=-1)
-        q = self._rms_norm(q.contiguous(), layer.q_norm, None, eps=c.rms_norm_eps)
-        k = self._rms_norm(k.reshape(T, Hkv, D), layer.k_norm, None, eps=c.rms_norm_eps)
+        q = self._rms_norm(q, layer.q_norm, c.rms_norm_eps)[0]
+        k = self._rms_norm(k.reshape(T, Hkv, D), layer.k_norm, c.rms_norm_eps)[0]
         v = v.reshape(T, Hkv, D).contiguous()
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)
