@@ -343,6 +343,9 @@ class FusedQwen35:
     """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
 
     def __init__(self, weights: FusedWeights, pool: StatePool) -> None:
+        # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
+        # would then move with the batch they ride in.
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         from fla.modules.causal_conv1d import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         from torch.nn.attention.varlen import varlen_attn

@@ -114,7 +114,10 @@ def write_tokenizer(directory: Path) -> int:
     vocab = vocabulary()
     tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=UNK))
     tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    # Digits one by one, as Qwen's tokenizer splits them: "Ticket 12." and "Ticket 13." must differ.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+    )
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in vocab[:7]])
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {
