@@ -8,6 +8,8 @@ EMBEDDED := model_repository/kev/embedded
 export HTTP_PORT ?= 8000
 export GRPC_PORT ?= 8001
 export METRICS_PORT ?= 8002
+export GATEWAY_PORT ?= 8009
+export GATEWAY ?= 1
 
 .PHONY: setup serve test lint bench clean
 

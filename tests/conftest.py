@@ -91,6 +91,7 @@ def start_triton(checkpoint: Path, log: Path, timeout_s: float = 180.0) -> Trito
         "HTTP_PORT": str(ports[0]),
         "GRPC_PORT": str(ports[1]),
         "METRICS_PORT": str(ports[2]),
+        "GATEWAY": "0",
     }
     handle = log.open("wb")
     process = subprocess.Popen([str(REPO / "build" / "serve.sh")], env=env, stdout=handle, stderr=subprocess.STDOUT)
@@ -124,3 +125,39 @@ def triton(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     server = start_triton(tiny_dir / "kev", tmp_path_factory.mktemp("triton") / "tritonserver.log")
     yield server
     stop_triton(server)
+
+
+@dataclass
+class Gateway:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+
+def start_gateway(triton: TritonServer, log: Path, **env: str) -> Gateway:
+    """The real `kev-gateway` (uvicorn) against `triton`, on a free loopback port."""
+    port = free_port()
+    environment = {**os.environ, "TRITON_GRPC_URL": triton.grpc_url, **env}
+    command = [str(Path(sys.prefix) / "bin" / "kev-gateway"), "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(command, env=environment, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"kev-gateway exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{gateway.url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return gateway
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    pytest.fail("kev-gateway did not start")
+
+
+def stop_gateway(gateway: Gateway) -> None:
+    gateway.process.terminate()
+    try:
+        gateway.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        gateway.process.kill()

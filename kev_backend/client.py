@@ -1,0 +1,145 @@
+"""A small client for Kev on Triton, for tritonclient users: builds `REQUEST`, parses `RESPONSE`, and turns Triton
+errors into KevError. Sync (`KevClient`) and async (`AsyncKevClient`), over gRPC (default) or HTTP.
+
+    with KevClient("localhost:8001") as kev:
+        body = kev.score({"state": "...", "questions": {...}})
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import numpy as np
+from tritonclient.utils import InferenceServerException
+
+Protocol = Literal["grpc", "http"]
+Body = dict[str, Any] | str | bytes
+
+
+class KevError(Exception):
+    """A request the server did not answer. `kind`: "invalid" (the request: Kev's 422 message), "overloaded"
+    (Triton's queue is full or its queue timeout passed), "timeout" (the client gave up) or "internal"."""
+
+    def __init__(self, kind: str, message: str, status: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.status = status
+
+    @classmethod
+    def from_triton(cls, error: InferenceServerException) -> KevError:
+        status = str(error.status() or "")
+        message = error.message() or str(error)
+        if status in ("400", "StatusCode.INVALID_ARGUMENT"):
+            kind = "invalid"
+        elif status in ("503", "StatusCode.UNAVAILABLE") and ("queue" in message or "timeout" in message):
+            kind = "overloaded"
+        elif status == "StatusCode.DEADLINE_EXCEEDED" or "Deadline Exceeded" in message:
+            kind = "timeout"
+        else:
+            kind = "internal"
+        return cls(kind, message, status)
+
+    def __repr__(self) -> str:  # Locust and logs group failures by repr
+        return f"KevError({self.kind!r}, {self.message!r})"
+
+
+def encode(body: Body) -> bytes:
+    if isinstance(body, bytes):
+        return body
+    return (body if isinstance(body, str) else json.dumps(body)).encode()
+
+
+def _module(protocol: Protocol, asynchronous: bool):
+    if protocol == "grpc":
+        import tritonclient.grpc as sync_module
+        import tritonclient.grpc.aio as async_module
+    elif protocol == "http":
+        import tritonclient.http as sync_module
+        import tritonclient.http.aio as async_module
+    else:
+        raise ValueError(f"protocol must be grpc or http, not {protocol!r}")
+    return sync_module, (async_module if asynchronous else sync_module)
+
+
+def request_input(protocol: Protocol, body: Body):
+    sync_module, _ = _module(protocol, False)
+    array = np.array([[encode(body)]], dtype=np.object_)
+    tensor = sync_module.InferInput("REQUEST", list(array.shape), "BYTES")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def response_body(result) -> dict[str, Any]:
+    return json.loads(result.as_numpy("RESPONSE")[0, 0])
+
+
+class KevClient:
+    """Blocking client; a gRPC client is thread-safe, an HTTP one is not (use one per thread)."""
+
+    def __init__(
+        self, url: str = "127.0.0.1:8001", protocol: Protocol = "grpc", model: str = "kev", timeout_s: float = 60.0
+    ) -> None:
+        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
+        module, _ = _module(protocol, False)
+        self._client = module.InferenceServerClient(url)
+
+    def score(self, body: Body, request_id: str = "") -> dict[str, Any]:
+        """The response body (Kev 1.0's JSON as a dict) for one System One request."""
+        timeout = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        try:
+            result = self._client.infer(
+                self.model, [request_input(self.protocol, body)], request_id=request_id, **timeout
+            )
+        except InferenceServerException as error:
+            raise KevError.from_triton(error) from None
+        return response_body(result)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> KevClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class AsyncKevClient:
+    """asyncio client; one instance shares one channel (gRPC) or connection pool (HTTP) across coroutines."""
+
+    def __init__(
+        self, url: str = "127.0.0.1:8001", protocol: Protocol = "grpc", model: str = "kev", timeout_s: float = 60.0
+    ) -> None:
+        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
+        _, module = _module(protocol, True)
+        self._client = module.InferenceServerClient(url)
+
+    async def score(self, body: Body, request_id: str = "") -> dict[str, Any]:
+        return json.loads(await self.score_raw(body, request_id))
+
+    async def score_raw(self, body: Body, request_id: str = "") -> bytes:
+        """The response JSON as the server wrote it (for pass-through)."""
+        timeout = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        try:
+            result = await self._client.infer(
+                self.model, [request_input(self.protocol, body)], request_id=request_id, **timeout
+            )
+        except InferenceServerException as error:
+            raise KevError.from_triton(error) from None
+        return result.as_numpy("RESPONSE")[0, 0]
+
+    async def model_config(self) -> dict[str, Any]:
+        if self.protocol == "grpc":
+            return (await self._client.get_model_config(self.model, as_json=True))["config"]
+        return await self._client.get_model_config(self.model)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def __aenter__(self) -> AsyncKevClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
