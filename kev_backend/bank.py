@@ -29,9 +29,11 @@ class BankStats:
     entries: int = 0
 
 
-class StateBank(Generic[Entry]):
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
+class LruIndex(Generic[Entry]):
+    """States by exact tokens, least recently used first; counts hits, misses and bytes. Subclasses decide when
+    to evict, and `_remove` is the one place an entry leaves."""
+
+    def __init__(self) -> None:
         self._entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
         self.stats = BankStats()
 
@@ -44,6 +46,35 @@ class StateBank(Generic[Entry]):
         self.stats.hits += 1
         return entry
 
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._remove(key)
+
+    def __contains__(self, key: tuple[int, ...]) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _add(self, key: tuple[int, ...], entry: Entry) -> None:
+        self._entries[key] = entry
+        self.stats.bytes += entry.nbytes
+        self.stats.entries = len(self._entries)
+
+    def _remove(self, key: tuple[int, ...]) -> Entry:
+        entry = self._entries.pop(key)
+        self.stats.bytes -= entry.nbytes
+        self.stats.entries = len(self._entries)
+        return entry
+
+
+class StateBank(LruIndex[Entry]):
+    """The reference path's bank: entries hold their own tensors, evicted past `capacity_bytes`."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+
     def put(self, key: tuple[int, ...], entry: Entry) -> bool:
         """Keeps `entry` as most recent, evicting the least recent ones to make room; False if it cannot fit."""
         size = entry.nbytes
@@ -54,21 +85,5 @@ class StateBank(Generic[Entry]):
         while self.stats.bytes + size > self.capacity_bytes:
             self._remove(next(iter(self._entries)))
             self.stats.evictions += 1
-        self._entries[key] = entry
-        self.stats.bytes += size
-        self.stats.entries = len(self._entries)
+        self._add(key, entry)
         return True
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.stats.bytes = self.stats.entries = 0
-
-    def __contains__(self, key: tuple[int, ...]) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _remove(self, key: tuple[int, ...]) -> None:
-        self.stats.bytes -= self._entries.pop(key).nbytes
-        self.stats.entries = len(self._entries)

@@ -75,23 +75,31 @@ def response_body(result) -> dict[str, Any]:
     return json.loads(result.as_numpy("RESPONSE")[0, 0])
 
 
-class KevClient:
+class _Client:
+    def __init__(self, url: str, protocol: Protocol, model: str, timeout_s: float, asynchronous: bool) -> None:
+        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
+        self._client = _module(protocol, asynchronous)[1].InferenceServerClient(url)
+
+    def _infer_args(self, body: Body, request_id: str) -> tuple[list, dict[str, Any]]:
+        options: dict[str, Any] = {"request_id": request_id}
+        if self.protocol == "grpc":  # only the gRPC client takes a client-side deadline
+            options["client_timeout"] = self.timeout_s
+        return [request_input(self.protocol, body)], options
+
+
+class KevClient(_Client):
     """Blocking client; a gRPC client is thread-safe, an HTTP one is not (use one per thread)."""
 
     def __init__(
         self, url: str = "127.0.0.1:8001", protocol: Protocol = "grpc", model: str = "kev", timeout_s: float = 60.0
     ) -> None:
-        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
-        module, _ = _module(protocol, False)
-        self._client = module.InferenceServerClient(url)
+        super().__init__(url, protocol, model, timeout_s, asynchronous=False)
 
     def score(self, body: Body, request_id: str = "") -> dict[str, Any]:
         """The response body (Kev 1.0's JSON as a dict) for one System One request."""
-        timeout = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        inputs, options = self._infer_args(body, request_id)
         try:
-            result = self._client.infer(
-                self.model, [request_input(self.protocol, body)], request_id=request_id, **timeout
-            )
+            result = self._client.infer(self.model, inputs, **options)
         except InferenceServerException as error:
             raise KevError.from_triton(error) from None
         return response_body(result)
@@ -106,26 +114,22 @@ class KevClient:
         self.close()
 
 
-class AsyncKevClient:
+class AsyncKevClient(_Client):
     """asyncio client; one instance shares one channel (gRPC) or connection pool (HTTP) across coroutines."""
 
     def __init__(
         self, url: str = "127.0.0.1:8001", protocol: Protocol = "grpc", model: str = "kev", timeout_s: float = 60.0
     ) -> None:
-        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
-        _, module = _module(protocol, True)
-        self._client = module.InferenceServerClient(url)
+        super().__init__(url, protocol, model, timeout_s, asynchronous=True)
 
     async def score(self, body: Body, request_id: str = "") -> dict[str, Any]:
         return json.loads(await self.score_raw(body, request_id))
 
     async def score_raw(self, body: Body, request_id: str = "") -> bytes:
         """The response JSON as the server wrote it (for pass-through)."""
-        timeout = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        inputs, options = self._infer_args(body, request_id)
         try:
-            result = await self._client.infer(
-                self.model, [request_input(self.protocol, body)], request_id=request_id, **timeout
-            )
+            result = await self._client.infer(self.model, inputs, **options)
         except InferenceServerException as error:
             raise KevError.from_triton(error) from None
         return result.as_numpy("RESPONSE")[0, 0]

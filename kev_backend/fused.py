@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .bank import BankStats
+from .bank import LruIndex
 from .encoding import Encoded, EncodedQuestion
 from .head import pointer_probabilities
 from .qwen35 import FULL_ATTENTION, Qwen35Config, Qwen35TextModel
@@ -199,56 +199,34 @@ class StatePool:
         self.free_pages.extend(slot.pages)
 
 
-class GpuBank:
-    """LRU of states in a StatePool, keyed by exact state tokens. States of the batch in flight are pinned."""
+class GpuBank(LruIndex[Slot]):
+    """The fused path's bank: states in a StatePool, evicted when the pool has no room for a new one. States of
+    the batch in flight are pinned."""
 
     def __init__(self, pool: StatePool) -> None:
+        super().__init__()
         self.pool = pool
-        self.entries: OrderedDict[tuple[int, ...], Slot] = OrderedDict()
-        self.stats = BankStats()
-
-    def lookup(self, key: tuple[int, ...]) -> Slot | None:
-        slot = self.entries.get(key)
-        if slot is None:
-            self.stats.misses += 1
-            return None
-        self.entries.move_to_end(key)
-        self.stats.hits += 1
-        return slot
 
     def allocate(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> Slot | None:
         """A slot for a new state, evicting least recently used unpinned states; None if the pinned ones fill it."""
         while (slot := self.pool.allocate(len(key))) is None:
-            victim = next((k for k in self.entries if k not in pinned), None)
+            victim = next((k for k in self._entries if k not in pinned), None)
             if victim is None:
                 return None
-            self._drop(victim)
+            self._remove(victim)
             self.stats.evictions += 1
-        self.entries[key] = slot
-        self.stats.bytes += slot.nbytes
-        self.stats.entries = len(self.entries)
+        self._add(key, slot)
         return slot
 
     def forget(self, key: tuple[int, ...]) -> None:
         """Drops a state whose pass failed (its slot holds garbage)."""
-        if key in self.entries:
-            self._drop(key)
+        if key in self._entries:
+            self._remove(key)
 
-    def clear(self) -> None:
-        for key in list(self.entries):
-            self._drop(key)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __contains__(self, key: tuple[int, ...]) -> bool:
-        return key in self.entries
-
-    def _drop(self, key: tuple[int, ...]) -> None:
-        slot = self.entries.pop(key)
+    def _remove(self, key: tuple[int, ...]) -> Slot:
+        slot = super()._remove(key)
         self.pool.release(slot)
-        self.stats.bytes -= slot.nbytes
-        self.stats.entries = len(self.entries)
+        return slot
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -664,7 +642,7 @@ class FusedScorer:
         slots: dict[tuple[int, ...], Slot] = {}
         new: list[tuple[int, ...]] = []
         for state in states:
-            slot = self.bank.lookup(state)
+            slot = self.bank.get(state)
             if slot is None:
                 slot = self.bank.allocate(state, pinned)
                 if slot is None:

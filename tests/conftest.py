@@ -96,19 +96,24 @@ def start_triton(checkpoint: Path, log: Path, timeout_s: float = 180.0) -> Trito
     handle = log.open("wb")
     process = subprocess.Popen([str(REPO / "build" / "serve.sh")], env=env, stdout=handle, stderr=subprocess.STDOUT)
     server = TritonServer(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}", log, process)
+    if not wait_ready(f"http://{server.http_url}/v2/health/ready", process, timeout_s):
+        stop_triton(server)
+        pytest.fail(f"tritonserver not ready (exit code {process.poll()}):\n{server.log_tail()}")
+    return server
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> bool:
+    """True once `url` answers 200; False if the process exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"tritonserver exited with {process.returncode}:\n{server.log_tail()}")
+    while time.monotonic() < deadline and process.poll() is None:
         try:
-            with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
-                    return server
+                    return True
         except OSError:
             pass
-        time.sleep(0.5)
-    stop_triton(server)
-    pytest.fail(f"tritonserver not ready after {timeout_s} s:\n{server.log_tail()}")
+        time.sleep(0.2)
+    return False
 
 
 def stop_triton(server: TritonServer) -> None:
@@ -141,18 +146,10 @@ def start_gateway(triton: TritonServer, log: Path, **env: str) -> Gateway:
     command = [str(Path(sys.prefix) / "bin" / "kev-gateway"), "--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(command, env=environment, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"kev-gateway exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{gateway.url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return gateway
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    pytest.fail("kev-gateway did not start")
+    if not wait_ready(f"{gateway.url}/health", process, 60):
+        process.kill()
+        pytest.fail(f"kev-gateway did not start (exit code {process.poll()}):\n{log.read_text()[-3000:]}")
+    return gateway
 
 
 def stop_gateway(gateway: Gateway) -> None:

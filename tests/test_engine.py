@@ -146,3 +146,31 @@ def test_parity_report_plumbing(tiny_dir: Path) -> None:
     assert report["vs_reference"]["max_abs"] <= 1e-6 and report["vs_reference"]["flips"] == 0
     assert report["alone_vs_batch"]["max_abs"] <= 1e-6 and report["bank_hit_vs_miss"]["max_abs"] <= 1e-6
     assert 0.0 < report["spread_reference"]["normalised_entropy_mean"] < 1.0
+
+
+def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
+    """The fused path's bank logic (slots, pages, LRU, pinning) on CPU tensors; its kernels run on the GPU only."""
+    import torch
+
+    from kev_backend.fused import GpuBank, StatePool
+    from kev_backend.qwen35 import Qwen35Config
+
+    config = Qwen35Config.from_dict(json.loads((tiny_dir / "base" / "config.json").read_text()))
+    pool = StatePool(config, n_slots=3, n_pages=4, page_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    bank = GpuBank(pool)
+    a, b, c = (1,) * 5, (2,) * 3, (3,) * 4  # 2, 1 and 1 pages
+    slot_a = bank.allocate(a, pinned={a})
+    assert slot_a.kv_index(4) == [slot_a.pages[0] * 4 + i for i in range(4)] + [slot_a.pages[1] * 4]
+    bank.allocate(b, pinned={b})
+    bank.allocate(c, pinned={c})
+    assert len(bank) == 3 and not pool.free_slots and not pool.free_pages
+    assert bank.get(a) is slot_a  # a is now the most recent: a new state evicts b
+    d = (4,) * 2
+    bank.allocate(d, pinned={d})
+    assert b not in bank and a in bank and bank.stats.evictions == 1
+    assert bank.allocate((5,) * 16, pinned={a, c, d, (5,) * 16}) is None  # everything pinned: no room
+    bank.forget(d)
+    assert d not in bank and len(pool.free_slots) == 1
+    assert bank.stats.bytes == sum(slot.nbytes for slot in (slot_a, bank.get(c)))
+    bank.clear()
+    assert len(pool.free_slots) == 3 and len(pool.free_pages) == 4 and bank.stats.bytes == 0
