@@ -78,7 +78,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_triton(checkpoint: Path, log: Path, timeout_s: float = 180.0) -> TritonServer:
+def start_triton(checkpoint: Path, log: Path, timeout_s: float = 180.0, repository: Path | None = None) -> TritonServer:
     """The real tritonserver (build/serve.sh, as `make serve` runs it) on free loopback ports."""
     if not (REPO / "build" / ".tritonserver" / "bin" / "tritonserver").exists():
         pytest.fail("tritonserver is not installed: run `make setup`")
@@ -92,6 +92,7 @@ def start_triton(checkpoint: Path, log: Path, timeout_s: float = 180.0) -> Trito
         "GRPC_PORT": str(ports[1]),
         "METRICS_PORT": str(ports[2]),
         "GATEWAY": "0",
+        "MODEL_REPOSITORY": str(repository or REPO / "model_repository"),
     }
     handle = log.open("wb")
     process = subprocess.Popen([str(REPO / "build" / "serve.sh")], env=env, stdout=handle, stderr=subprocess.STDOUT)

@@ -26,7 +26,7 @@ from typesafe_sdk import (
 
 from kev_backend.engine import Engine
 
-from .conftest import Gateway, TritonServer, start_gateway, stop_gateway
+from .conftest import REPO, Gateway, TritonServer, start_gateway, start_triton, stop_gateway, stop_triton
 from .test_triton_e2e import assert_same_answer
 
 KEY = "test-key-123"
@@ -247,3 +247,41 @@ def test_overload_is_refused_fast(triton: TritonServer, tmp_path: Path) -> None:
         assert min(elapsed for _, elapsed in refused) < slowest_ok
     finally:
         stop_gateway(small)
+
+
+def test_triton_queue_full_is_529(tiny_dir: Path, tmp_path: Path) -> None:
+    """Triton's bounded queue refuses at once; the gateway passes that on as 529 with retry-after."""
+    repository = tmp_path / "repository"
+    (repository / "kev" / "1").mkdir(parents=True)
+    config = (REPO / "model_repository" / "kev" / "config.pbtxt").read_text()
+    assert "max_queue_size: 512" in config
+    (repository / "kev" / "config.pbtxt").write_text(config.replace("max_queue_size: 512", "max_queue_size: 1"))
+    (repository / "kev" / "1" / "model.py").write_text(
+        (REPO / "model_repository" / "kev" / "1" / "model.py").read_text()
+    )
+    triton = start_triton(tiny_dir / "kev", tmp_path / "triton.log", repository=repository)
+    gateway = start_gateway(triton, tmp_path / "gateway.log")
+    try:
+        long_body = {"state": " ".join(["the refund is late"] * 3000), "questions": {"q": QUESTIONS["urgent"]}}
+        results: list[tuple[int, dict]] = []
+
+        def call(body: dict) -> None:
+            status, headers, _ = post(gateway, "/v1/systemone", body, key=None)
+            results.append((status, headers))
+
+        first = threading.Thread(target=call, args=(long_body,))
+        first.start()
+        time.sleep(0.3)  # the long request is running; the queue holds one more
+        threads = [
+            threading.Thread(target=call, args=({"state": f"order {i}", "questions": QUESTIONS},)) for i in range(10)
+        ]
+        for t in threads:
+            t.start()
+        for t in [first, *threads]:
+            t.join()
+        statuses = sorted(status for status, _ in results)
+        assert statuses.count(529) >= 5 and 200 in statuses, statuses
+        assert all(headers["retry-after"] == "1" for status, headers in results if status == 529)
+    finally:
+        stop_gateway(gateway)
+        stop_triton(triton)

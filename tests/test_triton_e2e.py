@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +196,68 @@ def test_admin_apis_are_restricted(triton: TritonServer) -> None:
         assert client.is_model_ready("kev")
     finally:
         client.close()
+
+
+def metric_values(server: TritonServer) -> dict[str, float]:
+    """Unlabelled view of Triton's Prometheus text: `name{...}` summed over labels."""
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0] + ("{le=" + name.split('le="')[1].split('"')[0] + "}" if 'le="' in name else "")
+            values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def test_prometheus_metrics_from_the_backend(triton: TritonServer) -> None:
+    before = metric_values(triton)
+    bodies = [make_request(100 + i) for i in range(20)] + [{"state": "x", "questions": {}}]
+    grpc_all(triton, bodies)
+    grpc_all(triton, [make_request(100)])  # a later batch on a state the bank holds
+    bodies.append(make_request(100))
+    after = metric_values(triton)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("kev_batch_requests_sum") == len(bodies)
+    assert delta("kev_request_errors_total") == 1
+    assert delta("kev_bank_misses_total") + delta("kev_bank_hits_total") >= len(
+        set(json.dumps(b.get("state")) for b in bodies[:-1])
+    )
+    assert delta("kev_bank_hits_total") >= 1
+    assert after["kev_bank_bytes"] > 0 and after["kev_bank_entries"] >= 1
+    assert delta("kev_batch_row_tokens_count") == delta("kev_engine_ms_count") >= 1
+    assert delta("kev_batch_state_tokens_sum") > 0 and delta("kev_engine_ms_sum") > 0
+    assert "kev_graph_replays_total" in after and "kev_graph_captures_total" in after
+
+
+def test_cancelled_while_queued_costs_no_model_work(triton: TritonServer) -> None:
+    """A request cancelled before its batch starts never reaches the engine."""
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    done: queue.Queue = queue.Queue()
+    try:
+        before = metric_values(triton)
+        # Occupy the model with a long request, then queue one and cancel it at once.
+        long_body = {"state": " ".join(["the refund is late"] * 3000), "questions": make_request(0)["questions"]}
+        client.async_infer("kev", [grpc_input(long_body)], callback=lambda result, error: done.put(("long", error)))
+        time.sleep(0.2)
+        context = client.async_infer(
+            "kev", [grpc_input(make_request(7))], callback=lambda result, error: done.put(("cut", error))
+        )
+        context.cancel()
+        outcomes = dict(done.get(timeout=120) for _ in range(2))
+        after = metric_values(triton)
+    finally:
+        client.close()
+    assert outcomes["long"] is None
+    assert outcomes["cut"] is not None and "CANCELLED" in str(outcomes["cut"].status())
+    assert after["kev_batch_requests_sum"] - before["kev_batch_requests_sum"] == 1  # only the long request ran
+
+
+def grpc_input(body: dict) -> grpcclient.InferInput:
+    inp = grpcclient.InferInput("REQUEST", [1, 1], "BYTES")
+    inp.set_data_from_numpy(request_array(body))
+    return inp

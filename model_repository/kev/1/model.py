@@ -8,41 +8,57 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kev_backend.engine import Engine, dumps
+from kev_backend.metrics import KevMetrics
 from kev_backend.systemone import RequestError
 from kev_backend.triton_config import checkpoint_path, engine_options, parameters
+
+
+def error_response(message, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = parameters(config)
-        model_dir = Path(args["model_repository"])
         gpu = args["model_instance_kind"] == "GPU"
         device = f"cuda:{args['model_instance_device_id']}" if gpu else "auto"
-        path = checkpoint_path(params, model_dir)
+        path = checkpoint_path(params, Path(args["model_repository"]))
         self.engine = Engine.from_checkpoint(path, engine_options(params, device))
-        pb_utils.Logger.log_info(f"kev: {path} on {self.engine.device} ({self.engine.checkpoint.dtype})")
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        self.metrics = KevMetrics(pb_utils, labels)
+        pb_utils.Logger.log_info(f"kev: {path} on {self.engine.device}, {self.engine.backend} path")
 
     def execute(self, requests):
-        # A request may carry several JSON strings (batch dim n > 1); all of them are scored in one engine call.
-        bodies = [pb_utils.get_input_tensor_by_name(r, "REQUEST").as_numpy().reshape(-1) for r in requests]
+        responses = [None] * len(requests)
+        # A request cancelled while queued costs no model work.
+        live = []
+        for i, request in enumerate(requests):
+            if request.is_cancelled():
+                responses[i] = error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+            else:
+                live.append(i)
+        if not live:
+            return responses
+        # A request may carry several JSON strings (batch dim n > 1); all are scored in one engine call.
+        bodies = [pb_utils.get_input_tensor_by_name(requests[i], "REQUEST").as_numpy().reshape(-1) for i in live]
         try:
             results = self.engine.answer([body for items in bodies for body in items])
-        except Exception as error:  # an engine fault: fail this batch's requests, keep the server serving
+        except Exception as error:  # an engine fault fails this batch's requests; the server keeps serving
             pb_utils.Logger.log_error(f"kev: batch failed: {error!r}")
-            failure = pb_utils.TritonError(f"kev engine error: {error}", pb_utils.TritonError.INTERNAL)
-            return [pb_utils.InferenceResponse(error=failure) for _ in requests]
-        responses, start = [], 0
-        for items in bodies:
+            for i in live:
+                responses[i] = error_response(f"kev engine error: {error}", pb_utils.TritonError.INTERNAL)
+            return responses
+        self.metrics.record(self.engine)
+        start = 0
+        for i, items in zip(live, bodies):
             mine, start = results[start : start + len(items)], start + len(items)
-            errors = [(i, r) for i, r in enumerate(mine) if isinstance(r, RequestError)]
+            errors = [(j, r) for j, r in enumerate(mine) if isinstance(r, RequestError)]
             if errors:
-                i, error = errors[0]
-                message = error.message if len(items) == 1 else f"REQUEST[{i}]: {error.message}"
-                responses.append(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
-                )
+                j, error = errors[0]
+                message = error.message if len(items) == 1 else f"REQUEST[{j}]: {error.message}"
+                responses[i] = error_response(message, pb_utils.TritonError.INVALID_ARG)
                 continue
             out = np.array([dumps(r).encode() for r in mine], dtype=np.object_).reshape(len(items), 1)
-            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RESPONSE", out)]))
+            responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RESPONSE", out)])
         return responses

@@ -1,0 +1,76 @@
+"""Prometheus metrics from the Python backend, on Triton's metrics port (next to its own `nv_inference_*`).
+
+Triton counts a request answered with a per-request error as a success, so refused requests get their own counter
+here; the rest describes the engine: the state bank, tokens and requests per batch, engine time per batch, and
+CUDA-graph use once the engine replays graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+TOKEN_BUCKETS = [64, 256, 1024, 4096, 16384, 65536, 262144]
+MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
+
+
+class KevMetrics:
+    """Metric families registered once per model instance; `record(engine)` after every batch."""
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+        family = pb_utils.MetricFamily
+        self._families = []  # keep the families alive as long as their metrics
+
+        def metric(name: str, kind: Any, description: str, buckets: list[float] | None = None):
+            fam = family(name=name, description=description, kind=kind)
+            self._families.append(fam)
+            return fam.Metric(labels=labels, buckets=buckets) if buckets else fam.Metric(labels=labels)
+
+        counter, gauge, histogram = family.COUNTER, family.GAUGE, family.HISTOGRAM
+        self.request_errors = metric("kev_request_errors_total", counter, "requests refused with Kev's 422 message")
+        self.bank_hits = metric("kev_bank_hits_total", counter, "states found in the state bank")
+        self.bank_misses = metric("kev_bank_misses_total", counter, "states computed (not in the bank)")
+        self.bank_evictions = metric("kev_bank_evictions_total", counter, "states evicted from the bank")
+        self.bank_bytes = metric("kev_bank_bytes", gauge, "bytes held by states in the bank")
+        self.bank_entries = metric("kev_bank_entries", gauge, "states held in the bank")
+        self.graph_hits = metric("kev_graph_replays_total", counter, "passes replayed from a CUDA graph")
+        self.graph_captures = metric("kev_graph_captures_total", counter, "CUDA graphs captured")
+        self.batch_requests = metric("kev_batch_requests", histogram, "requests per engine call", BATCH_BUCKETS)
+        self.state_tokens = metric(
+            "kev_batch_state_tokens", histogram, "distinct state tokens per batch", TOKEN_BUCKETS
+        )
+        self.row_tokens = metric("kev_batch_row_tokens", histogram, "question-row tokens per batch", TOKEN_BUCKETS)
+        self.engine_ms = metric("kev_engine_ms", histogram, "engine model time per batch (ms)", MS_BUCKETS)
+        self._seen = {"hits": 0, "misses": 0, "evictions": 0, "graph_replays": 0, "graph_captures": 0}
+
+    def record(self, engine: Any) -> None:
+        batch = engine.last_batch
+        self.batch_requests.observe(batch.requests)
+        if batch.errors:
+            self.request_errors.increment(batch.errors)
+        if batch.requests > batch.errors:
+            self.state_tokens.observe(batch.state_tokens)
+            self.row_tokens.observe(batch.row_tokens)
+            self.engine_ms.observe(batch.model_ms)
+        stats = engine.bank_stats
+        scorer = engine.scorer
+        totals = {
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "evictions": stats.evictions,
+            "graph_replays": getattr(scorer, "graph_replays", 0),
+            "graph_captures": getattr(scorer, "graph_captures", 0),
+        }
+        counters = {
+            "hits": self.bank_hits,
+            "misses": self.bank_misses,
+            "evictions": self.bank_evictions,
+            "graph_replays": self.graph_hits,
+            "graph_captures": self.graph_captures,
+        }
+        for key, total in totals.items():
+            if total > self._seen[key]:
+                counters[key].increment(total - self._seen[key])
+            self._seen[key] = total
+        self.bank_bytes.set(stats.bytes)
+        self.bank_entries.set(stats.entries)
