@@ -130,3 +130,46 @@ def realistic(n_questions: int, seed: int = 0, min_words: int = 30, max_words: i
         requests.append({"state": state, "questions": questions})
         total += len(questions)
     return requests
+
+
+def jevbench_cases() -> list[dict[str, Any]]:
+    """The 240 cases of jevbench-240 (PyPI `jevbench`, Apache-2.0), read from the installed package: tickets, logs
+    and documents with several typed questions each."""
+    from jevbench.suites import load_suite
+
+    return [{"state": case.state, "questions": case.questions} for case in load_suite("jevbench-240").cases]
+
+
+class Traffic:
+    """An endless, reproducible stream of requests of one shape: `short6`, `long5` or `mix` (jevbench-240).
+    `repeat` is the share of requests that reuse a state already sent (the rest are new states)."""
+
+    SHAPES = ("short6", "long5", "mix")
+
+    def __init__(self, shape: str = "short6", repeat: float = 0.0, seed: int = 0) -> None:
+        if shape not in self.SHAPES:
+            raise ValueError(f"shape must be one of {self.SHAPES}, not {shape!r}")
+        if not 0.0 <= repeat <= 1.0:
+            raise ValueError("repeat must be in [0, 1]")
+        self.shape, self.repeat = shape, repeat
+        self.rng = random.Random(seed)
+        self.cases = jevbench_cases() if shape == "mix" else []
+        self.sent = 0
+        self.history: list[dict[str, Any]] = []
+
+    def next(self) -> dict[str, Any]:
+        if self.history and self.rng.random() < self.repeat:
+            return self.rng.choice(self.history)
+        self.sent += 1
+        if self.shape == "mix":
+            case = self.rng.choice(self.cases)
+            # A new state: the same document under a fresh request number.
+            state = case["state"]
+            fresh = (
+                f"Request {self.sent}. {state}" if isinstance(state, str) else {"request": self.sent, "state": state}
+            )
+            request = {"state": fresh, "questions": case["questions"]}
+        else:
+            request = (short6 if self.shape == "short6" else long5)(self.rng.randrange(10**9))
+        self.history.append(request)
+        return request

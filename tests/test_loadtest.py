@@ -1,0 +1,100 @@
+"""The load-test tools run for real, briefly, against the real stack: Locust (every user class) and the open-loop
+driver, with their outputs checked."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kev_backend.workloads import Traffic, jevbench_cases
+
+from .conftest import REPO, TritonServer, start_gateway, stop_gateway
+
+
+def test_traffic_shapes_and_repeat_share() -> None:
+    assert len(jevbench_cases()) == 240
+    for shape in Traffic.SHAPES:
+        stream = Traffic(shape, repeat=0.5, seed=3)
+        states = [json.dumps(stream.next()["state"]) for _ in range(400)]
+        repeated = sum(1 for i, s in enumerate(states) if s in states[:i])
+        assert 0.35 < repeated / len(states) < 0.65
+    same = Traffic("short6", repeat=1.0)
+    assert len({same.next()["state"] for _ in range(10)}) == 1
+    new = Traffic("long5", repeat=0.0)
+    assert len({new.next()["state"] for _ in range(10)}) == 10
+
+
+def test_locust_users(triton: TritonServer, tmp_path: Path) -> None:
+    gateway = start_gateway(triton, tmp_path / "gateway.log")
+    try:
+        command = [
+            str(Path(sys.prefix) / "bin" / "locust"),
+            "-f",
+            str(REPO / "loadtest" / "kev.py"),
+            "TritonGrpcUser",
+            "TritonHttpUser",
+            "GatewayUser",
+            "--headless",
+            "-u",
+            "6",
+            "-r",
+            "6",
+            "-t",
+            "5s",
+            "--shape",
+            "mix",
+            "--repeat",
+            "0.3",
+            "--triton-grpc",
+            triton.grpc_url,
+            "--triton-http",
+            triton.http_url,
+            "--host",
+            gateway.url,
+            "--csv",
+            str(tmp_path / "kev"),
+            "--only-summary",
+        ]
+        subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+    finally:
+        stop_gateway(gateway)
+    rows = {(r["Type"], r["Name"]): r for r in csv.DictReader((tmp_path / "kev_stats.csv").open())}
+    for kind in ("grpc", "http", "POST"):
+        row = rows[(kind, "mix")]
+        assert int(row["Request Count"]) > 0 and int(row["Failure Count"]) == 0, row
+
+
+def test_openloop(triton: TritonServer, tmp_path: Path) -> None:
+    out = tmp_path / "openloop"
+    command = [
+        str(Path(sys.prefix) / "bin" / "python"),
+        str(REPO / "loadtest" / "openloop.py"),
+        "--triton-grpc",
+        triton.grpc_url,
+        "--triton-http",
+        triton.http_url,
+        "--rates",
+        "5,15",
+        "--seconds",
+        "3",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert [r["offered_rps"] for r in record["rates"]] == [5.0, 15.0]
+    for rate in record["rates"]:
+        assert rate["sent"] > 0 and not rate["errors"] and rate["p50_ms"] <= rate["p99_ms"]
+        assert rate["queue_ms"] is None or rate["queue_ms"] >= 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("shape", ["bogus"])
+def test_traffic_refuses_unknown_shapes(shape: str) -> None:
+    with pytest.raises(ValueError):
+        Traffic(shape)
