@@ -247,6 +247,7 @@ class KernelGroup:
     segments: torch.Tensor | None
     tokens: torch.Tensor | None  # token offsets within the Segments' range
     cu: torch.Tensor  # int64 cu_seqlens of the group's segments
+    slots: torch.Tensor  # the pool slot of each of the group's segments
 
 
 def _offsets(lengths: list[int]) -> list[int]:
@@ -279,7 +280,7 @@ class Segments:
         self.groups = []
         for recurrent, members in ((True, short), (False, long)):
             if len(members) == len(self.lengths):
-                self.groups.append(KernelGroup(recurrent, None, None, self.cu))
+                self.groups.append(KernelGroup(recurrent, None, None, self.cu, self.slot_index))
             elif members:
                 tokens = [t for i in members for t in range(offsets[i], offsets[i + 1])]
                 cu = _offsets([self.lengths[i] for i in members])
@@ -289,6 +290,7 @@ class Segments:
                         torch.tensor(members, dtype=torch.int64, device=self.device),
                         torch.tensor(tokens, dtype=torch.int64, device=self.device),
                         torch.tensor(cu, dtype=torch.int64, device=self.device),
+                        torch.tensor([self.slots[i] for i in members], dtype=torch.int64, device=self.device),
                     )
                 )
 
@@ -336,6 +338,7 @@ class FusedQwen35:
         self._conv = causal_conv1d
         self._gated_norm = kernels.gated_rms_norm
         self._rms_norm = kernels.rms_norm
+        self._recurrent_rows = kernels.recurrent_rows
         self._chunk = chunk_gated_delta_rule
         self._recurrent = fused_recurrent_gated_delta_rule
         self._attn = varlen_attn
@@ -402,10 +405,10 @@ class FusedQwen35:
             self.pool.recurrent[index].index_copy_(0, s.slot_index, recurrent)
             out[s.start : s.end] = o
         r = p.rows
+        # Rows read their state's recurrent state in place (by slot); only the small conv window is gathered.
         conv0 = self.pool.conv[index].index_select(0, r.slot_index)
-        state0 = self.pool.recurrent[index].index_select(0, r.slot_index)
         o, _, _ = self.deltanet_segments(
-            layer, qkv[r.start : r.end], a[r.start : r.end], b[r.start : r.end], r, conv0, state0
+            layer, qkv[r.start : r.end], a[r.start : r.end], b[r.start : r.end], r, conv0, self.pool.recurrent[index]
         )
         out[r.start : r.end] = o
         normed = self._gated_norm(
@@ -424,10 +427,12 @@ class FusedQwen35:
         b: torch.Tensor,
         seg: Segments,
         conv0: torch.Tensor | None,
-        state0: torch.Tensor | None,
+        pool_state: torch.Tensor | None,
     ):
+        """States (pool_state None) run from empty caches and return their end caches; rows continue the states in
+        `pool_state` [slots, Hv, Dk, Dv] and write nothing back."""
         c = self.c
-        final = state0 is None  # a state pass keeps its end caches; rows never write back
+        final = pool_state is None
         mixed, conv_state = self._conv(
             qkv.contiguous().unsqueeze(0),
             layer.conv,
@@ -444,24 +449,27 @@ class FusedQwen35:
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         beta = torch.sigmoid(b).unsqueeze(0)
         if len(seg.groups) == 1:
-            group = seg.groups[0]
-            o, recurrent = self.delta_rule(group, q, k, v, g, beta, state0, final)
+            o, recurrent = self.delta_rule(seg.groups[0], q, k, v, g, beta, pool_state)
             return o.squeeze(0), conv_state, recurrent
         o = torch.empty(T, c.linear_num_value_heads, c.linear_value_head_dim, device=qkv.device, dtype=qkv.dtype)
         recurrent = None
         if final:
             recurrent = torch.empty(len(seg.lengths), *self.pool.recurrent.shape[2:], device=qkv.device)
         for group in seg.groups:
-            t, s = group.tokens, group.segments
-            o_group, final_group = self.delta_rule(
-                group, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], None if state0 is None else state0[s], final
-            )
+            t = group.tokens
+            o_group, final_group = self.delta_rule(group, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pool_state)
             o[t] = o_group.squeeze(0)
             if final:
-                recurrent[s] = final_group
+                recurrent[group.segments] = final_group
         return o, conv_state, recurrent
 
-    def delta_rule(self, group: KernelGroup, q, k, v, g, beta, state0, final: bool):
+    def delta_rule(self, group: KernelGroup, q, k, v, g, beta, pool_state: torch.Tensor | None):
+        """One kernel over a group: ours for short rows (reads the pool in place), fla's otherwise."""
+        if pool_state is not None and group.recurrent:
+            o = self._recurrent_rows(q[0], k[0], v[0], g[0], beta[0], pool_state, group.slots, group.cu)
+            return o.unsqueeze(0), None
+        # Long rows (over RECURRENT_MAX_LEN tokens) take fla's chunked kernel from a gathered copy of their states.
+        state0 = None if pool_state is None else pool_state.index_select(0, group.slots)
         kernel = self._recurrent if group.recurrent else self._chunk
         return kernel(
             q,
@@ -470,7 +478,7 @@ class FusedQwen35:
             g=g,
             beta=beta,
             initial_state=state0,
-            output_final_state=final,
+            output_final_state=pool_state is None,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=group.cu,
         )

@@ -105,3 +105,99 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
             x2, z2, weight, y, D, eps, x2.stride(0), z2.stride(0), y.stride(0), BLOCK=triton.next_power_of_2(D)
         )
     return y.view(x.shape)
+
+
+@triton.jit
+def _recurrent_rows_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_gt,
+    stride_ot,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    n, hv = i_nh // HV, i_nh % HV
+    hk = hv // (HV // H)  # each key head serves HV // H consecutive value heads
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # The state this row continues, read in place from its bank slot: [K, BV] of [Hv, K, V], fp32.
+    h = tl.load(pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :])
+    for t in range(bos, eos):
+        b_q = tl.load(q + t * stride_t + hk * K + o_k).to(tl.float32)
+        b_k = tl.load(k + t * stride_t + hk * K + o_k).to(tl.float32)
+        b_v = tl.load(v + t * stride_vt + hv * V + o_v).to(tl.float32)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_g = tl.load(g + t * stride_gt + hv).to(tl.float32)
+        b_beta = tl.load(beta + t * stride_gt + hv).to(tl.float32)
+        h = h * tl.exp(b_g)
+        b_u = (b_v - tl.sum(h * b_k[:, None], axis=0)) * b_beta
+        h = h + b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(h * b_q[:, None], axis=0)
+        tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
+
+
+def recurrent_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+) -> torch.Tensor:
+    """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it.
+
+    q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); g (log decay,
+    fp32) and beta: [T, HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu: [N + 1] token offsets. q and k are
+    L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel` does. Nothing is written back.
+    Returns o [T, HV, V] in q's dtype.
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
+    assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous() and g.is_contiguous()
+    assert beta.stride() == g.stride()
+    o = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
+    BV = min(32, V)
+    n = slots.shape[0]
+    if n:
+        _recurrent_rows_kernel[(triton.cdiv(V, BV), n * HV)](
+            q,
+            k,
+            v,
+            g,
+            beta,
+            pool,
+            slots,
+            cu,
+            o,
+            K**-0.5,
+            q.stride(0),
+            v.stride(0),
+            g.stride(0),
+            o.stride(0),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BV=BV,
+        )
+    return o

@@ -1,0 +1,66 @@
+"""The fused path's own Triton kernels against torch references, in Triton's interpreter (on CPU, in a subprocess so
+the interpreter setting never reaches GPU tests in the same run). On the GPU the parity tests cover them again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = r"""
+import torch
+from kev_backend.kernels import gated_rms_norm, recurrent_rows, rms_norm
+from kev_backend.qwen35 import gated_delta_rule, l2_normalize
+
+torch.manual_seed(0)
+# RMSNorm with the fp32 residual stream, on a strided input (a slice of a wider projection), and gated RMSNorm.
+for D, N in [(64, 3), (256, 37)]:
+    wide = torch.randn(N, D + 7)
+    x, residual, w, z = wide[:, 3 : 3 + D], torch.randn(N, D), 1 + 0.1 * torch.randn(D), torch.randn(N, D)
+    y, out = rms_norm(x, w, 1e-6, residual, store_residual=True)
+    h = x + residual
+    assert torch.equal(out, h)
+    ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert ((y - ref).abs().max() / ref.abs().max()) < 1e-6
+    y, none = rms_norm(x, w, 1e-6)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert none is None and ((y - ref).abs().max() / ref.abs().max()) < 1e-6
+    y = gated_rms_norm(x, z, w, 1e-6)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w * torch.nn.functional.silu(z)
+    assert ((y - ref).abs().max() / ref.abs().max()) < 1e-6
+
+# Rows continuing states read in place from a pool, against the fp32 chunked reference from a copied state.
+H, HV, K, V = 2, 4, 16, 32
+lens = [5, 1, 9]
+T = sum(lens)
+cu = torch.tensor([0, 5, 6, 15])
+mixed = torch.randn(T, 2 * H * K + HV * V + 3)
+q = mixed[:, : H * K].view(T, H, K)
+k = mixed[:, H * K : 2 * H * K].view(T, H, K)
+v = mixed[:, 2 * H * K : 2 * H * K + HV * V].view(T, HV, V)
+g, beta = -torch.rand(T, HV), torch.rand(T, HV)
+pool = torch.randn(6, HV, K, V)
+before = pool.clone()
+slots = torch.tensor([4, 1, 4])
+o = recurrent_rows(q, k, v, g, beta, pool, slots, cu)
+assert torch.equal(pool, before)  # nothing written back
+rep = HV // H
+for n in range(3):
+    a, b = cu[n].item(), cu[n + 1].item()
+    qq = l2_normalize(q[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None]) * K**-0.5
+    kk = l2_normalize(k[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None])
+    ref, _ = gated_delta_rule(qq, kk, v[a:b].transpose(0, 1)[None], g[a:b].T[None], beta[a:b].T[None],
+                              pool[slots[n]][None].clone())
+    assert (o[a:b] - ref[0].transpose(0, 1)).abs().max() < 1e-5, n
+print("ok")
+"""
+
+
+def test_kernels_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
