@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -310,38 +310,63 @@ class PassInput:
     states: Segments | None  # new states computed in this pass
     state_kv_dst: torch.Tensor | None  # pool K/V index of each new-state token
     rows: Segments
-    row_kv_src: torch.Tensor  # pool K/V index of every row's state prefix, row by row
-    row_kv_prefix_dst: torch.Tensor  # where those go in the packed row K/V
-    row_kv_own_dst: torch.Tensor  # where each row token's own K/V goes in the packed row K/V
-    row_kv_cu: torch.Tensor  # int32 cu_seqlens of the packed row K/V (prefix + row)
-    row_kv_tokens: int
-    max_row_kv: int
+    row_prefix: torch.Tensor  # pool K/V index of the tokens of each state the rows continue, one run per state
+    row_prefix_start: torch.Tensor  # where each row's state run starts in row_prefix
+    row_prefix_len: torch.Tensor  # its length (the state's tokens)
     picks: torch.Tensor  # pass token index of every </opt> and <decide> read by the head
 
 
-class FusedQwen35:
-    """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
+@dataclass(frozen=True)
+class PassKernels:
+    """The GPU kernels of a pass: fla's causal conv and delta rule and torch's varlen attention for new states and
+    long rows, ours (kev_backend.kernels) for norms and for rows reading the bank in place. A CPU test substitutes
+    torch references with the same signatures to check the pass's plumbing."""
 
-    def __init__(self, weights: FusedWeights, pool: StatePool) -> None:
-        # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
-        # would then move with the batch they ride in.
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    conv: Callable
+    chunk: Callable
+    recurrent: Callable
+    attention: Callable
+    rms_norm: Callable
+    gated_rms_norm: Callable
+    recurrent_rows: Callable
+    conv_rows: Callable
+    rows_attention: Callable
+
+    @classmethod
+    def gpu(cls) -> PassKernels:
         from fla.modules.causal_conv1d import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         from torch.nn.attention.varlen import varlen_attn
 
         from . import kernels
 
+        return cls(
+            causal_conv1d,
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+            varlen_attn,
+            kernels.rms_norm,
+            kernels.gated_rms_norm,
+            kernels.recurrent_rows,
+            kernels.conv_rows,
+            kernels.rows_attention,
+        )
+
+
+class FusedQwen35:
+    """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
+
+    def __init__(self, weights: FusedWeights, pool: StatePool, kernels: PassKernels | None = None) -> None:
+        # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
+        # would then move with the batch they ride in.
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        k = kernels or PassKernels.gpu()
         self.w = weights
         self.pool = pool
         self.c = weights.config
-        self._conv = causal_conv1d
-        self._gated_norm = kernels.gated_rms_norm
-        self._rms_norm = kernels.rms_norm
-        self._recurrent_rows = kernels.recurrent_rows
-        self._chunk = chunk_gated_delta_rule
-        self._recurrent = fused_recurrent_gated_delta_rule
-        self._attn = varlen_attn
+        self._conv, self._chunk, self._recurrent, self._attn = k.conv, k.chunk, k.recurrent, k.attention
+        self._rms_norm, self._gated_norm = k.rms_norm, k.gated_rms_norm
+        self._recurrent_rows, self._conv_rows, self._rows_attention = k.recurrent_rows, k.conv_rows, k.rows_attention
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
@@ -397,18 +422,23 @@ class FusedQwen35:
         out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
         if p.states is not None:
             s = p.states
-            o, conv_state, recurrent = self.deltanet_segments(
-                layer, qkv[s.start : s.end], a[s.start : s.end], b[s.start : s.end], s, None, None
+            mixed, conv_state = self._conv(
+                qkv[s.start : s.end].contiguous().unsqueeze(0),
+                layer.conv,
+                output_final_state=True,
+                activation="silu",
+                cu_seqlens=s.cu,
             )
+            o, recurrent = self.deltanet_segments(layer, mixed[0], a[s.start : s.end], b[s.start : s.end], s, None)
             # The states' end caches go into their bank slots (fresh slots: nothing else reads them yet).
             self.pool.conv[index].index_copy_(0, s.slot_index, conv_state.to(self.pool.conv.dtype))
             self.pool.recurrent[index].index_copy_(0, s.slot_index, recurrent)
             out[s.start : s.end] = o
+        # Rows continue their state's conv window and recurrent state, read in place from the bank by slot.
         r = p.rows
-        # Rows read their state's recurrent state in place (by slot); only the small conv window is gathered.
-        conv0 = self.pool.conv[index].index_select(0, r.slot_index)
-        o, _, _ = self.deltanet_segments(
-            layer, qkv[r.start : r.end], a[r.start : r.end], b[r.start : r.end], r, conv0, self.pool.recurrent[index]
+        mixed = self._conv_rows(qkv[r.start : r.end], layer.conv, self.pool.conv[index], r.slot_index, r.cu)
+        o, _ = self.deltanet_segments(
+            layer, mixed, a[r.start : r.end], b[r.start : r.end], r, self.pool.recurrent[index]
         )
         out[r.start : r.end] = o
         normed = self._gated_norm(
@@ -422,27 +452,18 @@ class FusedQwen35:
     def deltanet_segments(
         self,
         layer: LayerWeights,
-        qkv: torch.Tensor,
+        mixed: torch.Tensor,
         a: torch.Tensor,
         b: torch.Tensor,
         seg: Segments,
-        conv0: torch.Tensor | None,
         pool_state: torch.Tensor | None,
     ):
-        """States (pool_state None) run from empty caches and return their end caches; rows continue the states in
-        `pool_state` [slots, Hv, Dk, Dv] and write nothing back."""
+        """The delta rule over conv outputs `mixed` [T, conv_dim]. States (pool_state None) run from empty and
+        return their end states; rows continue the states in `pool_state` [slots, Hv, Dk, Dv], writing nothing."""
         c = self.c
         final = pool_state is None
-        mixed, conv_state = self._conv(
-            qkv.contiguous().unsqueeze(0),
-            layer.conv,
-            initial_state=conv0,
-            output_final_state=final,
-            activation="silu",
-            cu_seqlens=seg.cu,
-        )
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        T = qkv.shape[0]
+        q, k, v = mixed.unsqueeze(0).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        T = mixed.shape[0]
         q = q.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
         k = k.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
         v = v.reshape(1, T, c.linear_num_value_heads, c.linear_value_head_dim)
@@ -450,18 +471,18 @@ class FusedQwen35:
         beta = torch.sigmoid(b).unsqueeze(0)
         if len(seg.groups) == 1:
             o, recurrent = self.delta_rule(seg.groups[0], q, k, v, g, beta, pool_state)
-            return o.squeeze(0), conv_state, recurrent
-        o = torch.empty(T, c.linear_num_value_heads, c.linear_value_head_dim, device=qkv.device, dtype=qkv.dtype)
+            return o.squeeze(0), recurrent
+        o = torch.empty(T, c.linear_num_value_heads, c.linear_value_head_dim, device=mixed.device, dtype=mixed.dtype)
         recurrent = None
         if final:
-            recurrent = torch.empty(len(seg.lengths), *self.pool.recurrent.shape[2:], device=qkv.device)
+            recurrent = torch.empty(len(seg.lengths), *self.pool.recurrent.shape[2:], device=mixed.device)
         for group in seg.groups:
             t = group.tokens
             o_group, final_group = self.delta_rule(group, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pool_state)
             o[t] = o_group.squeeze(0)
             if final:
                 recurrent[group.segments] = final_group
-        return o, conv_state, recurrent
+        return o, recurrent
 
     def delta_rule(self, group: KernelGroup, q, k, v, g, beta, pool_state: torch.Tensor | None):
         """One kernel over a group: ours for short rows (reads the pool in place), fla's otherwise."""
@@ -507,22 +528,18 @@ class FusedQwen35:
             keys.index_copy_(0, p.state_kv_dst, ks)
             values.index_copy_(0, p.state_kv_dst, vs)
         r = p.rows
-        # Each row attends to [its state's K/V | its own K/V], packed contiguously (bottom-right causal).
-        packed_k = torch.empty(p.row_kv_tokens, Hkv, D, device=x.device, dtype=x.dtype)
-        packed_v = torch.empty_like(packed_k)
-        packed_k[p.row_kv_prefix_dst] = keys.index_select(0, p.row_kv_src)
-        packed_v[p.row_kv_prefix_dst] = values.index_select(0, p.row_kv_src)
-        packed_k[p.row_kv_own_dst] = k[r.start : r.end]
-        packed_v[p.row_kv_own_dst] = v[r.start : r.end]
-        out[r.start : r.end] = self._attn(
+        # Each row attends to [its state's K/V, read in place from the bank | its own K/V], bottom-right causal.
+        out[r.start : r.end] = self._rows_attention(
             q[r.start : r.end],
-            packed_k,
-            packed_v,
-            r.cu32,
-            p.row_kv_cu,
+            k[r.start : r.end],
+            v[r.start : r.end],
+            keys,
+            values,
+            p.row_prefix,
+            p.row_prefix_start,
+            p.row_prefix_len,
+            r.cu,
             max(r.lengths),
-            p.max_row_kv,
-            window_size=(-1, 0),
         )
         out = out.view(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))
         return F.linear(out, layer.out_proj)
@@ -562,6 +579,7 @@ class FusedScorer:
         pass_tokens: int = 32_768,
         max_state_tokens: int = 65_536,
         dtype: torch.dtype = torch.bfloat16,
+        kernels: PassKernels | None = None,
     ) -> None:
         self.device = next(model.parameters()).device
         self.weights = FusedWeights(model, dtype)
@@ -572,8 +590,9 @@ class FusedScorer:
         self.max_state_tokens = max_state_tokens
         self.bank_bytes = bank_bytes
         self.dtype = dtype
+        self.kernels = kernels
         self.bank = self._new_bank()
-        self.model = FusedQwen35(self.weights, self.bank.pool)
+        self.model = FusedQwen35(self.weights, self.bank.pool, kernels)
         self.oom_retries = 0
 
     def _new_bank(self) -> GpuBank:
@@ -598,7 +617,7 @@ class FusedScorer:
             self.bank = None  # type: ignore[assignment]
             torch.cuda.empty_cache()
             self.bank = self._new_bank()
-            self.model = FusedQwen35(self.weights, self.bank.pool)
+            self.model = FusedQwen35(self.weights, self.bank.pool, self.kernels)
             return self._probabilities(batch)
 
     def _probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
@@ -682,28 +701,26 @@ class FusedScorer:
             positions.extend(range(len(state)))
             state_kv_dst.extend(slots[state].kv_index(page))
         n_state_tokens = len(ids)
-        kv_src: list[int] = []
-        kv_prefix_dst: list[int] = []
-        kv_own_dst: list[int] = []
-        kv_offsets = [0]
+        # Each state's pool K/V index once; every row points at its state's run.
+        prefix: list[int] = []
+        runs: dict[tuple[int, ...], int] = {}
+        prefix_start: list[int] = []
         picks: list[int] = []
         for row in rows:
+            if row.state not in runs:
+                runs[row.state] = len(prefix)
+                prefix.extend(slots[row.state].kv_index(page))
+            prefix_start.append(runs[row.state])
             start = len(ids)
             tokens = row.tokens.tokens
             ids.extend(tokens)
             positions.extend(range(len(row.state), len(row.state) + len(tokens)))
-            base = kv_offsets[-1]
-            prefix = slots[row.state].kv_index(page)
-            kv_src.extend(prefix)
-            kv_prefix_dst.extend(range(base, base + len(prefix)))
-            kv_own_dst.extend(range(base + len(prefix), base + len(prefix) + len(tokens)))
-            kv_offsets.append(base + len(prefix) + len(tokens))
             picks.append(start + row.tokens.decide)
             picks.extend(start + i for i in row.tokens.option_ends)
         device = self.device
 
-        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
 
         states = None
         if new:
@@ -717,11 +734,8 @@ class FusedScorer:
             states=states,
             state_kv_dst=tensor(state_kv_dst) if new else None,
             rows=row_segments,
-            row_kv_src=tensor(kv_src),
-            row_kv_prefix_dst=tensor(kv_prefix_dst),
-            row_kv_own_dst=tensor(kv_own_dst),
-            row_kv_cu=tensor(kv_offsets, torch.int32),
-            row_kv_tokens=kv_offsets[-1],
-            max_row_kv=max(b - a for a, b in zip(kv_offsets, kv_offsets[1:])),
+            row_prefix=tensor(prefix),
+            row_prefix_start=tensor(prefix_start),
+            row_prefix_len=tensor([len(r.state) for r in rows]),
             picks=tensor(picks),
         )

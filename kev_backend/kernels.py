@@ -201,3 +201,169 @@ def recurrent_rows(
             BV=BV,
         )
     return o
+
+
+@triton.jit
+def _conv_rows_kernel(x, weight, pool, slots, cu, y, C, stride_xt, stride_yt, W: tl.constexpr, BC: tl.constexpr):
+    i_c, n = tl.program_id(0), tl.program_id(1)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    # The window the row continues: the state's last W-1 inputs, [C, W] right-aligned in its bank slot.
+    base = pool + (slot * C + o_c) * W
+    x3 = tl.load(base + 1, mask=m_c, other=0.0).to(tl.float32)  # x_{-3}
+    x2 = tl.load(base + 2, mask=m_c, other=0.0).to(tl.float32)  # x_{-2}
+    x1 = tl.load(base + 3, mask=m_c, other=0.0).to(tl.float32)  # x_{-1}
+    w0 = tl.load(weight + o_c * W + 0, mask=m_c, other=0.0).to(tl.float32)
+    w1 = tl.load(weight + o_c * W + 1, mask=m_c, other=0.0).to(tl.float32)
+    w2 = tl.load(weight + o_c * W + 2, mask=m_c, other=0.0).to(tl.float32)
+    w3 = tl.load(weight + o_c * W + 3, mask=m_c, other=0.0).to(tl.float32)
+    for t in range(bos, eos):
+        x0 = tl.load(x + t * stride_xt + o_c, mask=m_c, other=0.0).to(tl.float32)
+        acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
+        out = acc * tl.sigmoid(acc)
+        tl.store(y + t * stride_yt + o_c, out.to(y.dtype.element_ty), mask=m_c)
+        x3, x2, x1 = x2, x1, x0
+
+
+def conv_rows(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor
+) -> torch.Tensor:
+    """Depthwise causal conv (kernel 4) + SiLU for question rows, each continuing the conv window held in
+    `pool[slots[n]]` ([C, 4], right-aligned as fla keeps it) without copying it. x: [T, C] with unit channel
+    stride; weight: [C, 4]. Returns y [T, C] in x's dtype; nothing is written back."""
+    T, C = x.shape
+    W = weight.shape[1]
+    assert W == 4 and x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
+    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    BC = 256
+    if slots.shape[0]:
+        _conv_rows_kernel[(triton.cdiv(C, BC), slots.shape[0])](
+            x, weight, pool, slots, cu, y, C, x.stride(0), y.stride(0), W=W, BC=BC
+        )
+    return y
+
+
+@triton.jit
+def _rows_attention_kernel(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    o,
+    prefix,
+    prefix_start,
+    prefix_len,
+    cu,
+    scale,
+    stride_qt,
+    stride_kt,
+    stride_pt,
+    stride_ot,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
+    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    n, h = i_nh // HQ, i_nh % HQ
+    hk = h // (HQ // HKV)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    L = eos - bos
+    if i_m * BM < L:
+        p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
+        o_m = i_m * BM + tl.arange(0, BM)
+        m_m = o_m < L
+        o_d = tl.arange(0, D)
+        b_q = tl.load(q + (bos + o_m)[:, None] * stride_qt + h * D + o_d[None, :], mask=m_m[:, None], other=0.0)
+        m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, D], dtype=tl.float32)
+        # The state's K/V, read in place from the bank pool through its token index.
+        for start in range(0, P, BN):
+            o_n = start + tl.arange(0, BN)
+            m_n = o_n < P
+            idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
+            b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            s = tl.dot(b_q, tl.trans(b_k)) * scale
+            s = tl.where(m_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+            m_i = m_new
+        # The row's own K/V, causal.
+        for start in range(0, (i_m + 1) * BM, BN):
+            o_n = start + tl.arange(0, BN)
+            m_n = o_n < L
+            b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(v + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            s = tl.dot(b_q, tl.trans(b_k)) * scale
+            s = tl.where(m_n[None, :] & (o_n[None, :] <= o_m[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            o + (bos + o_m)[:, None] * stride_ot + h * D + o_d[None, :], out.to(o.dtype.element_ty), mask=m_m[:, None]
+        )
+
+
+def rows_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    prefix: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    """Attention of question rows over [their state's K/V | their own K/V], bottom-right causal, GQA.
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D] (the rows' own, contiguous); k_pool, v_pool: [tokens, Hkv, D] bank pool;
+    prefix: pool token indices of the states' tokens, one run per state; row n's state is the run of
+    prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets. The state's K/V are read where
+    the bank keeps them, never copied per row.
+    """
+    T, HQ, D = q.shape
+    HKV = k.shape[1]
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k_pool.is_contiguous()
+    assert v_pool.stride() == k_pool.stride() and v.stride() == k.stride()
+    o = torch.empty_like(q)
+    n = cu.shape[0] - 1
+    BM, BN = 16, 64 if D <= 128 else 32
+    if n:
+        _rows_attention_kernel[(triton.cdiv(max_len, BM), n * HQ)](
+            q,
+            k,
+            v,
+            k_pool,
+            v_pool,
+            o,
+            prefix,
+            prefix_start,
+            prefix_len,
+            cu,
+            D**-0.5,
+            q.stride(0),
+            k.stride(0),
+            k_pool.stride(0),
+            o.stride(0),
+            HQ=HQ,
+            HKV=HKV,
+            D=D,
+            BM=BM,
+            BN=BN,
+        )
+    return o

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from kev_backend.kernels import gated_rms_norm, recurrent_rows, rms_norm
+from kev_backend.kernels import conv_rows, gated_rms_norm, recurrent_rows, rms_norm, rows_attention
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
 torch.manual_seed(0)
@@ -32,6 +32,36 @@ for D, N in [(64, 3), (256, 37)]:
     y = gated_rms_norm(x, z, w, 1e-6)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w * torch.nn.functional.silu(z)
     assert ((y - ref).abs().max() / ref.abs().max()) < 1e-6
+
+# Rows' conv continuing the window held in a pool, and rows' attention over pool K/V by index.
+from kev_backend.qwen35 import causal_attention
+
+cu = torch.tensor([0, 7, 27, 28])
+T = 28
+C = 300
+wide = torch.randn(T, C + 5)
+x, w, pool, slots = wide[:, 2 : 2 + C], torch.randn(C, 4), torch.randn(5, C, 4), torch.tensor([3, 0, 3])
+y = conv_rows(x, w, pool, slots, cu)
+for n in range(3):
+    a, b = cu[n].item(), cu[n + 1].item()
+    seq = torch.cat([pool[slots[n]][:, 1:], x[a:b].T], dim=1)
+    ref = torch.nn.functional.silu(torch.nn.functional.conv1d(seq[None], w[:, None, :], groups=C))[0].T
+    assert (y[a:b] - ref).abs().max() < 1e-5, n
+HQ, HKV, D = 4, 2, 32
+kp, vp = torch.randn(200, HKV, D), torch.randn(200, HKV, D)
+runs = [[3, 4, 5, 6, 100, 101], list(range(40, 77))]
+prefix = torch.tensor(runs[0] + runs[1])
+row_runs = [0, 1, 0]  # rows 0 and 2 continue the same state
+start, length = torch.tensor([0, 6, 0]), torch.tensor([6, 37, 6])
+q, k, v = torch.randn(T, HQ, D), torch.randn(T, HKV, D), torch.randn(T, HKV, D)
+o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+for n in range(3):
+    a, b = cu[n].item(), cu[n + 1].item()
+    idx = runs[row_runs[n]]
+    K = torch.cat([kp[idx], k[a:b]]).transpose(0, 1)[None]
+    V = torch.cat([vp[idx], v[a:b]]).transpose(0, 1)[None]
+    ref = causal_attention(q[a:b].transpose(0, 1)[None], K, V, D**-0.5)[0].transpose(0, 1)
+    assert (o[a:b] - ref).abs().max() < 1e-5, n
 
 # Rows continuing states read in place from a pool, against the fp32 chunked reference from a copied state.
 H, HV, K, V = 2, 4, 16, 32

@@ -1,0 +1,118 @@
+"""Torch stand-ins, with the same signatures, for every kernel of a fused pass (fla's, varlen_attn, ours).
+
+They let the fused pass (pool writes, rows reading the bank by slot, picks, norms) run on a CPU against the
+reference engine. Our Triton kernels are checked against torch in Triton's interpreter (test_kernels.py), fla's
+and varlen_attn on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kev_backend.fused import PassKernels
+from kev_backend.qwen35 import causal_attention, gated_delta_rule, l2_normalize
+
+
+def bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
+    offsets = cu.tolist()
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def conv(x, weight, initial_state=None, output_final_state=False, activation="silu", cu_seqlens=None):
+    assert initial_state is None and activation == "silu"
+    W = weight.shape[1]
+    outputs, finals = [], []
+    for a, b in bounds(cu_seqlens):
+        seq = torch.cat([x.new_zeros(x.shape[2], W - 1), x[0, a:b].T], dim=1)
+        outputs.append(F.silu(F.conv1d(seq[None], weight[:, None, :], groups=weight.shape[0]))[0].T)
+        finals.append(torch.cat([x.new_zeros(x.shape[2], 1), seq], dim=1)[:, -W:])
+    return torch.cat(outputs)[None], (torch.stack(finals) if output_final_state else None)
+
+
+def delta_rule(
+    q,
+    k,
+    v,
+    g=None,
+    beta=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=True,
+    cu_seqlens=None,
+):
+    rep = v.shape[2] // q.shape[2]
+    outputs, finals = [], []
+    for n, (a, b) in enumerate(bounds(cu_seqlens)):
+        qq = l2_normalize(q[0, a:b].float().repeat_interleave(rep, 1).transpose(0, 1)[None]) * q.shape[-1] ** -0.5
+        kk = l2_normalize(k[0, a:b].float().repeat_interleave(rep, 1).transpose(0, 1)[None])
+        h0 = None if initial_state is None else initial_state[n][None]
+        o, state = gated_delta_rule(
+            qq, kk, v[0, a:b].float().transpose(0, 1)[None], g[0, a:b].T[None], beta[0, a:b].float().T[None], h0
+        )
+        outputs.append(o[0].transpose(0, 1).to(v.dtype))
+        finals.append(state[0])
+    return torch.cat(outputs)[None], (torch.stack(finals) if output_final_state else None)
+
+
+def attention(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1)):
+    assert window_size == (-1, 0)
+    out = []
+    for (a, b), (c, d) in zip(bounds(cu_q), bounds(cu_k)):
+        o = causal_attention(
+            q[a:b].transpose(0, 1)[None],
+            k[c:d].transpose(0, 1)[None],
+            v[c:d].transpose(0, 1)[None],
+            q.shape[-1] ** -0.5,
+        )
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def rms_norm(x, weight, eps, residual=None, store_residual=False):
+    h = x.float() + (residual if residual is not None else 0.0)
+    y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+    return y, (h if store_residual else None)
+
+
+def gated_rms_norm(x, z, weight, eps):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight * F.silu(z.float())).to(x.dtype)
+
+
+def recurrent_rows(q, k, v, g, beta, pool, slots, cu):
+    o, _ = delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=pool[slots], cu_seqlens=cu)
+    return o[0]
+
+
+def conv_rows(x, weight, pool, slots, cu):
+    out = []
+    for (a, b), slot in zip(bounds(cu), slots.tolist()):
+        seq = torch.cat([pool[slot][:, 1:], x[a:b].T], dim=1)
+        out.append(F.silu(F.conv1d(seq[None], weight[:, None, :], groups=weight.shape[0]))[0].T)
+    return torch.cat(out)
+
+
+def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu, max_len):
+    out = []
+    for n, (a, b) in enumerate(bounds(cu)):
+        idx = prefix[prefix_start[n] : prefix_start[n] + prefix_len[n]]
+        keys, values = torch.cat([k_pool[idx], k[a:b]]), torch.cat([v_pool[idx], v[a:b]])
+        o = causal_attention(
+            q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], q.shape[-1] ** -0.5
+        )
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+TORCH_KERNELS = PassKernels(
+    conv=conv,
+    chunk=delta_rule,
+    recurrent=delta_rule,
+    attention=attention,
+    rms_norm=rms_norm,
+    gated_rms_norm=gated_rms_norm,
+    recurrent_rows=recurrent_rows,
+    conv_rows=conv_rows,
+    rows_attention=rows_attention,
+)

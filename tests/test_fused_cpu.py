@@ -1,0 +1,45 @@
+"""The fused pass's plumbing on a CPU: fp32, torch stand-ins for its kernels (tests/fused_cpu_ops.py), against the
+reference engine. Catches wrong indices, slots, picks, pool writes and pass splits before any GPU time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kev_backend.engine import Engine, EngineOptions
+from kev_backend.fused import FusedScorer
+from kev_backend.parity import compare
+from kev_backend.workloads import realistic, short6
+
+from .fused_cpu_ops import TORCH_KERNELS
+
+
+def test_fused_pass_answers_like_the_reference(tiny_dir: Path) -> None:
+    reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
+    ck = reference.checkpoint
+    fused = FusedScorer(
+        ck.model,
+        ck.head,
+        ck.temperature,
+        reference.tokenizer.delimiters.pad,
+        bank_bytes=1 << 26,
+        pass_tokens=600,
+        dtype=torch.float32,
+        kernels=TORCH_KERNELS,
+    )
+    requests = realistic(60, seed=7, min_words=5, max_words=150) + [short6(1), short6(), short6()]
+    # Questions over 64 tokens take the chunked kernel from gathered states; a state over 64 tokens too.
+    long_question = {"type": "noul", "instructions": " ".join(["order"] * 70)}
+    requests.append({"state": "x y", "questions": {"q": long_question, "r": requests[0]["questions"]["q0"]}})
+    encoded = [reference.prepare(r)[1] for r in requests]
+    expected = reference.scorer.probabilities(encoded)
+    first = fused.probabilities(encoded)  # several passes (600-token budget): new states and bank hits mixed
+    assert fused.bank.stats.misses > 0
+    hits = fused.bank.stats.hits
+    again = fused.probabilities(encoded)  # every state from the bank
+    assert fused.bank.stats.hits > hits
+    alone = [fused.probabilities([e])[0] for e in encoded]
+    for result in (first, again, alone):
+        report = compare(expected, result)
+        assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
