@@ -256,6 +256,15 @@ def main() -> None:
             entry["p50_ms"][str(clients)] = result["p50_ms"]
             entry["mean_batch"][str(clients)] = result["mean_batch"]
             print(f"{label} clients={clients} {result}", flush=True)
+        # The same new-state latency and 64-client throughput with new states in a pass of their own before the
+        # rows: whether one shared pass through the weights pays.
+        if hasattr(engine.scorer, "split_passes"):
+            engine.scorer.split_passes = True
+            entry["split_passes"] = {"new_ms": latency(engine, make)["new_ms"]}
+            throughput(engine, make, 64, 1.0)
+            entry["split_passes"]["rps_64"] = throughput(engine, make, 64, seconds)["rps"]
+            engine.scorer.split_passes = False
+            print(f"{label} split passes {entry['split_passes']}", flush=True)
         cost = request_cost(engine, make(0))
         entry["tokens"] = cost["tokens"]
         entry["floor_rps"] = floor_rps(cost, ceil)

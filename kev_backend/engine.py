@@ -36,6 +36,7 @@ class EngineOptions:
     # "auto": the fused GPU path on CUDA with fla and a bf16/fp16 model, else the reference path.
     backend: str = "auto"
     pass_tokens: int = 32_768  # fused path: tokens per pass (new states, rows and the prefixes rows read)
+    split_passes: bool = False  # fused path: new states in a pass of their own before the rows
     bank_bytes: int = 1 << 30
     row_pass_tokens: int = 16_384
     limits: Limits = field(default_factory=Limits)
@@ -78,6 +79,7 @@ class Engine:
                 self.options.bank_bytes,
                 pass_tokens=self.options.pass_tokens,
                 max_state_tokens=self.options.limits.max_state_tokens,
+                split_passes=self.options.split_passes,
             )
         else:
             self.scorer = ReferenceScorer(

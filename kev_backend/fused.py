@@ -309,7 +309,7 @@ class PassInput:
     positions: torch.Tensor  # [T]
     states: Segments | None  # new states computed in this pass
     state_kv_dst: torch.Tensor | None  # pool K/V index of each new-state token
-    rows: Segments
+    rows: Segments | None  # question rows (None: a pass of new states only)
     row_prefix: torch.Tensor  # pool K/V index of the tokens of each state the rows continue, one run per state
     row_prefix_start: torch.Tensor  # where each row's state run starts in row_prefix
     row_prefix_len: torch.Tensor  # its length (the state's tokens)
@@ -400,6 +400,8 @@ class FusedQwen35:
                 break
             x, residual = self.norm(hidden, layer.post_norm, residual)
             hidden = self.mlp(layer, x)
+        if p.picks.numel() == 0:  # a pass of new states only: their caches are in the bank now
+            return hidden.new_empty(0, hidden.shape[-1], dtype=torch.float32)
         # Only the picked tokens go through the last MLP and the final norm.
         h = residual[p.picks] + hidden[p.picks].float()
         x = self.rms_fp32(h, w.layers[last].post_norm)
@@ -435,12 +437,12 @@ class FusedQwen35:
             self.pool.recurrent[index].index_copy_(0, s.slot_index, recurrent)
             out[s.start : s.end] = o
         # Rows continue their state's conv window and recurrent state, read in place from the bank by slot.
-        r = p.rows
-        mixed = self._conv_rows(qkv[r.start : r.end], layer.conv, self.pool.conv[index], r.slot_index, r.cu)
-        o, _ = self.deltanet_segments(
-            layer, mixed, a[r.start : r.end], b[r.start : r.end], r, self.pool.recurrent[index]
-        )
-        out[r.start : r.end] = o
+        if (r := p.rows) is not None:
+            mixed = self._conv_rows(qkv[r.start : r.end], layer.conv, self.pool.conv[index], r.slot_index, r.cu)
+            o, _ = self.deltanet_segments(
+                layer, mixed, a[r.start : r.end], b[r.start : r.end], r, self.pool.recurrent[index]
+            )
+            out[r.start : r.end] = o
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
             z.reshape(-1, c.linear_value_head_dim),
@@ -527,20 +529,20 @@ class FusedQwen35:
             )
             keys.index_copy_(0, p.state_kv_dst, ks)
             values.index_copy_(0, p.state_kv_dst, vs)
-        r = p.rows
         # Each row attends to [its state's K/V, read in place from the bank | its own K/V], bottom-right causal.
-        out[r.start : r.end] = self._rows_attention(
-            q[r.start : r.end],
-            k[r.start : r.end],
-            v[r.start : r.end],
-            keys,
-            values,
-            p.row_prefix,
-            p.row_prefix_start,
-            p.row_prefix_len,
-            r.cu,
-            max(r.lengths),
-        )
+        if (r := p.rows) is not None:
+            out[r.start : r.end] = self._rows_attention(
+                q[r.start : r.end],
+                k[r.start : r.end],
+                v[r.start : r.end],
+                keys,
+                values,
+                p.row_prefix,
+                p.row_prefix_start,
+                p.row_prefix_len,
+                r.cu,
+                max(r.lengths),
+            )
         out = out.view(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))
         return F.linear(out, layer.out_proj)
 
@@ -580,6 +582,7 @@ class FusedScorer:
         max_state_tokens: int = 65_536,
         dtype: torch.dtype = torch.bfloat16,
         kernels: PassKernels | None = None,
+        split_passes: bool = False,
     ) -> None:
         self.device = next(model.parameters()).device
         self.weights = FusedWeights(model, dtype)
@@ -591,6 +594,8 @@ class FusedScorer:
         self.bank_bytes = bank_bytes
         self.dtype = dtype
         self.kernels = kernels
+        # One pass per batch: new states' and rows' tokens share every GEMM (False), or states then rows (True).
+        self.split_passes = split_passes
         self.bank = self._new_bank()
         self.model = FusedQwen35(self.weights, self.bank.pool, kernels)
         self.oom_retries = 0
@@ -677,8 +682,13 @@ class FusedScorer:
                 new.append(state)
             slots[state] = slot
         try:
-            p = self.pass_input(rows, new, slots)
-            picked = self.model.forward(p)
+            if self.split_passes and new:
+                # States first, in their own pass through the weights; then every row from the bank.
+                self.model.forward(self.pass_input([], new, slots))
+                new_in_pass: list[tuple[int, ...]] = []
+            else:
+                new_in_pass = new
+            picked = self.model.forward(self.pass_input(rows, new_in_pass, slots))
         except BaseException:
             for state in new:
                 self.bank.forget(state)
@@ -725,9 +735,11 @@ class FusedScorer:
         states = None
         if new:
             states = Segments(0, [len(s) for s in new], [slots[s].slot for s in new], device)
-        row_segments = Segments(
-            n_state_tokens, [len(r.tokens.tokens) for r in rows], [slots[r.state].slot for r in rows], device
-        )
+        row_segments = None
+        if rows:
+            row_segments = Segments(
+                n_state_tokens, [len(r.tokens.tokens) for r in rows], [slots[r.state].slot for r in rows], device
+            )
         return PassInput(
             ids=tensor(ids),
             positions=tensor(positions),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kev_backend.engine import Engine, EngineOptions
@@ -15,7 +16,8 @@ from kev_backend.workloads import realistic, short6
 from .fused_cpu_ops import TORCH_KERNELS
 
 
-def test_fused_pass_answers_like_the_reference(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("split_passes", [False, True])
+def test_fused_pass_answers_like_the_reference(tiny_dir: Path, split_passes: bool) -> None:
     reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
     fused = FusedScorer(
@@ -27,6 +29,7 @@ def test_fused_pass_answers_like_the_reference(tiny_dir: Path) -> None:
         pass_tokens=600,
         dtype=torch.float32,
         kernels=TORCH_KERNELS,
+        split_passes=split_passes,
     )
     requests = realistic(60, seed=7, min_words=5, max_words=150) + [short6(1), short6(), short6()]
     # Questions over 64 tokens take the chunked kernel from gathered states; a state over 64 tokens too.
