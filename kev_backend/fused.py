@@ -14,7 +14,6 @@ identity, so every pass builds fresh `cu_seqlens` tensors and never mutates them
 from __future__ import annotations
 
 import importlib.metadata
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .bank import LruIndex
 from .encoding import Encoded, EncodedQuestion
+from .gpu_bank import GpuBank, Slot, StatePool
 from .head import pointer_probabilities
-from .qwen35 import FULL_ATTENTION, Qwen35Config, Qwen35TextModel
+from .qwen35 import FULL_ATTENTION, Qwen35TextModel
 
 FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
 
@@ -117,116 +116,6 @@ class FusedWeights:
     def nbytes(self) -> int:
         tensors = [self.embed] + [t for w in self.layers for t in vars(w).values() if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# the state bank on the GPU
-
-
-@dataclass
-class Slot:
-    """Where one state lives in the pool: a DeltaNet slot and the pages of its attention K/V."""
-
-    slot: int
-    pages: list[int]
-    length: int
-    nbytes: int
-
-    def kv_index(self, page_size: int) -> list[int]:
-        return [self.pages[j // page_size] * page_size + j % page_size for j in range(self.length)]
-
-
-class StatePool:
-    """Preallocated bank storage: per GDN layer a conv window [slots, conv_dim, W] and an fp32 recurrent state
-    [slots, Hv, Dk, Dv]; per attention layer K and V in pages of `page_size` tokens. Fixed addresses, so passes
-    (and later CUDA graphs) read states by index."""
-
-    def __init__(
-        self, config: Qwen35Config, n_slots: int, n_pages: int, page_size: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
-        gdn = sum(t != FULL_ATTENTION for t in config.layer_types)
-        attn = len(config.layer_types) - gdn
-        c = config
-        self.page_size = page_size
-        self.recurrent = torch.zeros(
-            gdn,
-            n_slots,
-            c.linear_num_value_heads,
-            c.linear_key_head_dim,
-            c.linear_value_head_dim,
-            device=device,
-            dtype=torch.float32,
-        )
-        self.conv = torch.zeros(gdn, n_slots, c.conv_dim, c.linear_conv_kernel_dim, device=device, dtype=dtype)
-        kv_shape = (attn, n_pages * page_size, c.num_key_value_heads, c.head_dim)
-        self.keys = torch.zeros(kv_shape, device=device, dtype=dtype)
-        self.values = torch.zeros(kv_shape, device=device, dtype=dtype)
-        self.slot_bytes = self.recurrent[:, 0].numel() * 4 + self.conv[:, 0].numel() * self.conv.element_size()
-        self.page_bytes = 2 * attn * page_size * c.num_key_value_heads * c.head_dim * self.keys.element_size()
-        self.free_slots = list(range(n_slots))
-        self.free_pages = list(range(n_pages))
-
-    @classmethod
-    def sized(
-        cls,
-        config: Qwen35Config,
-        capacity_bytes: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        page_size: int = 64,
-        min_slots: int = 1,
-        min_tokens: int = 0,
-    ) -> StatePool:
-        """Half the bytes for DeltaNet slots, half for K/V pages (at least what one batch must hold)."""
-        probe = cls(config, 1, 1, page_size, torch.device("meta"), dtype)
-        slots = max(min_slots, capacity_bytes // 2 // probe.slot_bytes)
-        pages = max(math.ceil(min_tokens / page_size), capacity_bytes // 2 // max(probe.page_bytes, 1))
-        return cls(config, int(slots), int(pages), page_size, device, dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.recurrent, self.conv, self.keys, self.values))
-
-    def allocate(self, length: int) -> Slot | None:
-        n_pages = math.ceil(length / self.page_size)
-        if not self.free_slots or len(self.free_pages) < n_pages:
-            return None
-        pages = [self.free_pages.pop() for _ in range(n_pages)]
-        return Slot(self.free_slots.pop(), pages, length, self.slot_bytes + n_pages * self.page_bytes)
-
-    def release(self, slot: Slot) -> None:
-        self.free_slots.append(slot.slot)
-        self.free_pages.extend(slot.pages)
-
-
-class GpuBank(LruIndex[Slot]):
-    """The fused path's bank: states in a StatePool, evicted when the pool has no room for a new one. States of
-    the batch in flight are pinned."""
-
-    def __init__(self, pool: StatePool) -> None:
-        super().__init__()
-        self.pool = pool
-
-    def allocate(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> Slot | None:
-        """A slot for a new state, evicting least recently used unpinned states; None if the pinned ones fill it."""
-        while (slot := self.pool.allocate(len(key))) is None:
-            victim = next((k for k in self._entries if k not in pinned), None)
-            if victim is None:
-                return None
-            self._remove(victim)
-            self.stats.evictions += 1
-        self._add(key, slot)
-        return slot
-
-    def forget(self, key: tuple[int, ...]) -> None:
-        """Drops a state whose pass failed (its slot holds garbage)."""
-        if key in self._entries:
-            self._remove(key)
-
-    def _remove(self, key: tuple[int, ...]) -> Slot:
-        slot = super()._remove(key)
-        self.pool.release(slot)
-        return slot
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     """The fused path's bank logic (slots, pages, LRU, pinning) on CPU tensors; its kernels run on the GPU only."""
     import torch
 
-    from kev_backend.fused import GpuBank, StatePool
+    from kev_backend.gpu_bank import GpuBank, StatePool
     from kev_backend.qwen35 import Qwen35Config
 
     config = Qwen35Config.from_dict(json.loads((tiny_dir / "base" / "config.json").read_text()))
