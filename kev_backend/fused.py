@@ -535,8 +535,8 @@ class FusedScorer:
         return out
 
     def plan(self, rows: list[Row]) -> list[list[Row]]:
-        """Groups of rows per pass: whole states at a time, split only by the token budget (new-state tokens, row
-        tokens and the state prefixes the rows' attention reads) and by the bank's capacity."""
+        """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted
+        whether it is new or banked, plus its rows' tokens) and by the bank's capacity (states pinned in one pass)."""
         by_state: OrderedDict[tuple[int, ...], list[Row]] = OrderedDict()
         for row in rows:
             by_state.setdefault(row.state, []).append(row)
@@ -546,7 +546,7 @@ class FusedScorer:
         states = 0
         max_states = len(self.bank.pool.recurrent[0]) if len(self.bank.pool.recurrent) else 1 << 30
         for state, members in by_state.items():
-            need = len(state) + sum(2 * len(m.tokens.tokens) + len(state) for m in members)
+            need = len(state) + sum(len(m.tokens.tokens) for m in members)
             if current and (cost + need > self.pass_tokens or states + 1 > max_states):
                 groups.append(current)
                 current, cost, states = [], 0, 0
