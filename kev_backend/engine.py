@@ -37,10 +37,17 @@ class EngineOptions:
     backend: str = "auto"
     pass_tokens: int = 32_768  # fused path: tokens per pass (new states, rows and the prefixes rows read)
     split_passes: bool = False  # fused path: new states in a pass of their own before the rows
-    bank_bytes: int = 1 << 30
+    bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)
+
+    def resolved_bank_bytes(self, device: torch.device) -> int:
+        if self.bank_bytes is not None:
+            return self.bank_bytes
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory // 5
+        return 1 << 30
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -76,7 +83,7 @@ class Engine:
                 checkpoint.head,
                 checkpoint.temperature,
                 pad,
-                self.options.bank_bytes,
+                self.options.resolved_bank_bytes(self.device),
                 pass_tokens=self.options.pass_tokens,
                 max_state_tokens=self.options.limits.max_state_tokens,
                 split_passes=self.options.split_passes,
@@ -87,7 +94,7 @@ class Engine:
                 checkpoint.head,
                 checkpoint.temperature,
                 pad,
-                StateBank(self.options.bank_bytes),
+                StateBank(self.options.resolved_bank_bytes(self.device)),
                 self.options.row_pass_tokens,
             )
         self.last_batch = BatchReport()

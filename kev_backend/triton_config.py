@@ -28,7 +28,7 @@ def checkpoint_path(params: dict[str, str], model_dir: Path) -> Path:
 
 
 def engine_options(params: dict[str, str], device: str) -> EngineOptions:
-    def integer(key: str, default: int) -> int:
+    def integer(key: str, default: int | None) -> int | None:
         value = os.environ.get(f"KEV_{key.upper()}") or params.get(key, "")
         return int(value) if value else default
 
