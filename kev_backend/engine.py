@@ -35,7 +35,7 @@ class EngineOptions:
     device: str = "auto"  # "auto": CUDA when available, else CPU
     # "auto": the fused GPU path on CUDA with fla and a bf16/fp16 model, else the reference path.
     backend: str = "auto"
-    pass_tokens: int = 32_768  # fused path: tokens per pass (new states, rows and the prefixes rows read)
+    pass_tokens: int = 32_768  # fused path: tokens per pass (states, counted once, and their rows)
     split_passes: bool = False  # fused path: new states in a pass of their own before the rows
     bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
