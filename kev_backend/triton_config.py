@@ -44,3 +44,13 @@ def engine_options(params: dict[str, str], device: str) -> EngineOptions:
         limits=limits,
         load=load,
     )
+
+
+def warmup_requests(params: dict[str, str], model_dir: Path) -> list[str]:
+    """System One requests (one JSON per line) to answer at load, before the model reports ready: a customer's
+    shapes run once (and, on the GPU, compile and tune their kernels) before traffic arrives."""
+    raw = os.environ.get("KEV_WARMUP_REQUESTS") or params.get("warmup_requests", "")
+    if not raw:
+        return []
+    path = Path(raw) if Path(raw).is_absolute() else model_dir / raw
+    return [line for line in path.read_text().splitlines() if line.strip()]

@@ -78,7 +78,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_triton(checkpoint: Path, log: Path, timeout_s: float = 180.0, repository: Path | None = None) -> TritonServer:
+def start_triton(
+    checkpoint: Path, log: Path, timeout_s: float = 180.0, repository: Path | None = None, **extra_env: str
+) -> TritonServer:
     """The real tritonserver (build/serve.sh, as `make serve` runs it) on free loopback ports."""
     if not (REPO / "build" / ".tritonserver" / "bin" / "tritonserver").exists():
         pytest.fail("tritonserver is not installed: run `make setup`")
@@ -93,6 +95,7 @@ def start_triton(checkpoint: Path, log: Path, timeout_s: float = 180.0, reposito
         "METRICS_PORT": str(ports[2]),
         "GATEWAY": "0",
         "MODEL_REPOSITORY": str(repository or REPO / "model_repository"),
+        **extra_env,
     }
     handle = log.open("wb")
     process = subprocess.Popen([str(REPO / "build" / "serve.sh")], env=env, stdout=handle, stderr=subprocess.STDOUT)

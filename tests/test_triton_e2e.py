@@ -261,3 +261,19 @@ def grpc_input(body: dict) -> grpcclient.InferInput:
     inp = grpcclient.InferInput("REQUEST", [1, 1], "BYTES")
     inp.set_data_from_numpy(request_array(body))
     return inp
+
+
+def test_warmup_requests_run_before_ready(tiny_dir, tmp_path) -> None:
+    """Requests named by `warmup_requests` (here KEV_WARMUP_REQUESTS) are answered at load, before ready."""
+    from .conftest import start_triton, stop_triton
+
+    lines = [json.dumps(make_request(i)) for i in range(9)] + ['{"state": "x"}']
+    (tmp_path / "warmup.jsonl").write_text("\n".join(lines) + "\n")
+    server = start_triton(tiny_dir / "kev", tmp_path / "triton.log", KEV_WARMUP_REQUESTS=str(tmp_path / "warmup.jsonl"))
+    try:
+        values = metric_values(server)
+        assert values["kev_batch_requests_sum"] == 10 and values["kev_request_errors_total"] == 1
+        assert values["kev_bank_entries"] >= 1
+        assert "10 warm-up requests" in server.log.read_text()
+    finally:
+        stop_triton(server)

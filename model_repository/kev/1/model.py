@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 from kev_backend.engine import Engine, dumps
 from kev_backend.metrics import KevMetrics
 from kev_backend.systemone import RequestError
-from kev_backend.triton_config import checkpoint_path, engine_options, parameters
+from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
 
 
 def error_response(message, code):
@@ -27,7 +27,13 @@ class TritonPythonModel:
         self.engine = Engine.from_checkpoint(path, engine_options(params, device))
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metrics = KevMetrics(pb_utils, labels)
-        pb_utils.Logger.log_info(f"kev: {path} on {self.engine.device}, {self.engine.backend} path")
+        warmup = warmup_requests(params, Path(args["model_repository"]))
+        for start in range(0, len(warmup), 64):  # in batches of up to max_batch_size, before the model is ready
+            self.engine.answer(warmup[start : start + 64])
+            self.metrics.record(self.engine)
+        pb_utils.Logger.log_info(
+            f"kev: {path} on {self.engine.device}, {self.engine.backend} path; {len(warmup)} warm-up requests"
+        )
 
     def execute(self, requests):
         responses = [None] * len(requests)
