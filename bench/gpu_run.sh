@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the GPU machine: install the carried wheels (.whl: fla-core, pydantic), run the GPU tests
+# One device call on the GPU machine: install the carried wheels (.whl, from build/gpu_wheels.sh), run the GPU tests
 # (fused vs fp32 reference parity, CUDA eager reference), then the benchmark. Everything lands in $OUT.
 #   bench/gpu_run.sh [tests|parity|bench|all] [pytest -k expression]
 set -uo pipefail
