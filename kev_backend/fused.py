@@ -207,13 +207,13 @@ class PassInput:
 
 @dataclass(frozen=True)
 class PassKernels:
-    """The GPU kernels of a pass: fla's causal conv and delta rule and torch's varlen attention for new states and
-    long rows, ours (kev_backend.kernels) for norms and for rows reading the bank in place. A CPU test substitutes
+    """The GPU kernels of a pass: fla's causal conv and chunked delta rule for segments over RECURRENT_MAX_LEN
+    tokens and torch's varlen attention for new states; ours (kev_backend.kernels) for norms and for short segments,
+    which read (rows) or write (new states) the bank in place. A CPU test substitutes
     torch references with the same signatures to check the pass's plumbing."""
 
     conv: Callable
     chunk: Callable
-    recurrent: Callable
     attention: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
@@ -224,7 +224,7 @@ class PassKernels:
     @classmethod
     def gpu(cls) -> PassKernels:
         from fla.modules.causal_conv1d import causal_conv1d
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from torch.nn.attention.varlen import varlen_attn
 
         from . import kernels
@@ -232,7 +232,6 @@ class PassKernels:
         return cls(
             causal_conv1d,
             chunk_gated_delta_rule,
-            fused_recurrent_gated_delta_rule,
             varlen_attn,
             kernels.rms_norm,
             kernels.gated_rms_norm,
@@ -253,7 +252,7 @@ class FusedQwen35:
         self.w = weights
         self.pool = pool
         self.c = weights.config
-        self._conv, self._chunk, self._recurrent, self._attn = k.conv, k.chunk, k.recurrent, k.attention
+        self._conv, self._chunk, self._attn = k.conv, k.chunk, k.attention
         self._rms_norm, self._gated_norm = k.rms_norm, k.gated_rms_norm
         self._recurrent_rows, self._conv_rows, self._rows_attention = k.recurrent_rows, k.conv_rows, k.rows_attention
         c = self.c
@@ -311,27 +310,26 @@ class FusedQwen35:
         proj = F.linear(x, layer.in_proj)
         qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
         out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
-        if p.states is not None:
-            s = p.states
-            mixed, conv_state = self._conv(
-                qkv[s.start : s.end].contiguous().unsqueeze(0),
-                layer.conv,
-                output_final_state=True,
-                activation="silu",
-                cu_seqlens=s.cu,
-            )
-            o, recurrent = self.deltanet_segments(layer, mixed[0], a[s.start : s.end], b[s.start : s.end], s, None)
-            # The states' end caches go into their bank slots (fresh slots: nothing else reads them yet).
-            self.pool.conv[index].index_copy_(0, s.slot_index, conv_state.to(self.pool.conv.dtype))
-            self.pool.recurrent[index].index_copy_(0, s.slot_index, recurrent)
-            out[s.start : s.end] = o
-        # Rows continue their state's conv window and recurrent state, read in place from the bank by slot.
-        if (r := p.rows) is not None:
-            mixed = self._conv_rows(qkv[r.start : r.end], layer.conv, self.pool.conv[index], r.slot_index, r.cu)
-            o, _ = self.deltanet_segments(
-                layer, mixed, a[r.start : r.end], b[r.start : r.end], r, self.pool.recurrent[index]
-            )
-            out[r.start : r.end] = o
+        conv_pool, state_pool = self.pool.conv[index], self.pool.recurrent[index]
+        # New states start from zero and leave their conv window and DeltaNet state in their (fresh) bank slots;
+        # rows continue theirs, read in place by slot, and write nothing back.
+        for seg, new in ((p.states, True), (p.rows, False)):
+            if seg is None:
+                continue
+            span = slice(seg.start, seg.end)
+            if new and max(seg.lengths) > RECURRENT_MAX_LEN:
+                mixed, window = self._conv(
+                    qkv[span].contiguous().unsqueeze(0),
+                    layer.conv,
+                    output_final_state=True,
+                    activation="silu",
+                    cu_seqlens=seg.cu,
+                )
+                mixed = mixed[0]
+                conv_pool.index_copy_(0, seg.slot_index, window.to(conv_pool.dtype))
+            else:
+                mixed = self._conv_rows(qkv[span], layer.conv, conv_pool, seg.slot_index, seg.cu, new_states=new)
+            out[span] = self.deltanet_segments(layer, mixed, a[span], b[span], seg, state_pool, new)
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
             z.reshape(-1, c.linear_value_head_dim),
@@ -347,12 +345,12 @@ class FusedQwen35:
         a: torch.Tensor,
         b: torch.Tensor,
         seg: Segments,
-        pool_state: torch.Tensor | None,
-    ):
-        """The delta rule over conv outputs `mixed` [T, conv_dim]. States (pool_state None) run from empty and
-        return their end states; rows continue the states in `pool_state` [slots, Hv, Dk, Dv], writing nothing."""
+        state_pool: torch.Tensor,
+        new: bool,
+    ) -> torch.Tensor:
+        """The delta rule over conv outputs `mixed` [T, conv_dim], segment by segment: new states from zero into
+        their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots."""
         c = self.c
-        final = pool_state is None
         q, k, v = mixed.unsqueeze(0).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         T = mixed.shape[0]
         q = q.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
@@ -361,39 +359,34 @@ class FusedQwen35:
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         beta = torch.sigmoid(b).unsqueeze(0)
         if len(seg.groups) == 1:
-            o, recurrent = self.delta_rule(seg.groups[0], q, k, v, g, beta, pool_state)
-            return o.squeeze(0), recurrent
+            return self.delta_rule(seg.groups[0], q, k, v, g, beta, state_pool, new)
         o = torch.empty(T, c.linear_num_value_heads, c.linear_value_head_dim, device=mixed.device, dtype=mixed.dtype)
-        recurrent = None
-        if final:
-            recurrent = torch.empty(len(seg.lengths), *self.pool.recurrent.shape[2:], device=mixed.device)
         for group in seg.groups:
             t = group.tokens
-            o_group, final_group = self.delta_rule(group, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pool_state)
-            o[t] = o_group.squeeze(0)
-            if final:
-                recurrent[group.segments] = final_group
-        return o, recurrent
+            o[t] = self.delta_rule(group, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state_pool, new)
+        return o
 
-    def delta_rule(self, group: KernelGroup, q, k, v, g, beta, pool_state: torch.Tensor | None):
-        """One kernel over a group: ours for short rows (reads the pool in place), fla's otherwise."""
-        if pool_state is not None and group.recurrent:
-            o = self._recurrent_rows(q[0], k[0], v[0], g[0], beta[0], pool_state, group.slots, group.cu)
-            return o.unsqueeze(0), None
-        # Long rows (over RECURRENT_MAX_LEN tokens) take fla's chunked kernel from a gathered copy of their states.
-        state0 = None if pool_state is None else pool_state.index_select(0, group.slots)
-        kernel = self._recurrent if group.recurrent else self._chunk
-        return kernel(
+    def delta_rule(self, group: KernelGroup, q, k, v, g, beta, state_pool: torch.Tensor, new: bool) -> torch.Tensor:
+        """One kernel over a group of segments: ours for segments up to RECURRENT_MAX_LEN tokens (states read and
+        written in place), fla's chunked kernel beyond (rows from a gathered copy of their states)."""
+        if group.recurrent:
+            return self._recurrent_rows(
+                q[0], k[0], v[0], g[0], beta[0], state_pool, group.slots, group.cu, new_states=new
+            )
+        o, final = self._chunk(
             q,
             k,
             v,
             g=g,
             beta=beta,
-            initial_state=state0,
-            output_final_state=pool_state is None,
+            initial_state=None if new else state_pool.index_select(0, group.slots),
+            output_final_state=new,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=group.cu,
         )
+        if new:
+            state_pool.index_copy_(0, group.slots, final)
+        return o[0]
 
     # -- gated attention -----------------------------------------------------------------------------------------
 

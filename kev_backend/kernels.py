@@ -128,6 +128,7 @@ def _recurrent_rows_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BV: tl.constexpr,
+    CONTINUE: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n, hv = i_nh // HV, i_nh % HV
@@ -136,8 +137,11 @@ def _recurrent_rows_kernel(
     slot = tl.load(slots + n).to(tl.int64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    # The state this row continues, read in place from its bank slot: [K, BV] of [Hv, K, V], fp32.
-    h = tl.load(pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :])
+    state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
+    if CONTINUE:  # a row: the state it continues, read in place from its bank slot ([K, BV] of [Hv, K, V], fp32)
+        h = tl.load(state)
+    else:  # a new state: from zero
+        h = tl.zeros([K, BV], dtype=tl.float32)
     for t in range(bos, eos):
         b_q = tl.load(q + t * stride_t + hk * K + o_k).to(tl.float32)
         b_k = tl.load(k + t * stride_t + hk * K + o_k).to(tl.float32)
@@ -151,6 +155,8 @@ def _recurrent_rows_kernel(
         h = h + b_k[:, None] * b_u[None, :]
         b_o = tl.sum(h * b_q[:, None], axis=0)
         tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
+    if not CONTINUE:  # a new state's end state goes into its (fresh) bank slot; a row writes nothing back
+        tl.store(state, h)
 
 
 def recurrent_rows(
@@ -162,13 +168,15 @@ def recurrent_rows(
     pool: torch.Tensor,
     slots: torch.Tensor,
     cu: torch.Tensor,
+    new_states: bool = False,
 ) -> torch.Tensor:
-    """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it.
+    """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it; or,
+    with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]`.
 
     q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); g (log decay,
     fp32) and beta: [T, HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu: [N + 1] token offsets. q and k are
-    L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel` does. Nothing is written back.
-    Returns o [T, HV, V] in q's dtype.
+    L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel` does. Returns o [T, HV, V] in q's
+    dtype.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -199,22 +207,32 @@ def recurrent_rows(
             K=K,
             V=V,
             BV=BV,
+            CONTINUE=not new_states,
         )
     return o
 
 
 @triton.jit
-def _conv_rows_kernel(x, weight, pool, slots, cu, y, C, stride_xt, stride_yt, W: tl.constexpr, BC: tl.constexpr):
+def _conv_rows_kernel(
+    x, weight, pool, slots, cu, y, C, stride_xt, stride_yt, W: tl.constexpr, BC: tl.constexpr, CONTINUE: tl.constexpr
+):
     i_c, n = tl.program_id(0), tl.program_id(1)
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     slot = tl.load(slots + n).to(tl.int64)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    # The window the row continues: the state's last W-1 inputs, [C, W] right-aligned in its bank slot.
+    # The window: the last W inputs, [C, W] right-aligned in the bank slot (slot 0 is x_{-4}, 3 is x_{-1}).
     base = pool + (slot * C + o_c) * W
-    x3 = tl.load(base + 1, mask=m_c, other=0.0).to(tl.float32)  # x_{-3}
-    x2 = tl.load(base + 2, mask=m_c, other=0.0).to(tl.float32)  # x_{-2}
-    x1 = tl.load(base + 3, mask=m_c, other=0.0).to(tl.float32)  # x_{-1}
+    if CONTINUE:  # a row continues its state's window
+        x4 = tl.load(base + 0, mask=m_c, other=0.0).to(tl.float32)
+        x3 = tl.load(base + 1, mask=m_c, other=0.0).to(tl.float32)
+        x2 = tl.load(base + 2, mask=m_c, other=0.0).to(tl.float32)
+        x1 = tl.load(base + 3, mask=m_c, other=0.0).to(tl.float32)
+    else:  # a new state starts from zeros
+        x4 = tl.zeros([BC], dtype=tl.float32)
+        x3 = tl.zeros([BC], dtype=tl.float32)
+        x2 = tl.zeros([BC], dtype=tl.float32)
+        x1 = tl.zeros([BC], dtype=tl.float32)
     w0 = tl.load(weight + o_c * W + 0, mask=m_c, other=0.0).to(tl.float32)
     w1 = tl.load(weight + o_c * W + 1, mask=m_c, other=0.0).to(tl.float32)
     w2 = tl.load(weight + o_c * W + 2, mask=m_c, other=0.0).to(tl.float32)
@@ -224,15 +242,26 @@ def _conv_rows_kernel(x, weight, pool, slots, cu, y, C, stride_xt, stride_yt, W:
         acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
         out = acc * tl.sigmoid(acc)
         tl.store(y + t * stride_yt + o_c, out.to(y.dtype.element_ty), mask=m_c)
-        x3, x2, x1 = x2, x1, x0
+        x4, x3, x2, x1 = x3, x2, x1, x0
+    if not CONTINUE:  # a new state's window goes into its (fresh) bank slot
+        tl.store(base + 0, x4.to(pool.dtype.element_ty), mask=m_c)
+        tl.store(base + 1, x3.to(pool.dtype.element_ty), mask=m_c)
+        tl.store(base + 2, x2.to(pool.dtype.element_ty), mask=m_c)
+        tl.store(base + 3, x1.to(pool.dtype.element_ty), mask=m_c)
 
 
 def conv_rows(
-    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
 ) -> torch.Tensor:
     """Depthwise causal conv (kernel 4) + SiLU for question rows, each continuing the conv window held in
-    `pool[slots[n]]` ([C, 4], right-aligned as fla keeps it) without copying it. x: [T, C] with unit channel
-    stride; weight: [C, 4]. Returns y [T, C] in x's dtype; nothing is written back."""
+    `pool[slots[n]]` ([C, 4], right-aligned as fla keeps it) without copying it; or, with `new_states`, for new
+    states from a zero window, each writing its last 4 inputs into `pool[slots[n]]`. x: [T, C] with unit channel
+    stride; weight: [C, 4]. Returns y [T, C] in x's dtype."""
     T, C = x.shape
     W = weight.shape[1]
     assert W == 4 and x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
@@ -240,7 +269,7 @@ def conv_rows(
     BC = 256
     if slots.shape[0]:
         _conv_rows_kernel[(triton.cdiv(C, BC), slots.shape[0])](
-            x, weight, pool, slots, cu, y, C, x.stride(0), y.stride(0), W=W, BC=BC
+            x, weight, pool, slots, cu, y, C, x.stride(0), y.stride(0), W=W, BC=BC, CONTINUE=not new_states
         )
     return y
 

@@ -80,16 +80,31 @@ def gated_rms_norm(x, z, weight, eps):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight * F.silu(z.float())).to(x.dtype)
 
 
-def recurrent_rows(q, k, v, g, beta, pool, slots, cu):
-    o, _ = delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=pool[slots], cu_seqlens=cu)
+def recurrent_rows(q, k, v, g, beta, pool, slots, cu, new_states=False):
+    h0 = None if new_states else pool[slots]
+    o, final = delta_rule(
+        q[None],
+        k[None],
+        v[None],
+        g=g[None],
+        beta=beta[None],
+        initial_state=h0,
+        output_final_state=new_states,
+        cu_seqlens=cu,
+    )
+    if new_states:
+        pool[slots] = final
     return o[0]
 
 
-def conv_rows(x, weight, pool, slots, cu):
+def conv_rows(x, weight, pool, slots, cu, new_states=False):
     out = []
     for (a, b), slot in zip(bounds(cu), slots.tolist()):
-        seq = torch.cat([pool[slot][:, 1:], x[a:b].T], dim=1)
-        out.append(F.silu(F.conv1d(seq[None], weight[:, None, :], groups=weight.shape[0]))[0].T)
+        window = torch.zeros_like(pool[slot]) if new_states else pool[slot]
+        seq = torch.cat([window, x[a:b].T], dim=1)
+        out.append(F.silu(F.conv1d(seq[None, :, 1:], weight[:, None, :], groups=weight.shape[0]))[0].T)
+        if new_states:
+            pool[slot] = seq[:, -weight.shape[1] :]
     return torch.cat(out)
 
 
@@ -108,7 +123,6 @@ def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu
 TORCH_KERNELS = PassKernels(
     conv=conv,
     chunk=delta_rule,
-    recurrent=delta_rule,
     attention=attention,
     rms_norm=rms_norm,
     gated_rms_norm=gated_rms_norm,

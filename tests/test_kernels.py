@@ -86,6 +86,25 @@ for n in range(3):
     ref, _ = gated_delta_rule(qq, kk, v[a:b].transpose(0, 1)[None], g[a:b].T[None], beta[a:b].T[None],
                               pool[slots[n]][None].clone())
     assert (o[a:b] - ref[0].transpose(0, 1)).abs().max() < 1e-5, n
+
+# New states: from zero, each writing its end state (and conv window) into its slot.
+fresh = torch.full((6, HV, K, V), float("nan"))
+o = recurrent_rows(q, k, v, g, beta, fresh, slots[:2].clone().copy_(torch.tensor([2, 5])), cu[:3], new_states=True)
+for n, slot in enumerate([2, 5]):
+    a, b = cu[n].item(), cu[n + 1].item()
+    qq = l2_normalize(q[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None]) * K**-0.5
+    kk = l2_normalize(k[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None])
+    ref, final = gated_delta_rule(qq, kk, v[a:b].transpose(0, 1)[None], g[a:b].T[None], beta[a:b].T[None], None)
+    assert (o[a:b] - ref[0].transpose(0, 1)).abs().max() < 1e-5, n
+    assert (fresh[slot] - final[0]).abs().max() < 1e-5, n
+windows = torch.full((5, C, 4), float("nan"))
+y = conv_rows(x, w, windows, torch.tensor([1, 4, 0]), cu, new_states=True)
+for n, slot in enumerate([1, 4, 0]):
+    a, b = cu[n].item(), cu[n + 1].item()
+    seq = torch.cat([torch.zeros(C, 4), x[a:b].T], dim=1)
+    ref = torch.nn.functional.silu(torch.nn.functional.conv1d(seq[None, :, 1:], w[:, None, :], groups=C))[0].T
+    assert (y[a:b] - ref).abs().max() < 1e-5, n
+    assert torch.equal(windows[slot], seq[:, -4:]), n
 print("ok")
 """
 
