@@ -356,29 +356,28 @@ class FusedQwen35:
         q = q.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
         k = k.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
         v = v.reshape(1, T, c.linear_num_value_heads, c.linear_value_head_dim)
-        g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
-        beta = torch.sigmoid(b).unsqueeze(0)
         if len(seg.groups) == 1:
-            return self.delta_rule(seg.groups[0], q, k, v, g, beta, state_pool, new)
+            return self.delta_rule(layer, seg.groups[0], q, k, v, a, b, state_pool, new)
         o = torch.empty(T, c.linear_num_value_heads, c.linear_value_head_dim, device=mixed.device, dtype=mixed.dtype)
         for group in seg.groups:
             t = group.tokens
-            o[t] = self.delta_rule(group, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state_pool, new)
+            o[t] = self.delta_rule(layer, group, q[:, t], k[:, t], v[:, t], a[t], b[t], state_pool, new)
         return o
 
-    def delta_rule(self, group: KernelGroup, q, k, v, g, beta, state_pool: torch.Tensor, new: bool) -> torch.Tensor:
-        """One kernel over a group of segments: ours for segments up to RECURRENT_MAX_LEN tokens (states read and
-        written in place), fla's chunked kernel beyond (rows from a gathered copy of their states)."""
+    def delta_rule(self, layer: LayerWeights, group: KernelGroup, q, k, v, a, b, state_pool, new: bool):
+        """One kernel over a group of segments: ours for segments up to RECURRENT_MAX_LEN tokens (gates computed
+        inside; states read and written in place), fla's chunked kernel beyond (rows from a gathered copy)."""
         if group.recurrent:
             return self._recurrent_rows(
-                q[0], k[0], v[0], g[0], beta[0], state_pool, group.slots, group.cu, new_states=new
+                q[0], k[0], v[0], a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu, new_states=new
             )
+        g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(
             q,
             k,
             v,
             g=g,
-            beta=beta,
+            beta=torch.sigmoid(b).unsqueeze(0),
             initial_state=None if new else state_pool.index_select(0, group.slots),
             output_final_state=new,
             use_qk_l2norm_in_kernel=True,

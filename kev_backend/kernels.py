@@ -112,8 +112,10 @@ def _recurrent_rows_kernel(
     q,
     k,
     v,
-    g,
-    beta,
+    a,
+    b,
+    a_log,
+    dt_bias,
     pool,
     slots,
     cu,
@@ -121,7 +123,7 @@ def _recurrent_rows_kernel(
     scale,
     stride_t,
     stride_vt,
-    stride_gt,
+    stride_at,
     stride_ot,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -137,6 +139,9 @@ def _recurrent_rows_kernel(
     slot = tl.load(slots + n).to(tl.int64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
+    # The gate: g = -exp(A_log) · softplus(a + dt_bias) (log decay, fp32) and beta = sigmoid(b), as Qwen3.5 has them.
+    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
+    bias = tl.load(dt_bias + hv).to(tl.float32)
     state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
     if CONTINUE:  # a row: the state it continues, read in place from its bank slot ([K, BV] of [Hv, K, V], fp32)
         h = tl.load(state)
@@ -148,8 +153,9 @@ def _recurrent_rows_kernel(
         b_v = tl.load(v + t * stride_vt + hv * V + o_v).to(tl.float32)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_g = tl.load(g + t * stride_gt + hv).to(tl.float32)
-        b_beta = tl.load(beta + t * stride_gt + hv).to(tl.float32)
+        b_a = tl.load(a + t * stride_at + hv).to(tl.float32) + bias
+        b_g = -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a)))
+        b_beta = tl.sigmoid(tl.load(b + t * stride_at + hv).to(tl.float32))
         h = h * tl.exp(b_g)
         b_u = (b_v - tl.sum(h * b_k[:, None], axis=0)) * b_beta
         h = h + b_k[:, None] * b_u[None, :]
@@ -163,8 +169,10 @@ def recurrent_rows(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     pool: torch.Tensor,
     slots: torch.Tensor,
     cu: torch.Tensor,
@@ -173,16 +181,16 @@ def recurrent_rows(
     """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it; or,
     with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]`.
 
-    q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); g (log decay,
-    fp32) and beta: [T, HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu: [N + 1] token offsets. q and k are
-    L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel` does. Returns o [T, HV, V] in q's
-    dtype.
+    q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); a, b: [T, HV] raw
+    gate inputs (same token stride), with A_log and dt_bias [HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu:
+    [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
+    does. Returns o [T, HV, V] in q's dtype.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
-    assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous() and g.is_contiguous()
-    assert beta.stride() == g.stride()
+    assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous()
+    assert a.stride() == b.stride() and a.stride(1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
     o = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
     BV = min(32, V)
     n = slots.shape[0]
@@ -191,8 +199,10 @@ def recurrent_rows(
             q,
             k,
             v,
-            g,
-            beta,
+            a,
+            b,
+            a_log,
+            dt_bias,
             pool,
             slots,
             cu,
@@ -200,7 +210,7 @@ def recurrent_rows(
             K**-0.5,
             q.stride(0),
             v.stride(0),
-            g.stride(0),
+            a.stride(0),
             o.stride(0),
             H=H,
             HV=HV,

@@ -80,14 +80,15 @@ def gated_rms_norm(x, z, weight, eps):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight * F.silu(z.float())).to(x.dtype)
 
 
-def recurrent_rows(q, k, v, g, beta, pool, slots, cu, new_states=False):
+def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False):
     h0 = None if new_states else pool[slots]
+    g = -a_log.exp() * F.softplus(a.float() + dt_bias)
     o, final = delta_rule(
         q[None],
         k[None],
         v[None],
         g=g[None],
-        beta=beta[None],
+        beta=torch.sigmoid(b)[None],
         initial_state=h0,
         output_final_state=new_states,
         cu_seqlens=cu,

@@ -72,11 +72,16 @@ mixed = torch.randn(T, 2 * H * K + HV * V + 3)
 q = mixed[:, : H * K].view(T, H, K)
 k = mixed[:, H * K : 2 * H * K].view(T, H, K)
 v = mixed[:, 2 * H * K : 2 * H * K + HV * V].view(T, HV, V)
-g, beta = -torch.rand(T, HV), torch.rand(T, HV)
+gates = torch.randn(T, 2 * HV + 1)  # a and b: strided views, as slices of the projection
+gate_a, gate_b = gates[:, :HV], gates[:, HV : 2 * HV]
+a_log, dt_bias = torch.randn(HV), torch.randn(HV)
+gate_a[0, 0] = 30.0  # softplus's linear branch
+g = -a_log.exp() * torch.nn.functional.softplus(gate_a + dt_bias)
+beta = torch.sigmoid(gate_b)
 pool = torch.randn(6, HV, K, V)
 before = pool.clone()
 slots = torch.tensor([4, 1, 4])
-o = recurrent_rows(q, k, v, g, beta, pool, slots, cu)
+o = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, cu)
 assert torch.equal(pool, before)  # nothing written back
 rep = HV // H
 for n in range(3):
@@ -89,7 +94,7 @@ for n in range(3):
 
 # New states: from zero, each writing its end state (and conv window) into its slot.
 fresh = torch.full((6, HV, K, V), float("nan"))
-o = recurrent_rows(q, k, v, g, beta, fresh, slots[:2].clone().copy_(torch.tensor([2, 5])), cu[:3], new_states=True)
+o = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, fresh, torch.tensor([2, 5]), cu[:3], new_states=True)
 for n, slot in enumerate([2, 5]):
     a, b = cu[n].item(), cu[n + 1].item()
     qq = l2_normalize(q[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None]) * K**-0.5
