@@ -28,6 +28,9 @@ def checkpoint_path(params: dict[str, str], model_dir: Path) -> Path:
 
 
 def engine_options(params: dict[str, str], device: str) -> EngineOptions:
+    """`device` is the instance's (cuda:N for a KIND_GPU instance, "auto" otherwise); an explicit `device`
+    parameter other than "auto" wins over it."""
+
     def integer(key: str, default: int | None) -> int | None:
         value = os.environ.get(f"KEV_{key.upper()}") or params.get(key, "")
         return int(value) if value else default
@@ -38,7 +41,7 @@ def engine_options(params: dict[str, str], device: str) -> EngineOptions:
     )
     load = LoadOptions.from_env(dtype=params.get("dtype") or None, base=params.get("base") or None)
     return EngineOptions(
-        device=params.get("device") or device,
+        device=device if params.get("device", "auto") in ("", "auto") else params["device"],
         bank_bytes=integer("bank_bytes", EngineOptions.bank_bytes),
         row_pass_tokens=integer("row_pass_tokens", EngineOptions.row_pass_tokens),
         limits=limits,

@@ -174,3 +174,27 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     assert bank.stats.bytes == sum(slot.nbytes for slot in (slot_a, bank.get(c)))
     bank.clear()
     assert len(pool.free_slots) == 3 and len(pool.free_pages) == 4 and bank.stats.bytes == 0
+
+
+def test_triton_parameters_and_instance_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
+
+    config = {
+        "parameters": {
+            "checkpoint": {"string_value": "embedded/kev"},
+            "device": {"string_value": "auto"},
+            "bank_bytes": {"string_value": ""},
+            "max_state_tokens": {"string_value": "100"},
+            "warmup_requests": {"string_value": "w.jsonl"},
+        }
+    }
+    params = parameters(config)
+    monkeypatch.delenv("KEV_CHECKPOINT", raising=False)
+    assert checkpoint_path(params, tmp_path) == (tmp_path / "embedded" / "kev").resolve()
+    options = engine_options(params, "cuda:1")  # a KIND_GPU instance on GPU 1
+    assert options.device == "cuda:1" and options.bank_bytes is None and options.limits.max_state_tokens == 100
+    assert engine_options({**params, "device": "cpu"}, "cuda:1").device == "cpu"
+    (tmp_path / "w.jsonl").write_text('{"state": 1}\n\n{"state": 2}\n')
+    assert warmup_requests(params, tmp_path) == ['{"state": 1}', '{"state": 2}']
+    monkeypatch.setenv("KEV_CHECKPOINT", "/abs/kev")
+    assert checkpoint_path(params, tmp_path) == Path("/abs/kev")
