@@ -298,13 +298,33 @@ def build(out: Path, seed: int = 0) -> None:
     write_full_checkpoint(out / "kev-full", "../base", config_dict, merged, head)
 
 
+def build_random(out: Path, config: dict[str, Any], device: str = "cpu", seed: int = 0) -> None:
+    """OUT/base (bf16 weights, as Qwen ships its bases) and OUT/kev (LoRA r=16 + head.pt) with random weights of
+    any shapes, e.g. KEV4B_CONFIG for serving tests on the GPU machine. Weights are drawn on `device`."""
+    base_dir = out / "base"
+    base_dir.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(base_dir)
+    config_dict = {**config, "dtype": "bfloat16", "pad_token_id": 1}
+    parsed = Qwen35Config.from_dict(config_dict)
+    weights = {k: v.to(torch.bfloat16).cpu() for k, v in random_text_weights(parsed, seed, device).items()}
+    write_base(base_dir, config_dict, weights)
+    del weights
+    head = random_head(parsed.hidden_size, 256, seed + 2)
+    write_lora_checkpoint(out / "kev", "../base", parsed, 16, head, seed + 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kev4b", action="store_true", help="random weights of Kev-4B shapes instead")
+    parser.add_argument("--device", default="cpu", help="where to draw --kev4b weights (cuda is much faster)")
     args = parser.parse_args()
-    build(args.out, args.seed)
-    print(f"tiny Kev checkpoints written under {args.out} (random weights: answers are meaningless)")
+    if args.kev4b:
+        build_random(args.out, KEV4B_CONFIG, args.device, args.seed)
+    else:
+        build(args.out, args.seed)
+    print(f"Kev checkpoints written under {args.out} (random weights: answers are meaningless)")
 
 
 if __name__ == "__main__":

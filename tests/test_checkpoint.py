@@ -151,3 +151,16 @@ def test_a_hub_base_needs_a_local_copy(tiny_dir: Path, tmp_path: Path, monkeypat
 def test_config_reads_text_config_of_multimodal(tiny_dir: Path) -> None:
     text = json.loads((tiny_dir / "base" / "config.json").read_text())
     assert Qwen35Config.from_dict({"model_type": "qwen3_5", "text_config": text}) == Qwen35Config.from_dict(text)
+
+
+def test_random_checkpoint_of_any_shape_loads(tmp_path: Path) -> None:
+    """`python -m kev_backend.tiny OUT --kev4b` writes Kev-4B shapes this way (bf16 base, LoRA, head.pt)."""
+    from kev_backend import tiny
+
+    config = {**tiny.TINY_CONFIG, "vocab_size": len(tiny.vocabulary())}
+    tiny.build_random(tmp_path, config)
+    checkpoint = load_checkpoint(tmp_path / "kev", "cpu")
+    assert checkpoint.kind == "lora" and checkpoint.head_dim == 256 and checkpoint.dtype == torch.float32
+    engine = Engine(checkpoint)
+    body = engine.answer([REQUEST])[0]
+    assert list(body["answers"]) == list(REQUEST["questions"])
