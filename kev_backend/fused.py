@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .encoding import Encoded, EncodedQuestion
 from .gpu_bank import GpuBank, Slot, StatePool
-from .head import pointer_probabilities
+from .head import Picked, batch_probabilities
 from .qwen35 import FULL_ATTENTION, Qwen35TextModel
 
 FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
@@ -112,11 +112,6 @@ class FusedWeights:
                     )
                 )
 
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.embed] + [t for w in self.layers for t in vars(w).values() if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # one pass
@@ -130,10 +125,9 @@ RECURRENT_MAX_LEN = 64
 
 @dataclass
 class KernelGroup:
-    """The segments of a Segments that run one delta-rule kernel; indices are None when it is all of them."""
+    """The segments of a Segments that run one delta-rule kernel; `tokens` is None when it is all of them."""
 
     recurrent: bool
-    segments: torch.Tensor | None
     tokens: torch.Tensor | None  # token offsets within the Segments' range
     cu: torch.Tensor  # int64 cu_seqlens of the group's segments
     slots: torch.Tensor  # the pool slot of each of the group's segments
@@ -169,14 +163,13 @@ class Segments:
         self.groups = []
         for recurrent, members in ((True, short), (False, long)):
             if len(members) == len(self.lengths):
-                self.groups.append(KernelGroup(recurrent, None, None, self.cu, self.slot_index))
+                self.groups.append(KernelGroup(recurrent, None, self.cu, self.slot_index))
             elif members:
                 tokens = [t for i in members for t in range(offsets[i], offsets[i + 1])]
                 cu = _offsets([self.lengths[i] for i in members])
                 self.groups.append(
                     KernelGroup(
                         recurrent,
-                        torch.tensor(members, dtype=torch.int64, device=self.device),
                         torch.tensor(tokens, dtype=torch.int64, device=self.device),
                         torch.tensor(cu, dtype=torch.int64, device=self.device),
                         torch.tensor([self.slots[i] for i in members], dtype=torch.int64, device=self.device),
@@ -508,23 +501,10 @@ class FusedScorer:
 
     def _probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         rows = [Row(r, q, tokens, e.state) for r, e in enumerate(batch) for q, tokens in enumerate(e.questions)]
-        hidden: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        picked: dict[tuple[int, int], Picked] = {}
         for group in self.plan(rows):
-            hidden.update(self.run_group(group))
-        order = [(row.request, row.question) for row in rows]
-        if not order:
-            return [[] for _ in batch]
-        flat = pointer_probabilities(
-            self.head,
-            self.temperature,
-            torch.stack([hidden[key][0] for key in order]),
-            torch.cat([hidden[key][1] for key in order]),
-            [len(batch[r].questions[q].option_ends) for r, q in order],
-        )
-        out: list[list[list[float]]] = [[] for _ in batch]
-        for (r, _), p in zip(order, flat):
-            out[r].append(p)
-        return out
+            picked.update(self.run_group(group))
+        return batch_probabilities(self.head, self.temperature, batch, picked)
 
     def plan(self, rows: list[Row]) -> list[list[Row]]:
         """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted
@@ -549,7 +529,7 @@ class FusedScorer:
             groups.append(current)
         return groups
 
-    def run_group(self, rows: list[Row]) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    def run_group(self, rows: list[Row]) -> dict[tuple[int, int], Picked]:
         states = list(OrderedDict.fromkeys(row.state for row in rows))
         pinned = set(states)
         slots: dict[tuple[int, ...], Slot] = {}

@@ -72,10 +72,6 @@ class StatePool:
         pages = max(math.ceil(min_tokens / page_size), capacity_bytes // 2 // max(probe.page_bytes, 1))
         return cls(config, int(slots), int(pages), page_size, device, dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.recurrent, self.conv, self.keys, self.values))
-
     def allocate(self, length: int) -> Slot | None:
         n_pages = math.ceil(length / self.page_size)
         if not self.free_slots or len(self.free_pages) < n_pages:

@@ -6,9 +6,14 @@ final-norm hidden state at option j's </opt> and h_dec the one at <decide>.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
+
+from .encoding import Encoded
+
+# The final-norm hidden states a question's answer is read from: (<decide> [d], each option's </opt> [K, d]).
+Picked = tuple[torch.Tensor, torch.Tensor]
 
 
 def pointer_probabilities(
@@ -38,3 +43,27 @@ def pointer_probabilities(
     padded[owner, column] = logits
     probs = torch.softmax(padded, dim=-1).cpu().tolist()
     return [row[:n] for row, n in zip(probs, options_per_question)]
+
+
+def batch_probabilities(
+    head: dict[str, torch.Tensor],
+    temperature: float,
+    batch: Sequence[Encoded],
+    picked: Mapping[tuple[int, int], Picked],
+) -> list[list[list[float]]]:
+    """Per request, per question, the option probabilities, from the hidden states picked for each
+    (request, question): every question of the batch in one head call."""
+    order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
+    out: list[list[list[float]]] = [[] for _ in batch]
+    if not order:
+        return out
+    flat = pointer_probabilities(
+        head,
+        temperature,
+        torch.stack([picked[key][0] for key in order]),
+        torch.cat([picked[key][1] for key in order]),
+        [len(batch[r].questions[q].option_ends) for r, q in order],
+    )
+    for (r, _), p in zip(order, flat):
+        out[r].append(p)
+    return out

@@ -13,7 +13,7 @@ import torch
 
 from .bank import StateBank
 from .encoding import Encoded, EncodedQuestion
-from .head import pointer_probabilities
+from .head import Picked, batch_probabilities, pointer_probabilities
 from .qwen35 import Qwen35TextModel, SequenceCache
 
 
@@ -48,8 +48,7 @@ class ReferenceScorer:
         for r, encoded in enumerate(batch):
             for q in range(len(encoded.questions)):
                 by_state.setdefault(encoded.state, []).append((r, q))
-        decide: dict[tuple[int, int], torch.Tensor] = {}
-        options: dict[tuple[int, int], torch.Tensor] = {}
+        picked: dict[tuple[int, int], Picked] = {}
         for state, items in by_state.items():
             cache = self.state_cache(state)
             rows = [batch[r].questions[q] for r, q in items]
@@ -57,22 +56,8 @@ class ReferenceScorer:
                 hidden = self.row_pass(cache, [rows[i] for i in chunk])
                 for j, i in enumerate(chunk):
                     row = rows[i]
-                    decide[items[i]] = hidden[j, row.decide]
-                    options[items[i]] = hidden[j, list(row.option_ends)]
-        order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
-        if not order:
-            return [[] for _ in batch]
-        flat = pointer_probabilities(
-            self.head,
-            self.temperature,
-            torch.stack([decide[key] for key in order]),
-            torch.cat([options[key] for key in order]),
-            [len(batch[r].questions[q].option_ends) for r, q in order],
-        )
-        out: list[list[list[float]]] = [[] for _ in batch]
-        for (r, _), p in zip(order, flat):
-            out[r].append(p)
-        return out
+                    picked[items[i]] = (hidden[j, row.decide], hidden[j, list(row.option_ends)])
+        return batch_probabilities(self.head, self.temperature, batch, picked)
 
     def row_passes(self, state_len: int, rows: Sequence[EncodedQuestion]) -> list[list[int]]:
         """Row indices per pass: as many rows as fit the budget counting the state once per row."""
