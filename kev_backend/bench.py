@@ -78,6 +78,23 @@ def latency(engine: Engine, make, repeat: int = 20) -> dict[str, float]:
     return {"new_ms": statistics.median(new), "same_ms": statistics.median(same)}
 
 
+def pass_profile(engine: Engine, body: dict) -> dict[str, float]:
+    """One request under torch's profiler: GPU kernels launched, their summed GPU time and the wall time; a pass
+    whose kernels keep the GPU busy a small part of its wall time is bound by launching them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.answer([body])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        engine.answer([body])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    return {"kernels": len(kernels), "gpu_busy_ms": busy_us / 1000, "wall_ms": wall * 1000}
+
+
 def throughput(engine: Engine, make, clients: int, seconds: float) -> dict[str, float]:
     """Closed loop: `clients` threads each send a new-state request when their last one is answered; one model
     thread answers everything queued at once."""
@@ -246,6 +263,12 @@ def main() -> None:
     for label, make, seconds in (("short6", short6, args.seconds), ("long5", long5, 2 * args.seconds)):
         entry: dict[str, Any] = dict(latency(engine, make))
         print(f"{label} latency {entry}", flush=True)
+        try:
+            entry["profile_new"] = pass_profile(engine, make(next(NEW_STATE)))
+            entry["profile_same"] = pass_profile(engine, make(None))
+            print(f"{label} profile new {entry['profile_new']} same {entry['profile_same']}", flush=True)
+        except Exception as error:  # informative only
+            entry["profile_error"] = repr(error)[:300]
         entry["rps"] = {}
         entry["p50_ms"] = {}
         entry["mean_batch"] = {}
