@@ -14,7 +14,7 @@ python3 -c "import torch, importlib.metadata as m; print('torch', torch.__versio
 'transformers', m.version('transformers'), 'triton', m.version('triton'))"
 status=0
 if [[ $mode == tests || $mode == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fused_gpu.py -k "${2:-not parity}" 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels.py tests/test_fused_gpu.py -k "${2:-not parity}" 2>&1 \
     | tee "$out/gpu-tests.log" | tail -30 || status=1
 fi
 if [[ $mode == parity || $mode == all ]]; then
