@@ -37,6 +37,60 @@ def gemm_rows() -> None:
         print("gemm", name, " ".join(diffs), flush=True)
 
 
+def gemm_speed() -> None:
+    """Median ms of each projection's GEMM at pass sizes from one short request to a busy long batch."""
+    torch.backends.cuda.preferred_blas_library("cublas")
+    shapes = {"gdn_in": (12352, 2560), "out": (2560, 4096), "gate_up": (18432, 2560), "down": (2560, 9216)}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        line = []
+        for m in (40, 218, 1000, 6540, 20000):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                F.linear(x, w)
+            times = []
+            for _ in range(20):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                F.linear(x, w)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            ms = sorted(times)[10]
+            line.append(f"{m}:{ms:.3f}ms/{2 * m * n * k / ms / 1e9:.0f}TF")
+        print("speed", name, " ".join(line), flush=True)
+
+
+def kernel_breakdown() -> None:
+    """GPU time by kernel for a busy short6 batch (32 new), a long5 batch (8 new) and one short6 on a banked state."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kev_backend import tiny
+    from kev_backend.engine import Engine, EngineOptions
+    from kev_backend.workloads import long5, short6
+
+    directory = Path(tempfile.mkdtemp())
+    tiny.write_tokenizer(directory)
+    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda")
+    engine = Engine(checkpoint, EngineOptions(device="cuda", backend="fused", bank_bytes=8 << 30))
+    counter = iter(range(10**6))
+    cases = {
+        "short6x32new": lambda: [short6(next(counter)) for _ in range(32)],
+        "long5x8new": lambda: [long5(next(counter)) for _ in range(8)],
+        "short6same": lambda: [short6(None)],
+    }
+    for label, make in cases.items():
+        engine.answer(make())
+        engine.answer(make())
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            engine.answer(make())
+            wall = (time.perf_counter() - t) * 1000
+        print(f"== {label}: wall {wall:.1f} ms", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def host_profile() -> None:
     from kev_backend import tiny
     from kev_backend.engine import Engine, EngineOptions
@@ -77,6 +131,10 @@ def host_profile() -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if what == "speed":
+        gemm_speed()
+    if what == "kernels":
+        kernel_breakdown()
     if what in ("gemm", "all"):
         gemm_invariance()
     if what in ("profile", "all"):
