@@ -91,6 +91,75 @@ def kernel_breakdown() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
+def invariance_sweep() -> None:
+    """For each BLAS library: the pass sizes M at which a row's GEMM output differs from the same row in a pass of
+    8,192 tokens (split-K chosen by M), over M = 1..4,096; and each library's speed at a few M."""
+    print("default blas library", torch.backends.cuda.preferred_blas_library(), flush=True)
+    shapes = {"gdn_in": (12352, 2560), "out": (2560, 4096), "gate_up": (18432, 2560), "down": (2560, 9216)}
+    sizes = sorted(set(range(1, 129)) | set(range(129, 4097, 13)) | {256, 512, 1024, 2048, 4096})
+    for library in ("cublaslt", "cublas"):
+        torch.backends.cuda.preferred_blas_library(library)
+        for name, (n, k) in shapes.items():
+            torch.manual_seed(0)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
+            full = F.linear(x, w)
+            differ = [m for m in sizes if not torch.equal(F.linear(x[:m], w), full[:m])]
+            ranges = f"{differ[0]}..{differ[-1]} ({len(differ)} sizes)" if differ else "none"
+            times = []
+            for m in (64, 218, 1000, 6540):
+                xm = x[:m].contiguous()
+                for _ in range(3):
+                    F.linear(xm, w)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    F.linear(xm, w)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(f"{m}:{start.elapsed_time(end) / 20:.3f}")
+            print(f"{library} {name}: differ at M={ranges}; ms {' '.join(times)}", flush=True)
+    try:
+        a = torch.randn(64, 2560, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(2560, 512, device="cuda", dtype=torch.bfloat16)
+        print("mm out_dtype fp32:", torch.mm(a, b, out_dtype=torch.float32).dtype, flush=True)
+    except Exception as error:  # noqa: BLE001
+        print("mm out_dtype fp32 unsupported:", repr(error)[:200], flush=True)
+
+
+def recurrent_configs() -> None:
+    """The delta-rule kernel's (value block, warps) on Kev-4B heads: 192 rows of 39 tokens (a busy short6 batch)
+    and 6 rows (one short6 request), rows continuing banked states."""
+    from kev_backend import kernels
+
+    H, HV, K, V = 16, 32, 128, 128
+    pool = torch.randn(256, HV, K, V, device="cuda") * 0.01
+    for rows in (6, 192):
+        T = rows * 39
+        mixed = torch.randn(T, 2 * H * K + HV * V, device="cuda", dtype=torch.bfloat16)
+        q = mixed[:, : H * K].view(T, H, K)
+        k = mixed[:, H * K : 2 * H * K].view(T, H, K)
+        v = mixed[:, 2 * H * K :].view(T, HV, V)
+        gates = torch.randn(T, 2 * HV, device="cuda", dtype=torch.bfloat16)
+        a, b = gates[:, :HV], gates[:, HV:]
+        a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
+        slots = torch.randint(0, 256, (rows,), device="cuda")
+        cu = torch.arange(0, T + 1, 39, device="cuda")
+        line = []
+        for bv, warps in ((32, 4), (8, 1), (16, 1), (16, 2), (32, 2), (8, 2), (4, 1)):
+            kernels.RECURRENT_BV, kernels.RECURRENT_WARPS = bv, warps
+            for _ in range(3):
+                kernels.recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                kernels.recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+            end.record()
+            torch.cuda.synchronize()
+            line.append(f"BV{bv}/w{warps}:{start.elapsed_time(end) / 10:.3f}ms")
+        print(f"recurrent rows={rows}:", " ".join(line), flush=True)
+
+
 def host_profile() -> None:
     from kev_backend import tiny
     from kev_backend.engine import Engine, EngineOptions
@@ -131,6 +200,10 @@ def host_profile() -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if what == "sweep":
+        invariance_sweep()
+    if what == "recurrent":
+        recurrent_configs()
     if what == "speed":
         gemm_speed()
     if what == "kernels":

@@ -210,6 +210,7 @@ class PassKernels:
     attention: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
+    silu_mul: Callable
     recurrent_rows: Callable
     conv_rows: Callable
     rows_attention: Callable
@@ -228,6 +229,7 @@ class PassKernels:
             varlen_attn,
             kernels.rms_norm,
             kernels.gated_rms_norm,
+            kernels.silu_mul,
             kernels.recurrent_rows,
             kernels.conv_rows,
             kernels.rows_attention,
@@ -246,7 +248,7 @@ class FusedQwen35:
         self.pool = pool
         self.c = weights.config
         self._conv, self._chunk, self._attn = k.conv, k.chunk, k.attention
-        self._rms_norm, self._gated_norm = k.rms_norm, k.gated_rms_norm
+        self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._recurrent_rows, self._conv_rows, self._rows_attention = k.recurrent_rows, k.conv_rows, k.rows_attention
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
@@ -293,8 +295,7 @@ class FusedQwen35:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps) * weight
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        return F.linear(self._silu_mul(F.linear(x, layer.gate_up)), layer.down)
 
     # -- Gated DeltaNet ------------------------------------------------------------------------------------------
 
@@ -322,10 +323,10 @@ class FusedQwen35:
                 conv_pool.index_copy_(0, seg.slot_index, window.to(conv_pool.dtype))
             else:
                 mixed = self._conv_rows(qkv[span], layer.conv, conv_pool, seg.slot_index, seg.cu, new_states=new)
-            out[span] = self.deltanet_segments(layer, mixed, a[span], b[span], seg, state_pool, new)
+            self.deltanet_segments(layer, mixed, a[span], b[span], seg, state_pool, new, out[span])
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
-            z.reshape(-1, c.linear_value_head_dim),
+            z.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)),  # read in place
             layer.gated_norm,
             c.rms_norm_eps,
         )
@@ -340,9 +341,10 @@ class FusedQwen35:
         seg: Segments,
         state_pool: torch.Tensor,
         new: bool,
-    ) -> torch.Tensor:
-        """The delta rule over conv outputs `mixed` [T, conv_dim], segment by segment: new states from zero into
-        their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots."""
+        out: torch.Tensor,
+    ) -> None:
+        """The delta rule over conv outputs `mixed` [T, conv_dim], segment by segment, into `out` [T, Hv, Dv]: new
+        states from zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots."""
         c = self.c
         q, k, v = mixed.unsqueeze(0).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         T = mixed.shape[0]
@@ -350,19 +352,30 @@ class FusedQwen35:
         k = k.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
         v = v.reshape(1, T, c.linear_num_value_heads, c.linear_value_head_dim)
         if len(seg.groups) == 1:
-            return self.delta_rule(layer, seg.groups[0], q, k, v, a, b, state_pool, new)
-        o = torch.empty(T, c.linear_num_value_heads, c.linear_value_head_dim, device=mixed.device, dtype=mixed.dtype)
+            self.delta_rule(layer, seg.groups[0], q, k, v, a, b, state_pool, new, out)
+            return
         for group in seg.groups:
             t = group.tokens
-            o[t] = self.delta_rule(layer, group, q[:, t], k[:, t], v[:, t], a[t], b[t], state_pool, new)
-        return o
+            out[t] = self.delta_rule(layer, group, q[:, t], k[:, t], v[:, t], a[t], b[t], state_pool, new)
 
-    def delta_rule(self, layer: LayerWeights, group: KernelGroup, q, k, v, a, b, state_pool, new: bool):
+    def delta_rule(self, layer: LayerWeights, group: KernelGroup, q, k, v, a, b, state_pool, new: bool, out=None):
         """One kernel over a group of segments: ours for segments up to RECURRENT_MAX_LEN tokens (gates computed
-        inside; states read and written in place), fla's chunked kernel beyond (rows from a gathered copy)."""
+        inside; states read and written in place), fla's chunked kernel beyond (rows from a gathered copy). The
+        output goes into `out` when given."""
         if group.recurrent:
             return self._recurrent_rows(
-                q[0], k[0], v[0], a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu, new_states=new
+                q[0],
+                k[0],
+                v[0],
+                a,
+                b,
+                layer.a_log,
+                layer.dt_bias,
+                state_pool,
+                group.slots,
+                group.cu,
+                new_states=new,
+                out=out,
             )
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(
@@ -378,6 +391,8 @@ class FusedQwen35:
         )
         if new:
             state_pool.index_copy_(0, group.slots, final)
+        if out is not None:
+            out.copy_(o[0])
         return o[0]
 
     # -- gated attention -----------------------------------------------------------------------------------------
@@ -388,8 +403,8 @@ class FusedQwen35:
         proj = F.linear(x, layer.in_proj)
         qg, k, v = proj.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = qg.view(T, Hq, 2 * D).chunk(2, dim=-1)
-        q = self._rms_norm(q, layer.q_norm, c.rms_norm_eps)[0]
-        k = self._rms_norm(k.reshape(T, Hkv, D), layer.k_norm, c.rms_norm_eps)[0]
+        q = self._rms_norm(q, layer.q_norm, c.rms_norm_eps)[0]  # per-head views, read in place
+        k = self._rms_norm(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps)[0]
         v = v.reshape(T, Hkv, D).contiguous()
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)

@@ -12,6 +12,15 @@ import triton
 import triton.language as tl
 
 
+def _token_heads(x: torch.Tensor) -> torch.Tensor:
+    """x as [tokens, heads, D] with a unit last stride (a view when possible)."""
+    if x.dim() == 2:
+        x = x.unsqueeze(1)
+    elif x.dim() != 3:
+        x = x.reshape(-1, 1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 @triton.jit
 def _rms_norm_kernel(
     x,
@@ -21,7 +30,9 @@ def _rms_norm_kernel(
     y,
     D,
     eps,
+    heads,
     stride_x,
+    stride_xh,
     stride_r,
     stride_y,
     HAS_RESIDUAL: tl.constexpr,
@@ -31,7 +42,8 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    # Row `row` is head row % heads of token row // heads: a per-head view of a wider projection, read in place.
+    h = tl.load(x + (row // heads) * stride_x + (row % heads) * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         h += tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
     if STORE_RESIDUAL:
@@ -49,25 +61,27 @@ def rms_norm(
     store_residual: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y = RMSNorm(x + residual) · weight over the last dim (weight already 1 + w, fp32). With `store_residual`
-    also returns x + residual in fp32 (the residual stream)."""
+    also returns x + residual in fp32 (the residual stream). x: [rows, D], or [tokens, heads, D] with any token and
+    head strides (e.g. per-head q or k sliced from a projection), read in place; y is contiguous."""
+    x3 = _token_heads(x)
     D = x.shape[-1]
-    x2 = x.reshape(-1, D)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
+    rows = x3.shape[0] * x3.shape[1]
     y = torch.empty(rows, D, device=x.device, dtype=x.dtype)
     res_out = torch.empty(rows, D, device=x.device, dtype=torch.float32) if store_residual else None
     res = residual.reshape(-1, D) if residual is not None else None
+    assert res is None or x3.shape[1] == 1
     if rows:
         _rms_norm_kernel[(rows,)](
-            x2,
-            res if res is not None else x2,
+            x3,
+            res if res is not None else y,
             res_out if res_out is not None else y,
             weight,
             y,
             D,
             eps,
-            x2.stride(0),
+            x3.shape[1],
+            x3.stride(0),
+            x3.stride(1),
             res.stride(0) if res is not None else 0,
             y.stride(0),
             HAS_RESIDUAL=res is not None,
@@ -78,12 +92,14 @@ def rms_norm(
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x, z, weight, y, D, eps, stride_x, stride_z, stride_y, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(
+    x, z, weight, y, D, eps, heads, stride_x, stride_z, stride_zh, stride_y, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(z + (row // heads) * stride_z + (row % heads) * stride_zh + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
     w = tl.load(weight + cols, mask=mask, other=0.0)
     out = h * rstd * w * (g * tl.sigmoid(g))
@@ -91,20 +107,62 @@ def _gated_rms_norm_kernel(x, z, weight, y, D, eps, stride_x, stride_z, stride_y
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeltaNet output norm: RMSNorm(x) · weight · silu(z), per row of the last dim (x, z: [rows, D])."""
+    """DeltaNet output norm: RMSNorm(x) · weight · silu(z), per row of the last dim. x: [rows, D] or
+    [tokens, heads, D]; z likewise, with any token and head strides (the z slice of the projection, read in
+    place). Returns y shaped like x, contiguous."""
     D = x.shape[-1]
-    x2, z2 = x.reshape(-1, D), z.reshape(-1, D)
+    x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if z2.stride(-1) != 1:
-        z2 = z2.contiguous()
+    z3 = _token_heads(z)
     rows = x2.shape[0]
+    assert z3.shape[0] * z3.shape[1] == rows
     y = torch.empty(rows, D, device=x.device, dtype=x.dtype)
     if rows:
         _gated_rms_norm_kernel[(rows,)](
-            x2, z2, weight, y, D, eps, x2.stride(0), z2.stride(0), y.stride(0), BLOCK=triton.next_power_of_2(D)
+            x2,
+            z3,
+            weight,
+            y,
+            D,
+            eps,
+            z3.shape[1],
+            x2.stride(0),
+            z3.stride(0),
+            z3.stride(1),
+            y.stride(0),
+            BLOCK=triton.next_power_of_2(D),
         )
     return y.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, y, width, stride_g, stride_y, BLOCK: tl.constexpr):
+    row, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = i_c * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    g = tl.load(gate_up + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up + row * stride_g + width + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + row * stride_y + cols, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: silu(gate) · up from the concatenated [gate | up] projection [rows, 2I], in one read
+    (fp32 inside, one rounding)."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(1) == 1
+    y = torch.empty(rows, width, device=gate_up.device, dtype=gate_up.dtype)
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(width, 1024))](
+            gate_up, y, width, gate_up.stride(0), y.stride(0), BLOCK=1024
+        )
+    return y
+
+
+# Value columns per program and warps per program of the delta rule: narrow blocks on one warp keep each step's two
+# reductions over the key dim inside a warp (as fla's fused_recurrent does); measured in bench/diag.py.
+RECURRENT_BV = 8
+RECURRENT_WARPS = 1
 
 
 @triton.jit
@@ -177,6 +235,7 @@ def recurrent_rows(
     slots: torch.Tensor,
     cu: torch.Tensor,
     new_states: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it; or,
     with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]`.
@@ -184,15 +243,18 @@ def recurrent_rows(
     q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); a, b: [T, HV] raw
     gate inputs (same token stride), with A_log and dt_bias [HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu:
     [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
-    does. Returns o [T, HV, V] in q's dtype.
+    does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]).
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
     assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous()
     assert a.stride() == b.stride() and a.stride(1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
-    o = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
-    BV = min(32, V)
+    if out is None:
+        out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
+    assert out.shape == (T, HV, V) and out.is_contiguous()
+    o = out
+    BV = min(RECURRENT_BV, V)
     n = slots.shape[0]
     if n:
         _recurrent_rows_kernel[(triton.cdiv(V, BV), n * HV)](
@@ -218,6 +280,7 @@ def recurrent_rows(
             V=V,
             BV=BV,
             CONTINUE=not new_states,
+            num_warps=RECURRENT_WARPS,
         )
     return o
 

@@ -77,10 +77,16 @@ def rms_norm(x, weight, eps, residual=None, store_residual=False):
 
 def gated_rms_norm(x, z, weight, eps):
     h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight * F.silu(z.float())).to(x.dtype)
+    gate = F.silu(z.float().reshape(h.shape))
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight * gate).to(x.dtype)
 
 
-def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False):
+def silu_mul(gate_up):
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None):
     h0 = None if new_states else pool[slots]
     g = -a_log.exp() * F.softplus(a.float() + dt_bias)
     o, final = delta_rule(
@@ -95,6 +101,9 @@ def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=Fa
     )
     if new_states:
         pool[slots] = final
+    if out is not None:
+        out.copy_(o[0])
+        return out
     return o[0]
 
 
@@ -127,6 +136,7 @@ TORCH_KERNELS = PassKernels(
     attention=attention,
     rms_norm=rms_norm,
     gated_rms_norm=gated_rms_norm,
+    silu_mul=silu_mul,
     recurrent_rows=recurrent_rows,
     conv_rows=conv_rows,
     rows_attention=rows_attention,

@@ -21,7 +21,7 @@ if os.environ.get("KEV_KERNEL_DEVICE") == "cuda":
     TOL, REL = 3e-3, 1e-5
 else:
     TOL, REL = 1e-5, 1e-6
-from kev_backend.kernels import conv_rows, gated_rms_norm, recurrent_rows, rms_norm, rows_attention
+from kev_backend.kernels import conv_rows, gated_rms_norm, recurrent_rows, rms_norm, rows_attention, silu_mul
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
 torch.manual_seed(0)
@@ -40,6 +40,21 @@ for D, N in [(64, 3), (256, 37)]:
     y = gated_rms_norm(x, z, w, 1e-6)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w * torch.nn.functional.silu(z)
     assert ((y - ref).abs().max() / ref.abs().max()) < REL
+
+# Per-head norms read in place from a projection: [tokens, heads, D] views with token and head strides.
+proj = torch.randn(9, 3 * 2 * 32 + 5)
+heads = proj[:, : 3 * 2 * 32].view(9, 3, 2 * 32)[..., :32]  # q of a [q | gate] per-head layout
+w = 1 + 0.1 * torch.randn(32)
+y, _ = rms_norm(heads, w, 1e-6)
+ref = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+assert y.is_contiguous() and ((y - ref).abs().max() / ref.abs().max()) < REL
+x, z = torch.randn(9 * 3, 32), proj[:, 5 : 5 + 96].view(9, 3, 32)
+y = gated_rms_norm(x, z, w, 1e-6)
+ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w * torch.nn.functional.silu(z.reshape(-1, 32))
+assert ((y - ref).abs().max() / ref.abs().max()) < REL
+gate_up = torch.randn(5, 2 * 1500 + 3)[:, : 2 * 1500]
+ref = torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
+assert ((silu_mul(gate_up) - ref).abs().max() / ref.abs().max()) < REL
 
 # Rows' conv continuing the window held in a pool, and rows' attention over pool K/V by index.
 from kev_backend.qwen35 import causal_attention
@@ -89,8 +104,9 @@ beta = torch.sigmoid(gate_b)
 pool = torch.randn(6, HV, K, V)
 before = pool.clone()
 slots = torch.tensor([4, 1, 4])
-o = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, cu)
-assert torch.equal(pool, before)  # nothing written back
+dst = torch.empty(T, HV, V)
+o = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, cu, out=dst)
+assert o is dst and torch.equal(pool, before)  # into the given output; nothing written back
 rep = HV // H
 for n in range(3):
     a, b = cu[n].item(), cu[n + 1].item()
