@@ -122,6 +122,18 @@ class FusedWeights:
 # its batch.
 RECURRENT_MAX_LEN = 64
 
+# Batch invariance of the GEMMs: cuBLAS picks split-K by the row count M, and a split changes the summation order, so
+# a row's bf16 output would depend on what shares its pass. Measured on the H200 (bench/diag.py sweep, Kev-4B
+# projections, M = 1..4,096 against M = 8,192): cuBLASLt's results are identical for every M >= 52, cuBLAS's only
+# from M = 257. So the fused path prefers cuBLASLt and gives every GEMM at least MIN_GEMM_ROWS rows (pad rows that
+# nothing reads); at these sizes the GEMMs are bound by reading the weights, so the padding costs nothing.
+MIN_GEMM_ROWS = 64
+
+
+def pad_rows(x: torch.Tensor, rows: int = MIN_GEMM_ROWS) -> torch.Tensor:
+    """x with zero rows appended up to `rows` (x itself when it has enough)."""
+    return x if x.shape[0] >= rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+
 
 @dataclass
 class KernelGroup:
@@ -196,6 +208,7 @@ class PassInput:
     row_prefix_start: torch.Tensor  # where each row's state run starts in row_prefix
     row_prefix_len: torch.Tensor  # its length (the state's tokens)
     picks: torch.Tensor  # pass token index of every </opt> and <decide> read by the head
+    pad_from: int  # tokens from here on pad the pass to MIN_GEMM_ROWS; nothing reads them
 
 
 @dataclass(frozen=True)
@@ -243,6 +256,8 @@ class FusedQwen35:
         # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
         # would then move with the batch they ride in.
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        if weights.embed.is_cuda:
+            torch.backends.cuda.preferred_blas_library("cublaslt")  # see MIN_GEMM_ROWS (a process-wide setting)
         k = kernels or PassKernels.gpu()
         self.w = weights
         self.pool = pool
@@ -288,7 +303,7 @@ class FusedQwen35:
         # Only the picked tokens go through the last MLP and the final norm.
         h = residual[p.picks] + hidden[p.picks].float()
         x = self.rms_fp32(h, w.layers[last].post_norm)
-        h = h + self.mlp(w.layers[last], x.to(w.dtype)).float()
+        h = h + self.mlp(w.layers[last], pad_rows(x.to(w.dtype)))[: h.shape[0]].float()
         return self.rms_fp32(h, w.final_norm)
 
     def rms_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -304,6 +319,7 @@ class FusedQwen35:
         proj = F.linear(x, layer.in_proj)
         qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
         out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
+        out[p.pad_from :].zero_()
         conv_pool, state_pool = self.pool.conv[index], self.pool.recurrent[index]
         # New states start from zero and leave their conv window and DeltaNet state in their (fresh) bank slots;
         # rows continue theirs, read in place by slot, and write nothing back.
@@ -408,6 +424,7 @@ class FusedQwen35:
         v = v.reshape(T, Hkv, D).contiguous()
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)
+        out[p.pad_from :].zero_()
         keys, values = self.pool.keys[index], self.pool.values[index]
         if p.states is not None:
             s = p.states
@@ -603,6 +620,9 @@ class FusedScorer:
             positions.extend(range(len(row.state), len(row.state) + len(tokens)))
             picks.append(start + row.tokens.decide)
             picks.extend(start + i for i in row.tokens.option_ends)
+        pad_from = len(ids)
+        ids.extend([self.pad_id] * (MIN_GEMM_ROWS - pad_from))
+        positions.extend([0] * (len(ids) - pad_from))
         device = self.device
 
         def tensor(values: list[int]) -> torch.Tensor:
@@ -626,4 +646,5 @@ class FusedScorer:
             row_prefix_start=tensor(prefix_start),
             row_prefix_len=tensor([len(r.state) for r in rows]),
             picks=tensor(picks),
+            pad_from=pad_from,
         )

@@ -85,6 +85,18 @@ TINY_CONFIG: dict[str, Any] = {
 
 
 # Qwen3.5-4B's text config (../shared/docs/qwen35-and-kernels.md §3): random weights of Kev-4B shapes.
+# Small but with Qwen3.5's proportions: width 256, attention and DeltaNet heads of 64 (GPU parity; the 64-wide
+# TINY_CONFIG's bf16 rounding does not average out). vocab_size comes from the tokenizer it is used with.
+SMALL_CONFIG: dict[str, Any] = {
+    **TINY_CONFIG,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "head_dim": 64,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "pad_token_id": 1,
+}
+
 KEV4B_CONFIG: dict[str, Any] = {
     **TINY_CONFIG,
     "hidden_size": 2560,
