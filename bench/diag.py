@@ -160,6 +160,20 @@ def recurrent_configs() -> None:
         print(f"recurrent rows={rows}:", " ".join(line), flush=True)
 
 
+def quick_latency() -> None:
+    """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state."""
+    from kev_backend import bench, tiny
+    from kev_backend.engine import Engine, EngineOptions
+    from kev_backend.workloads import long5, short6
+
+    directory = Path(tempfile.mkdtemp())
+    tiny.write_tokenizer(directory)
+    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda")
+    engine = Engine(checkpoint, EngineOptions(device="cuda", backend="fused", bank_bytes=8 << 30))
+    for label, make in (("short6", short6), ("long5", long5)):
+        print(label, bench.latency(engine, make), flush=True)
+
+
 def host_profile() -> None:
     from kev_backend import tiny
     from kev_backend.engine import Engine, EngineOptions
@@ -200,6 +214,8 @@ def host_profile() -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if what == "latency":
+        quick_latency()
     if what == "sweep":
         invariance_sweep()
     if what == "recurrent":

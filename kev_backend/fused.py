@@ -143,6 +143,7 @@ class KernelGroup:
     tokens: torch.Tensor | None  # token offsets within the Segments' range
     cu: torch.Tensor  # int64 cu_seqlens of the group's segments
     slots: torch.Tensor  # the pool slot of each of the group's segments
+    cu_cpu: torch.Tensor  # the same offsets on the host: fla then builds its chunk maps without a device sync
 
 
 def _offsets(lengths: list[int]) -> list[int]:
@@ -161,13 +162,15 @@ class Segments:
     slots: list[int]  # pool slot per segment (the state's own, or the state a row continues)
     device: torch.device
     cu: torch.Tensor = field(init=False)  # int64, fresh per pass (fla caches by tensor identity)
+    cu_cpu: torch.Tensor = field(init=False)  # on the host, for fla's chunk maps (no device sync)
     cu32: torch.Tensor = field(init=False)
     slot_index: torch.Tensor = field(init=False)
     groups: list[KernelGroup] = field(init=False)
 
     def __post_init__(self) -> None:
         offsets = _offsets(self.lengths)
-        self.cu = torch.tensor(offsets, dtype=torch.int64, device=self.device)
+        self.cu_cpu = torch.tensor(offsets, dtype=torch.int64)
+        self.cu = self.cu_cpu.to(self.device)
         self.cu32 = self.cu.to(torch.int32)
         self.slot_index = torch.tensor(self.slots, dtype=torch.int64, device=self.device)
         short = [i for i, n in enumerate(self.lengths) if n <= RECURRENT_MAX_LEN]
@@ -175,16 +178,17 @@ class Segments:
         self.groups = []
         for recurrent, members in ((True, short), (False, long)):
             if len(members) == len(self.lengths):
-                self.groups.append(KernelGroup(recurrent, None, self.cu, self.slot_index))
+                self.groups.append(KernelGroup(recurrent, None, self.cu, self.slot_index, self.cu_cpu))
             elif members:
                 tokens = [t for i in members for t in range(offsets[i], offsets[i + 1])]
-                cu = _offsets([self.lengths[i] for i in members])
+                cu = torch.tensor(_offsets([self.lengths[i] for i in members]), dtype=torch.int64)
                 self.groups.append(
                     KernelGroup(
                         recurrent,
                         torch.tensor(tokens, dtype=torch.int64, device=self.device),
-                        torch.tensor(cu, dtype=torch.int64, device=self.device),
+                        cu.to(self.device),
                         torch.tensor([self.slots[i] for i in members], dtype=torch.int64, device=self.device),
+                        cu,
                     )
                 )
 
@@ -334,6 +338,7 @@ class FusedQwen35:
                     output_final_state=True,
                     activation="silu",
                     cu_seqlens=seg.cu,
+                    cu_seqlens_cpu=seg.cu_cpu,
                 )
                 mixed = mixed[0]
                 conv_pool.index_copy_(0, seg.slot_index, window.to(conv_pool.dtype))
@@ -404,6 +409,7 @@ class FusedQwen35:
             output_final_state=new,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=group.cu,
+            cu_seqlens_cpu=group.cu_cpu,
         )
         if new:
             state_pool.index_copy_(0, group.slots, final)

@@ -159,6 +159,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@triton.jit
+def _delta_rule_inputs(q, k, v, a, b, t, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V):
+    """Token t's q, k [K], v [BV] and raw gate inputs a, b in fp32; zeros once t reaches eos (nothing read)."""
+    m = t < eos
+    b_q = tl.load(q + t * stride_t + hk * K + o_k, mask=m, other=0.0).to(tl.float32)
+    b_k = tl.load(k + t * stride_t + hk * K + o_k, mask=m, other=0.0).to(tl.float32)
+    b_v = tl.load(v + t * stride_vt + hv * V + o_v, mask=m, other=0.0).to(tl.float32)
+    b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)
+    b_b = tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, b_a, b_b
+
+
 # Value columns per program and warps per program of the delta rule: narrow blocks on one warp keep each step's two
 # reductions over the key dim inside a warp (as fla's fused_recurrent does). bench/diag.py recurrent on the H200,
 # 192 rows of 39 tokens: 16/1 1.65 ms, 8/1 2.05, 32/2 2.08, 32/4 3.16.
@@ -206,19 +218,26 @@ def _recurrent_rows_kernel(
         h = tl.load(state)
     else:  # a new state: from zero
         h = tl.zeros([K, BV], dtype=tl.float32)
+    # Token t+1's inputs are loaded while token t is computed (they do not depend on the state), so the loop's
+    # critical path is the state update alone. o_t = (decayed h)·q + (k·q)·u, so both reductions over the key dim
+    # read the decayed state at once instead of one after the other.
+    n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+        q, k, v, a, b, bos, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+    )
     for t in range(bos, eos):
-        b_q = tl.load(q + t * stride_t + hk * K + o_k).to(tl.float32)
-        b_k = tl.load(k + t * stride_t + hk * K + o_k).to(tl.float32)
-        b_v = tl.load(v + t * stride_vt + hv * V + o_v).to(tl.float32)
+        b_q, b_k, b_v, b_a, b_b = n_q, n_k, n_v, n_a, n_b
+        n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+            q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+        )
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_a = tl.load(a + t * stride_at + hv).to(tl.float32) + bias
+        b_a = b_a + bias
         b_g = -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a)))
-        b_beta = tl.sigmoid(tl.load(b + t * stride_at + hv).to(tl.float32))
+        b_beta = tl.sigmoid(b_b)
         h = h * tl.exp(b_g)
         b_u = (b_v - tl.sum(h * b_k[:, None], axis=0)) * b_beta
+        b_o = tl.sum(h * b_q[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
         h = h + b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(h * b_q[:, None], axis=0)
         tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
     if not CONTINUE:  # a new state's end state goes into its (fresh) bank slot; a row writes nothing back
         tl.store(state, h)

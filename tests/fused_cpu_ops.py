@@ -19,7 +19,10 @@ def bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(offsets[:-1], offsets[1:]))
 
 
-def conv(x, weight, initial_state=None, output_final_state=False, activation="silu", cu_seqlens=None):
+def conv(
+    x, weight, initial_state=None, output_final_state=False, activation="silu", cu_seqlens=None, cu_seqlens_cpu=None
+):
+    assert cu_seqlens_cpu is None or cu_seqlens_cpu.device.type == "cpu"
     assert initial_state is None and activation == "silu"
     W = weight.shape[1]
     outputs, finals = [], []
@@ -40,7 +43,9 @@ def delta_rule(
     output_final_state=False,
     use_qk_l2norm_in_kernel=True,
     cu_seqlens=None,
+    cu_seqlens_cpu=None,
 ):
+    assert cu_seqlens_cpu is None or torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
     rep = v.shape[2] // q.shape[2]
     outputs, finals = [], []
     for n, (a, b) in enumerate(bounds(cu_seqlens)):
