@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -135,15 +135,45 @@ def pad_rows(x: torch.Tensor, rows: int = MIN_GEMM_ROWS) -> torch.Tensor:
     return x if x.shape[0] >= rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
+def is_short(length: int) -> bool:
+    return length <= RECURRENT_MAX_LEN
+
+
 @dataclass
 class KernelGroup:
-    """The segments of a Segments that run one delta-rule kernel; `tokens` is None when it is all of them."""
+    """Segments of one kind and one length class, contiguous in the pass: tokens [start, end). Short ones (up to
+    RECURRENT_MAX_LEN tokens) run our kernels, which read or write the bank in place; longer ones fla's chunked
+    kernels and torch's varlen attention. The class depends on a segment's own length, never on its company."""
 
-    recurrent: bool
-    tokens: torch.Tensor | None  # token offsets within the Segments' range
-    cu: torch.Tensor  # int64 cu_seqlens of the group's segments
-    slots: torch.Tensor  # the pool slot of each of the group's segments
-    cu_cpu: torch.Tensor  # the same offsets on the host: fla then builds its chunk maps without a device sync
+    short: bool
+    start: int
+    end: int
+    max_len: int  # longest segment (for a captured pass, the bound its grids are sized for)
+    cu: torch.Tensor  # int64 offsets from `start`, [segments + 1]; fresh per eager pass (fla caches by identity)
+    slots: torch.Tensor  # the pool slot of each segment (its own, or the state a row continues)
+    cu_cpu: torch.Tensor | None = None  # long groups: the same on the host, so fla builds its chunk maps unsynced
+    cu32: torch.Tensor | None = None  # long new states: int32 for varlen attention
+
+    @property
+    def span(self) -> slice:
+        return slice(self.start, self.end)
+
+    @classmethod
+    def build(cls, start: int, lengths: list[int], slots: list[int], device: torch.device) -> KernelGroup:
+        short = all(is_short(n) for n in lengths)
+        assert short or not any(is_short(n) for n in lengths)
+        cu_cpu = torch.tensor(_offsets(lengths), dtype=torch.int64)
+        cu = cu_cpu.to(device)
+        return cls(
+            short=short,
+            start=start,
+            end=start + int(cu_cpu[-1]),
+            max_len=max(lengths),
+            cu=cu,
+            slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            cu_cpu=None if short else cu_cpu,
+            cu32=None if short else cu.to(torch.int32),
+        )
 
 
 def _offsets(lengths: list[int]) -> list[int]:
@@ -155,55 +185,34 @@ def _offsets(lengths: list[int]) -> list[int]:
 
 @dataclass
 class Segments:
-    """Varlen segments of one kind inside a pass: token range [start, end) of the pass, lengths, slots."""
+    """The new states, or the question rows, of a pass: tokens [start, end), short segments first, then long ones;
+    `cu` and `max_len` cover them all (rows' attention runs over every row at once)."""
 
     start: int
-    lengths: list[int]
-    slots: list[int]  # pool slot per segment (the state's own, or the state a row continues)
-    device: torch.device
-    cu: torch.Tensor = field(init=False)  # int64, fresh per pass (fla caches by tensor identity)
-    cu_cpu: torch.Tensor = field(init=False)  # on the host, for fla's chunk maps (no device sync)
-    cu32: torch.Tensor = field(init=False)
-    slot_index: torch.Tensor = field(init=False)
-    groups: list[KernelGroup] = field(init=False)
+    end: int
+    max_len: int
+    cu: torch.Tensor  # int64 offsets from `start` of every segment
+    groups: list[KernelGroup]
 
-    def __post_init__(self) -> None:
-        offsets = _offsets(self.lengths)
-        self.cu_cpu = torch.tensor(offsets, dtype=torch.int64)
-        self.cu = self.cu_cpu.to(self.device)
-        self.cu32 = self.cu.to(torch.int32)
-        self.slot_index = torch.tensor(self.slots, dtype=torch.int64, device=self.device)
-        short = [i for i, n in enumerate(self.lengths) if n <= RECURRENT_MAX_LEN]
-        long = [i for i, n in enumerate(self.lengths) if n > RECURRENT_MAX_LEN]
-        self.groups = []
-        for recurrent, members in ((True, short), (False, long)):
-            if len(members) == len(self.lengths):
-                self.groups.append(KernelGroup(recurrent, None, self.cu, self.slot_index, self.cu_cpu))
-            elif members:
-                tokens = [t for i in members for t in range(offsets[i], offsets[i + 1])]
-                cu = torch.tensor(_offsets([self.lengths[i] for i in members]), dtype=torch.int64)
-                self.groups.append(
-                    KernelGroup(
-                        recurrent,
-                        torch.tensor(tokens, dtype=torch.int64, device=self.device),
-                        cu.to(self.device),
-                        torch.tensor([self.slots[i] for i in members], dtype=torch.int64, device=self.device),
-                        cu,
-                    )
-                )
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.tokens
+    @classmethod
+    def build(cls, start: int, lengths: list[int], slots: list[int], device: torch.device) -> Segments:
+        """Segments in the given order, which must put every short one before every long one."""
+        n_short = sum(is_short(n) for n in lengths)
+        assert all(is_short(n) for n in lengths[:n_short])
+        groups = []
+        offset = start
+        for part in (slice(0, n_short), slice(n_short, len(lengths))):
+            if lengths[part]:
+                group = KernelGroup.build(offset, lengths[part], slots[part], device)
+                groups.append(group)
+                offset = group.end
+        cu = torch.tensor(_offsets(lengths), dtype=torch.int64, device=device)
+        return cls(start, offset, max(lengths), cu, groups)
 
 
 @dataclass
 class PassInput:
-    ids: torch.Tensor  # [T]: new-state tokens, then row tokens
+    ids: torch.Tensor  # [T]: new-state tokens, then row tokens, then any padding
     positions: torch.Tensor  # [T]
     states: Segments | None  # new states computed in this pass
     state_kv_dst: torch.Tensor | None  # pool K/V index of each new-state token
@@ -212,7 +221,6 @@ class PassInput:
     row_prefix_start: torch.Tensor  # where each row's state run starts in row_prefix
     row_prefix_len: torch.Tensor  # its length (the state's tokens)
     picks: torch.Tensor  # pass token index of every </opt> and <decide> read by the head
-    pad_from: int  # tokens from here on pad the pass to MIN_GEMM_ROWS; nothing reads them
 
 
 @dataclass(frozen=True)
@@ -322,29 +330,28 @@ class FusedQwen35:
         c = self.c
         proj = F.linear(x, layer.in_proj)
         qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
-        out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
-        out[p.pad_from :].zero_()
+        # Zeros: padding tokens belong to no segment (their rows are computed and never read).
+        out = torch.zeros(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
         conv_pool, state_pool = self.pool.conv[index], self.pool.recurrent[index]
         # New states start from zero and leave their conv window and DeltaNet state in their (fresh) bank slots;
         # rows continue theirs, read in place by slot, and write nothing back.
         for seg, new in ((p.states, True), (p.rows, False)):
-            if seg is None:
-                continue
-            span = slice(seg.start, seg.end)
-            if new and max(seg.lengths) > RECURRENT_MAX_LEN:
-                mixed, window = self._conv(
-                    qkv[span].contiguous().unsqueeze(0),
-                    layer.conv,
-                    output_final_state=True,
-                    activation="silu",
-                    cu_seqlens=seg.cu,
-                    cu_seqlens_cpu=seg.cu_cpu,
-                )
-                mixed = mixed[0]
-                conv_pool.index_copy_(0, seg.slot_index, window.to(conv_pool.dtype))
-            else:
-                mixed = self._conv_rows(qkv[span], layer.conv, conv_pool, seg.slot_index, seg.cu, new_states=new)
-            self.deltanet_segments(layer, mixed, a[span], b[span], seg, state_pool, new, out[span])
+            for group in seg.groups if seg is not None else ():
+                span = group.span
+                if new and not group.short:  # fla's conv; the windows are copied into the slots
+                    mixed, window = self._conv(
+                        qkv[span].contiguous().unsqueeze(0),
+                        layer.conv,
+                        output_final_state=True,
+                        activation="silu",
+                        cu_seqlens=group.cu,
+                        cu_seqlens_cpu=group.cu_cpu,
+                    )
+                    mixed = mixed[0]
+                    conv_pool.index_copy_(0, group.slots, window.to(conv_pool.dtype))
+                else:  # ours, in place (rows of any length: the conv is cheap token by token)
+                    mixed = self._conv_rows(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
+                self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
             z.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)),  # read in place
@@ -353,56 +360,37 @@ class FusedQwen35:
         )
         return F.linear(normed.view(x.shape[0], self.value_dim), layer.out_proj)
 
-    def deltanet_segments(
+    def delta_rule(
         self,
         layer: LayerWeights,
+        group: KernelGroup,
         mixed: torch.Tensor,
         a: torch.Tensor,
         b: torch.Tensor,
-        seg: Segments,
         state_pool: torch.Tensor,
         new: bool,
         out: torch.Tensor,
     ) -> None:
-        """The delta rule over conv outputs `mixed` [T, conv_dim], segment by segment, into `out` [T, Hv, Dv]: new
-        states from zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots."""
+        """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
+        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Ours for short
+        segments (gates computed inside; states read and written in place), fla's chunked kernel for long ones
+        (rows from a gathered copy of their states)."""
         c = self.c
-        q, k, v = mixed.unsqueeze(0).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         T = mixed.shape[0]
-        q = q.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
-        k = k.reshape(1, T, c.linear_num_key_heads, c.linear_key_head_dim)
-        v = v.reshape(1, T, c.linear_num_value_heads, c.linear_value_head_dim)
-        if len(seg.groups) == 1:
-            self.delta_rule(layer, seg.groups[0], q, k, v, a, b, state_pool, new, out)
-            return
-        for group in seg.groups:
-            t = group.tokens
-            out[t] = self.delta_rule(layer, group, q[:, t], k[:, t], v[:, t], a[t], b[t], state_pool, new)
-
-    def delta_rule(self, layer: LayerWeights, group: KernelGroup, q, k, v, a, b, state_pool, new: bool, out=None):
-        """One kernel over a group of segments: ours for segments up to RECURRENT_MAX_LEN tokens (gates computed
-        inside; states read and written in place), fla's chunked kernel beyond (rows from a gathered copy). The
-        output goes into `out` when given."""
-        if group.recurrent:
-            return self._recurrent_rows(
-                q[0],
-                k[0],
-                v[0],
-                a,
-                b,
-                layer.a_log,
-                layer.dt_bias,
-                state_pool,
-                group.slots,
-                group.cu,
-                new_states=new,
-                out=out,
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
+        k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
+        v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
+        if group.short:
+            self._recurrent_rows(
+                q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu, new_states=new, out=out
             )
+            return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(
-            q,
-            k,
-            v,
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
             g=g,
             beta=torch.sigmoid(b).unsqueeze(0),
             initial_state=None if new else state_pool.index_select(0, group.slots),
@@ -413,9 +401,7 @@ class FusedQwen35:
         )
         if new:
             state_pool.index_copy_(0, group.slots, final)
-        if out is not None:
-            out.copy_(o[0])
-        return o[0]
+        out.copy_(o[0].view(T, c.linear_num_value_heads, c.linear_value_head_dim))
 
     # -- gated attention -----------------------------------------------------------------------------------------
 
@@ -429,21 +415,31 @@ class FusedQwen35:
         k = self._rms_norm(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps)[0]
         v = v.reshape(T, Hkv, D).contiguous()
         q, k = self.rotate(q, rope), self.rotate(k, rope)
-        out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)
-        out[p.pad_from :].zero_()
+        out = torch.zeros(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens: zeros, never read
         keys, values = self.pool.keys[index], self.pool.values[index]
-        if p.states is not None:
-            s = p.states
-            ks, vs = k[s.start : s.end], v[s.start : s.end]
-            longest = max(s.lengths)
-            out[s.start : s.end] = self._attn(
-                q[s.start : s.end], ks, vs, s.cu32, s.cu32, longest, longest, window_size=(-1, 0)
-            )
-            keys.index_copy_(0, p.state_kv_dst, ks)
-            values.index_copy_(0, p.state_kv_dst, vs)
+        if (s := p.states) is not None:
+            for group in s.groups:
+                span = group.span
+                if group.short:  # ours: causal over the state's own tokens
+                    self._rows_attention(
+                        q[span], k[span], v[span], keys, values, None, None, None, group.cu, group.max_len, out[span]
+                    )
+                else:
+                    out[span] = self._attn(
+                        q[span],
+                        k[span],
+                        v[span],
+                        group.cu32,
+                        group.cu32,
+                        group.max_len,
+                        group.max_len,
+                        window_size=(-1, 0),
+                    )
+            keys.index_copy_(0, p.state_kv_dst, k[s.start : s.end])
+            values.index_copy_(0, p.state_kv_dst, v[s.start : s.end])
         # Each row attends to [its state's K/V, read in place from the bank | its own K/V], bottom-right causal.
         if (r := p.rows) is not None:
-            out[r.start : r.end] = self._rows_attention(
+            self._rows_attention(
                 q[r.start : r.end],
                 k[r.start : r.end],
                 v[r.start : r.end],
@@ -453,7 +449,8 @@ class FusedQwen35:
                 p.row_prefix_start,
                 p.row_prefix_len,
                 r.cu,
-                max(r.lengths),
+                r.max_len,
+                out[r.start : r.end],
             )
         out = out.view(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))
         return F.linear(out, layer.out_proj)
@@ -580,6 +577,10 @@ class FusedScorer:
                     raise RuntimeError("the state bank cannot hold one pass's states: raise bank_bytes")
                 new.append(state)
             slots[state] = slot
+        # Short segments before long ones, within the states and within the rows (stable): each length class is one
+        # contiguous kernel group.
+        new.sort(key=lambda state: not is_short(len(state)))
+        rows = sorted(rows, key=lambda row: not is_short(len(row.tokens.tokens)))
         try:
             if self.split_passes and new:
                 # States first, in their own pass through the weights; then every row from the bank.
@@ -626,9 +627,9 @@ class FusedScorer:
             positions.extend(range(len(row.state), len(row.state) + len(tokens)))
             picks.append(start + row.tokens.decide)
             picks.extend(start + i for i in row.tokens.option_ends)
-        pad_from = len(ids)
-        ids.extend([self.pad_id] * (MIN_GEMM_ROWS - pad_from))
-        positions.extend([0] * (len(ids) - pad_from))
+        padding = MIN_GEMM_ROWS - len(ids)
+        ids.extend([self.pad_id] * padding)
+        positions.extend([0] * padding)
         device = self.device
 
         def tensor(values: list[int]) -> torch.Tensor:
@@ -636,10 +637,10 @@ class FusedScorer:
 
         states = None
         if new:
-            states = Segments(0, [len(s) for s in new], [slots[s].slot for s in new], device)
+            states = Segments.build(0, [len(s) for s in new], [slots[s].slot for s in new], device)
         row_segments = None
         if rows:
-            row_segments = Segments(
+            row_segments = Segments.build(
                 n_state_tokens, [len(r.tokens.tokens) for r in rows], [slots[r.state].slot for r in rows], device
             )
         return PassInput(
@@ -652,5 +653,4 @@ class FusedScorer:
             row_prefix_start=tensor(prefix_start),
             row_prefix_len=tensor([len(r.state) for r in rows]),
             picks=tensor(picks),
-            pad_from=pad_from,
         )

@@ -389,6 +389,7 @@ def _rows_attention_kernel(
     D: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     n, h = i_nh // HQ, i_nh % HQ
@@ -396,7 +397,10 @@ def _rows_attention_kernel(
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
     if i_m * BM < L:
-        p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
+        if HAS_PREFIX:
+            p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
+        else:  # new states: their own tokens only
+            p_bos, P = 0, 0
         o_m = i_m * BM + tl.arange(0, BM)
         m_m = o_m < L
         o_d = tl.arange(0, D)
@@ -445,26 +449,32 @@ def rows_attention(
     v: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    prefix: torch.Tensor,
-    prefix_start: torch.Tensor,
-    prefix_len: torch.Tensor,
+    prefix: torch.Tensor | None,
+    prefix_start: torch.Tensor | None,
+    prefix_len: torch.Tensor | None,
     cu: torch.Tensor,
     max_len: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of question rows over [their state's K/V | their own K/V], bottom-right causal, GQA.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (the rows' own, contiguous); k_pool, v_pool: [tokens, Hkv, D] bank pool;
     prefix: pool token indices of the states' tokens, one run per state; row n's state is the run of
-    prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets. The state's K/V are read where
-    the bank keeps them, never copied per row.
+    prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets; max_len bounds a row's length
+    (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Without a
+    prefix (None), plain causal attention over each segment's own tokens (new states). Writes `out` when given.
     """
     T, HQ, D = q.shape
     HKV = k.shape[1]
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k_pool.is_contiguous()
     assert v_pool.stride() == k_pool.stride() and v.stride() == k.stride()
-    o = torch.empty_like(q)
+    o = torch.empty_like(q) if out is None else out
+    assert o.shape == q.shape and o.is_contiguous()
     n = cu.shape[0] - 1
     BM, BN = 16, 64 if D <= 128 else 32
+    has_prefix = prefix is not None
+    if not has_prefix:
+        prefix = prefix_start = prefix_len = cu  # not read
     if n:
         _rows_attention_kernel[(triton.cdiv(max_len, BM), n * HQ)](
             q,
@@ -487,5 +497,6 @@ def rows_attention(
             D=D,
             BM=BM,
             BN=BN,
+            HAS_PREFIX=has_prefix,
         )
     return o

@@ -123,15 +123,19 @@ def conv_rows(x, weight, pool, slots, cu, new_states=False):
     return torch.cat(out)
 
 
-def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu, max_len):
-    out = []
+def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu, max_len, out=None):
+    dst, out = out, []
     for n, (a, b) in enumerate(bounds(cu)):
-        idx = prefix[prefix_start[n] : prefix_start[n] + prefix_len[n]]
+        assert b - a <= max_len
+        idx = prefix[prefix_start[n] : prefix_start[n] + prefix_len[n]] if prefix is not None else []
         keys, values = torch.cat([k_pool[idx], k[a:b]]), torch.cat([v_pool[idx], v[a:b]])
         o = causal_attention(
             q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], q.shape[-1] ** -0.5
         )
         out.append(o[0].transpose(0, 1))
+    if dst is not None:
+        dst.copy_(torch.cat(out))
+        return dst
     return torch.cat(out)
 
 

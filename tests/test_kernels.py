@@ -85,6 +85,15 @@ for n in range(3):
     V = torch.cat([vp[idx], v[a:b]]).transpose(0, 1)[None]
     ref = causal_attention(q[a:b].transpose(0, 1)[None], K, V, D**-0.5)[0].transpose(0, 1)
     assert (o[a:b] - ref).abs().max() < TOL, n
+# New states: causal attention over their own tokens only, into a given output.
+dst = torch.empty_like(q)
+o = rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20, out=dst)
+assert o is dst
+for n in range(3):
+    a, b = cu[n].item(), cu[n + 1].item()
+    qq, kk, vv = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+    ref = causal_attention(qq, kk, vv, D**-0.5)[0].transpose(0, 1)
+    assert (o[a:b] - ref).abs().max() < TOL, n
 
 # Rows continuing states read in place from a pool, against the fp32 chunked reference from a copied state.
 H, HV, K, V = 2, 4, 16, 32
