@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +211,31 @@ class Segments:
 
 
 @dataclass
+class PassLayout:
+    """A pass on the host: new states' tokens first, then the rows'. Row picks count from the first row token."""
+
+    state_ids: list[int] = field(default_factory=list)
+    state_lengths: list[int] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)
+    state_kv_dst: list[int] = field(default_factory=list)  # pool K/V index of each state token
+    row_ids: list[int] = field(default_factory=list)
+    row_positions: list[int] = field(default_factory=list)
+    row_lengths: list[int] = field(default_factory=list)
+    row_slots: list[int] = field(default_factory=list)
+    prefix: list[int] = field(default_factory=list)  # pool K/V index of each continued state's tokens, one run each
+    prefix_start: list[int] = field(default_factory=list)
+    prefix_len: list[int] = field(default_factory=list)
+    row_picks: list[int] = field(default_factory=list)
+
+    def state_positions(self) -> list[int]:
+        return [i for n in self.state_lengths for i in range(n)]
+
+    @property
+    def all_short(self) -> bool:
+        return all(is_short(n) for n in self.state_lengths) and all(is_short(n) for n in self.row_lengths)
+
+
+@dataclass
 class PassInput:
     ids: torch.Tensor  # [T]: new-state tokens, then row tokens, then any padding
     positions: torch.Tensor  # [T]
@@ -281,7 +306,8 @@ class FusedQwen35:
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
         dim = c.rotary_dim
-        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.inv_freq = inv_freq.to(weights.embed.device)  # no host copy inside a pass (it may be captured)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
         """Residual add + RMSNorm in one kernel; the residual stream stays fp32."""
@@ -290,8 +316,7 @@ class FusedQwen35:
     @torch.no_grad()
     def forward(self, p: PassInput) -> torch.Tensor:
         w = self.w
-        device = p.ids.device
-        freqs = p.positions.float()[:, None] * self.inv_freq.to(device)[None, :]
+        freqs = p.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos().to(w.dtype), emb.sin().to(w.dtype))
         hidden = F.embedding(p.ids, w.embed)
@@ -492,6 +517,9 @@ class FusedScorer:
         dtype: torch.dtype = torch.bfloat16,
         kernels: PassKernels | None = None,
         split_passes: bool = False,
+        graphs: bool = False,
+        graph_max_tokens: int = 4096,
+        max_graphs: int = 64,
     ) -> None:
         self.device = next(model.parameters()).device
         self.weights = FusedWeights(model, dtype)
@@ -505,8 +533,14 @@ class FusedScorer:
         self.kernels = kernels
         # One pass per batch: new states' and rows' tokens share every GEMM (False), or states then rows (True).
         self.split_passes = split_passes
+        # CUDA graphs for passes of short segments (graphs.py); off, or no CUDA: every pass eagerly (on a CPU with
+        # graphs on, the padded passes run eagerly from the graphs' buffers).
+        self.use_graphs = graphs
+        self.graph_max_tokens = graph_max_tokens
+        self.max_graphs = max_graphs
         self.bank = self._new_bank()
         self.model = FusedQwen35(self.weights, self.bank.pool, kernels)
+        self.graphs = self._new_graphs()
         self.oom_retries = 0
 
     def _new_bank(self) -> GpuBank:
@@ -520,6 +554,29 @@ class FusedScorer:
         )
         return GpuBank(pool)
 
+    def _new_graphs(self):
+        if not self.use_graphs:
+            return None
+        from .graphs import PassGraphs
+
+        return PassGraphs(
+            self.model,
+            self.bank.pool,
+            self.pad_id,
+            max_tokens=self.graph_max_tokens,
+            prefix_tokens=self.pass_tokens,
+            max_graphs=self.max_graphs,
+            capture=self.device.type == "cuda",
+        )
+
+    @property
+    def graph_replays(self) -> int:
+        return self.graphs.stats.replays if self.graphs is not None else 0
+
+    @property
+    def graph_captures(self) -> int:
+        return self.graphs.stats.captures if self.graphs is not None else 0
+
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         try:
             return self._probabilities(batch)
@@ -529,9 +586,11 @@ class FusedScorer:
             self.bank.clear()
             del self.model
             self.bank = None  # type: ignore[assignment]
+            self.graphs = None
             torch.cuda.empty_cache()
             self.bank = self._new_bank()
             self.model = FusedQwen35(self.weights, self.bank.pool, self.kernels)
+            self.graphs = self._new_graphs()
             return self._probabilities(batch)
 
     def _probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
@@ -584,11 +643,11 @@ class FusedScorer:
         try:
             if self.split_passes and new:
                 # States first, in their own pass through the weights; then every row from the bank.
-                self.model.forward(self.pass_input([], new, slots))
+                self.forward(self.layout([], new, slots))
                 new_in_pass: list[tuple[int, ...]] = []
             else:
                 new_in_pass = new
-            picked = self.model.forward(self.pass_input(rows, new_in_pass, slots))
+            picked = self.forward(self.layout(rows, new_in_pass, slots))
         except BaseException:
             for state in new:
                 self.bank.forget(state)
@@ -601,56 +660,55 @@ class FusedScorer:
             offset += 1 + n
         return out
 
-    def pass_input(self, rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, ...], Slot]) -> PassInput:
+    def forward(self, layout: PassLayout) -> torch.Tensor:
+        """One pass: replayed from its bucket's CUDA graph when it has one, else eagerly."""
+        if self.graphs is not None and (bucket := self.graphs.bucket_for(layout)) is not None:
+            return self.graphs.run(bucket, layout)
+        return self.model.forward(self.pass_input(layout))
+
+    def layout(self, rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, ...], Slot]) -> PassLayout:
         page = self.bank.pool.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        state_kv_dst: list[int] = []
+        out = PassLayout()
         for state in new:
-            ids.extend(state)
-            positions.extend(range(len(state)))
-            state_kv_dst.extend(slots[state].kv_index(page))
-        n_state_tokens = len(ids)
+            out.state_ids.extend(state)
+            out.state_lengths.append(len(state))
+            out.state_slots.append(slots[state].slot)
+            out.state_kv_dst.extend(slots[state].kv_index(page))
         # Each state's pool K/V index once; every row points at its state's run.
-        prefix: list[int] = []
         runs: dict[tuple[int, ...], int] = {}
-        prefix_start: list[int] = []
-        picks: list[int] = []
         for row in rows:
             if row.state not in runs:
-                runs[row.state] = len(prefix)
-                prefix.extend(slots[row.state].kv_index(page))
-            prefix_start.append(runs[row.state])
-            start = len(ids)
+                runs[row.state] = len(out.prefix)
+                out.prefix.extend(slots[row.state].kv_index(page))
+            out.prefix_start.append(runs[row.state])
+            out.prefix_len.append(len(row.state))
+            start = len(out.row_ids)
             tokens = row.tokens.tokens
-            ids.extend(tokens)
-            positions.extend(range(len(row.state), len(row.state) + len(tokens)))
-            picks.append(start + row.tokens.decide)
-            picks.extend(start + i for i in row.tokens.option_ends)
-        padding = MIN_GEMM_ROWS - len(ids)
-        ids.extend([self.pad_id] * padding)
-        positions.extend([0] * padding)
+            out.row_ids.extend(tokens)
+            out.row_positions.extend(range(len(row.state), len(row.state) + len(tokens)))
+            out.row_lengths.append(len(tokens))
+            out.row_slots.append(slots[row.state].slot)
+            out.row_picks.append(start + row.tokens.decide)
+            out.row_picks.extend(start + i for i in row.tokens.option_ends)
+        return out
+
+    def pass_input(self, layout: PassLayout) -> PassInput:
+        """The pass on the device, exactly sized (padded only to MIN_GEMM_ROWS tokens)."""
+        n_state = len(layout.state_ids)
+        padding = max(0, MIN_GEMM_ROWS - n_state - len(layout.row_ids))
         device = self.device
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        states = None
-        if new:
-            states = Segments.build(0, [len(s) for s in new], [slots[s].slot for s in new], device)
-        row_segments = None
-        if rows:
-            row_segments = Segments.build(
-                n_state_tokens, [len(r.tokens.tokens) for r in rows], [slots[r.state].slot for r in rows], device
-            )
         return PassInput(
-            ids=tensor(ids),
-            positions=tensor(positions),
-            states=states,
-            state_kv_dst=tensor(state_kv_dst) if new else None,
-            rows=row_segments,
-            row_prefix=tensor(prefix),
-            row_prefix_start=tensor(prefix_start),
-            row_prefix_len=tensor([len(r.state) for r in rows]),
-            picks=tensor(picks),
+            ids=tensor(layout.state_ids + layout.row_ids + [self.pad_id] * padding),
+            positions=tensor(layout.state_positions() + layout.row_positions + [0] * padding),
+            states=Segments.build(0, layout.state_lengths, layout.state_slots, device) if n_state else None,
+            state_kv_dst=tensor(layout.state_kv_dst) if n_state else None,
+            rows=Segments.build(n_state, layout.row_lengths, layout.row_slots, device) if layout.row_ids else None,
+            row_prefix=tensor(layout.prefix),
+            row_prefix_start=tensor(layout.prefix_start),
+            row_prefix_len=tensor(layout.prefix_len),
+            picks=tensor([n_state + i for i in layout.row_picks]),
         )

@@ -52,8 +52,12 @@ class StatePool:
         self.values = torch.zeros(kv_shape, device=device, dtype=dtype)
         self.slot_bytes = self.recurrent[:, 0].numel() * 4 + self.conv[:, 0].numel() * self.conv.element_size()
         self.page_bytes = 2 * attn * page_size * c.num_key_value_heads * c.head_dim * self.keys.element_size()
-        self.free_slots = list(range(n_slots))
-        self.free_pages = list(range(n_pages))
+        # One slot and one page are scratch, never allocated: a captured pass's padding segments and tokens write
+        # their (empty) states and K/V there, so a replay never touches a real state.
+        self.scratch_slot = n_slots - 1
+        self.scratch_token = (n_pages - 1) * page_size
+        self.free_slots = list(range(n_slots - 1))
+        self.free_pages = list(range(n_pages - 1))
 
     @classmethod
     def sized(
@@ -67,9 +71,9 @@ class StatePool:
         min_tokens: int = 0,
     ) -> StatePool:
         """Half the bytes for DeltaNet slots, half for K/V pages (at least what one batch must hold)."""
-        probe = cls(config, 1, 1, page_size, torch.device("meta"), dtype)
-        slots = max(min_slots, capacity_bytes // 2 // probe.slot_bytes)
-        pages = max(math.ceil(min_tokens / page_size), capacity_bytes // 2 // max(probe.page_bytes, 1))
+        probe = cls(config, 2, 2, page_size, torch.device("meta"), dtype)
+        slots = max(min_slots, capacity_bytes // 2 // probe.slot_bytes) + 1  # + the scratch slot and page
+        pages = max(math.ceil(min_tokens / page_size), capacity_bytes // 2 // max(probe.page_bytes, 1)) + 1
         return cls(config, int(slots), int(pages), page_size, device, dtype)
 
     def allocate(self, length: int) -> Slot | None:

@@ -91,52 +91,59 @@ def silu_mul(gate_up):
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
+# Our kernels' stand-ins take padded passes too (a captured pass's layout): the region may hold tokens after the last
+# segment (outputs left as zeros here) and empty segments (a new one writes an empty state into its slot).
+
+
 def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None):
-    h0 = None if new_states else pool[slots]
+    T, HV, V = v.shape
+    o = torch.zeros(T, HV, V, dtype=v.dtype) if out is None else out
     g = -a_log.exp() * F.softplus(a.float() + dt_bias)
-    o, final = delta_rule(
-        q[None],
-        k[None],
-        v[None],
-        g=g[None],
-        beta=torch.sigmoid(b)[None],
-        initial_state=h0,
-        output_final_state=new_states,
-        cu_seqlens=cu,
-    )
-    if new_states:
-        pool[slots] = final
-    if out is not None:
-        out.copy_(o[0])
-        return out
-    return o[0]
+    rep = HV // q.shape[1]
+    for (lo, hi), slot in zip(bounds(cu), slots.tolist()):
+        h0 = None if new_states else pool[slot][None]
+        if hi == lo:
+            if new_states:
+                pool[slot] = 0.0
+            continue
+        qq = l2_normalize(q[lo:hi].float().repeat_interleave(rep, 1).transpose(0, 1)[None]) * q.shape[-1] ** -0.5
+        kk = l2_normalize(k[lo:hi].float().repeat_interleave(rep, 1).transpose(0, 1)[None])
+        vv = v[lo:hi].float().transpose(0, 1)[None]
+        y, final = gated_delta_rule(qq, kk, vv, g[lo:hi].T[None], torch.sigmoid(b[lo:hi].float()).T[None], h0)
+        o[lo:hi] = y[0].transpose(0, 1).to(o.dtype)
+        if new_states:
+            pool[slot] = final[0]
+    return o
 
 
 def conv_rows(x, weight, pool, slots, cu, new_states=False):
-    out = []
-    for (a, b), slot in zip(bounds(cu), slots.tolist()):
+    y = torch.zeros_like(x)
+    for (lo, hi), slot in zip(bounds(cu), slots.tolist()):
         window = torch.zeros_like(pool[slot]) if new_states else pool[slot]
-        seq = torch.cat([window, x[a:b].T], dim=1)
-        out.append(F.silu(F.conv1d(seq[None, :, 1:], weight[:, None, :], groups=weight.shape[0]))[0].T)
+        seq = torch.cat([window, x[lo:hi].T], dim=1)
+        if hi > lo:
+            y[lo:hi] = F.silu(F.conv1d(seq[None, :, 1:], weight[:, None, :], groups=weight.shape[0]))[0].T
         if new_states:
             pool[slot] = seq[:, -weight.shape[1] :]
-    return torch.cat(out)
+    return y
 
 
 def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu, max_len, out=None):
-    dst, out = out, []
-    for n, (a, b) in enumerate(bounds(cu)):
-        assert b - a <= max_len
+    o = torch.zeros_like(q) if out is None else out
+    for n, (lo, hi) in enumerate(bounds(cu)):
+        assert hi - lo <= max_len
+        if hi == lo:
+            continue
         idx = prefix[prefix_start[n] : prefix_start[n] + prefix_len[n]] if prefix is not None else []
-        keys, values = torch.cat([k_pool[idx], k[a:b]]), torch.cat([v_pool[idx], v[a:b]])
-        o = causal_attention(
-            q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], q.shape[-1] ** -0.5
+        keys, values = torch.cat([k_pool[idx], k[lo:hi]]), torch.cat([v_pool[idx], v[lo:hi]])
+        y = causal_attention(
+            q[lo:hi].transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            q.shape[-1] ** -0.5,
         )
-        out.append(o[0].transpose(0, 1))
-    if dst is not None:
-        dst.copy_(torch.cat(out))
-        return dst
-    return torch.cat(out)
+        o[lo:hi] = y[0].transpose(0, 1)
+    return o
 
 
 TORCH_KERNELS = PassKernels(

@@ -156,7 +156,9 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     from kev_backend.qwen35 import Qwen35Config
 
     config = Qwen35Config.from_dict(json.loads((tiny_dir / "base" / "config.json").read_text()))
-    pool = StatePool(config, n_slots=3, n_pages=4, page_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    # 3 slots and 4 pages to allocate, plus the scratch slot and page that padding in captured passes writes to.
+    pool = StatePool(config, n_slots=4, n_pages=5, page_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    assert pool.scratch_slot == 3 and pool.scratch_token == 16
     bank = GpuBank(pool)
     a, b, c = (1,) * 5, (2,) * 3, (3,) * 4  # 2, 1 and 1 pages
     slot_a = bank.allocate(a, pinned={a})
@@ -164,6 +166,8 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     bank.allocate(b, pinned={b})
     bank.allocate(c, pinned={c})
     assert len(bank) == 3 and not pool.free_slots and not pool.free_pages
+    held = [bank.get(key) for key in (a, b, c)]
+    assert pool.scratch_slot not in {s.slot for s in held} and 4 not in {page for s in held for page in s.pages}
     assert bank.get(a) is slot_a  # a is now the most recent: a new state evicts b
     d = (4,) * 2
     bank.allocate(d, pinned={d})

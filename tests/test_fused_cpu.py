@@ -16,8 +16,10 @@ from kev_backend.workloads import realistic, short6
 from .fused_cpu_ops import TORCH_KERNELS
 
 
-@pytest.mark.parametrize("split_passes", [False, True])
-def test_fused_pass_answers_like_the_reference(tiny_dir: Path, split_passes: bool) -> None:
+@pytest.mark.parametrize("split_passes,graphs", [(False, False), (True, False), (False, True), (True, True)])
+def test_fused_pass_answers_like_the_reference(tiny_dir: Path, split_passes: bool, graphs: bool) -> None:
+    """With `graphs`, passes of short segments run padded to their bucket from the graphs' fixed buffers (eagerly:
+    no CUDA here), the others as usual."""
     reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
     fused = FusedScorer(
@@ -30,6 +32,8 @@ def test_fused_pass_answers_like_the_reference(tiny_dir: Path, split_passes: boo
         dtype=torch.float32,
         kernels=TORCH_KERNELS,
         split_passes=split_passes,
+        graphs=graphs,
+        graph_max_tokens=1024,
     )
     requests = realistic(60, seed=7, min_words=5, max_words=150) + [short6(1), short6(), short6()]
     # Questions over 64 tokens take the chunked kernel from gathered states; a state over 64 tokens too.
@@ -46,3 +50,7 @@ def test_fused_pass_answers_like_the_reference(tiny_dir: Path, split_passes: boo
     for result in (first, again, alone):
         report = compare(expected, result)
         assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
+    if graphs:
+        stats = fused.graphs.stats
+        assert stats.captures == 0 and stats.replays == 0  # nothing to capture without CUDA
+        assert stats.runs > 0 and len(fused.graphs.seen) >= 2, (stats, fused.graphs.seen)

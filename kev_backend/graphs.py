@@ -1,0 +1,279 @@
+"""CUDA graphs of the fused pass: one per bucket of pass shapes, replayed with the pass's indices in fixed buffers.
+
+A pass whose new states and rows are all short (at most RECURRENT_MAX_LEN tokens: every mixer is then one of our
+kernels, whose grids depend only on segment counts) is padded to a bucket: its state tokens to one size of
+TOKEN_BUCKETS (or none), its row tokens to another. Segment, pick and prefix capacities follow from the bucket, so
+the bucket alone fixes every shape and grid. Padding segments are empty and write to the pool's scratch slot and
+page; padding tokens belong to no segment; padding picks are never read. The GEMMs see at least 64 rows either way,
+where cuBLASLt's results do not depend on the row count, so a replayed pass answers exactly like an eager one.
+
+Passes with a long segment (fla's kernels build chunk maps on the host and cannot be captured) run eagerly. All
+graphs share one memory pool (they never run at once); the LRU keeps at most `max_graphs`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .fused import (
+    MIN_GEMM_ROWS,
+    RECURRENT_MAX_LEN,
+    FusedQwen35,
+    KernelGroup,
+    PassInput,
+    PassLayout,
+    Segments,
+)
+from .gpu_bank import StatePool
+
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Fewest tokens per segment assumed when sizing a bucket's segment capacities; a pass with more (shorter) segments
+# than that takes a larger bucket.
+MIN_STATE_TOKENS = 8
+MIN_ROW_TOKENS = 4
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    state_tokens: int  # 0: a pass of rows only
+    row_tokens: int  # 0: a pass of new states only
+
+    @property
+    def tokens(self) -> int:
+        return self.state_tokens + self.row_tokens
+
+    @property
+    def states(self) -> int:
+        return self.state_tokens // MIN_STATE_TOKENS
+
+    @property
+    def rows(self) -> int:
+        return self.row_tokens // MIN_ROW_TOKENS
+
+    @property
+    def picks(self) -> int:
+        return self.row_tokens // 2  # a row is ≥ 2 tokens per pick (<decide> and each option's </opt>)
+
+    def fits(self, layout: PassLayout) -> bool:
+        return (
+            len(layout.state_ids) <= self.state_tokens
+            and len(layout.state_lengths) <= self.states
+            and len(layout.row_ids) <= self.row_tokens
+            and len(layout.row_lengths) <= self.rows
+            and len(layout.row_picks) <= self.picks
+        )
+
+    @property
+    def name(self) -> str:
+        return f"s{self.state_tokens}r{self.row_tokens}"
+
+
+def all_buckets(max_tokens: int) -> list[Bucket]:
+    """Every bucket up to `max_tokens` tokens, smallest first. Each has at least MIN_GEMM_ROWS tokens."""
+    sizes = (0, *TOKEN_BUCKETS)
+    buckets = sorted(Bucket(s, r) for s in sizes for r in sizes if 0 < s + r <= max_tokens)
+    assert all(b.tokens >= MIN_GEMM_ROWS for b in buckets)
+    return buckets
+
+
+class StaticInputs:
+    """Device buffers at fixed addresses for every bucket's inputs (views of one int64 tensor, sized for the
+    largest bucket), filled from one pinned host tensor by one copy per pass."""
+
+    def __init__(self, largest: Bucket, prefix_tokens: int, device: torch.device) -> None:
+        sizes = {
+            "ids": largest.tokens,
+            "positions": largest.tokens,
+            "state_cu": largest.states + 1,
+            "state_slots": largest.states,
+            "state_kv_dst": largest.state_tokens,
+            "row_cu": largest.rows + 1,
+            "row_slots": largest.rows,
+            "prefix_start": largest.rows,
+            "prefix_len": largest.rows,
+            "picks": largest.picks,
+            "prefix": prefix_tokens,
+        }
+        self.offsets: dict[str, tuple[int, int]] = {}
+        total = 0
+        for name, n in sizes.items():
+            self.offsets[name] = (total, max(n, 1))
+            total += max(n, 1)
+        self.device = device
+        self.prefix_tokens = prefix_tokens
+        self.flat = torch.zeros(total, dtype=torch.int64, device=device)
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.copied: torch.cuda.Event | None = None  # the last host→device copy (the host buffer is reused)
+
+    def view(self, name: str, n: int, host: bool = False) -> torch.Tensor:
+        start, size = self.offsets[name]
+        assert n <= size
+        return (self.host if host else self.flat)[start : start + n]
+
+    def pass_input(self, bucket: Bucket) -> PassInput:
+        """The bucket's PassInput: views of the buffers, every shape fixed by the bucket."""
+        s, r = bucket.state_tokens, bucket.row_tokens
+
+        def segments(start: int, tokens: int, cu: str, slots: str, n: int) -> Segments:
+            group = KernelGroup(
+                short=True,
+                start=start,
+                end=start + tokens,
+                max_len=RECURRENT_MAX_LEN,
+                cu=self.view(cu, n + 1),
+                slots=self.view(slots, n),
+            )
+            return Segments(start, start + tokens, RECURRENT_MAX_LEN, group.cu, [group])
+
+        return PassInput(
+            ids=self.view("ids", bucket.tokens),
+            positions=self.view("positions", bucket.tokens),
+            states=segments(0, s, "state_cu", "state_slots", bucket.states) if s else None,
+            state_kv_dst=self.view("state_kv_dst", s) if s else None,
+            rows=segments(s, r, "row_cu", "row_slots", bucket.rows) if r else None,
+            row_prefix=self.view("prefix", self.prefix_tokens),
+            row_prefix_start=self.view("prefix_start", bucket.rows),
+            row_prefix_len=self.view("prefix_len", bucket.rows),
+            picks=self.view("picks", bucket.picks),
+        )
+
+    def fill(self, bucket: Bucket, layout: PassLayout, pool: StatePool, pad_id: int) -> None:
+        """Writes the layout, padded to the bucket, into the buffers: one copy to the device."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous pass's copy has read the host buffer
+        s = bucket.state_tokens
+        ids = layout.state_ids + [pad_id] * (s - len(layout.state_ids)) + layout.row_ids
+        positions = layout.state_positions() + [0] * (s - len(layout.state_ids)) + layout.row_positions
+        values = {
+            "ids": _padded(ids, bucket.tokens, pad_id),
+            "positions": _padded(positions, bucket.tokens, 0),
+            "state_cu": _padded_offsets(layout.state_lengths, bucket.states + 1),
+            "state_slots": _padded(layout.state_slots, bucket.states, pool.scratch_slot),
+            "state_kv_dst": _padded(layout.state_kv_dst, s, pool.scratch_token),
+            "row_cu": _padded_offsets(layout.row_lengths, bucket.rows + 1),
+            "row_slots": _padded(layout.row_slots, bucket.rows, pool.scratch_slot),
+            "prefix_start": _padded(layout.prefix_start, bucket.rows, 0),
+            "prefix_len": _padded(layout.prefix_len, bucket.rows, 0),
+            "picks": _padded([s + i for i in layout.row_picks], bucket.picks, 0),
+            "prefix": layout.prefix,
+        }
+        end = 0
+        for name, seq in values.items():
+            if seq:
+                self.view(name, len(seq), host=True).copy_(torch.tensor(seq, dtype=torch.int64))
+                start = self.offsets[name][0]
+                end = max(end, start + len(seq))
+        self.flat[:end].copy_(self.host[:end], non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+
+def _padded(values: list[int], n: int, pad: int) -> list[int]:
+    assert len(values) <= n
+    return values + [pad] * (n - len(values))
+
+
+def _padded_offsets(lengths: list[int], n: int) -> list[int]:
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    return offsets + [offsets[-1]] * (n - len(offsets))  # empty segments at the end
+
+
+@dataclass
+class GraphStats:
+    runs: int = 0  # passes run padded to a bucket (replayed, or eagerly without CUDA)
+    captures: int = 0
+    replays: int = 0
+    evictions: int = 0
+    count: int = 0
+    bytes: int = 0  # memory the graphs' pool holds (reserved while capturing)
+
+
+class PassGraphs:
+    """Captures and replays the fused forward per bucket. With `capture` False (no CUDA) the same padded passes run
+    eagerly from the same buffers: tests check the padding and the buffers on a CPU."""
+
+    def __init__(
+        self,
+        model: FusedQwen35,
+        pool: StatePool,
+        pad_id: int,
+        max_tokens: int = 4096,
+        prefix_tokens: int = 32_768,
+        max_graphs: int = 64,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.pad_id = pad_id
+        self.buckets = all_buckets(max_tokens)
+        self.max_graphs = max_graphs
+        self.capture = capture
+        device = pool.recurrent.device
+        self.device = device
+        largest_rows = max(b.row_tokens for b in self.buckets)
+        largest_states = max(b.state_tokens for b in self.buckets)
+        self.inputs = StaticInputs(Bucket(largest_states, largest_rows), prefix_tokens, device)
+        self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor]] = OrderedDict()
+        self.seen: set[Bucket] = set()  # buckets passes have used (what a warm-up list could name)
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.stats = GraphStats()
+
+    def bucket_for(self, layout: PassLayout) -> Bucket | None:
+        """The smallest bucket that holds the pass, or None (a long segment, or too large: run it eagerly)."""
+        if not layout.all_short or len(layout.prefix) > self.inputs.prefix_tokens:
+            return None
+        return next((b for b in self.buckets if b.fits(layout)), None)
+
+    def run(self, bucket: Bucket, layout: PassLayout) -> torch.Tensor:
+        """The pass's picked hidden states [picks, hidden] (fp32), replaying (or first capturing) its bucket."""
+        entry = self.graphs.get(bucket)
+        if entry is None and self.capture:
+            entry = self._capture(bucket)
+        self.inputs.fill(bucket, layout, self.pool, self.pad_id)
+        self.stats.runs += 1
+        self.seen.add(bucket)
+        if entry is None:  # no CUDA: the padded pass, eagerly
+            out = self.model.forward(self.inputs.pass_input(bucket))
+        else:
+            self.graphs.move_to_end(bucket)
+            graph, out = entry
+            graph.replay()  # type: ignore[attr-defined]
+            self.stats.replays += 1
+        return out[: len(layout.row_picks)].clone()
+
+    def warm(self, buckets: list[Bucket] | None = None) -> None:
+        """Captures the given buckets (all of them by default) before traffic arrives."""
+        if not self.capture:
+            return
+        for bucket in buckets if buckets is not None else self.buckets[: self.max_graphs]:
+            if bucket not in self.graphs:
+                self._capture(bucket)
+
+    def _capture(self, bucket: Bucket) -> tuple[object, torch.Tensor]:
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.stats.evictions += 1
+        inputs = self.inputs.pass_input(bucket)
+        # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
+        self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
+        reserved = torch.cuda.memory_reserved(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # first launches (Triton compiles, cuBLASLt picks) stay out of the graph
+            for _ in range(2):
+                self.model.forward(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
+            out = self.model.forward(inputs)
+        self.stats.bytes += torch.cuda.memory_reserved(self.device) - reserved
+        self.stats.captures += 1
+        self.graphs[bucket] = (graph, out)
+        self.stats.count = len(self.graphs)
+        return graph, out
