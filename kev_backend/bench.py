@@ -246,10 +246,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="per throughput level")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--backend", default="fused", help="fused (default) or reference")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs for passes of short segments")
     args = parser.parse_args()
     device = torch.device("cuda")
     checkpoint_path = os.environ.get("KEV_CHECKPOINT")
-    options = EngineOptions(device="cuda", backend=args.backend, bank_bytes=24 << 30)
+    options = EngineOptions(device="cuda", backend=args.backend, bank_bytes=24 << 30, graphs=args.graphs)
     if checkpoint_path:
         checkpoint = load_checkpoint(checkpoint_path, device)
         name = checkpoint_path
@@ -259,7 +260,9 @@ def main() -> None:
         tiny.write_tokenizer(tokenizer_dir)
         checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, tokenizer_dir, device)
         name = "random weights, Kev-4B shapes (Qwen3.5-4B text config, LoRA r=16 merged)"
-    engine = Engine(checkpoint, options)
+    started = time.perf_counter()
+    engine = Engine(checkpoint, options)  # with graphs: every bucket captured here
+    engine_s = time.perf_counter() - started
     ceil = ceilings(device)
     workloads: dict[str, Any] = {}
     for label, make, seconds in (("short6", short6, args.seconds), ("long5", long5, 2 * args.seconds)):
@@ -306,7 +309,8 @@ def main() -> None:
         "commit": commit(),
         "checkpoint": name,
         "backend": engine.backend,
-        "graphs": False,
+        "graphs": args.graphs,
+        "engine_start_s": engine_s,
         "torch": torch.__version__,
         "ceilings": ceil,
         "bank": {
@@ -318,9 +322,15 @@ def main() -> None:
         },
         "workloads": workloads,
     }
+    graphs = getattr(engine.scorer, "graphs", None)
+    if graphs is not None:
+        result["graphs_count"] = graphs.stats.count
+        result["graphs_bytes"] = graphs.stats.bytes
+        result["graph_stats"] = vars(graphs.stats)
+        result["graph_buckets_seen"] = sorted(b.name for b in graphs.seen)
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = result["gpu"].replace(" ", "-").lower()
-    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}.json"
+    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{'-graphs' if args.graphs else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"{'workload':8} {'new ms':>8} {'same ms':>8} "

@@ -39,6 +39,12 @@ class EngineOptions:
     split_passes: bool = False  # fused path: new states in a pass of their own before the rows
     bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
+    # fused path: CUDA graphs for passes of short segments (kev_backend/graphs.py), buckets up to graph_max_tokens
+    # tokens, at most max_graphs kept; `warm_graphs` captures them all when the engine starts.
+    graphs: bool = False
+    graph_max_tokens: int = 4096
+    max_graphs: int = 64
+    warm_graphs: bool = True
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)
 
@@ -87,7 +93,12 @@ class Engine:
                 pass_tokens=self.options.pass_tokens,
                 max_state_tokens=self.options.limits.max_state_tokens,
                 split_passes=self.options.split_passes,
+                graphs=self.options.graphs,
+                graph_max_tokens=self.options.graph_max_tokens,
+                max_graphs=self.options.max_graphs,
             )
+            if self.scorer.graphs is not None and self.options.warm_graphs:
+                self.scorer.graphs.warm()
         else:
             self.scorer = ReferenceScorer(
                 checkpoint.model,

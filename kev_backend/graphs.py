@@ -221,7 +221,11 @@ class PassGraphs:
         self.inputs = StaticInputs(Bucket(largest_states, largest_rows), prefix_tokens, device)
         self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor]] = OrderedDict()
         self.seen: set[Bucket] = set()  # buckets passes have used (what a warm-up list could name)
+        # One pool and one capture stream for every graph. A graph may reuse memory that an earlier capture freed,
+        # including where another graph's output lives; replays never overlap and `run` copies a graph's output
+        # before anything else replays, so any replay order is safe.
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream(device) if capture else None
         self.stats = GraphStats()
 
     def bucket_for(self, layout: PassLayout) -> Bucket | None:
@@ -263,7 +267,7 @@ class PassGraphs:
         # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
         self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
         reserved = torch.cuda.memory_reserved(self.device)
-        stream = torch.cuda.Stream(self.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # first launches (Triton compiles, cuBLASLt picks) stay out of the graph
             for _ in range(2):

@@ -40,10 +40,16 @@ def engine_options(params: dict[str, str], device: str) -> EngineOptions:
         max_row_tokens=integer("max_row_tokens", Limits.max_row_tokens),
     )
     load = LoadOptions.from_env(dtype=params.get("dtype") or None, base=params.get("base") or None)
+    graphs = (os.environ.get("KEV_GRAPHS") or params.get("graphs", "")).lower()
+    if graphs not in ("", "on", "off"):
+        raise ValueError(f"graphs must be on or off, not {graphs!r}")
     return EngineOptions(
         device=device if params.get("device", "auto") in ("", "auto") else params["device"],
         bank_bytes=integer("bank_bytes", EngineOptions.bank_bytes),
         row_pass_tokens=integer("row_pass_tokens", EngineOptions.row_pass_tokens),
+        graphs=graphs == "on",
+        graph_max_tokens=integer("graph_max_tokens", EngineOptions.graph_max_tokens),
+        max_graphs=integer("max_graphs", EngineOptions.max_graphs),
         limits=limits,
         load=load,
     )

@@ -198,6 +198,12 @@ def test_triton_parameters_and_instance_device(tmp_path: Path, monkeypatch: pyte
     options = engine_options(params, "cuda:1")  # a KIND_GPU instance on GPU 1
     assert options.device == "cuda:1" and options.bank_bytes is None and options.limits.max_state_tokens == 100
     assert engine_options({**params, "device": "cpu"}, "cuda:1").device == "cpu"
+    assert (
+        not options.graphs and engine_options({**params, "graphs": "on", "max_graphs": "9"}, "cuda:0").max_graphs == 9
+    )
+    assert engine_options({**params, "graphs": "on"}, "cuda:0").graphs
+    with pytest.raises(ValueError, match="graphs must be on or off"):
+        engine_options({**params, "graphs": "yes"}, "cuda:0")
     (tmp_path / "w.jsonl").write_text('{"state": 1}\n\n{"state": 2}\n')
     assert warmup_requests(params, tmp_path) == ['{"state": 1}', '{"state": 2}']
     monkeypatch.setenv("KEV_CHECKPOINT", "/abs/kev")
