@@ -161,3 +161,69 @@ def test_kernels_in_the_interpreter() -> None:
 @pytest.mark.gpu
 def test_kernels_compiled_on_the_gpu() -> None:
     run_check(KEV_KERNEL_DEVICE="cuda")
+
+
+def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
+    """Our kernels at Kev-4B's shapes compile for sm_90a (Triton to PTX, then the wheel's ptxas) with no register
+    spills: the GPU run then only measures them. Needs no GPU."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kev_backend import kernels as K
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton wheel carries no ptxas")
+    bf, f32, i64 = "*bf16", "*fp32", "*i64"
+    recurrent = {"q": bf, "k": bf, "v": bf, "a": bf, "b": bf, "a_log": f32, "dt_bias": f32, "pool": f32}
+    recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
+    attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
+    attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
+    cases = [
+        (
+            K._rms_norm_kernel,
+            {"x": bf, "residual": f32, "residual_out": f32, "weight": f32, "y": bf, "eps": "fp32"},
+            dict(HAS_RESIDUAL=True, STORE_RESIDUAL=True, BLOCK=4096),
+            4,
+        ),
+        (K._gated_rms_norm_kernel, {"x": bf, "z": bf, "weight": f32, "y": bf, "eps": "fp32"}, dict(BLOCK=128), 4),
+        (K._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),
+        (
+            K._conv_rows_kernel,
+            {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
+            dict(W=4, BC=256, CONTINUE=True),
+            4,
+        ),
+        (
+            K._recurrent_rows_kernel,
+            recurrent,
+            dict(H=16, HV=32, K=128, V=128, BV=K.RECURRENT_BV, CONTINUE=True),
+            K.RECURRENT_WARPS,
+        ),
+        (
+            K._recurrent_rows_kernel,
+            recurrent,
+            dict(H=16, HV=32, K=128, V=128, BV=K.RECURRENT_BV, CONTINUE=False),
+            K.RECURRENT_WARPS,
+        ),
+        (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 4),
+        (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 4),
+    ]
+    for fn, types, constants, warps in cases:
+        names = list(inspect.signature(fn.fn).parameters)
+        signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+        source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
+        compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        ptx = tmp_path / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        result = subprocess.run(
+            [ptxas, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "0 bytes spill stores" in result.stderr, (fn.fn.__name__, constants, result.stderr[-500:])
