@@ -4,7 +4,8 @@
 # the 64 MiB a call carries with the tree and .whl/):
 #   .gpu/tritonserver-py312.tar.xz  the nvidia-pytriton 0.7.0 server: bin, backends, caches, the 3.12 stub and the
 #                                   bundled libraries (without the 3.13 libpython), as ../shared/docs/triton.md §0.1
-#   .gpu/wheels/                    numpy 1.26.4 (cp312) for the stub's venv, tritonclient and python-rapidjson
+#   .gpu/wheels/                    numpy 1.26.4 (cp312) for the stub's venv, tritonclient, python-rapidjson and
+#                                   jevbench (the realistic mix)
 # Usage on the device: bench/gpu_triton.sh (carry .gpu and .whl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,5 +23,5 @@ if [[ ! -f .gpu/tritonserver-py312.tar.xz ]]; then
 fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/wheels \
-  numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.20
+  numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.20 jevbench==0.1.0
 du -sh .gpu .gpu/* .gpu/wheels/*

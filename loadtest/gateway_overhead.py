@@ -11,36 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import itertools
 import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import aiohttp
+from loops import closed_loop
 
 from kev_backend.client import AsyncKevClient
-from kev_backend.workloads import short6
-
-COUNTER = itertools.count(1)
-
-
-async def closed_loop(send, clients: int, seconds: float) -> dict[str, float]:
-    latencies: list[float] = []
-    deadline = time.perf_counter() + seconds
-
-    async def client() -> None:
-        while time.perf_counter() < deadline:
-            body = json.dumps(short6(next(COUNTER)))
-            started = time.perf_counter()
-            await send(body)
-            latencies.append(time.perf_counter() - started)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    elapsed = time.perf_counter() - started
-    return {"rps": len(latencies) / elapsed, "p50_ms": 1000 * statistics.median(latencies), "requests": len(latencies)}
 
 
 async def measure(args: argparse.Namespace) -> dict:

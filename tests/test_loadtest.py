@@ -94,6 +94,53 @@ def test_openloop(triton: TritonServer, tmp_path: Path) -> None:
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_closedloop_triton_against_inprocess(triton: TritonServer, tiny_dir: Path, tmp_path: Path) -> None:
+    """Issue 6's comparison, briefly: the engine in-process, then the running server over gRPC and HTTP."""
+    python = str(Path(sys.prefix) / "bin" / "python")
+    script = str(REPO / "loadtest" / "closedloop.py")
+    local, out, extra = tmp_path / "inprocess.json", tmp_path / "triton.json", tmp_path / "start.json"
+    common = ["--clients", "4", "--seconds", "2"]
+    subprocess.run(
+        [python, script, "inprocess", "--checkpoint", str(tiny_dir / "kev"), *common, "--out", str(local)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+        cwd=REPO,
+    )
+    extra.write_text(json.dumps({"ready_s": 1.5}))
+    grpc, http = triton.grpc_url, triton.http_url
+    subprocess.run(
+        [
+            python,
+            script,
+            "triton",
+            "--grpc",
+            grpc,
+            "--http",
+            http,
+            "--inprocess",
+            str(local),
+            "--extra",
+            str(extra),
+            *common,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+        cwd=REPO,
+    )
+    record = json.loads(out.read_text())
+    assert {"gpu", "date", "commit", "triton"} <= set(record) and record["ready_s"] == 1.5
+    block = record["triton"]
+    assert block["inprocess_rps"] > 0 and block["grpc_rps"] > 0 and block["http_rps"] > 0
+    assert record["grpc"]["requests"] > 0 and record["grpc"]["p50_ms"] <= record["grpc"]["p99_ms"]
+    assert block["grpc_p50_overhead_ms"] == record["grpc"]["p50_ms"] - record["inprocess"]["p50_ms"]
+
+
 @pytest.mark.parametrize("shape", ["bogus"])
 def test_traffic_refuses_unknown_shapes(shape: str) -> None:
     with pytest.raises(ValueError):

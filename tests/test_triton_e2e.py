@@ -277,3 +277,19 @@ def test_warmup_requests_run_before_ready(tiny_dir, tmp_path) -> None:
         assert "10 warm-up requests" in server.log.read_text()
     finally:
         stop_triton(server)
+
+
+def test_gpu_config_differs_only_in_its_gpu_settings() -> None:
+    """configs/gpu.pbtxt (`--model-config-name=gpu`) is config.pbtxt plus its header and the lines marked
+    `# GPU setting`: a change to one that misses the other fails here."""
+    model = Path(__file__).resolve().parents[1] / "model_repository" / "kev"
+    base = (model / "config.pbtxt").read_text().splitlines()
+    gpu = (model / "configs" / "gpu.pbtxt").read_text().splitlines()
+    header = [line for line in gpu[: len(gpu) - len(base)] if line.startswith("#")]
+    assert len(header) == len(gpu) - len(base) and header
+    marked = [i for i, line in enumerate(gpu[len(header) :]) if line.endswith("# GPU setting")]
+    assert len(marked) == 2
+    for i, (ours, theirs) in enumerate(zip(base, gpu[len(header) :], strict=True)):
+        if i not in marked:
+            assert ours == theirs, (i, ours, theirs)
+    assert "KIND_GPU" in gpu[len(header) + marked[0]] and '"on"' in gpu[len(header) + marked[1]]

@@ -1,0 +1,113 @@
+"""Triton's front doors against the engine in-process (issue 6): short6 on new states, closed loop, N clients.
+
+    python loadtest/closedloop.py inprocess --checkpoint DIR [--graphs] --out inprocess.json
+    python loadtest/closedloop.py triton --grpc 127.0.0.1:8001 --http 127.0.0.1:8000 --inprocess inprocess.json \\
+        --out bench/results/<name>.json
+
+`inprocess` answers from an Engine in this process, batched as Triton's dynamic batcher batches (kev_backend.bench
+.throughput). `triton` drives a running tritonserver over gRPC and HTTP with async tritonclient and writes the JSON
+with its `triton` block: grpc_rps, http_rps, inprocess_rps and grpc_p50_overhead_ms (gRPC p50 minus in-process p50).
+Run the two one after the other, not at once: both use the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+from loops import closed_loop
+
+from kev_backend.client import AsyncKevClient
+
+
+def inprocess(args: argparse.Namespace) -> dict:
+    import torch
+
+    from kev_backend import bench
+    from kev_backend.engine import Engine, EngineOptions
+    from kev_backend.workloads import short6
+
+    engine = Engine.from_checkpoint(args.checkpoint, EngineOptions(graphs=args.graphs))
+    bench.throughput(engine, short6, args.clients, 2.0)  # warm-up: batch shapes, first launches
+    result = bench.throughput(engine, short6, args.clients, args.seconds)
+    return {
+        "clients": args.clients,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "backend": engine.backend,
+        "graphs": args.graphs,
+        **result,
+    }
+
+
+async def through_triton(args: argparse.Namespace) -> dict:
+    results = {}
+    for protocol, url in (("grpc", args.grpc), ("http", args.http)):
+        async with AsyncKevClient(url, protocol) as kev:
+
+            async def send(body: str, kev: AsyncKevClient = kev) -> None:
+                await kev.score_raw(body)
+
+            await closed_loop(send, args.clients, 2.0)  # warm-up
+            results[protocol] = await closed_loop(send, args.clients, args.seconds)
+    return results
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    one = sub.add_parser("inprocess")
+    one.add_argument("--checkpoint", required=True)
+    one.add_argument("--graphs", action="store_true")
+    two = sub.add_parser("triton")
+    two.add_argument("--grpc", default="127.0.0.1:8001")
+    two.add_argument("--http", default="127.0.0.1:8000")
+    two.add_argument("--inprocess", type=Path, required=True, help="the JSON `inprocess` wrote")
+    two.add_argument("--extra", type=Path, action="append", default=[], help="JSON objects merged in (e.g. start)")
+    for p in (one, two):
+        p.add_argument("--clients", type=int, default=64)
+        p.add_argument("--seconds", type=float, default=15.0)
+        p.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if args.mode == "inprocess":
+        record = inprocess(args)
+        print(json.dumps(record))
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        return
+    local = json.loads(args.inprocess.read_text())
+    remote = asyncio.run(through_triton(args))
+    record = {
+        "gpu": local["gpu"],
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit(),
+        "workload": f"short6 new, {args.clients} closed-loop clients, {args.seconds:g} s",
+        "triton": {
+            "grpc_rps": remote["grpc"]["rps"],
+            "http_rps": remote["http"]["rps"],
+            "inprocess_rps": local["rps"],
+            "grpc_p50_overhead_ms": remote["grpc"]["p50_ms"] - local["p50_ms"],
+            "grpc_share": remote["grpc"]["rps"] / local["rps"],
+            "http_share": remote["http"]["rps"] / local["rps"],
+        },
+        "inprocess": local,
+        "grpc": remote["grpc"],
+        "http": remote["http"],
+    }
+    for extra in args.extra:
+        record.update(json.loads(extra.read_text()))
+    print(json.dumps(record["triton"]))
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
