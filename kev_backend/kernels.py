@@ -305,6 +305,153 @@ def recurrent_rows(
     return o
 
 
+# The chunked delta rule's products: fp32 inputs on tensor cores as three TF32 products each (about fp32's
+# precision); plain "ieee" fp32 products are FMA loops that spill registers at these tile sizes (ptxas, sm_90a).
+PRECISION: tl.constexpr = tl.constexpr("tf32x3")
+
+# Tokens per chunk of the chunked delta rule: (I + A)⁻¹ of a strictly lower-triangular A is then a product of
+# log2(CHUNK) factors (I + A^(2^j)), all 16×16 products; one program walks its segment chunk by chunk.
+CHUNK = 16
+CHUNK_BV = 32
+
+
+@triton.jit
+def _chunked_delta_rule_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    stride_ot,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    LOG2_BT: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    n, hv = i_nh // HV, i_nh % HV
+    hk = hv // (HV // H)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
+    bias = tl.load(dt_bias + hv).to(tl.float32)
+    state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
+    if CONTINUE:
+        S = tl.load(state)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    causal = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
+    strict = o_t[:, None] > o_t[None, :]
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for c0 in range(bos, eos, BT):
+        t = c0 + o_t
+        m = t < eos
+        b_q = tl.load(q + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        b_k = tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None] * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32) + bias
+        g = tl.where(m, -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a))), 0.0)
+        beta = tl.where(m, tl.sigmoid(tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)), 0.0)
+        gam = tl.cumsum(g, axis=0)  # past the segment's end g = 0: gam stays at its last value
+        # exp(γ_t − γ_s) where s <= t (there it is <= 1); 0 elsewhere.
+        decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+        # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
+        T = eye - A
+        P = A
+        for _ in tl.static_range(LOG2_BT - 1):
+            P = tl.dot(P, P, input_precision=PRECISION)
+            T = tl.dot(T, eye + P, input_precision=PRECISION)
+        R = beta[:, None] * (b_v - tl.exp(gam)[:, None] * tl.dot(b_k, S, input_precision=PRECISION))
+        U = tl.dot(T, R, input_precision=PRECISION)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
+        out = tl.exp(gam)[:, None] * tl.dot(b_q, S, input_precision=PRECISION) + tl.dot(
+            qk, U, input_precision=PRECISION
+        )
+        tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
+        last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
+        w = tl.exp(last - gam)
+        S = tl.exp(last) * S + tl.dot(tl.trans(b_k * w[:, None]), U, input_precision=PRECISION)
+    if not CONTINUE:
+        tl.store(state, S)
+
+
+def chunked_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """recurrent_rows' job (same arguments) for segments of any length: chunks of CHUNK tokens, each a few small
+    matrix products, the fp32 state carried from chunk to chunk in registers. No host-side chunk maps and a grid
+    that depends only on the segment count, so it can be captured in a CUDA graph."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
+    assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous()
+    assert a.stride() == b.stride() and a.stride(1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
+    if out is None:
+        out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
+    assert out.shape == (T, HV, V) and out.is_contiguous()
+    BV = min(CHUNK_BV, V)
+    n = slots.shape[0]
+    if n:
+        _chunked_delta_rule_kernel[(triton.cdiv(V, BV), n * HV)](
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            pool,
+            slots,
+            cu,
+            out,
+            K**-0.5,
+            q.stride(0),
+            v.stride(0),
+            a.stride(0),
+            out.stride(0),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BV=BV,
+            BT=CHUNK,
+            LOG2_BT=CHUNK.bit_length() - 1,
+            CONTINUE=not new_states,
+        )
+    return out
+
+
 @triton.jit
 def _conv_rows_kernel(
     x, weight, pool, slots, cu, y, C, stride_xt, stride_yt, W: tl.constexpr, BC: tl.constexpr, CONTINUE: tl.constexpr
