@@ -305,14 +305,16 @@ def recurrent_rows(
     return o
 
 
-# The chunked delta rule's products: fp32 inputs on tensor cores as three TF32 products each (about fp32's
-# precision); plain "ieee" fp32 products are FMA loops that spill registers at these tile sizes (ptxas, sm_90a).
-PRECISION: tl.constexpr = tl.constexpr("tf32x3")
+# The chunked delta rule's products take fp32 operands rounded to TF32 on tensor cores (10-bit mantissa; fla's
+# chunked kernels round to bf16, 7 bits) and accumulate in fp32; the state stays fp32. At K = 128 and 32 value
+# columns on 4 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v); "tf32" does not.
+PRECISION: tl.constexpr = tl.constexpr("tf32")
 
 # Tokens per chunk of the chunked delta rule: (I + A)⁻¹ of a strictly lower-triangular A is then a product of
 # log2(CHUNK) factors (I + A^(2^j)), all 16×16 products; one program walks its segment chunk by chunk.
 CHUNK = 16
-CHUNK_BV = 32
+CHUNK_BV = 32  # value columns per program, on CHUNK_WARPS warps: no register spills (4 warps spill a little)
+CHUNK_WARPS = 8
 
 
 @triton.jit
@@ -448,6 +450,7 @@ def chunked_rows(
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
             CONTINUE=not new_states,
+            num_warps=CHUNK_WARPS,
         )
     return out
 

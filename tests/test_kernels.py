@@ -21,7 +21,9 @@ if os.environ.get("KEV_KERNEL_DEVICE") == "cuda":
     TOL, REL = 3e-3, 1e-5
 else:
     TOL, REL = 1e-5, 1e-6
-from kev_backend.kernels import conv_rows, gated_rms_norm, recurrent_rows, rms_norm, rows_attention, silu_mul
+from kev_backend.kernels import (
+    chunked_rows, conv_rows, gated_rms_norm, recurrent_rows, rms_norm, rows_attention, silu_mul,
+)
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
 torch.manual_seed(0)
@@ -135,6 +137,7 @@ for n, slot in enumerate([2, 5]):
     ref, final = gated_delta_rule(qq, kk, v[a:b].transpose(0, 1)[None], g[a:b].T[None], beta[a:b].T[None], None)
     assert (o[a:b] - ref[0].transpose(0, 1)).abs().max() < TOL, n
     assert (fresh[slot] - final[0]).abs().max() < TOL, n
+
 windows = torch.full((5, C, 4), float("nan"))
 y = conv_rows(x, w, windows, torch.tensor([1, 4, 0]), cu, new_states=True)
 for n, slot in enumerate([1, 4, 0]):
@@ -143,6 +146,37 @@ for n, slot in enumerate([1, 4, 0]):
     ref = torch.nn.functional.silu(torch.nn.functional.conv1d(seq[None, :, 1:], w[:, None, :], groups=C))[0].T
     assert (y[a:b] - ref).abs().max() < TOL, n
     assert torch.equal(windows[slot], seq[:, -4:]), n
+
+# The chunked delta rule on segments of any length (several chunks, a partial last one, a single token): rows from
+# their states in place, and new states from zero into their slots, against the fp32 chunked reference.
+lens = [37, 1, 70]
+T = sum(lens)
+cu = torch.tensor([0, 37, 38, 108])
+mixed = torch.randn(T, 2 * H * K + HV * V + 3)
+q = mixed[:, : H * K].view(T, H, K)
+k = mixed[:, H * K : 2 * H * K].view(T, H, K)
+v = mixed[:, 2 * H * K : 2 * H * K + HV * V].view(T, HV, V)
+gates = torch.randn(T, 2 * HV + 1)
+gate_a, gate_b = gates[:, :HV], gates[:, HV : 2 * HV]
+g = -a_log.exp() * torch.nn.functional.softplus(gate_a + dt_bias)
+beta = torch.sigmoid(gate_b)
+pool = torch.randn(6, HV, K, V) * 0.3
+before = pool.clone()
+slots = torch.tensor([4, 1, 4])
+o = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, cu)
+assert torch.equal(pool, before)
+fresh = torch.full((6, HV, K, V), float("nan"))
+o_new = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, fresh, torch.tensor([2, 5, 0]), cu, new_states=True)
+for n in range(3):
+    a, b = cu[n].item(), cu[n + 1].item()
+    qq = l2_normalize(q[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None]) * K**-0.5
+    kk = l2_normalize(k[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None])
+    args = (qq, kk, v[a:b].transpose(0, 1)[None], g[a:b].T[None], beta[a:b].T[None])
+    ref, _ = gated_delta_rule(*args, pool[slots[n]][None].clone())
+    assert (o[a:b] - ref[0].transpose(0, 1)).abs().max() < 10 * TOL, n
+    ref, final = gated_delta_rule(*args, None)
+    assert (o_new[a:b] - ref[0].transpose(0, 1)).abs().max() < 10 * TOL, n
+    assert (fresh[[2, 5, 0][n]] - final[0]).abs().max() < 10 * TOL, n
 print("ok")
 """
 
@@ -208,6 +242,18 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             recurrent,
             dict(H=16, HV=32, K=128, V=128, BV=K.RECURRENT_BV, CONTINUE=False),
             K.RECURRENT_WARPS,
+        ),
+        (
+            K._chunked_delta_rule_kernel,
+            recurrent,
+            dict(H=16, HV=32, K=128, V=128, BV=K.CHUNK_BV, BT=K.CHUNK, LOG2_BT=4, CONTINUE=True),
+            K.CHUNK_WARPS,
+        ),
+        (
+            K._chunked_delta_rule_kernel,
+            recurrent,
+            dict(H=16, HV=32, K=128, V=128, BV=K.CHUNK_BV, BT=K.CHUNK, LOG2_BT=4, CONTINUE=False),
+            K.CHUNK_WARPS,
         ),
         (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 4),
         (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 4),
