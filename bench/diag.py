@@ -160,6 +160,87 @@ def recurrent_configs() -> None:
         print(f"recurrent rows={rows}:", " ".join(line), flush=True)
 
 
+def long_segments() -> None:
+    """Our chunked delta rule against fla's chunked kernel on Kev-4B heads (new states from zero; rows continuing
+    banked states): time and largest difference. And the conv for long states: fla's against our token-by-token one."""
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 10
+
+    for lengths, new in (([2200], True), ([2200] * 8, True), ([100] * 40, False)):
+        long_case(lengths, new, timed)
+
+
+def long_case(lengths: list[int], new: bool, timed) -> None:
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from kev_backend import kernels
+
+    H, HV, K, V = 16, 32, 128, 128
+    T = sum(lengths)
+    torch.manual_seed(0)
+    mixed = torch.randn(T, 2 * H * K + HV * V, device="cuda", dtype=torch.bfloat16)
+    q = mixed[:, : H * K].view(T, H, K)
+    k = mixed[:, H * K : 2 * H * K].view(T, H, K)
+    v = mixed[:, 2 * H * K :].view(T, HV, V)
+    gates = torch.randn(T, 2 * HV, device="cuda", dtype=torch.bfloat16)
+    a, b = gates[:, :HV], gates[:, HV:]
+    a_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda")
+    n = len(lengths)
+    pool = torch.randn(n + 1, HV, K, V, device="cuda") * 0.05
+    slots = torch.arange(n, device="cuda")
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    cu_cpu = torch.tensor(offsets)
+    cu = cu_cpu.cuda()
+    ours = lambda: kernels.chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)  # noqa: E731
+    g = (-a_log.exp() * F.softplus(a.float() + dt_bias)).unsqueeze(0)
+
+    def theirs():
+        return chunk_gated_delta_rule(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g=g,
+            beta=torch.sigmoid(b).unsqueeze(0),
+            initial_state=None if new else pool.index_select(0, slots),
+            output_final_state=new,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+        )[0][0]
+
+    diff = (ours().float() - theirs().float()).abs().max().item()
+    label = f"{n}x{lengths[0]} {'new' if new else 'rows'}"
+    print(
+        f"delta rule {label}: ours {timed(ours):.3f} ms, fla {timed(theirs):.3f} ms, max diff {diff:.2e}",
+        flush=True,
+    )
+    if new:
+        conv_w = torch.randn(2 * H * K + HV * V, 4, device="cuda", dtype=torch.bfloat16)
+        window = torch.zeros(n + 1, 2 * H * K + HV * V, 4, device="cuda", dtype=torch.bfloat16)
+        ours_conv = lambda: kernels.conv_rows(mixed, conv_w, window, slots, cu, new_states=True)  # noqa: E731
+        fla_conv = lambda: causal_conv1d(  # noqa: E731
+            mixed.unsqueeze(0),
+            conv_w,
+            output_final_state=True,
+            activation="silu",
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+        )
+        print(f"conv {label}: ours {timed(ours_conv):.3f} ms, fla {timed(fla_conv):.3f} ms", flush=True)
+
+
 def quick_latency() -> None:
     """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state."""
     from kev_backend import bench, tiny
@@ -214,6 +295,8 @@ def host_profile() -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if what == "long":
+        long_segments()
     if what == "latency":
         quick_latency()
     if what == "sweep":
