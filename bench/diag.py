@@ -15,6 +15,19 @@ import torch
 import torch.nn.functional as F
 
 
+def cuda_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
+    """Mean GPU time of `fn` over `repeat` back-to-back calls, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
 def gemm_invariance() -> None:
     for library in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(library)
@@ -46,17 +59,7 @@ def gemm_speed() -> None:
         line = []
         for m in (40, 218, 1000, 6540, 20000):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            for _ in range(3):
-                F.linear(x, w)
-            times = []
-            for _ in range(20):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                F.linear(x, w)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            ms = sorted(times)[10]
+            ms = cuda_ms(lambda x=x, w=w: F.linear(x, w), repeat=20)
             line.append(f"{m}:{ms:.3f}ms/{2 * m * n * k / ms / 1e9:.0f}TF")
         print("speed", name, " ".join(line), flush=True)
 
@@ -109,15 +112,7 @@ def invariance_sweep() -> None:
             times = []
             for m in (64, 218, 1000, 6540):
                 xm = x[:m].contiguous()
-                for _ in range(3):
-                    F.linear(xm, w)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(20):
-                    F.linear(xm, w)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(f"{m}:{start.elapsed_time(end) / 20:.3f}")
+                times.append(f"{m}:{cuda_ms(lambda xm=xm, w=w: F.linear(xm, w), repeat=20):.3f}")
             print(f"{library} {name}: differ at M={ranges}; ms {' '.join(times)}", flush=True)
     try:
         a = torch.randn(64, 2560, device="cuda", dtype=torch.bfloat16)
@@ -148,38 +143,19 @@ def recurrent_configs() -> None:
         line = []
         for bv, warps in ((32, 4), (8, 1), (16, 1), (16, 2), (32, 2), (8, 2), (4, 1)):
             kernels.RECURRENT_BV, kernels.RECURRENT_WARPS = bv, warps
-            for _ in range(3):
-                kernels.recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                kernels.recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
-            end.record()
-            torch.cuda.synchronize()
-            line.append(f"BV{bv}/w{warps}:{start.elapsed_time(end) / 10:.3f}ms")
+            args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+            line.append(f"BV{bv}/w{warps}:{cuda_ms(lambda args=args: kernels.recurrent_rows(*args)):.3f}ms")
         print(f"recurrent rows={rows}:", " ".join(line), flush=True)
 
 
 def long_segments() -> None:
     """Our chunked delta rule against fla's chunked kernel on Kev-4B heads (new states from zero; rows continuing
     banked states): time and largest difference. And the conv for long states: fla's against our token-by-token one."""
-
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 10
-
     for lengths, new in (([2200], True), ([2200] * 8, True), ([100] * 40, False)):
-        long_case(lengths, new, timed)
+        long_case(lengths, new)
 
 
-def long_case(lengths: list[int], new: bool, timed) -> None:
+def long_case(lengths: list[int], new: bool) -> None:
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -223,7 +199,7 @@ def long_case(lengths: list[int], new: bool, timed) -> None:
     diff = (ours().float() - theirs().float()).abs().max().item()
     label = f"{n}x{lengths[0]} {'new' if new else 'rows'}"
     print(
-        f"delta rule {label}: ours {timed(ours):.3f} ms, fla {timed(theirs):.3f} ms, max diff {diff:.2e}",
+        f"delta rule {label}: ours {cuda_ms(ours):.3f} ms, fla {cuda_ms(theirs):.3f} ms, max diff {diff:.2e}",
         flush=True,
     )
     if new:
@@ -238,7 +214,7 @@ def long_case(lengths: list[int], new: bool, timed) -> None:
             cu_seqlens=cu,
             cu_seqlens_cpu=cu_cpu,
         )
-        print(f"conv {label}: ours {timed(ours_conv):.3f} ms, fla {timed(fla_conv):.3f} ms", flush=True)
+        print(f"conv {label}: ours {cuda_ms(ours_conv):.3f} ms, fla {cuda_ms(fla_conv):.3f} ms", flush=True)
 
 
 def quick_latency() -> None:

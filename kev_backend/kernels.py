@@ -179,6 +179,40 @@ RECURRENT_WARPS = 1
 
 
 @triton.jit
+def _delta_rule_program(
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    """What a delta-rule program works on: its key and value heads, its segment [bos, eos), its key and value
+    offsets, the head's gate constants, where its state block lives in the pool and that block's start value."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    n, hv = i_nh // HV, i_nh % HV
+    hk = hv // (HV // H)  # each key head serves HV // H consecutive value heads
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # The gate: g = -exp(A_log) · softplus(a + dt_bias) (log decay, fp32) and beta = sigmoid(b), as Qwen3.5 has them.
+    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
+    bias = tl.load(dt_bias + hv).to(tl.float32)
+    state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
+    if CONTINUE:  # a row: the state it continues, read in place from its bank slot ([K, BV] of [Hv, K, V], fp32)
+        h = tl.load(state)
+    else:  # a new state: from zero
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    return hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h
+
+
+@triton.jit
 def _recurrent_rows_kernel(
     q,
     k,
@@ -203,21 +237,9 @@ def _recurrent_rows_kernel(
     BV: tl.constexpr,
     CONTINUE: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    n, hv = i_nh // HV, i_nh % HV
-    hk = hv // (HV // H)  # each key head serves HV // H consecutive value heads
-    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
-    slot = tl.load(slots + n).to(tl.int64)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    # The gate: g = -exp(A_log) · softplus(a + dt_bias) (log decay, fp32) and beta = sigmoid(b), as Qwen3.5 has them.
-    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
-    bias = tl.load(dt_bias + hv).to(tl.float32)
-    state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
-    if CONTINUE:  # a row: the state it continues, read in place from its bank slot ([K, BV] of [Hv, K, V], fp32)
-        h = tl.load(state)
-    else:  # a new state: from zero
-        h = tl.zeros([K, BV], dtype=tl.float32)
+    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h = _delta_rule_program(
+        a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
+    )
     # Token t+1's inputs are loaded while token t is computed (they do not depend on the state), so the loop's
     # critical path is the state update alone. o_t = (decayed h)·q + (k·q)·u, so both reductions over the key dim
     # read the decayed state at once instead of one after the other.
@@ -265,6 +287,30 @@ def recurrent_rows(
     [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
     does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]).
     """
+    return _launch_delta_rule(
+        _recurrent_rows_kernel,
+        RECURRENT_BV,
+        RECURRENT_WARPS,
+        q,
+        k,
+        v,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        pool,
+        slots,
+        cu,
+        new_states,
+        out,
+    )
+
+
+def _launch_delta_rule(
+    kernel, block_v: int, warps: int, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, **constants
+) -> torch.Tensor:
+    """Checks the layouts both delta-rule kernels assume and launches one: a program per (value block, segment,
+    value head)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
@@ -273,11 +319,10 @@ def recurrent_rows(
     if out is None:
         out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
     assert out.shape == (T, HV, V) and out.is_contiguous()
-    o = out
-    BV = min(RECURRENT_BV, V)
+    BV = min(block_v, V)
     n = slots.shape[0]
     if n:
-        _recurrent_rows_kernel[(triton.cdiv(V, BV), n * HV)](
+        kernel[(triton.cdiv(V, BV), n * HV)](
             q,
             k,
             v,
@@ -288,21 +333,22 @@ def recurrent_rows(
             pool,
             slots,
             cu,
-            o,
+            out,
             K**-0.5,
             q.stride(0),
             v.stride(0),
             a.stride(0),
-            o.stride(0),
+            out.stride(0),
             H=H,
             HV=HV,
             K=K,
             V=V,
             BV=BV,
             CONTINUE=not new_states,
-            num_warps=RECURRENT_WARPS,
+            num_warps=warps,
+            **constants,
         )
-    return o
+    return out
 
 
 # The chunked delta rule's products take fp32 operands rounded to TF32 on tensor cores (10-bit mantissa; fla's
@@ -344,21 +390,10 @@ def _chunked_delta_rule_kernel(
     LOG2_BT: tl.constexpr,
     CONTINUE: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    n, hv = i_nh // HV, i_nh % HV
-    hk = hv // (HV // H)
-    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
-    slot = tl.load(slots + n).to(tl.int64)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
+    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
+        a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
+    )
     o_t = tl.arange(0, BT)
-    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
-    bias = tl.load(dt_bias + hv).to(tl.float32)
-    state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
-    if CONTINUE:
-        S = tl.load(state)
-    else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
     causal = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
     strict = o_t[:, None] > o_t[None, :]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
@@ -414,45 +449,25 @@ def chunked_rows(
     """recurrent_rows' job (same arguments) for segments of any length: chunks of CHUNK tokens, each a few small
     matrix products, the fp32 state carried from chunk to chunk in registers. No host-side chunk maps and a grid
     that depends only on the segment count, so it can be captured in a CUDA graph."""
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
-    assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous()
-    assert a.stride() == b.stride() and a.stride(1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
-    if out is None:
-        out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
-    assert out.shape == (T, HV, V) and out.is_contiguous()
-    BV = min(CHUNK_BV, V)
-    n = slots.shape[0]
-    if n:
-        _chunked_delta_rule_kernel[(triton.cdiv(V, BV), n * HV)](
-            q,
-            k,
-            v,
-            a,
-            b,
-            a_log,
-            dt_bias,
-            pool,
-            slots,
-            cu,
-            out,
-            K**-0.5,
-            q.stride(0),
-            v.stride(0),
-            a.stride(0),
-            out.stride(0),
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            BV=BV,
-            BT=CHUNK,
-            LOG2_BT=CHUNK.bit_length() - 1,
-            CONTINUE=not new_states,
-            num_warps=CHUNK_WARPS,
-        )
-    return out
+    return _launch_delta_rule(
+        _chunked_delta_rule_kernel,
+        CHUNK_BV,
+        CHUNK_WARPS,
+        q,
+        k,
+        v,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        pool,
+        slots,
+        cu,
+        new_states,
+        out,
+        BT=CHUNK,
+        LOG2_BT=CHUNK.bit_length() - 1,
+    )
 
 
 @triton.jit

@@ -16,11 +16,11 @@ import argparse
 import asyncio
 import datetime
 import json
-import subprocess
 from pathlib import Path
 
 from loops import closed_loop
 
+from kev_backend.bench import commit
 from kev_backend.client import AsyncKevClient
 
 
@@ -54,13 +54,6 @@ async def through_triton(args: argparse.Namespace) -> dict:
             await closed_loop(send, args.clients, 2.0)  # warm-up
             results[protocol] = await closed_loop(send, args.clients, args.seconds)
     return results
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
