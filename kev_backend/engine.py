@@ -40,11 +40,13 @@ class EngineOptions:
     bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
     # fused path: CUDA graphs for passes of short segments (kev_backend/graphs.py), buckets up to graph_max_tokens
-    # tokens, at most max_graphs kept; `warm_graphs` captures them all when the engine starts.
+    # tokens, at most max_graphs kept.
     graphs: bool = False
     graph_max_tokens: int = 4096
     max_graphs: int = 64
-    warm_graphs: bool = True
+    # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
+    # autotuning), so no request pays for them
+    warm: bool = True
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)
 
@@ -97,8 +99,8 @@ class Engine:
                 graph_max_tokens=self.options.graph_max_tokens,
                 max_graphs=self.options.max_graphs,
             )
-            if self.scorer.graphs is not None and self.options.warm_graphs:
-                self.scorer.graphs.warm()
+            if self.options.warm:
+                self.warm()
         else:
             self.scorer = ReferenceScorer(
                 checkpoint.model,
@@ -124,6 +126,24 @@ class Engine:
                 raise RuntimeError(f"the fused path needs CUDA and fla-core=={FLA_VERSION} (device: {self.device})")
             return "fused"
         return "fused" if usable and self.checkpoint.dtype != torch.float32 else "reference"
+
+    def warm(self) -> None:
+        """Captures the graph buckets and runs one batch with a short and a long state and question (every kernel
+        family compiles and tunes now, not on a request)."""
+        if getattr(self.scorer, "graphs", None) is not None:
+            self.scorer.graphs.warm()
+        words = ("one two three four five six seven eight nine ten " * 20).strip()
+        question = {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": None}}
+        long_question = {"type": "noul", "instructions": words}
+        results = self.answer(
+            [
+                {"state": "a short warm-up state", "questions": {"q": question}},
+                {"state": words, "questions": {"q": question, "r": long_question}},
+            ]
+        )
+        errors = [r for r in results if not isinstance(r, dict)]
+        if errors:
+            raise RuntimeError(f"warm-up request refused: {errors[0]}")
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:
