@@ -35,6 +35,8 @@ class KevMetrics:
         self.bank_entries = metric("kev_bank_entries", gauge, "states held in the bank")
         self.graph_hits = metric("kev_graph_replays_total", counter, "passes replayed from a CUDA graph")
         self.graph_captures = metric("kev_graph_captures_total", counter, "CUDA graphs captured")
+        self.graphs = metric("kev_graphs", gauge, "CUDA graphs held")
+        self.graph_bytes = metric("kev_graph_bytes", gauge, "GPU memory reserved while capturing the graphs")
         self.batch_requests = metric("kev_batch_requests", histogram, "requests per engine call", BATCH_BUCKETS)
         self.state_tokens = metric(
             "kev_batch_state_tokens", histogram, "distinct state tokens per batch", TOKEN_BUCKETS
@@ -74,3 +76,6 @@ class KevMetrics:
             self._seen[key] = total
         self.bank_bytes.set(stats.bytes)
         self.bank_entries.set(stats.entries)
+        graphs = getattr(scorer, "graphs", None)
+        self.graphs.set(graphs.stats.count if graphs is not None else 0)
+        self.graph_bytes.set(graphs.stats.bytes if graphs is not None else 0)
