@@ -259,6 +259,7 @@ class PassKernels:
     chunk: Callable
     attention: Callable
     rms_norm: Callable
+    rms_norm_rope: Callable
     gated_rms_norm: Callable
     silu_mul: Callable
     recurrent_rows: Callable
@@ -278,6 +279,7 @@ class PassKernels:
             chunk_gated_delta_rule,
             varlen_attn,
             kernels.rms_norm,
+            kernels.rms_norm_rope,
             kernels.gated_rms_norm,
             kernels.silu_mul,
             kernels.recurrent_rows,
@@ -301,6 +303,7 @@ class FusedQwen35:
         self.c = weights.config
         self._conv, self._chunk, self._attn = k.conv, k.chunk, k.attention
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
+        self._norm_rope = k.rms_norm_rope
         self._recurrent_rows, self._conv_rows, self._rows_attention = k.recurrent_rows, k.conv_rows, k.rows_attention
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
@@ -318,7 +321,7 @@ class FusedQwen35:
         w = self.w
         freqs = p.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        rope = (emb.cos().to(w.dtype), emb.sin().to(w.dtype))
+        rope = (emb.cos(), emb.sin())  # fp32, [T, rotary dims]
         hidden = F.embedding(p.ids, w.embed)
         residual = None
         gdn = attn = 0
@@ -436,10 +439,10 @@ class FusedQwen35:
         proj = F.linear(x, layer.in_proj)
         qg, k, v = proj.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = qg.view(T, Hq, 2 * D).chunk(2, dim=-1)
-        q = self._rms_norm(q, layer.q_norm, c.rms_norm_eps)[0]  # per-head views, read in place
-        k = self._rms_norm(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps)[0]
+        # Per-head norm and partial RoPE in one kernel each, reading the projection's per-head views in place.
+        q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, *rope)
+        k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
         v = v.reshape(T, Hkv, D).contiguous()
-        q, k = self.rotate(q, rope), self.rotate(k, rope)
         out = torch.zeros(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens: zeros, never read
         keys, values = self.pool.keys[index], self.pool.values[index]
         if (s := p.states) is not None:
@@ -479,15 +482,6 @@ class FusedQwen35:
             )
         out = out.view(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))
         return F.linear(out, layer.out_proj)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, rope) -> torch.Tensor:
-        cos, sin = rope
-        dim = cos.shape[-1]
-        rot = x[..., :dim]
-        half = dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        return torch.cat((rot * cos[:, None] + rotated * sin[:, None], x[..., dim:]), dim=-1)
 
 
 # --------------------------------------------------------------------------------------------------------------------

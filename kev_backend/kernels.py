@@ -92,6 +92,60 @@ def rms_norm(
 
 
 @triton.jit
+def _rms_norm_rope_kernel(
+    x, weight, cos, sin, y, D, eps, heads, stride_x, stride_xh, stride_c, ROT: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    token = row // heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    src = x + token * stride_x + (row % heads) * stride_xh
+    h = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+    out = h * rstd * tl.load(weight + cols, mask=mask, other=0.0)
+    # NeoX RoPE on the first ROT dims: out_c = y_c cos_c - y_{c+ROT/2} sin_c (first half), y_c cos_c + y_{c-ROT/2}
+    # sin_c (second half), the partner read again from the row (same statistics).
+    half = ROT // 2
+    rot = cols < ROT
+    partner = tl.where(cols < half, cols + half, cols - half)
+    y_partner = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32) * rstd
+    y_partner = y_partner * tl.load(weight + partner, mask=rot, other=0.0)
+    c = tl.load(cos + token * stride_c + cols, mask=rot, other=1.0)
+    s = tl.load(sin + token * stride_c + cols, mask=rot, other=0.0)
+    out = tl.where(rot, out * c + tl.where(cols < half, -y_partner, y_partner) * s, out)
+    tl.store(y + row * D + cols, out.to(y.dtype.element_ty), mask=mask)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Per-head RMSNorm (weight already 1 + w, fp32) then NeoX RoPE on the first cos.shape[-1] dims, in one read:
+    Qwen3.5's q and k. x: [tokens, heads, D] with any token and head strides (read in place); cos, sin: [tokens,
+    rotary dims] fp32. Returns y [tokens, heads, D] contiguous, in x's dtype (one rounding)."""
+    x3 = _token_heads(x)
+    T, H, D = x3.shape
+    rot = cos.shape[-1]
+    assert cos.shape == sin.shape == (T, rot) and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    assert rot % 2 == 0 and rot <= D
+    y = torch.empty(T, H, D, device=x.device, dtype=x.dtype)
+    if T * H:
+        _rms_norm_rope_kernel[(T * H,)](
+            x3,
+            weight,
+            cos,
+            sin,
+            y,
+            D,
+            eps,
+            H,
+            x3.stride(0),
+            x3.stride(1),
+            cos.stride(0),
+            ROT=rot,
+            BLOCK=triton.next_power_of_2(D),
+        )
+    return y
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x, z, weight, y, D, eps, heads, stride_x, stride_z, stride_zh, stride_y, BLOCK: tl.constexpr
 ):

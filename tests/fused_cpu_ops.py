@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kev_backend.fused import PassKernels
-from kev_backend.qwen35 import causal_attention, gated_delta_rule, l2_normalize
+from kev_backend.qwen35 import apply_rope, causal_attention, gated_delta_rule, l2_normalize
 
 
 def bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
@@ -78,6 +78,12 @@ def rms_norm(x, weight, eps, residual=None, store_residual=False):
     h = x.float() + (residual if residual is not None else 0.0)
     y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
     return y, (h if store_residual else None)
+
+
+def rms_norm_rope(x, weight, eps, cos, sin):
+    h = x.float()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return apply_rope(y.transpose(0, 1), cos, sin).transpose(0, 1).contiguous().to(x.dtype)
 
 
 def gated_rms_norm(x, z, weight, eps):
@@ -151,6 +157,7 @@ TORCH_KERNELS = PassKernels(
     chunk=delta_rule,
     attention=attention,
     rms_norm=rms_norm,
+    rms_norm_rope=rms_norm_rope,
     gated_rms_norm=gated_rms_norm,
     silu_mul=silu_mul,
     recurrent_rows=recurrent_rows,

@@ -22,7 +22,7 @@ if os.environ.get("KEV_KERNEL_DEVICE") == "cuda":
 else:
     TOL, REL = 1e-5, 1e-6
 from kev_backend.kernels import (
-    chunked_rows, conv_rows, gated_rms_norm, recurrent_rows, rms_norm, rows_attention, silu_mul,
+    chunked_rows, conv_rows, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention, silu_mul,
 )
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
@@ -54,6 +54,15 @@ x, z = torch.randn(9 * 3, 32), proj[:, 5 : 5 + 96].view(9, 3, 32)
 y = gated_rms_norm(x, z, w, 1e-6)
 ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w * torch.nn.functional.silu(z.reshape(-1, 32))
 assert ((y - ref).abs().max() / ref.abs().max()) < REL
+# q's norm and partial RoPE in one kernel, read in place from the [q | gate] per-head layout.
+from kev_backend.qwen35 import apply_rope
+
+angles = torch.rand(9, 4) * 6
+cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+y = rms_norm_rope(heads, w, 1e-6, cos, sin)
+normed = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+ref = apply_rope(normed.transpose(0, 1), cos, sin).transpose(0, 1)
+assert y.is_contiguous() and ((y - ref).abs().max() / ref.abs().max()) < REL * 4
 gate_up = torch.randn(5, 2 * 1500 + 3)[:, : 2 * 1500]
 ref = torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
 assert ((silu_mul(gate_up) - ref).abs().max() / ref.abs().max()) < REL
@@ -224,6 +233,12 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             4,
         ),
         (K._gated_rms_norm_kernel, {"x": bf, "z": bf, "weight": f32, "y": bf, "eps": "fp32"}, dict(BLOCK=128), 4),
+        (
+            K._rms_norm_rope_kernel,
+            {"x": bf, "weight": f32, "cos": f32, "sin": f32, "y": bf, "eps": "fp32"},
+            dict(ROT=64, BLOCK=256),
+            4,
+        ),
         (K._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),
         (
             K._conv_rows_kernel,
