@@ -31,8 +31,10 @@ class TritonPythonModel:
         for start in range(0, len(warmup), 64):  # in batches of up to max_batch_size, before the model is ready
             self.engine.answer(warmup[start : start + 64])
             self.metrics.record(self.engine)
+        graphs = getattr(self.engine.scorer, "graphs", None)
         pb_utils.Logger.log_info(
-            f"kev: {path} on {self.engine.device}, {self.engine.backend} path; {len(warmup)} warm-up requests"
+            f"kev: {path} on {self.engine.device}, {self.engine.backend} path; {len(warmup)} warm-up requests; "
+            f"{graphs.stats.count if graphs is not None else 0} CUDA graphs"
         )
 
     def execute(self, requests):
