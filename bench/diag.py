@@ -150,8 +150,15 @@ def recurrent_configs() -> None:
 
 def long_segments() -> None:
     """Our chunked delta rule against fla's chunked kernel on Kev-4B heads (new states from zero; rows continuing
-    banked states): time and largest difference. And the conv for long states: fla's against our token-by-token one."""
-    for lengths, new in (([2200], True), ([2200] * 8, True), ([100] * 40, False)):
+    banked states): time and largest difference; on short segments our token-by-token kernel too. And the conv for
+    new states: fla's against our token-by-token one."""
+    for lengths, new in (
+        ([2200], True),
+        ([2200] * 8, True),
+        ([100] * 40, False),
+        ([39] * 192, False),
+        ([34] * 32, True),
+    ):
         long_case(lengths, new)
 
 
@@ -198,6 +205,9 @@ def long_case(lengths: list[int], new: bool) -> None:
 
     diff = (ours().float() - theirs().float()).abs().max().item()
     label = f"{n}x{lengths[0]} {'new' if new else 'rows'}"
+    if lengths[0] <= 64:  # short segments: our token-by-token kernel too
+        recurrent = lambda: kernels.recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)  # noqa: E731
+        print(f"recurrent {label}: {cuda_ms(recurrent):.3f} ms", flush=True)
     print(
         f"delta rule {label}: ours {cuda_ms(ours):.3f} ms, fla {cuda_ms(theirs):.3f} ms, max diff {diff:.2e}",
         flush=True,
