@@ -216,6 +216,7 @@ def long_case(lengths: list[int], new: bool) -> None:
         conv_w = torch.randn(2 * H * K + HV * V, 4, device="cuda", dtype=torch.bfloat16)
         window = torch.zeros(n + 1, 2 * H * K + HV * V, 4, device="cuda", dtype=torch.bfloat16)
         ours_conv = lambda: kernels.conv_rows(mixed, conv_w, window, slots, cu, new_states=True)  # noqa: E731
+        tiles = lambda: kernels.conv_tiles(mixed, conv_w, window, slots, cu, max(lengths), new_states=True)  # noqa: E731
         fla_conv = lambda: causal_conv1d(  # noqa: E731
             mixed.unsqueeze(0),
             conv_w,
@@ -224,7 +225,11 @@ def long_case(lengths: list[int], new: bool) -> None:
             cu_seqlens=cu,
             cu_seqlens_cpu=cu_cpu,
         )
-        print(f"conv {label}: ours {cuda_ms(ours_conv):.3f} ms, fla {cuda_ms(fla_conv):.3f} ms", flush=True)
+        print(
+            f"conv {label}: token by token {cuda_ms(ours_conv):.3f} ms, tiles {cuda_ms(tiles):.3f} ms, "
+            f"fla {cuda_ms(fla_conv):.3f} ms",
+            flush=True,
+        )
 
 
 def quick_latency() -> None:

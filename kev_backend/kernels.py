@@ -586,6 +586,83 @@ def conv_rows(
     return y
 
 
+# Tokens × channels per program of the token-parallel conv: no register spills on sm_90a with 4 warps (32 × 128
+# spills in the variant that reads windows).
+CONV_TILE = (16, 128)
+
+
+@triton.jit
+def _conv_tiles_kernel(
+    x,
+    weight,
+    pool,
+    slots,
+    cu,
+    y,
+    C,
+    stride_xt,
+    stride_yt,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    i_c, i_t, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    t = bos + i_t * BT + tl.arange(0, BT)
+    m_t = t < eos
+    base = pool + (slot * C + o_c) * W  # the window [C, W]: slot W + d holds x_{bos + d}, d = -W..-1
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):  # tap j multiplies x_{t - (W - 1) + j}
+        src = t - (W - 1) + j
+        inside = src >= bos
+        value = tl.load(
+            x + src[:, None] * stride_xt + o_c[None, :], mask=(m_t & inside)[:, None] & m_c[None, :], other=0.0
+        ).to(tl.float32)
+        if CONTINUE:  # before the segment: its state's window (new states: zeros)
+            held = W + (src - bos)
+            before = m_t & (~inside) & (held >= 0)
+            value += tl.load(base[None, :] + held[:, None], mask=before[:, None] & m_c[None, :], other=0.0).to(
+                tl.float32
+            )
+        acc += tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)[None, :] * value
+    out = acc * tl.sigmoid(acc)
+    tl.store(y + t[:, None] * stride_yt + o_c[None, :], out.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    if not CONTINUE:
+        if i_t == 0:  # a new state's window: its last W inputs (zeros before its start) into its (fresh) slot
+            for j in tl.static_range(W):
+                token = eos - W + j
+                last = tl.load(x + token * stride_xt + o_c, mask=m_c & (token >= bos), other=0.0)
+                tl.store(base + j, last.to(pool.dtype.element_ty), mask=m_c)
+
+
+def conv_tiles(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    new_states: bool = False,
+) -> torch.Tensor:
+    """conv_rows' job (same arguments, plus `max_len`, the longest segment, which sizes the grid) with the tokens
+    in parallel: tiles of tokens × channels, each tap read from the input or, before a row's start, from its
+    state's window. For long segments, where conv_rows walks token by token."""
+    T, C = x.shape
+    W = weight.shape[1]
+    assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
+    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    BT, BC = CONV_TILE
+    if slots.shape[0]:
+        _conv_tiles_kernel[(triton.cdiv(C, BC), max(1, triton.cdiv(max_len, BT)), slots.shape[0])](
+            x, weight, pool, slots, cu, y, C, x.stride(0), y.stride(0), W=W, BT=BT, BC=BC, CONTINUE=not new_states
+        )
+    return y
+
+
 @triton.jit
 def _rows_attention_kernel(
     q,

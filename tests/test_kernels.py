@@ -22,7 +22,8 @@ if os.environ.get("KEV_KERNEL_DEVICE") == "cuda":
 else:
     TOL, REL = 1e-5, 1e-6
 from kev_backend.kernels import (
-    chunked_rows, conv_rows, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention, silu_mul,
+    chunked_rows, conv_rows, conv_tiles, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention,
+    silu_mul,
 )
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
@@ -186,6 +187,20 @@ for n in range(3):
     ref, final = gated_delta_rule(*args, None)
     assert (o_new[a:b] - ref[0].transpose(0, 1)).abs().max() < 10 * TOL, n
     assert (fresh[[2, 5, 0][n]] - final[0]).abs().max() < 10 * TOL, n
+
+# The token-parallel conv answers as the token-by-token one: rows from their windows, new states writing theirs.
+lens = [37, 1, 70, 0]
+cu = torch.tensor([0, 37, 38, 108, 108])
+wide = torch.randn(108, C + 5)
+x = wide[:, 2 : 2 + C]
+pool = torch.randn(6, C, 4)
+slots = torch.tensor([3, 0, 3, 5])
+assert torch.equal(conv_tiles(x, w, pool, slots, cu, max_len=70), conv_rows(x, w, pool, slots, cu))
+windows_a, windows_b = torch.full((6, C, 4), float("nan")), torch.full((6, C, 4), float("nan"))
+ya = conv_tiles(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, max_len=70, new_states=True)
+yb = conv_rows(x, w, windows_b, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
+assert (ya - yb).abs().max() < TOL
+assert torch.equal(windows_a[[1, 4, 0, 2]], windows_b[[1, 4, 0, 2]])
 print("ok")
 """
 
@@ -226,12 +241,15 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
     cases = [
-        (
-            K._rms_norm_kernel,
-            {"x": bf, "residual": f32, "residual_out": f32, "weight": f32, "y": bf, "eps": "fp32"},
-            dict(HAS_RESIDUAL=True, STORE_RESIDUAL=True, BLOCK=4096),
-            4,
-        ),
+        *[
+            (
+                K._rms_norm_kernel,
+                {"x": bf, "residual": f32, "residual_out": f32, "weight": f32, "y": bf, "eps": "fp32"},
+                dict(HAS_RESIDUAL=residual, STORE_RESIDUAL=residual, BLOCK=block),
+                4,
+            )
+            for residual, block in ((True, 4096), (False, 256))
+        ],
         (K._gated_rms_norm_kernel, {"x": bf, "z": bf, "weight": f32, "y": bf, "eps": "fp32"}, dict(BLOCK=128), 4),
         (
             K._rms_norm_rope_kernel,
@@ -240,12 +258,24 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             4,
         ),
         (K._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),
-        (
-            K._conv_rows_kernel,
-            {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-            dict(W=4, BC=256, CONTINUE=True),
-            4,
-        ),
+        *[
+            (
+                K._conv_rows_kernel,
+                {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
+                dict(W=4, BC=256, CONTINUE=continues),
+                4,
+            )
+            for continues in (True, False)
+        ],
+        *[
+            (
+                K._conv_tiles_kernel,
+                {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
+                dict(W=4, BT=K.CONV_TILE[0], BC=K.CONV_TILE[1], CONTINUE=continues),
+                4,
+            )
+            for continues in (True, False)
+        ],
         (
             K._recurrent_rows_kernel,
             recurrent,
