@@ -320,6 +320,7 @@ def main() -> None:
         "checkpoint": name,
         "backend": engine.backend,
         "graphs": args.graphs,
+        "long_kernels": options.long_kernels,
         "engine_start_s": engine_s,
         "torch": torch.__version__,
         "ceilings": ceil,
@@ -341,7 +342,8 @@ def main() -> None:
         result["graph_buckets_seen"] = sorted(b.name for b in graphs.seen)
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = result["gpu"].replace(" ", "-").lower()
-    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{'-graphs' if args.graphs else ''}.json"
+    variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
+    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"{'workload':8} {'new ms':>8} {'same ms':>8} "

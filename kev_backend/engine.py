@@ -7,6 +7,7 @@ path today). One bad request never affects the others of its batch.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ class EngineOptions:
     # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
     # autotuning), so no request pays for them
     warm: bool = True
+    # fused path: segments over 64 tokens on fla's kernels ("fla") or ours ("ours"); KEV_LONG_KERNELS overrides
+    long_kernels: str = field(default_factory=lambda: os.environ.get("KEV_LONG_KERNELS", "fla"))
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)
 
@@ -98,6 +101,7 @@ class Engine:
                 graphs=self.options.graphs,
                 graph_max_tokens=self.options.graph_max_tokens,
                 max_graphs=self.options.max_graphs,
+                long_kernels=self.options.long_kernels,
             )
             if self.options.warm:
                 self.warm()

@@ -263,6 +263,8 @@ class PassKernels:
     gated_rms_norm: Callable
     silu_mul: Callable
     recurrent_rows: Callable
+    chunked_rows: Callable
+    conv_tiles: Callable
     conv_rows: Callable
     rows_attention: Callable
 
@@ -283,6 +285,8 @@ class PassKernels:
             kernels.gated_rms_norm,
             kernels.silu_mul,
             kernels.recurrent_rows,
+            kernels.chunked_rows,
+            kernels.conv_tiles,
             kernels.conv_rows,
             kernels.rows_attention,
         )
@@ -291,7 +295,9 @@ class PassKernels:
 class FusedQwen35:
     """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
 
-    def __init__(self, weights: FusedWeights, pool: StatePool, kernels: PassKernels | None = None) -> None:
+    def __init__(
+        self, weights: FusedWeights, pool: StatePool, kernels: PassKernels | None = None, long_kernels: str = "fla"
+    ) -> None:
         # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
         # would then move with the batch they ride in.
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -304,6 +310,12 @@ class FusedQwen35:
         self._conv, self._chunk, self._attn = k.conv, k.chunk, k.attention
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._norm_rope = k.rms_norm_rope
+        self._chunked_rows, self._conv_tiles = k.chunked_rows, k.conv_tiles
+        # Segments over RECURRENT_MAX_LEN tokens: fla's conv and chunked delta rule ("fla"), or ours ("ours":
+        # conv_tiles and chunked_rows, reading and writing the bank in place, no host chunk maps). Being measured.
+        if long_kernels not in ("fla", "ours"):
+            raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
+        self.long_kernels = long_kernels
         self._recurrent_rows, self._conv_rows, self._rows_attention = k.recurrent_rows, k.conv_rows, k.rows_attention
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
@@ -366,7 +378,11 @@ class FusedQwen35:
         for seg, new in ((p.states, True), (p.rows, False)):
             for group in seg.groups if seg is not None else ():
                 span = group.span
-                if new and not group.short:  # fla's conv; the windows are copied into the slots
+                if not group.short and self.long_kernels == "ours":  # tokens in parallel, windows in place
+                    mixed = self._conv_tiles(
+                        qkv[span], layer.conv, conv_pool, group.slots, group.cu, group.max_len, new_states=new
+                    )
+                elif new and not group.short:  # fla's conv; the windows are copied into the slots
                     mixed, window = self._conv(
                         qkv[span].contiguous().unsqueeze(0),
                         layer.conv,
@@ -409,8 +425,9 @@ class FusedQwen35:
         q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
-        if group.short:
-            self._recurrent_rows(
+        if group.short or self.long_kernels == "ours":
+            kernel = self._recurrent_rows if group.short else self._chunked_rows
+            kernel(
                 q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu, new_states=new, out=out
             )
             return
@@ -514,8 +531,10 @@ class FusedScorer:
         graphs: bool = False,
         graph_max_tokens: int = 4096,
         max_graphs: int = 64,
+        long_kernels: str = "fla",
     ) -> None:
         self.device = next(model.parameters()).device
+        self.long_kernels = long_kernels
         self.weights = FusedWeights(model, dtype)
         self.head = head
         self.temperature = temperature
@@ -533,7 +552,7 @@ class FusedScorer:
         self.graph_max_tokens = graph_max_tokens
         self.max_graphs = max_graphs
         self.bank = self._new_bank()
-        self.model = FusedQwen35(self.weights, self.bank.pool, kernels)
+        self.model = FusedQwen35(self.weights, self.bank.pool, kernels, long_kernels)
         self.graphs = self._new_graphs()
         self.oom_retries = 0
 
@@ -583,7 +602,7 @@ class FusedScorer:
             self.graphs = None
             torch.cuda.empty_cache()
             self.bank = self._new_bank()
-            self.model = FusedQwen35(self.weights, self.bank.pool, self.kernels)
+            self.model = FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels)
             self.graphs = self._new_graphs()
             return self._probabilities(batch)
 

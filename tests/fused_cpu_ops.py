@@ -122,6 +122,11 @@ def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=Fa
     return o
 
 
+def conv_tiles(x, weight, pool, slots, cu, max_len, new_states=False):
+    assert int((cu[1:] - cu[:-1]).max()) <= max_len
+    return conv_rows(x, weight, pool, slots, cu, new_states)
+
+
 def conv_rows(x, weight, pool, slots, cu, new_states=False):
     y = torch.zeros_like(x)
     for (lo, hi), slot in zip(bounds(cu), slots.tolist()):
@@ -161,6 +166,8 @@ TORCH_KERNELS = PassKernels(
     gated_rms_norm=gated_rms_norm,
     silu_mul=silu_mul,
     recurrent_rows=recurrent_rows,
+    chunked_rows=recurrent_rows,  # the same recurrence; the kernels differ only in how they walk it
+    conv_tiles=conv_tiles,
     conv_rows=conv_rows,
     rows_attention=rows_attention,
 )

@@ -16,10 +16,15 @@ from kev_backend.workloads import realistic, short6
 from .fused_cpu_ops import TORCH_KERNELS
 
 
-@pytest.mark.parametrize("split_passes,graphs", [(False, False), (True, False), (False, True), (True, True)])
-def test_fused_pass_answers_like_the_reference(tiny_dir: Path, split_passes: bool, graphs: bool) -> None:
+@pytest.mark.parametrize(
+    "split_passes,graphs,long_kernels",
+    [(False, False, "fla"), (True, False, "fla"), (False, True, "fla"), (True, True, "fla"), (False, False, "ours")],
+)
+def test_fused_pass_answers_like_the_reference(
+    tiny_dir: Path, split_passes: bool, graphs: bool, long_kernels: str
+) -> None:
     """With `graphs`, passes of short segments run padded to their bucket from the graphs' fixed buffers (eagerly:
-    no CUDA here), the others as usual."""
+    no CUDA here), the others as usual. `long_kernels`: which kernels the segments over 64 tokens take."""
     reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
     fused = FusedScorer(
@@ -34,6 +39,7 @@ def test_fused_pass_answers_like_the_reference(tiny_dir: Path, split_passes: boo
         split_passes=split_passes,
         graphs=graphs,
         graph_max_tokens=1024,
+        long_kernels=long_kernels,
     )
     requests = realistic(60, seed=7, min_words=5, max_words=150) + [short6(1), short6(), short6()]
     # Questions over 64 tokens take the chunked kernel from gathered states; a state over 64 tokens too.

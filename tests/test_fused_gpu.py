@@ -27,9 +27,11 @@ QUESTIONS = int(os.environ.get("KEV_PARITY_QUESTIONS", "1000"))  # fewer only fo
 
 
 def check(report: dict, name: str, max_abs: float | None = 0.03) -> None:
+    report["long_kernels"] = EngineOptions().long_kernels  # KEV_LONG_KERNELS: fla's or ours for long segments
     print(name, json.dumps(report))
     if os.environ.get("KEV_RESULTS_DIR"):
-        Path(os.environ["KEV_RESULTS_DIR"], f"parity-{name}.json").write_text(json.dumps(report, indent=2))
+        suffix = "-ours" if report["long_kernels"] == "ours" else ""
+        Path(os.environ["KEV_RESULTS_DIR"], f"parity-{name}{suffix}.json").write_text(json.dumps(report, indent=2))
     assert report["vs_reference"]["questions"] >= QUESTIONS
     if max_abs is not None:
         assert report["vs_reference"]["max_abs"] <= max_abs
