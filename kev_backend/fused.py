@@ -416,9 +416,10 @@ class FusedQwen35:
         out: torch.Tensor,
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
-        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Ours for short
-        segments (gates computed inside; states read and written in place), fla's chunked kernel for long ones
-        (rows from a gathered copy of their states)."""
+        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
+        on our token-by-token kernel, long ones on our chunked kernel (`long_kernels` "ours"; both read and write
+        states in place, gates computed inside) or fla's chunked kernel (rows from a gathered copy of their
+        states)."""
         c = self.c
         T = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
