@@ -370,8 +370,8 @@ class FusedQwen35:
         c = self.c
         proj = F.linear(x, layer.in_proj)
         qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
-        # Zeros: padding tokens belong to no segment (their rows are computed and never read).
-        out = torch.zeros(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
+        # Padding tokens belong to no segment: their rows keep whatever is here, row by row, and are never read.
+        out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
         conv_pool, state_pool = self.pool.conv[index], self.pool.recurrent[index]
         # New states start from zero and leave their conv window and DeltaNet state in their (fresh) bank slots;
         # rows continue theirs, read in place by slot, and write nothing back.
@@ -460,8 +460,8 @@ class FusedQwen35:
         # Per-head norm and partial RoPE in one kernel each, reading the projection's per-head views in place.
         q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, *rope)
         k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
-        v = v.reshape(T, Hkv, D).contiguous()
-        out = torch.zeros(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens: zeros, never read
+        v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (long states) gets a copy
+        out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens' rows: never read
         keys, values = self.pool.keys[index], self.pool.values[index]
         if (s := p.states) is not None:
             for group in s.groups:
@@ -474,7 +474,7 @@ class FusedQwen35:
                     out[span] = self._attn(
                         q[span],
                         k[span],
-                        v[span],
+                        v[span].contiguous(),
                         group.cu32,
                         group.cu32,
                         group.max_len,

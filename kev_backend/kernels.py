@@ -678,6 +678,7 @@ def _rows_attention_kernel(
     scale,
     stride_qt,
     stride_kt,
+    stride_vt,
     stride_pt,
     stride_ot,
     HQ: tl.constexpr,
@@ -724,7 +725,7 @@ def _rows_attention_kernel(
             o_n = start + tl.arange(0, BN)
             m_n = o_n < L
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(v + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             s = tl.dot(b_q, tl.trans(b_k)) * scale
             s = tl.where(m_n[None, :] & (o_n[None, :] <= o_m[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -754,7 +755,8 @@ def rows_attention(
 ) -> torch.Tensor:
     """Attention of question rows over [their state's K/V | their own K/V], bottom-right causal, GQA.
 
-    q: [T, Hq, D]; k, v: [T, Hkv, D] (the rows' own, contiguous); k_pool, v_pool: [tokens, Hkv, D] bank pool;
+    q: [T, Hq, D] and k: [T, Hkv, D] contiguous; v: [T, Hkv, D] with any token stride (e.g. a slice of the
+    projection, read in place); k_pool, v_pool: [tokens, Hkv, D] bank pool;
     prefix: pool token indices of the states' tokens, one run per state; row n's state is the run of
     prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets; max_len bounds a row's length
     (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Without a
@@ -762,12 +764,14 @@ def rows_attention(
     """
     T, HQ, D = q.shape
     HKV = k.shape[1]
-    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k_pool.is_contiguous()
-    assert v_pool.stride() == k_pool.stride() and v.stride() == k.stride()
+    assert q.is_contiguous() and k.is_contiguous() and k_pool.is_contiguous()
+    assert v.stride(1) == D and v.stride(2) == 1 and v_pool.stride() == k_pool.stride()
     o = torch.empty_like(q) if out is None else out
     assert o.shape == q.shape and o.is_contiguous()
     n = cu.shape[0] - 1
+    # D = 256 (Qwen3.5's heads): 32 keys a step on 8 warps fits the registers (sm_90a, ptxas -v); 4 warps spill.
     BM, BN = 16, 64 if D <= 128 else 32
+    warps = 4 if D <= 128 else 8
     has_prefix = prefix is not None
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
@@ -786,6 +790,7 @@ def rows_attention(
             D**-0.5,
             q.stride(0),
             k.stride(0),
+            v.stride(0),
             k_pool.stride(0),
             o.stride(0),
             HQ=HQ,
@@ -794,5 +799,6 @@ def rows_attention(
             BM=BM,
             BN=BN,
             HAS_PREFIX=has_prefix,
+            num_warps=warps,
         )
     return o

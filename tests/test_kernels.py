@@ -88,7 +88,8 @@ runs = [[3, 4, 5, 6, 100, 101], list(range(40, 77))]
 prefix = torch.tensor(runs[0] + runs[1])
 row_runs = [0, 1, 0]  # rows 0 and 2 continue the same state
 start, length = torch.tensor([0, 6, 0]), torch.tensor([6, 37, 6])
-q, k, v = torch.randn(T, HQ, D), torch.randn(T, HKV, D), torch.randn(T, HKV, D)
+q, k = torch.randn(T, HQ, D), torch.randn(T, HKV, D)
+v = torch.randn(T, HKV * D + 5)[:, : HKV * D].view(T, HKV, D)  # a slice of a wider projection, read in place
 o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
 for n in range(3):
     a, b = cu[n].item(), cu[n + 1].item()
@@ -300,8 +301,8 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             dict(H=16, HV=32, K=128, V=128, BV=K.CHUNK_BV, BT=K.CHUNK, LOG2_BT=4, CONTINUE=False),
             K.CHUNK_WARPS,
         ),
-        (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 4),
-        (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 4),
+        (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 8),
+        (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 8),
     ]
     for fn, types, constants, warps in cases:
         names = list(inspect.signature(fn.fn).parameters)
