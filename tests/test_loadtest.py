@@ -145,3 +145,19 @@ def test_closedloop_triton_against_inprocess(triton: TritonServer, tiny_dir: Pat
 def test_traffic_refuses_unknown_shapes(shape: str) -> None:
     with pytest.raises(ValueError):
         Traffic(shape)
+
+
+def test_bench_results_compare_by_script() -> None:
+    """The committed bench JSON reads back through bench/compare.py: one row per run and workload, oldest first."""
+    results = sorted((REPO / "bench" / "results").glob("*nvidia-h200*.json"))
+    out = subprocess.run(
+        [str(Path(sys.prefix) / "bin" / "python"), str(REPO / "bench" / "compare.py"), *map(str, results)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    runs = [json.loads(p.read_text()) for p in results]
+    runs = [r for r in runs if "workloads" in r]
+    assert len(out) == 1 + sum(len(r["workloads"]) for r in runs) and "short6" in out[1]
+    assert out[0].split()[:3] == ["commit", "variant", "workload"]
