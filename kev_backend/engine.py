@@ -139,15 +139,14 @@ class Engine:
         words = ("one two three four five six seven eight nine ten " * 20).strip()
         question = {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": None}}
         long_question = {"type": "noul", "instructions": words}
-        results = self.answer(
+        # Best effort: under limits tighter than these ~200 tokens the long request is refused like any other, and
+        # its kernels compile on the first request that needs them.
+        self.answer(
             [
                 {"state": "a short warm-up state", "questions": {"q": question}},
                 {"state": words, "questions": {"q": question, "r": long_question}},
             ]
         )
-        errors = [r for r in results if not isinstance(r, dict)]
-        if errors:
-            raise RuntimeError(f"warm-up request refused: {errors[0]}")
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:
