@@ -87,7 +87,7 @@ class Engine:
         self.backend = self._choose_backend()
         pad = self.tokenizer.delimiters.pad
         if self.backend == "fused":
-            from .fused import FusedScorer
+            from .fused_scorer import FusedScorer
 
             self.scorer: Scorer = FusedScorer(
                 checkpoint.model,

@@ -18,16 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .fused import (
-    MIN_GEMM_ROWS,
-    RECURRENT_MAX_LEN,
-    FusedQwen35,
-    KernelGroup,
-    PassInput,
-    PassLayout,
-    Segments,
-)
+from .fused import FusedQwen35
 from .gpu_bank import StatePool
+from .passes import MIN_GEMM_ROWS, RECURRENT_MAX_LEN, KernelGroup, PassInput, PassLayout, Segments
 
 TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Fewest tokens per segment assumed when sizing a bucket's segment capacities; a pass with more (shorter) segments

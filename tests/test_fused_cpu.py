@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kev_backend.engine import Engine, EngineOptions
-from kev_backend.fused import FusedScorer
+from kev_backend.fused_scorer import FusedScorer
 from kev_backend.parity import compare
 from kev_backend.workloads import realistic, short6
 

@@ -1,0 +1,240 @@
+"""The fused path's scorer: plans a batch into passes (whole states at a time, within a token budget and the bank's
+room), finds or allocates each state's bank slot, runs the passes (replayed from CUDA graphs when one fits) and
+reads the pointer head. Same interface as the reference scorer."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .encoding import Encoded, EncodedQuestion
+from .fused import FusedQwen35, FusedWeights, PassKernels
+from .gpu_bank import GpuBank, Slot, StatePool
+from .head import Picked, batch_probabilities
+from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
+from .qwen35 import Qwen35TextModel
+
+
+@dataclass
+class Row:
+    request: int
+    question: int
+    tokens: EncodedQuestion
+    state: tuple[int, ...]
+
+
+class FusedScorer:
+    """Same interface as ReferenceScorer: per request, per question, the option probabilities."""
+
+    def __init__(
+        self,
+        model: Qwen35TextModel,
+        head: dict[str, torch.Tensor],
+        temperature: float,
+        pad_id: int,
+        bank_bytes: int,
+        pass_tokens: int = 32_768,
+        max_state_tokens: int = 65_536,
+        dtype: torch.dtype = torch.bfloat16,
+        kernels: PassKernels | None = None,
+        split_passes: bool = False,
+        graphs: bool = False,
+        graph_max_tokens: int = 4096,
+        max_graphs: int = 64,
+        long_kernels: str = "fla",
+    ) -> None:
+        self.device = next(model.parameters()).device
+        self.long_kernels = long_kernels
+        self.weights = FusedWeights(model, dtype)
+        self.head = head
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.pass_tokens = pass_tokens
+        self.max_state_tokens = max_state_tokens
+        self.bank_bytes = bank_bytes
+        self.dtype = dtype
+        self.kernels = kernels
+        # One pass per batch: new states' and rows' tokens share every GEMM (False), or states then rows (True).
+        self.split_passes = split_passes
+        # CUDA graphs for passes of short segments (graphs.py); off, or no CUDA: every pass eagerly (on a CPU with
+        # graphs on, the padded passes run eagerly from the graphs' buffers).
+        self.use_graphs = graphs
+        self.graph_max_tokens = graph_max_tokens
+        self.max_graphs = max_graphs
+        self.bank = self._new_bank()
+        self.model = FusedQwen35(self.weights, self.bank.pool, kernels, long_kernels)
+        self.graphs = self._new_graphs()
+        self.oom_retries = 0
+
+    def _new_bank(self) -> GpuBank:
+        pool = StatePool.sized(
+            self.weights.config,
+            self.bank_bytes,
+            self.device,
+            self.dtype,
+            min_slots=1,
+            min_tokens=self.max_state_tokens + 64,
+        )
+        return GpuBank(pool)
+
+    def _new_graphs(self):
+        if not self.use_graphs:
+            return None
+        from .graphs import PassGraphs
+
+        return PassGraphs(
+            self.model,
+            self.bank.pool,
+            self.pad_id,
+            max_tokens=self.graph_max_tokens,
+            prefix_tokens=self.pass_tokens,
+            max_graphs=self.max_graphs,
+            capture=self.device.type == "cuda",
+        )
+
+    @property
+    def graph_replays(self) -> int:
+        return self.graphs.stats.replays if self.graphs is not None else 0
+
+    @property
+    def graph_captures(self) -> int:
+        return self.graphs.stats.captures if self.graphs is not None else 0
+
+    def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+        try:
+            return self._probabilities(batch)
+        except torch.cuda.OutOfMemoryError:
+            # Drop the bank (and its pool), free the failed pass, retry once; a second failure fails the batch.
+            self.oom_retries += 1
+            self.bank.clear()
+            del self.model
+            self.bank = None  # type: ignore[assignment]
+            self.graphs = None
+            torch.cuda.empty_cache()
+            self.bank = self._new_bank()
+            self.model = FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels)
+            self.graphs = self._new_graphs()
+            return self._probabilities(batch)
+
+    def _probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+        rows = [Row(r, q, tokens, e.state) for r, e in enumerate(batch) for q, tokens in enumerate(e.questions)]
+        picked: dict[tuple[int, int], Picked] = {}
+        for group in self.plan(rows):
+            picked.update(self.run_group(group))
+        return batch_probabilities(self.head, self.temperature, batch, picked)
+
+    def plan(self, rows: list[Row]) -> list[list[Row]]:
+        """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted
+        whether it is new or banked, plus its rows' tokens) and by the bank's capacity (states pinned in one pass)."""
+        by_state: OrderedDict[tuple[int, ...], list[Row]] = OrderedDict()
+        for row in rows:
+            by_state.setdefault(row.state, []).append(row)
+        groups: list[list[Row]] = []
+        current: list[Row] = []
+        cost = 0
+        states = 0
+        max_states = len(self.bank.pool.recurrent[0]) if len(self.bank.pool.recurrent) else 1 << 30
+        for state, members in by_state.items():
+            need = len(state) + sum(len(m.tokens.tokens) for m in members)
+            if current and (cost + need > self.pass_tokens or states + 1 > max_states):
+                groups.append(current)
+                current, cost, states = [], 0, 0
+            current.extend(members)
+            cost += need
+            states += 1
+        if current:
+            groups.append(current)
+        return groups
+
+    def run_group(self, rows: list[Row]) -> dict[tuple[int, int], Picked]:
+        states = list(OrderedDict.fromkeys(row.state for row in rows))
+        pinned = set(states)
+        slots: dict[tuple[int, ...], Slot] = {}
+        new: list[tuple[int, ...]] = []
+        for state in states:
+            slot = self.bank.get(state)
+            if slot is None:
+                slot = self.bank.allocate(state, pinned)
+                if slot is None:
+                    raise RuntimeError("the state bank cannot hold one pass's states: raise bank_bytes")
+                new.append(state)
+            slots[state] = slot
+        # Short segments before long ones, within the states and within the rows (stable): each length class is one
+        # contiguous kernel group.
+        new.sort(key=lambda state: not is_short(len(state)))
+        rows = sorted(rows, key=lambda row: not is_short(len(row.tokens.tokens)))
+        try:
+            if self.split_passes and new:
+                # States first, in their own pass through the weights; then every row from the bank.
+                self.forward(self.layout([], new, slots))
+                new_in_pass: list[tuple[int, ...]] = []
+            else:
+                new_in_pass = new
+            picked = self.forward(self.layout(rows, new_in_pass, slots))
+        except BaseException:
+            for state in new:
+                self.bank.forget(state)
+            raise
+        out = {}
+        offset = 0
+        for row in rows:
+            n = len(row.tokens.option_ends)
+            out[(row.request, row.question)] = (picked[offset], picked[offset + 1 : offset + 1 + n])
+            offset += 1 + n
+        return out
+
+    def forward(self, layout: PassLayout) -> torch.Tensor:
+        """One pass: replayed from its bucket's CUDA graph when it has one, else eagerly."""
+        if self.graphs is not None and (bucket := self.graphs.bucket_for(layout)) is not None:
+            return self.graphs.run(bucket, layout)
+        return self.model.forward(self.pass_input(layout))
+
+    def layout(self, rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, ...], Slot]) -> PassLayout:
+        page = self.bank.pool.page_size
+        out = PassLayout()
+        for state in new:
+            out.state_ids.extend(state)
+            out.state_lengths.append(len(state))
+            out.state_slots.append(slots[state].slot)
+            out.state_kv_dst.extend(slots[state].kv_index(page))
+        # Each state's pool K/V index once; every row points at its state's run.
+        runs: dict[tuple[int, ...], int] = {}
+        for row in rows:
+            if row.state not in runs:
+                runs[row.state] = len(out.prefix)
+                out.prefix.extend(slots[row.state].kv_index(page))
+            out.prefix_start.append(runs[row.state])
+            out.prefix_len.append(len(row.state))
+            start = len(out.row_ids)
+            tokens = row.tokens.tokens
+            out.row_ids.extend(tokens)
+            out.row_positions.extend(range(len(row.state), len(row.state) + len(tokens)))
+            out.row_lengths.append(len(tokens))
+            out.row_slots.append(slots[row.state].slot)
+            out.row_picks.append(start + row.tokens.decide)
+            out.row_picks.extend(start + i for i in row.tokens.option_ends)
+        return out
+
+    def pass_input(self, layout: PassLayout) -> PassInput:
+        """The pass on the device, exactly sized (padded only to MIN_GEMM_ROWS tokens)."""
+        n_state = len(layout.state_ids)
+        padding = max(0, MIN_GEMM_ROWS - n_state - len(layout.row_ids))
+        device = self.device
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return PassInput(
+            ids=tensor(layout.state_ids + layout.row_ids + [self.pad_id] * padding),
+            positions=tensor(layout.state_positions() + layout.row_positions + [0] * padding),
+            states=Segments.build(0, layout.state_lengths, layout.state_slots, device) if n_state else None,
+            state_kv_dst=tensor(layout.state_kv_dst) if n_state else None,
+            rows=Segments.build(n_state, layout.row_lengths, layout.row_slots, device) if layout.row_ids else None,
+            row_prefix=tensor(layout.prefix),
+            row_prefix_start=tensor(layout.prefix_start),
+            row_prefix_len=tensor(layout.prefix_len),
+            picks=tensor([n_state + i for i in layout.row_picks]),
+        )
