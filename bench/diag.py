@@ -126,6 +126,7 @@ def recurrent_configs() -> None:
     """The delta-rule kernel's (value block, warps) on Kev-4B heads: 192 rows of 39 tokens (a busy short6 batch)
     and 6 rows (one short6 request), rows continuing banked states."""
     from kev_backend import kernels
+    from kev_backend.kernels import delta_rule
 
     H, HV, K, V = 16, 32, 128, 128
     pool = torch.randn(256, HV, K, V, device="cuda") * 0.01
@@ -142,7 +143,7 @@ def recurrent_configs() -> None:
         cu = torch.arange(0, T + 1, 39, device="cuda")
         line = []
         for bv, warps in ((32, 4), (8, 1), (16, 1), (16, 2), (32, 2), (8, 2), (4, 1)):
-            kernels.RECURRENT_BV, kernels.RECURRENT_WARPS = bv, warps
+            delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS = bv, warps  # read at each launch
             args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
             line.append(f"BV{bv}/w{warps}:{cuda_ms(lambda args=args: kernels.recurrent_rows(*args)):.3f}ms")
         print(f"recurrent rows={rows}:", " ".join(line), flush=True)

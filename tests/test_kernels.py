@@ -231,7 +231,10 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from kev_backend import kernels as K
+    from kev_backend.kernels import attention as A
+    from kev_backend.kernels import conv as C
+    from kev_backend.kernels import delta_rule as R
+    from kev_backend.kernels import norms as N
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
@@ -244,24 +247,24 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     cases = [
         *[
             (
-                K._rms_norm_kernel,
+                N._rms_norm_kernel,
                 {"x": bf, "residual": f32, "residual_out": f32, "weight": f32, "y": bf, "eps": "fp32"},
                 dict(HAS_RESIDUAL=residual, STORE_RESIDUAL=residual, BLOCK=block),
                 4,
             )
             for residual, block in ((True, 4096), (False, 256))
         ],
-        (K._gated_rms_norm_kernel, {"x": bf, "z": bf, "weight": f32, "y": bf, "eps": "fp32"}, dict(BLOCK=128), 4),
+        (N._gated_rms_norm_kernel, {"x": bf, "z": bf, "weight": f32, "y": bf, "eps": "fp32"}, dict(BLOCK=128), 4),
         (
-            K._rms_norm_rope_kernel,
+            N._rms_norm_rope_kernel,
             {"x": bf, "weight": f32, "cos": f32, "sin": f32, "y": bf, "eps": "fp32"},
             dict(ROT=64, BLOCK=256),
             4,
         ),
-        (K._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),
+        (N._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),
         *[
             (
-                K._conv_rows_kernel,
+                C._conv_rows_kernel,
                 {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
                 dict(W=4, BC=256, CONTINUE=continues),
                 4,
@@ -270,39 +273,39 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         ],
         *[
             (
-                K._conv_tiles_kernel,
+                C._conv_tiles_kernel,
                 {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-                dict(W=4, BT=K.CONV_TILE[0], BC=K.CONV_TILE[1], CONTINUE=continues),
+                dict(W=4, BT=C.CONV_TILE[0], BC=C.CONV_TILE[1], CONTINUE=continues),
                 4,
             )
             for continues in (True, False)
         ],
         (
-            K._recurrent_rows_kernel,
+            R._recurrent_rows_kernel,
             recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=K.RECURRENT_BV, CONTINUE=True),
-            K.RECURRENT_WARPS,
+            dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=True),
+            R.RECURRENT_WARPS,
         ),
         (
-            K._recurrent_rows_kernel,
+            R._recurrent_rows_kernel,
             recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=K.RECURRENT_BV, CONTINUE=False),
-            K.RECURRENT_WARPS,
+            dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=False),
+            R.RECURRENT_WARPS,
         ),
         (
-            K._chunked_delta_rule_kernel,
+            R._chunked_delta_rule_kernel,
             recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=K.CHUNK_BV, BT=K.CHUNK, LOG2_BT=4, CONTINUE=True),
-            K.CHUNK_WARPS,
+            dict(H=16, HV=32, K=128, V=128, BV=R.CHUNK_BV, BT=R.CHUNK, LOG2_BT=4, CONTINUE=True),
+            R.CHUNK_WARPS,
         ),
         (
-            K._chunked_delta_rule_kernel,
+            R._chunked_delta_rule_kernel,
             recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=K.CHUNK_BV, BT=K.CHUNK, LOG2_BT=4, CONTINUE=False),
-            K.CHUNK_WARPS,
+            dict(H=16, HV=32, K=128, V=128, BV=R.CHUNK_BV, BT=R.CHUNK, LOG2_BT=4, CONTINUE=False),
+            R.CHUNK_WARPS,
         ),
-        (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 8),
-        (K._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 8),
+        (A._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 8),
+        (A._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 8),
     ]
     for fn, types, constants, warps in cases:
         names = list(inspect.signature(fn.fn).parameters)

@@ -1,0 +1,20 @@
+"""Our Triton kernels for the fused path, with fixed launch configurations (no autotuning on the request path):
+norms and the MLP activation, the gated delta rule, the causal conv and row attention, the last three reading or
+writing their segments' states in the bank pool in place."""
+
+from .attention import rows_attention
+from .conv import conv_rows, conv_tiles
+from .delta_rule import chunked_rows, recurrent_rows
+from .norms import gated_rms_norm, rms_norm, rms_norm_rope, silu_mul
+
+__all__ = [
+    "chunked_rows",
+    "conv_rows",
+    "conv_tiles",
+    "gated_rms_norm",
+    "recurrent_rows",
+    "rms_norm",
+    "rms_norm_rope",
+    "rows_attention",
+    "silu_mul",
+]

@@ -1,0 +1,149 @@
+"""Attention of question rows over their state's K/V in the bank (by index) and their own, bottom-right causal;
+without a prefix, causal attention of new states over their own tokens."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows_attention_kernel(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    o,
+    prefix,
+    prefix_start,
+    prefix_len,
+    cu,
+    scale,
+    stride_qt,
+    stride_kt,
+    stride_vt,
+    stride_pt,
+    stride_ot,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+):
+    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    n, h = i_nh // HQ, i_nh % HQ
+    hk = h // (HQ // HKV)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    L = eos - bos
+    if i_m * BM < L:
+        if HAS_PREFIX:
+            p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
+        else:  # new states: their own tokens only
+            p_bos, P = 0, 0
+        o_m = i_m * BM + tl.arange(0, BM)
+        m_m = o_m < L
+        o_d = tl.arange(0, D)
+        b_q = tl.load(q + (bos + o_m)[:, None] * stride_qt + h * D + o_d[None, :], mask=m_m[:, None], other=0.0)
+        m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, D], dtype=tl.float32)
+        # The state's K/V, read in place from the bank pool through its token index.
+        for start in range(0, P, BN):
+            o_n = start + tl.arange(0, BN)
+            m_n = o_n < P
+            idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
+            b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            s = tl.dot(b_q, tl.trans(b_k)) * scale
+            s = tl.where(m_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+            m_i = m_new
+        # The row's own K/V, causal.
+        for start in range(0, (i_m + 1) * BM, BN):
+            o_n = start + tl.arange(0, BN)
+            m_n = o_n < L
+            b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            s = tl.dot(b_q, tl.trans(b_k)) * scale
+            s = tl.where(m_n[None, :] & (o_n[None, :] <= o_m[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            o + (bos + o_m)[:, None] * stride_ot + h * D + o_d[None, :], out.to(o.dtype.element_ty), mask=m_m[:, None]
+        )
+
+
+def rows_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    prefix: torch.Tensor | None,
+    prefix_start: torch.Tensor | None,
+    prefix_len: torch.Tensor | None,
+    cu: torch.Tensor,
+    max_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of question rows over [their state's K/V | their own K/V], bottom-right causal, GQA.
+
+    q: [T, Hq, D] and k: [T, Hkv, D] contiguous; v: [T, Hkv, D] with any token stride (e.g. a slice of the
+    projection, read in place); k_pool, v_pool: [tokens, Hkv, D] bank pool;
+    prefix: pool token indices of the states' tokens, one run per state; row n's state is the run of
+    prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets; max_len bounds a row's length
+    (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Without a
+    prefix (None), plain causal attention over each segment's own tokens (new states). Writes `out` when given.
+    """
+    T, HQ, D = q.shape
+    HKV = k.shape[1]
+    assert q.is_contiguous() and k.is_contiguous() and k_pool.is_contiguous()
+    assert v.stride(1) == D and v.stride(2) == 1 and v_pool.stride() == k_pool.stride()
+    o = torch.empty_like(q) if out is None else out
+    assert o.shape == q.shape and o.is_contiguous()
+    n = cu.shape[0] - 1
+    # D = 256 (Qwen3.5's heads): 32 keys a step on 8 warps fits the registers (sm_90a, ptxas -v); 4 warps spill.
+    BM, BN = 16, 64 if D <= 128 else 32
+    warps = 4 if D <= 128 else 8
+    has_prefix = prefix is not None
+    if not has_prefix:
+        prefix = prefix_start = prefix_len = cu  # not read
+    if n:
+        _rows_attention_kernel[(triton.cdiv(max_len, BM), n * HQ)](
+            q,
+            k,
+            v,
+            k_pool,
+            v_pool,
+            o,
+            prefix,
+            prefix_start,
+            prefix_len,
+            cu,
+            D**-0.5,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            k_pool.stride(0),
+            o.stride(0),
+            HQ=HQ,
+            HKV=HKV,
+            D=D,
+            BM=BM,
+            BN=BN,
+            HAS_PREFIX=has_prefix,
+            num_warps=warps,
+        )
+    return o

@@ -1,0 +1,146 @@
+"""Qwen3.5's depthwise causal conv (kernel 4) + SiLU for segments reading or writing their window in the bank."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_rows_kernel(
+    x, weight, pool, slots, cu, y, C, stride_xt, stride_yt, W: tl.constexpr, BC: tl.constexpr, CONTINUE: tl.constexpr
+):
+    i_c, n = tl.program_id(0), tl.program_id(1)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    # The window: the last W inputs, [C, W] right-aligned in the bank slot (slot 0 is x_{-4}, 3 is x_{-1}).
+    base = pool + (slot * C + o_c) * W
+    if CONTINUE:  # a row continues its state's window
+        x4 = tl.load(base + 0, mask=m_c, other=0.0).to(tl.float32)
+        x3 = tl.load(base + 1, mask=m_c, other=0.0).to(tl.float32)
+        x2 = tl.load(base + 2, mask=m_c, other=0.0).to(tl.float32)
+        x1 = tl.load(base + 3, mask=m_c, other=0.0).to(tl.float32)
+    else:  # a new state starts from zeros
+        x4 = tl.zeros([BC], dtype=tl.float32)
+        x3 = tl.zeros([BC], dtype=tl.float32)
+        x2 = tl.zeros([BC], dtype=tl.float32)
+        x1 = tl.zeros([BC], dtype=tl.float32)
+    w0 = tl.load(weight + o_c * W + 0, mask=m_c, other=0.0).to(tl.float32)
+    w1 = tl.load(weight + o_c * W + 1, mask=m_c, other=0.0).to(tl.float32)
+    w2 = tl.load(weight + o_c * W + 2, mask=m_c, other=0.0).to(tl.float32)
+    w3 = tl.load(weight + o_c * W + 3, mask=m_c, other=0.0).to(tl.float32)
+    for t in range(bos, eos):
+        x0 = tl.load(x + t * stride_xt + o_c, mask=m_c, other=0.0).to(tl.float32)
+        acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
+        out = acc * tl.sigmoid(acc)
+        tl.store(y + t * stride_yt + o_c, out.to(y.dtype.element_ty), mask=m_c)
+        x4, x3, x2, x1 = x3, x2, x1, x0
+    if not CONTINUE:  # a new state's window goes into its (fresh) bank slot
+        tl.store(base + 0, x4.to(pool.dtype.element_ty), mask=m_c)
+        tl.store(base + 1, x3.to(pool.dtype.element_ty), mask=m_c)
+        tl.store(base + 2, x2.to(pool.dtype.element_ty), mask=m_c)
+        tl.store(base + 3, x1.to(pool.dtype.element_ty), mask=m_c)
+
+
+def conv_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+) -> torch.Tensor:
+    """Depthwise causal conv (kernel 4) + SiLU for question rows, each continuing the conv window held in
+    `pool[slots[n]]` ([C, 4], right-aligned as fla keeps it) without copying it; or, with `new_states`, for new
+    states from a zero window, each writing its last 4 inputs into `pool[slots[n]]`. x: [T, C] with unit channel
+    stride; weight: [C, 4]. Returns y [T, C] in x's dtype."""
+    T, C = x.shape
+    W = weight.shape[1]
+    assert W == 4 and x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
+    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    BC = 256
+    if slots.shape[0]:
+        _conv_rows_kernel[(triton.cdiv(C, BC), slots.shape[0])](
+            x, weight, pool, slots, cu, y, C, x.stride(0), y.stride(0), W=W, BC=BC, CONTINUE=not new_states
+        )
+    return y
+
+
+# Tokens × channels per program of the token-parallel conv: no register spills on sm_90a with 4 warps (32 × 128
+# spills in the variant that reads windows).
+CONV_TILE = (16, 128)
+
+
+@triton.jit
+def _conv_tiles_kernel(
+    x,
+    weight,
+    pool,
+    slots,
+    cu,
+    y,
+    C,
+    stride_xt,
+    stride_yt,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    i_c, i_t, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    t = bos + i_t * BT + tl.arange(0, BT)
+    m_t = t < eos
+    base = pool + (slot * C + o_c) * W  # the window [C, W]: slot W + d holds x_{bos + d}, d = -W..-1
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):  # tap j multiplies x_{t - (W - 1) + j}
+        src = t - (W - 1) + j
+        inside = src >= bos
+        value = tl.load(
+            x + src[:, None] * stride_xt + o_c[None, :], mask=(m_t & inside)[:, None] & m_c[None, :], other=0.0
+        ).to(tl.float32)
+        if CONTINUE:  # before the segment: its state's window (new states: zeros)
+            held = W + (src - bos)
+            before = m_t & (~inside) & (held >= 0)
+            value += tl.load(base[None, :] + held[:, None], mask=before[:, None] & m_c[None, :], other=0.0).to(
+                tl.float32
+            )
+        acc += tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)[None, :] * value
+    out = acc * tl.sigmoid(acc)
+    tl.store(y + t[:, None] * stride_yt + o_c[None, :], out.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    if not CONTINUE:
+        if i_t == 0:  # a new state's window: its last W inputs (zeros before its start) into its (fresh) slot
+            for j in tl.static_range(W):
+                token = eos - W + j
+                last = tl.load(x + token * stride_xt + o_c, mask=m_c & (token >= bos), other=0.0)
+                tl.store(base + j, last.to(pool.dtype.element_ty), mask=m_c)
+
+
+def conv_tiles(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    new_states: bool = False,
+) -> torch.Tensor:
+    """conv_rows' job (same arguments, plus `max_len`, the longest segment, which sizes the grid) with the tokens
+    in parallel: tiles of tokens × channels, each tap read from the input or, before a row's start, from its
+    state's window. For long segments, where conv_rows walks token by token."""
+    T, C = x.shape
+    W = weight.shape[1]
+    assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
+    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    BT, BC = CONV_TILE
+    if slots.shape[0]:
+        _conv_tiles_kernel[(triton.cdiv(C, BC), max(1, triton.cdiv(max_len, BT)), slots.shape[0])](
+            x, weight, pool, slots, cu, y, C, x.stride(0), y.stride(0), W=W, BT=BT, BC=BC, CONTINUE=not new_states
+        )
+    return y

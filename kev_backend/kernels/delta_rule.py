@@ -1,0 +1,319 @@
+"""The gated delta rule for segments read from or written to the bank in place: token by token (short segments)
+or in chunks (any length, graph-capturable)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _delta_rule_inputs(q, k, v, a, b, t, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V):
+    """Token t's q, k [K], v [BV] and raw gate inputs a, b in fp32; zeros once t reaches eos (nothing read)."""
+    m = t < eos
+    b_q = tl.load(q + t * stride_t + hk * K + o_k, mask=m, other=0.0).to(tl.float32)
+    b_k = tl.load(k + t * stride_t + hk * K + o_k, mask=m, other=0.0).to(tl.float32)
+    b_v = tl.load(v + t * stride_vt + hv * V + o_v, mask=m, other=0.0).to(tl.float32)
+    b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)
+    b_b = tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, b_a, b_b
+
+
+# Value columns per program and warps per program of the delta rule: narrow blocks on one warp keep each step's two
+# reductions over the key dim inside a warp (as fla's fused_recurrent does). bench/diag.py recurrent on the H200,
+# 192 rows of 39 tokens: 16/1 1.65 ms, 8/1 2.05, 32/2 2.08, 32/4 3.16.
+RECURRENT_BV = 16
+RECURRENT_WARPS = 1
+
+
+@triton.jit
+def _delta_rule_program(
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    """What a delta-rule program works on: its key and value heads, its segment [bos, eos), its key and value
+    offsets, the head's gate constants, where its state block lives in the pool and that block's start value."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    n, hv = i_nh // HV, i_nh % HV
+    hk = hv // (HV // H)  # each key head serves HV // H consecutive value heads
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # The gate: g = -exp(A_log) · softplus(a + dt_bias) (log decay, fp32) and beta = sigmoid(b), as Qwen3.5 has them.
+    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
+    bias = tl.load(dt_bias + hv).to(tl.float32)
+    state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
+    if CONTINUE:  # a row: the state it continues, read in place from its bank slot ([K, BV] of [Hv, K, V], fp32)
+        h = tl.load(state)
+    else:  # a new state: from zero
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    return hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h
+
+
+@triton.jit
+def _recurrent_rows_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    stride_ot,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h = _delta_rule_program(
+        a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
+    )
+    # Token t+1's inputs are loaded while token t is computed (they do not depend on the state), so the loop's
+    # critical path is the state update alone. o_t = (decayed h)·q + (k·q)·u, so both reductions over the key dim
+    # read the decayed state at once instead of one after the other.
+    n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+        q, k, v, a, b, bos, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+    )
+    for t in range(bos, eos):
+        b_q, b_k, b_v, b_a, b_b = n_q, n_k, n_v, n_a, n_b
+        n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+            q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+        )
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_a = b_a + bias
+        b_g = -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a)))
+        b_beta = tl.sigmoid(b_b)
+        h = h * tl.exp(b_g)
+        b_u = (b_v - tl.sum(h * b_k[:, None], axis=0)) * b_beta
+        b_o = tl.sum(h * b_q[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
+        h = h + b_k[:, None] * b_u[None, :]
+        tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
+    if not CONTINUE:  # a new state's end state goes into its (fresh) bank slot; a row writes nothing back
+        tl.store(state, h)
+
+
+def recurrent_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it; or,
+    with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]`.
+
+    q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); a, b: [T, HV] raw
+    gate inputs (same token stride), with A_log and dt_bias [HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu:
+    [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
+    does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]).
+    """
+    return _launch_delta_rule(
+        _recurrent_rows_kernel,
+        RECURRENT_BV,
+        RECURRENT_WARPS,
+        q,
+        k,
+        v,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        pool,
+        slots,
+        cu,
+        new_states,
+        out,
+    )
+
+
+def _launch_delta_rule(
+    kernel, block_v: int, warps: int, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, **constants
+) -> torch.Tensor:
+    """Checks the layouts both delta-rule kernels assume and launches one: a program per (value block, segment,
+    value head)."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
+    assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous()
+    assert a.stride() == b.stride() and a.stride(1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
+    if out is None:
+        out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
+    assert out.shape == (T, HV, V) and out.is_contiguous()
+    BV = min(block_v, V)
+    n = slots.shape[0]
+    if n:
+        kernel[(triton.cdiv(V, BV), n * HV)](
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            pool,
+            slots,
+            cu,
+            out,
+            K**-0.5,
+            q.stride(0),
+            v.stride(0),
+            a.stride(0),
+            out.stride(0),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BV=BV,
+            CONTINUE=not new_states,
+            num_warps=warps,
+            **constants,
+        )
+    return out
+
+
+# The chunked delta rule's products take fp32 operands rounded to TF32 on tensor cores (10-bit mantissa; fla's
+# chunked kernels round to bf16, 7 bits) and accumulate in fp32; the state stays fp32. At K = 128 and 32 value
+# columns on 4 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v); "tf32" does not.
+PRECISION: tl.constexpr = tl.constexpr("tf32")
+
+# Tokens per chunk of the chunked delta rule: (I + A)⁻¹ of a strictly lower-triangular A is then a product of
+# log2(CHUNK) factors (I + A^(2^j)), all 16×16 products; one program walks its segment chunk by chunk.
+CHUNK = 16
+CHUNK_BV = 32  # value columns per program, on CHUNK_WARPS warps: no register spills (4 warps spill a little)
+CHUNK_WARPS = 8
+
+
+@triton.jit
+def _chunked_delta_rule_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    stride_ot,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    LOG2_BT: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
+        a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
+    )
+    o_t = tl.arange(0, BT)
+    causal = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
+    strict = o_t[:, None] > o_t[None, :]
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for c0 in range(bos, eos, BT):
+        t = c0 + o_t
+        m = t < eos
+        b_q = tl.load(q + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        b_k = tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None] * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32) + bias
+        g = tl.where(m, -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a))), 0.0)
+        beta = tl.where(m, tl.sigmoid(tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)), 0.0)
+        gam = tl.cumsum(g, axis=0)  # past the segment's end g = 0: gam stays at its last value
+        # exp(γ_t − γ_s) where s <= t (there it is <= 1); 0 elsewhere.
+        decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+        # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
+        T = eye - A
+        P = A
+        for _ in tl.static_range(LOG2_BT - 1):
+            P = tl.dot(P, P, input_precision=PRECISION)
+            T = tl.dot(T, eye + P, input_precision=PRECISION)
+        R = beta[:, None] * (b_v - tl.exp(gam)[:, None] * tl.dot(b_k, S, input_precision=PRECISION))
+        U = tl.dot(T, R, input_precision=PRECISION)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
+        out = tl.exp(gam)[:, None] * tl.dot(b_q, S, input_precision=PRECISION) + tl.dot(
+            qk, U, input_precision=PRECISION
+        )
+        tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
+        last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
+        w = tl.exp(last - gam)
+        S = tl.exp(last) * S + tl.dot(tl.trans(b_k * w[:, None]), U, input_precision=PRECISION)
+    if not CONTINUE:
+        tl.store(state, S)
+
+
+def chunked_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """recurrent_rows' job (same arguments) for segments of any length: chunks of CHUNK tokens, each a few small
+    matrix products, the fp32 state carried from chunk to chunk in registers. No host-side chunk maps and a grid
+    that depends only on the segment count, so it can be captured in a CUDA graph."""
+    return _launch_delta_rule(
+        _chunked_delta_rule_kernel,
+        CHUNK_BV,
+        CHUNK_WARPS,
+        q,
+        k,
+        v,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        pool,
+        slots,
+        cu,
+        new_states,
+        out,
+        BT=CHUNK,
+        LOG2_BT=CHUNK.bit_length() - 1,
+    )

@@ -1,0 +1,213 @@
+"""Norms and the MLP activation, with fixed launch configurations.
+
+fla's norm kernels autotune on a bucket of the row count (`NB`), so each new batch size compiles and benchmarks
+them again on the request path (seen: 64-client throughput collapsing while batches grew); these take the block
+size from the row width alone. Statistics in fp32, as Qwen3.5's norms compute them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _token_heads(x: torch.Tensor) -> torch.Tensor:
+    """x as [tokens, heads, D] with a unit last stride (a view when possible)."""
+    if x.dim() == 2:
+        x = x.unsqueeze(1)
+    elif x.dim() != 3:
+        x = x.reshape(-1, 1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    residual,
+    residual_out,
+    weight,
+    y,
+    D,
+    eps,
+    heads,
+    stride_x,
+    stride_xh,
+    stride_r,
+    stride_y,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    # Row `row` is head row % heads of token row // heads: a per-head view of a wider projection, read in place.
+    h = tl.load(x + (row // heads) * stride_x + (row % heads) * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+    if STORE_RESIDUAL:
+        tl.store(residual_out + row * D + cols, h, mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+    w = tl.load(weight + cols, mask=mask, other=0.0)
+    tl.store(y + row * stride_y + cols, (h * rstd * w).to(y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    store_residual: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = RMSNorm(x + residual) · weight over the last dim (weight already 1 + w, fp32). With `store_residual`
+    also returns x + residual in fp32 (the residual stream). x: [rows, D], or [tokens, heads, D] with any token and
+    head strides (e.g. per-head q or k sliced from a projection), read in place; y is contiguous."""
+    x3 = _token_heads(x)
+    D = x.shape[-1]
+    rows = x3.shape[0] * x3.shape[1]
+    y = torch.empty(rows, D, device=x.device, dtype=x.dtype)
+    res_out = torch.empty(rows, D, device=x.device, dtype=torch.float32) if store_residual else None
+    res = residual.reshape(-1, D) if residual is not None else None
+    assert res is None or x3.shape[1] == 1
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x3,
+            res if res is not None else y,
+            res_out if res_out is not None else y,
+            weight,
+            y,
+            D,
+            eps,
+            x3.shape[1],
+            x3.stride(0),
+            x3.stride(1),
+            res.stride(0) if res is not None else 0,
+            y.stride(0),
+            HAS_RESIDUAL=res is not None,
+            STORE_RESIDUAL=store_residual,
+            BLOCK=triton.next_power_of_2(D),
+        )
+    return y.view(x.shape), (res_out.view(x.shape) if res_out is not None else None)
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x, weight, cos, sin, y, D, eps, heads, stride_x, stride_xh, stride_c, ROT: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    token = row // heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    src = x + token * stride_x + (row % heads) * stride_xh
+    h = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+    out = h * rstd * tl.load(weight + cols, mask=mask, other=0.0)
+    # NeoX RoPE on the first ROT dims: out_c = y_c cos_c - y_{c+ROT/2} sin_c (first half), y_c cos_c + y_{c-ROT/2}
+    # sin_c (second half), the partner read again from the row (same statistics).
+    half = ROT // 2
+    rot = cols < ROT
+    partner = tl.where(cols < half, cols + half, cols - half)
+    y_partner = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32) * rstd
+    y_partner = y_partner * tl.load(weight + partner, mask=rot, other=0.0)
+    c = tl.load(cos + token * stride_c + cols, mask=rot, other=1.0)
+    s = tl.load(sin + token * stride_c + cols, mask=rot, other=0.0)
+    out = tl.where(rot, out * c + tl.where(cols < half, -y_partner, y_partner) * s, out)
+    tl.store(y + row * D + cols, out.to(y.dtype.element_ty), mask=mask)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Per-head RMSNorm (weight already 1 + w, fp32) then NeoX RoPE on the first cos.shape[-1] dims, in one read:
+    Qwen3.5's q and k. x: [tokens, heads, D] with any token and head strides (read in place); cos, sin: [tokens,
+    rotary dims] fp32. Returns y [tokens, heads, D] contiguous, in x's dtype (one rounding)."""
+    x3 = _token_heads(x)
+    T, H, D = x3.shape
+    rot = cos.shape[-1]
+    assert cos.shape == sin.shape == (T, rot) and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    assert rot % 2 == 0 and rot <= D
+    y = torch.empty(T, H, D, device=x.device, dtype=x.dtype)
+    if T * H:
+        _rms_norm_rope_kernel[(T * H,)](
+            x3,
+            weight,
+            cos,
+            sin,
+            y,
+            D,
+            eps,
+            H,
+            x3.stride(0),
+            x3.stride(1),
+            cos.stride(0),
+            ROT=rot,
+            BLOCK=triton.next_power_of_2(D),
+        )
+    return y
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x, z, weight, y, D, eps, heads, stride_x, stride_z, stride_zh, stride_y, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(z + (row // heads) * stride_z + (row % heads) * stride_zh + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+    w = tl.load(weight + cols, mask=mask, other=0.0)
+    out = h * rstd * w * (g * tl.sigmoid(g))
+    tl.store(y + row * stride_y + cols, out.to(y.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeltaNet output norm: RMSNorm(x) · weight · silu(z), per row of the last dim. x: [rows, D] or
+    [tokens, heads, D]; z likewise, with any token and head strides (the z slice of the projection, read in
+    place). Returns y shaped like x, contiguous."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    z3 = _token_heads(z)
+    rows = x2.shape[0]
+    assert z3.shape[0] * z3.shape[1] == rows
+    y = torch.empty(rows, D, device=x.device, dtype=x.dtype)
+    if rows:
+        _gated_rms_norm_kernel[(rows,)](
+            x2,
+            z3,
+            weight,
+            y,
+            D,
+            eps,
+            z3.shape[1],
+            x2.stride(0),
+            z3.stride(0),
+            z3.stride(1),
+            y.stride(0),
+            BLOCK=triton.next_power_of_2(D),
+        )
+    return y.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, y, width, stride_g, stride_y, BLOCK: tl.constexpr):
+    row, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = i_c * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    g = tl.load(gate_up + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up + row * stride_g + width + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + row * stride_y + cols, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: silu(gate) · up from the concatenated [gate | up] projection [rows, 2I], in one read
+    (fp32 inside, one rounding)."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(1) == 1
+    y = torch.empty(rows, width, device=gate_up.device, dtype=gate_up.dtype)
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(width, 1024))](
+            gate_up, y, width, gate_up.stride(0), y.stride(0), BLOCK=1024
+        )
+    return y
