@@ -72,6 +72,14 @@ def all_buckets(max_tokens: int) -> list[Bucket]:
     return buckets
 
 
+def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: int) -> Bucket | None:
+    """The smallest of `buckets` (sorted) that holds the pass, or None: a long segment, a prefix index over
+    `prefix_tokens`, or too large for any (the pass runs eagerly)."""
+    if not layout.all_short or len(layout.prefix) > prefix_tokens:
+        return None
+    return next((b for b in buckets if b.fits(layout)), None)
+
+
 class StaticInputs:
     """Device buffers at fixed addresses for every bucket's inputs (views of one int64 tensor, sized for the
     largest bucket), filled from one pinned host tensor by one copy per pass."""
@@ -222,10 +230,7 @@ class PassGraphs:
         self.stats = GraphStats()
 
     def bucket_for(self, layout: PassLayout) -> Bucket | None:
-        """The smallest bucket that holds the pass, or None (a long segment, or too large: run it eagerly)."""
-        if not layout.all_short or len(layout.prefix) > self.inputs.prefix_tokens:
-            return None
-        return next((b for b in self.buckets if b.fits(layout)), None)
+        return smallest_bucket(self.buckets, layout, self.inputs.prefix_tokens)
 
     def run(self, bucket: Bucket, layout: PassLayout) -> torch.Tensor:
         """The pass's picked hidden states [picks, hidden] (fp32), replaying (or first capturing) its bucket."""

@@ -1,0 +1,76 @@
+"""The CUDA-graph buckets and their fixed input buffers, on a CPU: which passes get a bucket, and how a pass is padded
+to it (empty segments and padding tokens pointing at the pool's scratch slot and page). The padded passes'
+answers are checked against the reference in test_fused_cpu.py; replay against eager on the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from kev_backend.graphs import Bucket, StaticInputs, all_buckets, smallest_bucket
+from kev_backend.passes import MIN_GEMM_ROWS, PassLayout
+
+
+class ScratchPool:
+    scratch_slot = 9
+    scratch_token = 640
+
+
+def layout(state_lengths: list[int], row_lengths: list[int], picks_per_row: int = 3) -> PassLayout:
+    out = PassLayout()
+    for i, n in enumerate(state_lengths):
+        out.state_ids.extend([10 + i] * n)
+        out.state_lengths.append(n)
+        out.state_slots.append(i)
+        out.state_kv_dst.extend(range(100 * i, 100 * i + n))
+    for j, n in enumerate(row_lengths):
+        start = len(out.row_ids)
+        out.row_ids.extend([20 + j] * n)
+        out.row_positions.extend(range(50, 50 + n))
+        out.row_lengths.append(n)
+        out.row_slots.append(j % max(1, len(state_lengths)))
+        out.prefix_start.append(0)
+        out.prefix_len.append(5)
+        out.row_picks.extend(start + n - 1 - k for k in range(picks_per_row))
+    out.prefix.extend(range(5))
+    return out
+
+
+def test_buckets_cover_every_size_with_enough_gemm_rows() -> None:
+    buckets = all_buckets(4096)
+    assert len(buckets) == len(set(buckets)) == 50
+    assert all(MIN_GEMM_ROWS <= b.tokens <= 4096 for b in buckets)
+    assert Bucket(0, 64) in buckets and Bucket(64, 0) in buckets and Bucket(4096, 0) in buckets
+
+
+def test_the_smallest_bucket_that_holds_the_pass() -> None:
+    buckets = all_buckets(4096)
+
+    def bucket_for(pass_layout: PassLayout) -> Bucket | None:
+        return smallest_bucket(buckets, pass_layout, prefix_tokens=1000)
+
+    assert bucket_for(layout([34], [39] * 6)) == Bucket(64, 256)  # Kev's short6 on a new state
+    assert bucket_for(layout([], [39] * 6)) == Bucket(0, 256)  # the same state again
+    assert bucket_for(layout([34] * 9, [10])) == Bucket(512, 64)  # nine states: more than 64 // 8 segments
+    assert bucket_for(layout([65], [10])) is None  # a long state: eager
+    assert bucket_for(layout([], [10] * 2000)) is None  # beyond the largest bucket
+    too_long_prefix = layout([], [10])
+    too_long_prefix.prefix.extend(range(1000))
+    assert bucket_for(too_long_prefix) is None
+
+
+def test_padding_writes_only_scratch() -> None:
+    bucket = Bucket(64, 128)
+    inputs = StaticInputs(Bucket(4096, 4096), prefix_tokens=1000, device=torch.device("cpu"))
+    pass_layout = layout([34, 5], [39, 12])
+    inputs.fill(bucket, pass_layout, ScratchPool(), pad_id=1)
+    p = inputs.pass_input(bucket)
+    assert p.ids.shape == (192,) and p.ids[:34].eq(10).all() and p.ids[39:64].eq(1).all() and p.ids[64:103].eq(20).all()
+    assert p.ids[115:].eq(1).all()
+    assert p.states.cu.tolist() == [0, 34, 39] + [39] * (bucket.states - 2)  # empty segments at the end
+    assert p.states.groups[0].slots.tolist() == [0, 1] + [9] * (bucket.states - 2)
+    assert p.state_kv_dst.tolist() == list(range(34)) + list(range(100, 105)) + [640] * 25
+    assert p.rows.start == 64 and p.rows.end == 192 and p.rows.cu.tolist()[:3] == [0, 39, 51]
+    assert p.rows.groups[0].slots.tolist()[2:] == [9] * (bucket.rows - 2)
+    assert p.row_prefix_len.tolist() == [5, 5] + [0] * (bucket.rows - 2)
+    assert p.picks.tolist()[:6] == [64 + i for i in (38, 37, 36, 50, 49, 48)]
+    assert p.positions[64:103].tolist() == list(range(50, 89)) and p.positions[39:64].eq(0).all()
