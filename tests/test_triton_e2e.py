@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from kev_backend.engine import Engine
 
-from .conftest import TritonServer
+from .conftest import REPO, TritonServer
 
 TEAMS = {"billing": "payments and refunds", "technical": None, "sales": {"covers": ["plans", "upgrade"]}}
 STATES = [
@@ -294,3 +294,18 @@ def test_gpu_config_differs_only_in_its_gpu_settings() -> None:
         if i not in marked:
             assert ours == theirs, (i, ours, theirs)
     assert "KIND_GPU" in gpu[len(header) + marked[0]] and '"on"' in gpu[len(header) + marked[1]]
+
+
+def test_queue_delay_rewrite_for_the_batcher_sweep() -> None:
+    """bench/gpu_batcher.sh rewrites the GPU config's batcher delay: exactly that line changes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("set_queue_delay", REPO / "bench" / "set_queue_delay.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = (REPO / "model_repository" / "kev" / "configs" / "gpu.pbtxt").read_text()
+    updated = module.set_queue_delay(text, 500)
+    changed = [(a, b) for a, b in zip(text.splitlines(), updated.splitlines(), strict=True) if a != b]
+    assert len(changed) == 1 and changed[0][1].strip() == "max_queue_delay_microseconds: 500"
+    with pytest.raises(ValueError):
+        module.set_queue_delay("dynamic_batching { }", 500)
