@@ -19,6 +19,23 @@ def bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(offsets[:-1], offsets[1:]))
 
 
+def segment_delta_rule(q, k, v, g, beta, h0):
+    """One segment's gated delta rule as the kernels compute it (q, k L2-normalised inside, q scaled): q, k [L, H, K];
+    v [L, HV, V]; g, beta [L, HV]; h0 [HV, K, V] or None. Returns (o [L, HV, V] fp32, final state [HV, K, V])."""
+    rep = v.shape[1] // q.shape[1]
+    qq = l2_normalize(q.float().repeat_interleave(rep, 1).transpose(0, 1)[None]) * q.shape[-1] ** -0.5
+    kk = l2_normalize(k.float().repeat_interleave(rep, 1).transpose(0, 1)[None])
+    vv = v.float().transpose(0, 1)[None]
+    o, state = gated_delta_rule(qq, kk, vv, g.T[None], beta.float().T[None], None if h0 is None else h0[None])
+    return o[0].transpose(0, 1), state[0]
+
+
+def segment_attention(q, keys, values):
+    """Causal attention of one segment's queries [L, Hq, D] over keys and values [S, Hkv, D], bottom-right aligned."""
+    qq, kk, vv = (t.transpose(0, 1)[None] for t in (q, keys, values))
+    return causal_attention(qq, kk, vv, q.shape[-1] ** -0.5)[0].transpose(0, 1)
+
+
 def conv(
     x, weight, initial_state=None, output_final_state=False, activation="silu", cu_seqlens=None, cu_seqlens_cpu=None
 ):
@@ -46,32 +63,18 @@ def delta_rule(
     cu_seqlens_cpu=None,
 ):
     assert cu_seqlens_cpu is None or torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
-    rep = v.shape[2] // q.shape[2]
     outputs, finals = [], []
     for n, (a, b) in enumerate(bounds(cu_seqlens)):
-        qq = l2_normalize(q[0, a:b].float().repeat_interleave(rep, 1).transpose(0, 1)[None]) * q.shape[-1] ** -0.5
-        kk = l2_normalize(k[0, a:b].float().repeat_interleave(rep, 1).transpose(0, 1)[None])
-        h0 = None if initial_state is None else initial_state[n][None]
-        o, state = gated_delta_rule(
-            qq, kk, v[0, a:b].float().transpose(0, 1)[None], g[0, a:b].T[None], beta[0, a:b].float().T[None], h0
-        )
-        outputs.append(o[0].transpose(0, 1).to(v.dtype))
-        finals.append(state[0])
+        h0 = None if initial_state is None else initial_state[n]
+        o, state = segment_delta_rule(q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b], h0)
+        outputs.append(o.to(v.dtype))
+        finals.append(state)
     return torch.cat(outputs)[None], (torch.stack(finals) if output_final_state else None)
 
 
 def attention(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1)):
     assert window_size == (-1, 0)
-    out = []
-    for (a, b), (c, d) in zip(bounds(cu_q), bounds(cu_k)):
-        o = causal_attention(
-            q[a:b].transpose(0, 1)[None],
-            k[c:d].transpose(0, 1)[None],
-            v[c:d].transpose(0, 1)[None],
-            q.shape[-1] ** -0.5,
-        )
-        out.append(o[0].transpose(0, 1))
-    return torch.cat(out)
+    return torch.cat([segment_attention(q[a:b], k[c:d], v[c:d]) for (a, b), (c, d) in zip(bounds(cu_q), bounds(cu_k))])
 
 
 def rms_norm(x, weight, eps, residual=None, store_residual=False):
@@ -105,20 +108,16 @@ def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=Fa
     T, HV, V = v.shape
     o = torch.zeros(T, HV, V, dtype=v.dtype) if out is None else out
     g = -a_log.exp() * F.softplus(a.float() + dt_bias)
-    rep = HV // q.shape[1]
     for (lo, hi), slot in zip(bounds(cu), slots.tolist()):
-        h0 = None if new_states else pool[slot][None]
         if hi == lo:
             if new_states:
                 pool[slot] = 0.0
             continue
-        qq = l2_normalize(q[lo:hi].float().repeat_interleave(rep, 1).transpose(0, 1)[None]) * q.shape[-1] ** -0.5
-        kk = l2_normalize(k[lo:hi].float().repeat_interleave(rep, 1).transpose(0, 1)[None])
-        vv = v[lo:hi].float().transpose(0, 1)[None]
-        y, final = gated_delta_rule(qq, kk, vv, g[lo:hi].T[None], torch.sigmoid(b[lo:hi].float()).T[None], h0)
-        o[lo:hi] = y[0].transpose(0, 1).to(o.dtype)
+        h0 = None if new_states else pool[slot]
+        y, final = segment_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], torch.sigmoid(b[lo:hi].float()), h0)
+        o[lo:hi] = y.to(o.dtype)
         if new_states:
-            pool[slot] = final[0]
+            pool[slot] = final
     return o
 
 
@@ -147,13 +146,7 @@ def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu
             continue
         idx = prefix[prefix_start[n] : prefix_start[n] + prefix_len[n]] if prefix is not None else []
         keys, values = torch.cat([k_pool[idx], k[lo:hi]]), torch.cat([v_pool[idx], v[lo:hi]])
-        y = causal_attention(
-            q[lo:hi].transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            q.shape[-1] ** -0.5,
-        )
-        o[lo:hi] = y[0].transpose(0, 1)
+        o[lo:hi] = segment_attention(q[lo:hi], keys, values)
     return o
 
 
