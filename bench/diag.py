@@ -122,22 +122,32 @@ def invariance_sweep() -> None:
         print("mm out_dtype fp32 unsupported:", repr(error)[:200], flush=True)
 
 
+KEV4B_HEADS = (16, 32, 128, 128)  # DeltaNet key heads, value heads, key dim, value dim
+
+
+def delta_rule_inputs(T: int):
+    """Random bf16 conv output [T, conv_dim] with its q, k, v views and raw gates a, b [T, Hv] (strided, as slices of
+    the projection), at Kev-4B's DeltaNet shapes."""
+    H, HV, K, V = KEV4B_HEADS
+    mixed = torch.randn(T, 2 * H * K + HV * V, device="cuda", dtype=torch.bfloat16)
+    q = mixed[:, : H * K].view(T, H, K)
+    k = mixed[:, H * K : 2 * H * K].view(T, H, K)
+    v = mixed[:, 2 * H * K :].view(T, HV, V)
+    gates = torch.randn(T, 2 * HV, device="cuda", dtype=torch.bfloat16)
+    return mixed, q, k, v, gates[:, :HV], gates[:, HV:]
+
+
 def recurrent_configs() -> None:
     """The delta-rule kernel's (value block, warps) on Kev-4B heads: 192 rows of 39 tokens (a busy short6 batch)
     and 6 rows (one short6 request), rows continuing banked states."""
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule
 
-    H, HV, K, V = 16, 32, 128, 128
+    _, HV, K, V = KEV4B_HEADS
     pool = torch.randn(256, HV, K, V, device="cuda") * 0.01
     for rows in (6, 192):
         T = rows * 39
-        mixed = torch.randn(T, 2 * H * K + HV * V, device="cuda", dtype=torch.bfloat16)
-        q = mixed[:, : H * K].view(T, H, K)
-        k = mixed[:, H * K : 2 * H * K].view(T, H, K)
-        v = mixed[:, 2 * H * K :].view(T, HV, V)
-        gates = torch.randn(T, 2 * HV, device="cuda", dtype=torch.bfloat16)
-        a, b = gates[:, :HV], gates[:, HV:]
+        _, q, k, v, a, b = delta_rule_inputs(T)
         a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
         slots = torch.randint(0, 256, (rows,), device="cuda")
         cu = torch.arange(0, T + 1, 39, device="cuda")
@@ -168,24 +178,16 @@ def long_case(lengths: list[int], new: bool) -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from kev_backend import kernels
+    from kev_backend.passes import offsets
 
-    H, HV, K, V = 16, 32, 128, 128
-    T = sum(lengths)
+    _, HV, K, V = KEV4B_HEADS
     torch.manual_seed(0)
-    mixed = torch.randn(T, 2 * H * K + HV * V, device="cuda", dtype=torch.bfloat16)
-    q = mixed[:, : H * K].view(T, H, K)
-    k = mixed[:, H * K : 2 * H * K].view(T, H, K)
-    v = mixed[:, 2 * H * K :].view(T, HV, V)
-    gates = torch.randn(T, 2 * HV, device="cuda", dtype=torch.bfloat16)
-    a, b = gates[:, :HV], gates[:, HV:]
+    mixed, q, k, v, a, b = delta_rule_inputs(sum(lengths))
     a_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda")
     n = len(lengths)
     pool = torch.randn(n + 1, HV, K, V, device="cuda") * 0.05
     slots = torch.arange(n, device="cuda")
-    offsets = [0]
-    for length in lengths:
-        offsets.append(offsets[-1] + length)
-    cu_cpu = torch.tensor(offsets)
+    cu_cpu = torch.tensor(offsets(lengths))
     cu = cu_cpu.cuda()
     ours = lambda: kernels.chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)  # noqa: E731
     g = (-a_log.exp() * F.softplus(a.float() + dt_bias)).unsqueeze(0)
@@ -214,8 +216,8 @@ def long_case(lengths: list[int], new: bool) -> None:
         flush=True,
     )
     if new:
-        conv_w = torch.randn(2 * H * K + HV * V, 4, device="cuda", dtype=torch.bfloat16)
-        window = torch.zeros(n + 1, 2 * H * K + HV * V, 4, device="cuda", dtype=torch.bfloat16)
+        conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
+        window = torch.zeros(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         ours_conv = lambda: kernels.conv_rows(mixed, conv_w, window, slots, cu, new_states=True)  # noqa: E731
         tiles = lambda: kernels.conv_tiles(mixed, conv_w, window, slots, cu, max(lengths), new_states=True)  # noqa: E731
         fla_conv = lambda: causal_conv1d(  # noqa: E731

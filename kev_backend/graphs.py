@@ -20,7 +20,7 @@ import torch
 
 from .fused import FusedQwen35
 from .gpu_bank import StatePool
-from .passes import MIN_GEMM_ROWS, RECURRENT_MAX_LEN, KernelGroup, PassInput, PassLayout, Segments
+from .passes import MIN_GEMM_ROWS, RECURRENT_MAX_LEN, KernelGroup, PassInput, PassLayout, Segments, offsets
 
 TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Fewest tokens per segment assumed when sizing a bucket's segment capacities; a pass with more (shorter) segments
@@ -179,10 +179,8 @@ def _padded(values: list[int], n: int, pad: int) -> list[int]:
 
 
 def _padded_offsets(lengths: list[int], n: int) -> list[int]:
-    offsets = [0]
-    for length in lengths:
-        offsets.append(offsets[-1] + length)
-    return offsets + [offsets[-1]] * (n - len(offsets))  # empty segments at the end
+    cu = offsets(lengths)
+    return cu + [cu[-1]] * (n - len(cu))  # empty segments at the end
 
 
 @dataclass

@@ -39,8 +39,9 @@ def is_short(length: int) -> bool:
 @dataclass
 class KernelGroup:
     """Segments of one kind and one length class, contiguous in the pass: tokens [start, end). Short ones (up to
-    RECURRENT_MAX_LEN tokens) run our kernels, which read or write the bank in place; longer ones fla's chunked
-    kernels and torch's varlen attention. The class depends on a segment's own length, never on its company."""
+    RECURRENT_MAX_LEN tokens) run our token-by-token kernels, which read or write the bank in place; longer ones
+    chunked kernels (fla's or ours, FusedQwen35.long_kernels) and torch's varlen attention. The class depends on a
+    segment's own length, never on its company."""
 
     short: bool
     start: int
@@ -59,7 +60,7 @@ class KernelGroup:
     def build(cls, start: int, lengths: list[int], slots: list[int], device: torch.device) -> KernelGroup:
         short = all(is_short(n) for n in lengths)
         assert short or not any(is_short(n) for n in lengths)
-        cu_cpu = torch.tensor(_offsets(lengths), dtype=torch.int64)
+        cu_cpu = torch.tensor(offsets(lengths), dtype=torch.int64)
         cu = cu_cpu.to(device)
         return cls(
             short=short,
@@ -73,11 +74,12 @@ class KernelGroup:
         )
 
 
-def _offsets(lengths: list[int]) -> list[int]:
-    offsets = [0]
+def offsets(lengths: list[int]) -> list[int]:
+    """Cumulative offsets [0, n0, n0 + n1, ...] of consecutive segments (cu_seqlens)."""
+    out = [0]
     for n in lengths:
-        offsets.append(offsets[-1] + n)
-    return offsets
+        out.append(out[-1] + n)
+    return out
 
 
 @dataclass
@@ -103,7 +105,8 @@ class Segments:
                 group = KernelGroup.build(offset, lengths[part], slots[part], device)
                 groups.append(group)
                 offset = group.end
-        cu = torch.tensor(_offsets(lengths), dtype=torch.int64, device=device)
+        # One length class (the usual case): the region's offsets are its group's, already on the device.
+        cu = groups[0].cu if len(groups) == 1 else torch.tensor(offsets(lengths), dtype=torch.int64, device=device)
         return cls(start, offset, max(lengths), cu, groups)
 
 
