@@ -117,7 +117,6 @@ class PassKernels:
     which read (rows) or write (new states) the bank in place. A CPU test substitutes
     torch references with the same signatures to check the pass's plumbing."""
 
-    conv: Callable
     chunk: Callable
     attention: Callable
     rms_norm: Callable
@@ -132,14 +131,12 @@ class PassKernels:
 
     @classmethod
     def gpu(cls) -> PassKernels:
-        from fla.modules.causal_conv1d import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from torch.nn.attention.varlen import varlen_attn
 
         from . import kernels
 
         return cls(
-            causal_conv1d,
             chunk_gated_delta_rule,
             varlen_attn,
             kernels.rms_norm,
@@ -169,12 +166,13 @@ class FusedQwen35:
         self.w = weights
         self.pool = pool
         self.c = weights.config
-        self._conv, self._chunk, self._attn = k.conv, k.chunk, k.attention
+        self._chunk, self._attn = k.chunk, k.attention
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv_tiles = k.chunked_rows, k.conv_tiles
-        # Segments over RECURRENT_MAX_LEN tokens: fla's conv and chunked delta rule ("fla"), or ours ("ours":
-        # conv_tiles and chunked_rows, reading and writing the bank in place, no host chunk maps). Being measured.
+        # The delta rule of segments over RECURRENT_MAX_LEN tokens: fla's chunked kernel ("fla"), or ours ("ours":
+        # chunked_rows, reading and writing the bank in place, no host chunk maps, so capturable). On an H200 (bench/
+        # NOTES.md) ours wins for one 2,200-token state (0.58 vs 0.85 ms a layer) and loses for eight (4.5 vs 1.5).
         if long_kernels not in ("fla", "ours"):
             raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
         self.long_kernels = long_kernels
@@ -240,23 +238,12 @@ class FusedQwen35:
         for seg, new in ((p.states, True), (p.rows, False)):
             for group in seg.groups if seg is not None else ():
                 span = group.span
-                if not group.short and self.long_kernels == "ours":  # tokens in parallel, windows in place
+                if group.short:  # token by token (rows of up to 64 tokens: cheap, and no tiles to plan)
+                    mixed = self._conv_rows(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
+                else:  # tokens in parallel, windows in place: faster than fla's conv at every size measured
                     mixed = self._conv_tiles(
                         qkv[span], layer.conv, conv_pool, group.slots, group.cu, group.max_len, new_states=new
                     )
-                elif new and not group.short:  # fla's conv; the windows are copied into the slots
-                    mixed, window = self._conv(
-                        qkv[span].contiguous().unsqueeze(0),
-                        layer.conv,
-                        output_final_state=True,
-                        activation="silu",
-                        cu_seqlens=group.cu,
-                        cu_seqlens_cpu=group.cu_cpu,
-                    )
-                    mixed = mixed[0]
-                    conv_pool.index_copy_(0, group.slots, window.to(conv_pool.dtype))
-                else:  # ours, in place (rows of any length: the conv is cheap token by token)
-                    mixed = self._conv_rows(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
                 self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),

@@ -262,7 +262,6 @@ class PassGraphs:
         inputs = self.inputs.pass_input(bucket)
         # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
         self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
-        reserved = torch.cuda.memory_reserved(self.device)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # first launches (Triton compiles, cuBLASLt picks) stay out of the graph
@@ -270,6 +269,11 @@ class PassGraphs:
                 self.model.forward(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        # torch.cuda.graph empties the allocator's cache on entry: measured from an empty cache, what capture adds to
+        # the reserved memory is what the graphs' pool grew by (it keeps its segments while any graph lives).
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
         with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
             out = self.model.forward(inputs)
         self.stats.bytes += torch.cuda.memory_reserved(self.device) - reserved

@@ -36,20 +36,6 @@ def segment_attention(q, keys, values):
     return causal_attention(qq, kk, vv, q.shape[-1] ** -0.5)[0].transpose(0, 1)
 
 
-def conv(
-    x, weight, initial_state=None, output_final_state=False, activation="silu", cu_seqlens=None, cu_seqlens_cpu=None
-):
-    assert cu_seqlens_cpu is None or cu_seqlens_cpu.device.type == "cpu"
-    assert initial_state is None and activation == "silu"
-    W = weight.shape[1]
-    outputs, finals = [], []
-    for a, b in bounds(cu_seqlens):
-        seq = torch.cat([x.new_zeros(x.shape[2], W - 1), x[0, a:b].T], dim=1)
-        outputs.append(F.silu(F.conv1d(seq[None], weight[:, None, :], groups=weight.shape[0]))[0].T)
-        finals.append(torch.cat([x.new_zeros(x.shape[2], 1), seq], dim=1)[:, -W:])
-    return torch.cat(outputs)[None], (torch.stack(finals) if output_final_state else None)
-
-
 def delta_rule(
     q,
     k,
@@ -151,7 +137,6 @@ def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu
 
 
 TORCH_KERNELS = PassKernels(
-    conv=conv,
     chunk=delta_rule,
     attention=attention,
     rms_norm=rms_norm,

@@ -90,6 +90,7 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
     graphed = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30, graphs=True))
     graphs = graphed.scorer.graphs
     assert isinstance(graphs, PassGraphs) and graphs.stats.captures == len(graphs.graphs) > 0
+    assert graphs.stats.bytes > 0  # the graphs' pool, grown from an emptied cache
     encoded = [eager.prepare(r)[1] for r in realistic(QUESTIONS, seed=2, max_words=2300)]
     reference = scored(eager, encoded, 32)
     report = {

@@ -196,7 +196,8 @@ wide = torch.randn(108, C + 5)
 x = wide[:, 2 : 2 + C]
 pool = torch.randn(6, C, 4)
 slots = torch.tensor([3, 0, 3, 5])
-assert torch.equal(conv_tiles(x, w, pool, slots, cu, max_len=70), conv_rows(x, w, pool, slots, cu))
+# Compiled, the two sum the window in different orders (fused multiply-adds): equal to rounding, not bit for bit.
+assert (conv_tiles(x, w, pool, slots, cu, max_len=70) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
 windows_a, windows_b = torch.full((6, C, 4), float("nan")), torch.full((6, C, 4), float("nan"))
 ya = conv_tiles(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, max_len=70, new_states=True)
 yb = conv_rows(x, w, windows_b, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
