@@ -287,8 +287,72 @@ def host_profile() -> None:
         print(f"{label}: {host:.1f} us per launch (host)", flush=True)
 
 
+def batch_invariance() -> None:
+    """Where a question's answer depends on the batch it rides in (Kev-4B shapes): states computed in a batch (A)
+    or alone (B, then C: the same batches again reading B's banked states), for fla's and our long kernels; compares
+    answers and the picked hidden states the head reads, and names the worst requests' state and row lengths."""
+    from kev_backend import fused_scorer, tiny
+    from kev_backend.engine import Engine, EngineOptions
+    from kev_backend.parity import compare, scored
+    from kev_backend.workloads import realistic
+
+    directory = Path(tempfile.mkdtemp())
+    tiny.write_tokenizer(directory)
+    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
+    captured: list = []
+    original = fused_scorer.batch_probabilities
+
+    def capturing(head, temperature, batch, picked):
+        captured.append({key: (d.float().cpu(), o.float().cpu()) for key, (d, o) in picked.items()})
+        return original(head, temperature, batch, picked)
+
+    fused_scorer.batch_probabilities = capturing
+    for long_kernels in ("fla", "ours"):
+        engine = Engine(
+            checkpoint,
+            EngineOptions(device="cuda", backend="fused", bank_bytes=16 << 30, long_kernels=long_kernels, warm=False),
+        )
+        encoded = [engine.prepare(r)[1] for r in realistic(300, seed=2, max_words=2300)]
+        runs, hidden = {}, {}
+        for name, size, clear in (("A", 32, True), ("B", 1, True), ("C", 32, False)):
+            if clear:
+                engine.bank.clear()
+            captured.clear()
+            runs[name] = scored(engine, encoded, size)
+            flat = []
+            for call in captured:
+                flat.extend(call[key] for key in sorted(call))
+            hidden[name] = flat
+        for x, y in (("A", "B"), ("A", "C"), ("B", "C")):
+            gap = max((a[0] - b[0]).abs().max().item() for a, b in zip(hidden[x], hidden[y]))
+            print(long_kernels, x, "vs", y, compare(runs[x], runs[y]), "hidden max", gap, flush=True)
+        worst = sorted(
+            range(len(encoded)),
+            key=lambda i: (
+                -max((abs(p - q) for pa, pb in zip(runs["A"][i], runs["B"][i]) for p, q in zip(pa, pb)), default=0.0)
+            ),
+        )[:6]
+        for i in worst:
+            gap = max(abs(p - q) for pa, pb in zip(runs["A"][i], runs["B"][i]) for p, q in zip(pa, pb))
+            print(
+                "  request",
+                i,
+                "state",
+                len(encoded[i].state),
+                "rows",
+                [len(q.tokens) for q in encoded[i].questions],
+                "A-B",
+                round(gap, 5),
+                flush=True,
+            )
+        del engine
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if what == "invariance":
+        batch_invariance()
     if what == "long":
         long_segments()
     if what == "latency":
