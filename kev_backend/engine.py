@@ -48,7 +48,7 @@ class EngineOptions:
     # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
     # autotuning), so no request pays for them
     warm: bool = True
-    # fused path: segments over 64 tokens on fla's kernels ("fla") or ours ("ours"); KEV_LONG_KERNELS overrides
+    # fused path: new states over 64 tokens on fla's delta rule ("fla") or ours ("ours"); KEV_LONG_KERNELS overrides
     long_kernels: str = field(default_factory=lambda: os.environ.get("KEV_LONG_KERNELS", "fla"))
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)

@@ -170,7 +170,7 @@ class FusedQwen35:
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv_tiles = k.chunked_rows, k.conv_tiles
-        # The delta rule of segments over RECURRENT_MAX_LEN tokens: fla's chunked kernel ("fla"), or ours ("ours":
+        # The delta rule of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel ("fla"), or ours ("ours":
         # chunked_rows, reading and writing the bank in place, no host chunk maps, so capturable). On an H200 (bench/
         # NOTES.md) ours wins for one 2,200-token state (0.58 vs 0.85 ms a layer) and loses for eight (4.5 vs 1.5).
         if long_kernels not in ("fla", "ours"):
@@ -266,16 +266,16 @@ class FusedQwen35:
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
         zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
-        on our token-by-token kernel, long ones on our chunked kernel (`long_kernels` "ours"; both read and write
-        states in place, gates computed inside) or fla's chunked kernel (rows from a gathered copy of their
-        states)."""
+        on our token-by-token kernel; rows over 64 tokens on our chunked kernel (reading their states in place, no
+        gathered copy; fla's answers for a row moved with the other rows of its call: bench/diag.py invariance);
+        new long states on fla's chunked kernel, or ours with `long_kernels` "ours"."""
         c = self.c
         T = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
-        if group.short or self.long_kernels == "ours":
+        if group.short or not new or self.long_kernels == "ours":
             kernel = self._recurrent_rows if group.short else self._chunked_rows
             kernel(
                 q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu, new_states=new, out=out
@@ -288,14 +288,13 @@ class FusedQwen35:
             v.unsqueeze(0),
             g=g,
             beta=torch.sigmoid(b).unsqueeze(0),
-            initial_state=None if new else state_pool.index_select(0, group.slots),
-            output_final_state=new,
+            initial_state=None,
+            output_final_state=True,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=group.cu,
             cu_seqlens_cpu=group.cu_cpu,
         )
-        if new:
-            state_pool.index_copy_(0, group.slots, final)
+        state_pool.index_copy_(0, group.slots, final)
         out.copy_(o[0].view(T, c.linear_num_value_heads, c.linear_value_head_dim))
 
     # -- gated attention -----------------------------------------------------------------------------------------
