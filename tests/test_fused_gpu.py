@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from kev_backend import tiny
+from kev_backend import bench, tiny
 from kev_backend.checkpoint import LoadOptions, load_checkpoint
 from kev_backend.engine import Engine, EngineOptions
 from kev_backend.parity import parity_report
@@ -27,7 +28,8 @@ QUESTIONS = int(os.environ.get("KEV_PARITY_QUESTIONS", "1000"))  # fewer only fo
 
 
 def check(report: dict, name: str, max_abs: float | None = 0.03) -> None:
-    report["long_kernels"] = EngineOptions().long_kernels  # KEV_LONG_KERNELS: fla's or ours for long segments
+    report["long_kernels"] = EngineOptions().long_kernels  # KEV_LONG_KERNELS: fla's or ours for new long states
+    report.update(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=bench.commit())
     print(name, json.dumps(report))
     if os.environ.get("KEV_RESULTS_DIR"):
         suffix = "-ours" if report["long_kernels"] == "ours" else ""
@@ -99,6 +101,9 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
         "bank": compare(reference, scored(graphed, encoded, 32)),
         "graphs": vars(graphs.stats),
         "buckets_seen": sorted(b.name for b in graphs.seen),
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": bench.commit(),
     }
     print("graphs", json.dumps(report))
     if os.environ.get("KEV_RESULTS_DIR"):
