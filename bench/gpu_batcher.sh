@@ -12,7 +12,7 @@ for delay in ${DELAYS:-0 500 2000}; do
   rm -rf "$repo" && mkdir -p "$repo" && cp -r model_repository/kev "$repo/kev" && rm -rf "$repo/kev/embedded"
   python3 bench/set_queue_delay.py "$repo/kev/configs/gpu.pbtxt" "$delay" || exit 1
   start_triton "$repo" "/tmp/tritonserver-$delay.log"
-  wait_ready "/tmp/start-$delay.json" || { kill $server; tail -20 "/tmp/tritonserver-$delay.log"; exit 1; }
+  wait_ready "/tmp/start-$delay.json" "/tmp/tritonserver-$delay.log" || { kill $server; tail -20 "/tmp/tritonserver-$delay.log"; exit 1; }
   python3 - "$delay" <<'PY'
 import asyncio, json, sys
 sys.path.insert(0, "loadtest")

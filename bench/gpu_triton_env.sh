@@ -5,7 +5,8 @@
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-  .gpu/wheels/tritonclient-*.whl .gpu/wheels/python_rapidjson-*.whl .gpu/wheels/jevbench-*.whl || exit 1
+  .gpu/wheels/tritonclient-*.whl .gpu/wheels/python_rapidjson-*.whl .gpu/wheels/jevbench-*.whl \
+  .gpu/wheels/gevent*.whl .gpu/wheels/greenlet-*.whl .gpu/wheels/zope*.whl .gpu/wheels/[Bb]rotli-*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # The stub's environment: numpy 1.26 first, then our wheels, the project and the image's torch (a .pth file: the
 # stub ignores PYTHONPATH).
@@ -26,19 +27,20 @@ cp /tmp/ts/pytriton/tritonserver/backends/python/* /tmp/ts/pytriton/tritonserver
 start_triton() {
   started=$(date +%s.%N)
   LD_LIBRARY_PATH=/tmp/ts/nvidia_pytriton.libs PATH=/tmp/kv/bin:$PATH KEV_CHECKPOINT=/tmp/kev4b/kev \
-    TRITON_CACHE_DIR=/tmp/triton-cache /tmp/ts/pytriton/tritonserver/bin/tritonserver \
+    TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 /tmp/ts/pytriton/tritonserver/bin/tritonserver \
     --model-repository="$1" --model-config-name=gpu --backend-directory=/tmp/B \
     --model-control-mode=none --http-port 8000 --grpc-port 8001 --metrics-port 8002 > "$2" 2>&1 &
   server=$!
 }
 
-# wait_ready OUT_JSON: waits for readiness, sends one short6, writes {"ready_s", "first_answer_s"} from $started.
+# wait_ready OUT_JSON LOG [PREFIX]: waits for readiness, sends one short6, writes {"<PREFIX>ready_s",
+# "<PREFIX>first_answer_s", "<PREFIX>startup_phases"} from $started and the model's start-up line in LOG.
 wait_ready() {
-  python3 - "$started" "$1" <<'PY'
-import json, sys, time, urllib.request
+  python3 - "$started" "$1" "$2" "${3:-}" <<'PY'
+import json, re, sys, time, urllib.request
 from kev_backend.client import KevClient
 from kev_backend.workloads import short6
-started, out = float(sys.argv[1]), sys.argv[2]
+started, out, log, prefix = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 while True:
     try:
         if urllib.request.urlopen("http://127.0.0.1:8000/v2/health/ready", timeout=1).status == 200:
@@ -51,7 +53,9 @@ ready = time.time() - started
 with KevClient("127.0.0.1:8001") as kev:
     kev.score(short6(1))
     first = time.time() - started
-record = {"ready_s": ready, "first_answer_s": first}
+line = re.search(r"start-up seconds ([^\"]*)", open(log).read())
+phases = dict((name, float(value)) for name, value in re.findall(r"(\w+) ([\d.]+)", line[1])) if line else {}
+record = {f"{prefix}ready_s": ready, f"{prefix}first_answer_s": first, f"{prefix}startup_phases": phases}
 print(json.dumps(record))
 open(out, "w").write(json.dumps(record) + "\n")
 PY

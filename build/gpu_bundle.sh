@@ -4,8 +4,9 @@
 # the 64 MiB a call carries with the tree and .whl/):
 #   .gpu/tritonserver-py312.tar.xz  the nvidia-pytriton 0.7.0 server: bin, backends, caches, the 3.12 stub and the
 #                                   bundled libraries (without the 3.13 libpython), as ../shared/docs/triton.md §0.1
-#   .gpu/wheels/                    numpy 1.26.4 (cp312) for the stub's venv, tritonclient, python-rapidjson and
-#                                   jevbench (the realistic mix)
+#   .gpu/wheels/                    numpy 1.26.4 (cp312) for the stub's venv, tritonclient with what its HTTP client
+#                                   needs and the image lacks (gevent, geventhttpclient, greenlet, zope.*, brotli),
+#                                   python-rapidjson and jevbench (the realistic mix)
 # Usage on the device: bench/gpu_triton.sh (carry .gpu and .whl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ if [[ ! -f .gpu/tritonserver-py312.tar.xz ]]; then
     nvidia_pytriton.libs)
 fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/wheels \
-  numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.20 jevbench==0.1.0
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/wheels \
+  numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.20 jevbench==0.1.0 \
+  gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 zope.event==6.2 zope.interface==8.7 brotli==1.2.1
 du -sh .gpu .gpu/* .gpu/wheels/*

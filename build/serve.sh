@@ -5,14 +5,17 @@
 #   BIND_ADDRESS (0.0.0.0)  MODEL_REPOSITORY (<repo>/model_repository)  TRITON_ADMIN_KEY (admin API header value)
 #   KEV_CHECKPOINT  Kev checkpoint directory (default: the model's `checkpoint` parameter, the embedded tiny one)
 #   KEV_API_KEY     bearer key the gateway requires on /v1/* (none: open)
-#   TRITON_CACHE_DIR  compiled GPU kernels, kept across restarts (default: build/.triton-cache)
+#   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (default: build/.triton-cache;
+#                     TRITON_CACHE_AUTOTUNING=0 re-tunes fla's kernels at each start)
 # Extra arguments go to tritonserver.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=$(realpath -m "${KEV_VENV:-$here/../.venv}")
 address=${BIND_ADDRESS:-0.0.0.0}
-# Triton-language kernels (ours, fla's) compile once per shape class; keep them for the next start.
+# Triton-language kernels (ours, fla's) compile once per shape class; keep them, and fla's autotuning results, for
+# the next start.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$here/.triton-cache}
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 # Security by default: no model loading or unloading at run time (model-control none), and the repository,
 # shared-memory, trace and logging APIs need an admin header (random unless TRITON_ADMIN_KEY is set).
 admin_key=${TRITON_ADMIN_KEY:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}

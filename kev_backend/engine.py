@@ -82,6 +82,10 @@ class Engine:
     def __init__(self, checkpoint: KevCheckpoint, options: EngineOptions | None = None) -> None:
         self.options = options or EngineOptions()
         self.checkpoint = checkpoint
+        # Seconds spent per start-up phase (load, build, graphs, warm_batch), logged at model load: issue 4's time to
+        # ready is their sum plus the server's own start.
+        self.startup: dict[str, float] = {}
+        started = time.perf_counter()
         self.tokenizer = KevTokenizer(checkpoint.tokenizer_dir)
         self.device = next(checkpoint.model.parameters()).device
         self.backend = self._choose_backend()
@@ -103,8 +107,6 @@ class Engine:
                 max_graphs=self.options.max_graphs,
                 long_kernels=self.options.long_kernels,
             )
-            if self.options.warm:
-                self.warm()
         else:
             self.scorer = ReferenceScorer(
                 checkpoint.model,
@@ -114,6 +116,9 @@ class Engine:
                 StateBank(self.options.resolved_bank_bytes(self.device)),
                 self.options.row_pass_tokens,
             )
+        self.startup["build"] = time.perf_counter() - started
+        if self.backend == "fused" and self.options.warm:
+            self.warm()
         self.last_batch = BatchReport()
 
     def _choose_backend(self) -> str:
@@ -134,25 +139,33 @@ class Engine:
     def warm(self) -> None:
         """Captures the graph buckets and runs one batch with a short and a long state and question (every kernel
         family compiles and tunes now, not on a request)."""
+        started = time.perf_counter()
         if getattr(self.scorer, "graphs", None) is not None:
             self.scorer.graphs.warm()
+        self.startup["graphs"] = time.perf_counter() - started
         words = ("one two three four five six seven eight nine ten " * 20).strip()
         question = {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": None}}
         long_question = {"type": "noul", "instructions": words}
         # Best effort: under limits tighter than these ~200 tokens the long request is refused like any other, and
         # its kernels compile on the first request that needs them.
+        started = time.perf_counter()
         self.answer(
             [
                 {"state": "a short warm-up state", "questions": {"q": question}},
                 {"state": words, "questions": {"q": question, "r": long_question}},
             ]
         )
+        self.startup["warm_batch"] = time.perf_counter() - started
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:
         options = options or EngineOptions()
+        started = time.perf_counter()
         checkpoint = load_checkpoint(path, options.resolved_device(), options.load)
-        return cls(checkpoint, options)
+        loaded = time.perf_counter() - started
+        engine = cls(checkpoint, options)
+        engine.startup = {"load": loaded, **engine.startup}
+        return engine
 
     @property
     def bank(self):

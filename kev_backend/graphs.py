@@ -265,8 +265,7 @@ class PassGraphs:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # first launches (Triton compiles, cuBLASLt picks) stay out of the graph
-            for _ in range(2):
-                self.model.forward(inputs)
+            self.model.forward(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # torch.cuda.graph empties the allocator's cache on entry: measured from an empty cache, what capture adds to

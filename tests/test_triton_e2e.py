@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -275,7 +276,11 @@ def test_warmup_requests_run_before_ready(tiny_dir, tmp_path) -> None:
         values = metric_values(server)
         assert values["kev_batch_requests_sum"] == 10 and values["kev_request_errors_total"] == 1
         assert values["kev_bank_entries"] >= 1
-        assert "10 warm-up requests" in server.log.read_text()
+        log = server.log.read_text()
+        assert "10 warm-up requests" in log
+        # Where the time to ready went, phase by phase (issue 4).
+        phases = re.search(r"start-up seconds load ([\d.]+), build ([\d.]+), warmup_requests ([\d.]+)", log)
+        assert phases is not None and float(phases[1]) > 0, log[-2000:]
     finally:
         stop_triton(server)
 

@@ -2,6 +2,7 @@
 per RESPONSE element. The whole batch goes to the engine in one call; a bad request fails alone (INVALID_ARG)."""
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +29,16 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metrics = KevMetrics(pb_utils, labels)
         warmup = warmup_requests(params, Path(args["model_repository"]))
+        started = time.perf_counter()
         for start in range(0, len(warmup), 64):  # in batches of up to max_batch_size, before the model is ready
             self.engine.answer(warmup[start : start + 64])
             self.metrics.record(self.engine)
+        self.engine.startup["warmup_requests"] = time.perf_counter() - started
         graphs = getattr(self.engine.scorer, "graphs", None)
         pb_utils.Logger.log_info(
             f"kev: {path} on {self.engine.device}, {self.engine.backend} path; {len(warmup)} warm-up requests; "
-            f"{graphs.stats.count if graphs is not None else 0} CUDA graphs"
+            f"{graphs.stats.count if graphs is not None else 0} CUDA graphs; start-up seconds "
+            + ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.engine.startup.items())
         )
 
     def execute(self, requests):
