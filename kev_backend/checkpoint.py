@@ -143,8 +143,8 @@ def choose_dtype(
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def lora_deltas(checkpoint_dir: Path, lora_scale: float) -> dict[str, torch.Tensor]:
-    """fp32 ΔW = (B·A)·scaling per bare weight name, from a PEFT adapter directory."""
+def lora_deltas(checkpoint_dir: Path, lora_scale: float, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """fp32 ΔW = (B·A)·scaling per bare weight name, from a PEFT adapter directory, computed on `device`."""
     config = json.loads((checkpoint_dir / "adapter_config.json").read_text())
     for unsupported in ("trainable_token_indices", "modules_to_save", "rank_pattern", "alpha_pattern"):
         if config.get(unsupported):
@@ -153,7 +153,8 @@ def lora_deltas(checkpoint_dir: Path, lora_scale: float) -> dict[str, torch.Tens
         raise ValueError("adapter_config.json: DoRA and LoRA biases are not supported")
     r, alpha = int(config["r"]), float(config["lora_alpha"])
     scaling = (alpha / r**0.5 if config.get("use_rslora") else alpha / r) * lora_scale
-    return merge_deltas(load_file(str(checkpoint_dir / "adapter_model.safetensors")), scaling)
+    device = torch.device(device or "cpu")
+    return merge_deltas(load_file(str(checkpoint_dir / "adapter_model.safetensors"), device=str(device)), scaling)
 
 
 def merge_deltas(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
@@ -180,8 +181,11 @@ def build_model(
     weights: dict[str, torch.Tensor],
     dtype: torch.dtype,
     deltas: dict[str, torch.Tensor] | None = None,
+    device: torch.device | None = None,
 ) -> Qwen35TextModel:
-    """The text model with `weights` (+ fp32 LoRA deltas merged before the single rounding to `dtype`)."""
+    """The text model with `weights` (+ fp32 LoRA deltas merged before the single rounding to `dtype`) on `device`
+    (default: where the weights are). Each tensor moves there before the merge: on a GPU the fp32 merge of a 4B
+    model is quick, on the host it is a pass over 16 GB."""
     with torch.device("meta"):
         model = Qwen35TextModel(config)
     expected = dict(model.named_parameters())
@@ -198,6 +202,8 @@ def build_model(
         tensor = weights[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+        if device is not None:
+            tensor = tensor.to(device)
         if name in deltas:
             tensor = tensor.float() + deltas[name]
         merged[name] = tensor.to(dtype)
@@ -236,8 +242,8 @@ def load_checkpoint(
             f"head.pt says weights_dtype={meta.weights_dtype!r} but config.json says dtype={config.dtype!r}"
         )
     dtype = choose_dtype(options.dtype, device, meta.weights_dtype, kind, config.dtype)
-    deltas = lora_deltas(directory, options.lora_scale) if has_adapter else None
-    model = build_model(config, load_text_weights(weights_dir), dtype, deltas).to(device)
+    deltas = lora_deltas(directory, options.lora_scale, device) if has_adapter else None
+    model = build_model(config, load_text_weights(weights_dir), dtype, deltas, device)
 
     head = {k: v.float().to(device) for k, v in meta.head.items()}
     expected_head = {
