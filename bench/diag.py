@@ -166,6 +166,7 @@ def long_segments() -> None:
     for lengths, new in (
         ([2200], True),
         ([2200] * 8, True),
+        ([2200] * 24, True),
         ([100] * 40, False),
         ([39] * 192, False),
         ([34] * 32, True),
@@ -189,7 +190,9 @@ def long_case(lengths: list[int], new: bool) -> None:
     slots = torch.arange(n, device="cuda")
     cu_cpu = torch.tensor(offsets(lengths))
     cu = cu_cpu.cuda()
-    ours = lambda: kernels.chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)  # noqa: E731
+    ours = lambda: kernels.chunked_rows(  # noqa: E731
+        q, k, v, a, b, a_log, dt_bias, pool, slots, cu, max(lengths), new_states=new
+    )
     g = (-a_log.exp() * F.softplus(a.float() + dt_bias)).unsqueeze(0)
 
     def theirs():
@@ -215,6 +218,15 @@ def long_case(lengths: list[int], new: bool) -> None:
         f"delta rule {label}: ours {cuda_ms(ours):.3f} ms, fla {cuda_ms(theirs):.3f} ms, max diff {diff:.2e}",
         flush=True,
     )
+    if lengths[0] > 64:  # the sequential pass's value block and warps (64/8 spills 4 bytes on sm_90a)
+        from kev_backend.kernels import delta_rule
+
+        chosen = delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS
+        timings = []
+        for delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS in ((16, 4), (32, 4), (32, 8), (64, 8)):
+            timings.append(f"{delta_rule.CHUNK_BV}/{delta_rule.CHUNK_WARPS} {cuda_ms(ours):.3f}")
+        delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS = chosen
+        print(f"  chunked {label} by value block/warps: " + ", ".join(timings), flush=True)
     if new:
         conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         window = torch.zeros(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)

@@ -275,11 +275,12 @@ class FusedQwen35:
         q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
-        if group.short or not new or self.long_kernels == "ours":
-            kernel = self._recurrent_rows if group.short else self._chunked_rows
-            kernel(
-                q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu, new_states=new, out=out
-            )
+        args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
+        if group.short:
+            self._recurrent_rows(*args, new_states=new, out=out)
+            return
+        if not new or self.long_kernels == "ours":
+            self._chunked_rows(*args, group.max_len, new_states=new, out=out)
             return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(

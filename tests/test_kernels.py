@@ -174,10 +174,10 @@ beta = torch.sigmoid(gate_b)
 pool = torch.randn(6, HV, K, V) * 0.3
 before = pool.clone()
 slots = torch.tensor([4, 1, 4])
-o = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, cu)
+o = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, cu, 70)
 assert torch.equal(pool, before)
 fresh = torch.full((6, HV, K, V), float("nan"))
-o_new = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, fresh, torch.tensor([2, 5, 0]), cu, new_states=True)
+o_new = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, fresh, torch.tensor([2, 5, 0]), cu, 70, new_states=True)
 for n in range(3):
     a, b = cu[n].item(), cu[n + 1].item()
     qq = l2_normalize(q[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None]) * K**-0.5
@@ -294,17 +294,20 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             R.RECURRENT_WARPS,
         ),
         (
-            R._chunked_delta_rule_kernel,
-            recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=R.CHUNK_BV, BT=R.CHUNK, LOG2_BT=4, CONTINUE=True),
-            R.CHUNK_WARPS,
+            R._chunk_prep_kernel,
+            recurrent | {"w": f32, "u": f32},
+            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4),
+            R.PREP_WARPS,
         ),
-        (
-            R._chunked_delta_rule_kernel,
-            recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=R.CHUNK_BV, BT=R.CHUNK, LOG2_BT=4, CONTINUE=False),
-            R.CHUNK_WARPS,
-        ),
+        *[
+            (
+                R._chunked_delta_rule_kernel,
+                recurrent | {"u": f32, "w": f32},
+                dict(H=16, HV=32, K=128, V=128, BV=R.CHUNK_BV, BT=R.CHUNK, CONTINUE=continues),
+                R.CHUNK_WARPS,
+            )
+            for continues in (True, False)
+        ],
         (A._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 8),
         (A._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 8),
     ]

@@ -156,10 +156,10 @@ def recurrent_rows(
 
 
 def _launch_delta_rule(
-    kernel, block_v: int, warps: int, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, **constants
+    kernel, block_v: int, warps: int, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, **extra
 ) -> torch.Tensor:
     """Checks the layouts both delta-rule kernels assume and launches one: a program per (value block, segment,
-    value head)."""
+    value head). `extra`: further arguments of the kernel, by name."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
@@ -195,7 +195,7 @@ def _launch_delta_rule(
             BV=BV,
             CONTINUE=not new_states,
             num_warps=warps,
-            **constants,
+            **extra,
         )
     return out
 
@@ -206,17 +206,95 @@ def _launch_delta_rule(
 PRECISION: tl.constexpr = tl.constexpr("tf32")
 
 # Tokens per chunk of the chunked delta rule: (I + A)⁻¹ of a strictly lower-triangular A is then a product of
-# log2(CHUNK) factors (I + A^(2^j)), all 16×16 products; one program walks its segment chunk by chunk.
+# log2(CHUNK) factors (I + A^(2^j)), all 16×16 products.
 CHUNK = 16
-CHUNK_BV = 32  # value columns per program, on CHUNK_WARPS warps: no register spills (4 warps spill a little)
+CHUNK_BV = 32  # value columns per program of the sequential pass, on CHUNK_WARPS warps
 CHUNK_WARPS = 8
+PREP_WARPS = 4
+
+
+@triton.jit
+def _l2_normalised(x):
+    """Rows of x [BT, K] (fp32) over their L2 norm, as use_qk_l2norm_in_kernel does."""
+    return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
+    """A chunk's cumulative log decay γ (g summed from the chunk's start; g = 0 past the segment's end, so γ stays
+    at its last value there) and β, both [BT] fp32, 0 β past the end."""
+    b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32) + bias
+    g = tl.where(m, -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a))), 0.0)
+    beta = tl.where(m, tl.sigmoid(tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)), 0.0)
+    return tl.cumsum(g, axis=0), beta
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    cu,
+    w,
+    u,
+    stride_t,
+    stride_vt,
+    stride_at,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    LOG2_BT: tl.constexpr,
+):
+    """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
+    T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
+    W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
+    (fp32), so that the sequential pass gets U = U₀ − W S."""
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    n, hv = i_nh // HV, i_nh % HV
+    hk = hv // (HV // H)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    c0 = bos + i_c * BT
+    if c0 >= eos:  # the grid covers the longest segment; shorter ones have fewer chunks
+        return
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    t = c0 + o_t
+    m = t < eos
+    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
+    bias = tl.load(dt_bias + hv).to(tl.float32)
+    gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
+    b_k = _l2_normalised(
+        tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    )
+    b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    causal = o_t[:, None] >= o_t[None, :]
+    strict = o_t[:, None] > o_t[None, :]
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
+    T = eye - A
+    P = A
+    for _ in tl.static_range(LOG2_BT - 1):
+        P = tl.dot(P, P, input_precision=PRECISION)
+        T = tl.dot(T, eye + P, input_precision=PRECISION)
+    W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
+    U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
+    tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W, mask=m[:, None])
+    tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
 
 
 @triton.jit
 def _chunked_delta_rule_kernel(
     q,
     k,
-    v,
+    u,
     a,
     b,
     a_log,
@@ -227,56 +305,48 @@ def _chunked_delta_rule_kernel(
     o,
     scale,
     stride_t,
-    stride_vt,
+    stride_ut,
     stride_at,
     stride_ot,
+    w,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BV: tl.constexpr,
     BT: tl.constexpr,
-    LOG2_BT: tl.constexpr,
     CONTINUE: tl.constexpr,
 ):
+    """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place and W [T, HV, K] added),
+    chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
+    o = exp(γ) q S + (q·kᵀ ⊙ decay) U; S ← exp(γ_last) S + (k exp(γ_last − γ))ᵀ U. Only the products with S sit on
+    the chain from one chunk to the next; the inverse is in _chunk_prep_kernel."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
     o_t = tl.arange(0, BT)
     causal = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
-    strict = o_t[:, None] > o_t[None, :]
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
     for c0 in range(bos, eos, BT):
         t = c0 + o_t
         m = t < eos
-        b_q = tl.load(q + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        b_k = tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None] * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-        b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32) + bias
-        g = tl.where(m, -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a))), 0.0)
-        beta = tl.where(m, tl.sigmoid(tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)), 0.0)
-        gam = tl.cumsum(g, axis=0)  # past the segment's end g = 0: gam stays at its last value
-        # exp(γ_t − γ_s) where s <= t (there it is <= 1); 0 elsewhere.
+        gam, _ = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
+        b_q = _l2_normalised(
+            tl.load(q + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        )
+        b_k = _l2_normalised(
+            tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        )
+        b_w = tl.load(w + (t[:, None] * HV + hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+        b_u = tl.load(u + t[:, None] * stride_ut + hv * V + o_v[None, :], mask=m[:, None], other=0.0)
         decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
-        # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
-        T = eye - A
-        P = A
-        for _ in tl.static_range(LOG2_BT - 1):
-            P = tl.dot(P, P, input_precision=PRECISION)
-            T = tl.dot(T, eye + P, input_precision=PRECISION)
-        R = beta[:, None] * (b_v - tl.exp(gam)[:, None] * tl.dot(b_k, S, input_precision=PRECISION))
-        U = tl.dot(T, R, input_precision=PRECISION)
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay
-        out = tl.exp(gam)[:, None] * tl.dot(b_q, S, input_precision=PRECISION) + tl.dot(
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay * scale
+        U = b_u - tl.dot(b_w, S, input_precision=PRECISION)
+        out = (tl.exp(gam) * scale)[:, None] * tl.dot(b_q, S, input_precision=PRECISION) + tl.dot(
             qk, U, input_precision=PRECISION
         )
         tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
         last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
-        w = tl.exp(last - gam)
-        S = tl.exp(last) * S + tl.dot(tl.trans(b_k * w[:, None]), U, input_precision=PRECISION)
+        S = tl.exp(last) * S + tl.dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, input_precision=PRECISION)
     if not CONTINUE:
         tl.store(state, S)
 
@@ -292,19 +362,50 @@ def chunked_rows(
     pool: torch.Tensor,
     slots: torch.Tensor,
     cu: torch.Tensor,
+    max_len: int,
     new_states: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """recurrent_rows' job (same arguments) for segments of any length: chunks of CHUNK tokens, each a few small
-    matrix products, the fp32 state carried from chunk to chunk in registers. No host-side chunk maps and a grid
-    that depends only on the segment count, so it can be captured in a CUDA graph."""
+    """recurrent_rows' job (same arguments, plus `max_len`, the longest segment, which sizes the first grid) for
+    segments of any length, in chunks of CHUNK tokens: first every chunk's state-independent terms in parallel,
+    then one program per (value block, segment, value head) carries the fp32 state from chunk to chunk. No host-side
+    chunk maps, and grids that depend only on the segment count and `max_len`: capturable in a CUDA graph."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    n = slots.shape[0]
+    w = torch.empty(T, HV, K, device=q.device, dtype=torch.float32)
+    u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
+    if n and max_len:
+        assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
+        assert a.stride() == b.stride() and a.stride(1) == 1
+        _chunk_prep_kernel[(triton.cdiv(max_len, CHUNK), n * HV)](
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            cu,
+            w,
+            u,
+            q.stride(0),
+            v.stride(0),
+            a.stride(0),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BT=CHUNK,
+            LOG2_BT=CHUNK.bit_length() - 1,
+            num_warps=PREP_WARPS,
+        )
     return _launch_delta_rule(
         _chunked_delta_rule_kernel,
         CHUNK_BV,
         CHUNK_WARPS,
         q,
         k,
-        v,
+        u,
         a,
         b,
         a_log,
@@ -314,6 +415,6 @@ def chunked_rows(
         cu,
         new_states,
         out,
+        w=w,
         BT=CHUNK,
-        LOG2_BT=CHUNK.bit_length() - 1,
     )
