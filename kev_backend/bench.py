@@ -20,6 +20,7 @@ import os
 import queue
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -265,8 +266,7 @@ def main() -> None:
         checkpoint = load_checkpoint(checkpoint_path, device)
         name = checkpoint_path
     else:
-        tokenizer_dir = args.out / ".bench-tokenizer"
-        tokenizer_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer_dir = Path(tempfile.mkdtemp(prefix="kev-bench-tokenizer-"))
         tiny.write_tokenizer(tokenizer_dir)
         checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, tokenizer_dir, device)
         name = "random weights, Kev-4B shapes (Qwen3.5-4B text config, LoRA r=16 merged)"
@@ -275,6 +275,44 @@ def main() -> None:
     engine_s = time.perf_counter() - started
     ceil = ceilings(device)
     workloads: dict[str, Any] = {}
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit(),
+        "checkpoint": name,
+        "backend": engine.backend,
+        "graphs": args.graphs,
+        "long_kernels": options.long_kernels,
+        "engine_start_s": engine_s,
+        "torch": torch.__version__,
+        "ceilings": ceil,
+        "complete": False,  # until every workload is in: the file is rewritten after each one
+        "workloads": workloads,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = result["gpu"].replace(" ", "-").lower()
+    variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
+    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
+
+    def write() -> None:
+        stats = engine.bank_stats
+        result["bank"] = {
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "evictions": stats.evictions,
+            "bytes": stats.bytes,
+            "oom_retries": getattr(engine.scorer, "oom_retries", 0),
+        }
+        if workloads:
+            result["first_over_median"] = max(w["first_over_median"] for w in workloads.values())
+        graphs = getattr(engine.scorer, "graphs", None)
+        if graphs is not None:
+            result["graphs_count"] = graphs.stats.count
+            result["graphs_bytes"] = graphs.stats.bytes
+            result["graph_stats"] = vars(graphs.stats)
+            result["graph_buckets_seen"] = sorted(b.name for b in graphs.seen)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
     for label, make, seconds in (("short6", short6, args.seconds), ("long5", long5, 2 * args.seconds)):
         entry: dict[str, Any] = dict(latency(engine, make))
         print(f"{label} latency {entry}", flush=True)
@@ -289,11 +327,11 @@ def main() -> None:
         entry["mean_batch"] = {}
         for clients in CLIENTS:
             throughput(engine, make, clients, 1.0)  # first pass: new batch shapes, autotune
-            result = throughput(engine, make, clients, seconds)
-            entry["rps"][str(clients)] = result["rps"]
-            entry["p50_ms"][str(clients)] = result["p50_ms"]
-            entry["mean_batch"][str(clients)] = result["mean_batch"]
-            print(f"{label} clients={clients} {result}", flush=True)
+            measured = throughput(engine, make, clients, seconds)
+            entry["rps"][str(clients)] = measured["rps"]
+            entry["p50_ms"][str(clients)] = measured["p50_ms"]
+            entry["mean_batch"][str(clients)] = measured["mean_batch"]
+            print(f"{label} clients={clients} {measured}", flush=True)
         # The same new-state latency and 64-client throughput with new states in a pass of their own before the
         # rows: whether one shared pass through the weights pays.
         if hasattr(engine.scorer, "split_passes"):
@@ -312,39 +350,9 @@ def main() -> None:
         if baseline.get("error"):
             entry["baseline_error"] = baseline["error"]
         workloads[label] = entry
-    stats = engine.bank_stats
-    result: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(device),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": commit(),
-        "checkpoint": name,
-        "backend": engine.backend,
-        "graphs": args.graphs,
-        "long_kernels": options.long_kernels,
-        "engine_start_s": engine_s,
-        "torch": torch.__version__,
-        "ceilings": ceil,
-        "bank": {
-            "hits": stats.hits,
-            "misses": stats.misses,
-            "evictions": stats.evictions,
-            "bytes": stats.bytes,
-            "oom_retries": getattr(engine.scorer, "oom_retries", 0),
-        },
-        "workloads": workloads,
-    }
-    result["first_over_median"] = max(w["first_over_median"] for w in workloads.values())
-    graphs = getattr(engine.scorer, "graphs", None)
-    if graphs is not None:
-        result["graphs_count"] = graphs.stats.count
-        result["graphs_bytes"] = graphs.stats.bytes
-        result["graph_stats"] = vars(graphs.stats)
-        result["graph_buckets_seen"] = sorted(b.name for b in graphs.seen)
-    args.out.mkdir(parents=True, exist_ok=True)
-    gpu = result["gpu"].replace(" ", "-").lower()
-    variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
-    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+        write()
+    result["complete"] = True
+    write()
     print(
         f"{'workload':8} {'new ms':>8} {'same ms':>8} "
         + " ".join(f"{c:>7}c" for c in CLIENTS)
