@@ -190,9 +190,7 @@ def long_case(lengths: list[int], new: bool) -> None:
     slots = torch.arange(n, device="cuda")
     cu_cpu = torch.tensor(offsets(lengths))
     cu = cu_cpu.cuda()
-    ours = lambda: kernels.chunked_rows(  # noqa: E731
-        q, k, v, a, b, a_log, dt_bias, pool, slots, cu, max(lengths), new_states=new
-    )
+    ours = lambda: kernels.chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)  # noqa: E731
     g = (-a_log.exp() * F.softplus(a.float() + dt_bias)).unsqueeze(0)
 
     def theirs():
@@ -231,7 +229,7 @@ def long_case(lengths: list[int], new: bool) -> None:
         conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         window = torch.zeros(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         ours_conv = lambda: kernels.conv_rows(mixed, conv_w, window, slots, cu, new_states=True)  # noqa: E731
-        tiles = lambda: kernels.conv_tiles(mixed, conv_w, window, slots, cu, max(lengths), new_states=True)  # noqa: E731
+        tiles = lambda: kernels.conv_tiles(mixed, conv_w, window, slots, cu, new_states=True)  # noqa: E731
         fla_conv = lambda: causal_conv1d(  # noqa: E731
             mixed.unsqueeze(0),
             conv_w,

@@ -241,9 +241,7 @@ class FusedQwen35:
                 if group.short:  # token by token (rows of up to 64 tokens: cheap, and no tiles to plan)
                     mixed = self._conv_rows(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
                 else:  # tokens in parallel, windows in place: faster than fla's conv at every size measured
-                    mixed = self._conv_tiles(
-                        qkv[span], layer.conv, conv_pool, group.slots, group.cu, group.max_len, new_states=new
-                    )
+                    mixed = self._conv_tiles(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
                 self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
@@ -280,7 +278,7 @@ class FusedQwen35:
             self._recurrent_rows(*args, new_states=new, out=out)
             return
         if not new or self.long_kernels == "ours":
-            self._chunked_rows(*args, group.max_len, new_states=new, out=out)
+            self._chunked_rows(*args, new_states=new, out=out)
             return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(

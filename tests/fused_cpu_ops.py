@@ -107,11 +107,6 @@ def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=Fa
     return o
 
 
-def conv_tiles(x, weight, pool, slots, cu, max_len, new_states=False):
-    assert int((cu[1:] - cu[:-1]).max()) <= max_len
-    return conv_rows(x, weight, pool, slots, cu, new_states)
-
-
 def conv_rows(x, weight, pool, slots, cu, new_states=False):
     y = torch.zeros_like(x)
     for (lo, hi), slot in zip(bounds(cu), slots.tolist()):
@@ -136,13 +131,6 @@ def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu
     return o
 
 
-def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, max_len, new_states=False, out=None):
-    """The same recurrence as recurrent_rows (the kernels differ only in how they walk it); max_len must bound the
-    segments, since it sizes the real kernel's grid."""
-    assert max(hi - lo for lo, hi in bounds(cu)) <= max_len
-    return recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
-
-
 TORCH_KERNELS = PassKernels(
     chunk=delta_rule,
     attention=attention,
@@ -151,8 +139,8 @@ TORCH_KERNELS = PassKernels(
     gated_rms_norm=gated_rms_norm,
     silu_mul=silu_mul,
     recurrent_rows=recurrent_rows,
-    chunked_rows=chunked_rows,
-    conv_tiles=conv_tiles,
+    chunked_rows=recurrent_rows,  # the same recurrence; the kernels differ only in how they walk it
+    conv_tiles=conv_rows,  # the same conv; the kernels differ only in how they walk it
     conv_rows=conv_rows,
     rows_attention=rows_attention,
 )

@@ -174,10 +174,10 @@ beta = torch.sigmoid(gate_b)
 pool = torch.randn(6, HV, K, V) * 0.3
 before = pool.clone()
 slots = torch.tensor([4, 1, 4])
-o = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, cu, 70)
+o = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, cu)
 assert torch.equal(pool, before)
 fresh = torch.full((6, HV, K, V), float("nan"))
-o_new = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, fresh, torch.tensor([2, 5, 0]), cu, 70, new_states=True)
+o_new = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, fresh, torch.tensor([2, 5, 0]), cu, new_states=True)
 for n in range(3):
     a, b = cu[n].item(), cu[n + 1].item()
     qq = l2_normalize(q[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None]) * K**-0.5
@@ -197,9 +197,9 @@ x = wide[:, 2 : 2 + C]
 pool = torch.randn(6, C, 4)
 slots = torch.tensor([3, 0, 3, 5])
 # Compiled, the two sum the window in different orders (fused multiply-adds): equal to rounding, not bit for bit.
-assert (conv_tiles(x, w, pool, slots, cu, max_len=70) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
+assert (conv_tiles(x, w, pool, slots, cu) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
 windows_a, windows_b = torch.full((6, C, 4), float("nan")), torch.full((6, C, 4), float("nan"))
-ya = conv_tiles(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, max_len=70, new_states=True)
+ya = conv_tiles(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
 yb = conv_rows(x, w, windows_b, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
 assert (ya - yb).abs().max() < TOL
 assert torch.equal(windows_a[[1, 4, 0, 2]], windows_b[[1, 4, 0, 2]])

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .segments import segment_of_tile, tile_grid
+
 
 @triton.jit
 def _conv_rows_kernel(
@@ -83,6 +85,7 @@ def _conv_tiles_kernel(
     cu,
     y,
     C,
+    N,
     stride_xt,
     stride_yt,
     W: tl.constexpr,
@@ -90,12 +93,14 @@ def _conv_tiles_kernel(
     BC: tl.constexpr,
     CONTINUE: tl.constexpr,
 ):
-    i_c, i_t, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    i_c, i_g = tl.program_id(0), tl.program_id(1)
+    n, bos, eos, first = segment_of_tile(cu, N, i_g, BT)
+    if n < 0:  # past the last tile
+        return
     slot = tl.load(slots + n).to(tl.int64)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    t = bos + i_t * BT + tl.arange(0, BT)
+    t = first + tl.arange(0, BT)
     m_t = t < eos
     base = pool + (slot * C + o_c) * W  # the window [C, W]: slot W + d holds x_{bos + d}, d = -W..-1
     acc = tl.zeros([BT, BC], dtype=tl.float32)
@@ -115,7 +120,7 @@ def _conv_tiles_kernel(
     out = acc * tl.sigmoid(acc)
     tl.store(y + t[:, None] * stride_yt + o_c[None, :], out.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
     if not CONTINUE:
-        if i_t == 0:  # a new state's window: its last W inputs (zeros before its start) into its (fresh) slot
+        if first == bos:  # a new state's window: its last W inputs (zeros before its start) into its (fresh) slot
             for j in tl.static_range(W):
                 token = eos - W + j
                 last = tl.load(x + token * stride_xt + o_c, mask=m_c & (token >= bos), other=0.0)
@@ -128,19 +133,19 @@ def conv_tiles(
     pool: torch.Tensor,
     slots: torch.Tensor,
     cu: torch.Tensor,
-    max_len: int,
     new_states: bool = False,
 ) -> torch.Tensor:
-    """conv_rows' job (same arguments, plus `max_len`, the longest segment, which sizes the grid) with the tokens
-    in parallel: tiles of tokens × channels, each tap read from the input or, before a row's start, from its
-    state's window. For long segments, where conv_rows walks token by token."""
+    """conv_rows' job (same arguments) with the tokens in parallel: tiles of tokens × channels, each tap read from
+    the input or, before a row's start, from its state's window. For long segments, where conv_rows walks token by
+    token. The grid depends only on x's tokens and the segment count (kernels.segments)."""
     T, C = x.shape
     W = weight.shape[1]
     assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
     y = torch.empty(T, C, device=x.device, dtype=x.dtype)
     BT, BC = CONV_TILE
     if slots.shape[0]:
-        _conv_tiles_kernel[(triton.cdiv(C, BC), max(1, triton.cdiv(max_len, BT)), slots.shape[0])](
-            x, weight, pool, slots, cu, y, C, x.stride(0), y.stride(0), W=W, BT=BT, BC=BC, CONTINUE=not new_states
+        n = slots.shape[0]
+        _conv_tiles_kernel[(triton.cdiv(C, BC), tile_grid(T, n, BT))](
+            x, weight, pool, slots, cu, y, C, n, x.stride(0), y.stride(0), W=W, BT=BT, BC=BC, CONTINUE=not new_states
         )
     return y

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .segments import segment_of_tile, tile_grid
+
 
 @triton.jit
 def _delta_rule_inputs(q, k, v, a, b, t, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V):
@@ -240,6 +242,7 @@ def _chunk_prep_kernel(
     cu,
     w,
     u,
+    N,
     stride_t,
     stride_vt,
     stride_at,
@@ -254,12 +257,10 @@ def _chunk_prep_kernel(
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
     W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
     (fp32), so that the sequential pass gets U = U₀ − W S."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
-    n, hv = i_nh // HV, i_nh % HV
+    i_g, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
-    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
-    c0 = bos + i_c * BT
-    if c0 >= eos:  # the grid covers the longest segment; shorter ones have fewer chunks
+    n, bos, eos, c0 = segment_of_tile(cu, N, i_g, BT)
+    if n < 0:  # past the last chunk
         return
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -362,23 +363,22 @@ def chunked_rows(
     pool: torch.Tensor,
     slots: torch.Tensor,
     cu: torch.Tensor,
-    max_len: int,
     new_states: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """recurrent_rows' job (same arguments, plus `max_len`, the longest segment, which sizes the first grid) for
-    segments of any length, in chunks of CHUNK tokens: first every chunk's state-independent terms in parallel,
-    then one program per (value block, segment, value head) carries the fp32 state from chunk to chunk. No host-side
-    chunk maps, and grids that depend only on the segment count and `max_len`: capturable in a CUDA graph."""
+    """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
+    chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
+    the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
+    segment counts (kernels.segments): capturable in a CUDA graph."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
     w = torch.empty(T, HV, K, device=q.device, dtype=torch.float32)
     u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
-    if n and max_len:
+    if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
-        _chunk_prep_kernel[(triton.cdiv(max_len, CHUNK), n * HV)](
+        _chunk_prep_kernel[(tile_grid(T, n, CHUNK), HV)](
             k,
             v,
             a,
@@ -388,6 +388,7 @@ def chunked_rows(
             cu,
             w,
             u,
+            n,
             q.stride(0),
             v.stride(0),
             a.stride(0),
