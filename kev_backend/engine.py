@@ -40,11 +40,11 @@ class EngineOptions:
     split_passes: bool = False  # fused path: new states in a pass of their own before the rows
     bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
-    # fused path: CUDA graphs for passes of short segments (kev_backend/graphs.py), buckets up to graph_max_tokens
-    # tokens, at most max_graphs kept.
+    # fused path: CUDA graphs (kev_backend/graphs.py) for passes of short rows and short new states (long new states
+    # too with long_kernels "ours"), buckets up to graph_max_tokens tokens (69 up to 4,096), at most max_graphs kept.
     graphs: bool = False
     graph_max_tokens: int = 4096
-    max_graphs: int = 64
+    max_graphs: int = 96
     # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
     # autotuning), so no request pays for them
     warm: bool = True

@@ -317,13 +317,14 @@ class FusedQwen35:
                     self._rows_attention(
                         q[span], k[span], v[span], keys, values, None, None, None, group.cu, group.max_len, out[span]
                     )
-                else:
+                else:  # varlen attention writes its whole span: in a graph, the short group (next) rewrites its tokens
+                    cu32 = group.cu32 if group.cu32 is not None else group.cu.to(torch.int32)
                     out[span] = self._attn(
                         q[span],
                         k[span],
                         v[span].contiguous(),
-                        group.cu32,
-                        group.cu32,
+                        cu32,
+                        cu32,
                         group.max_len,
                         group.max_len,
                         window_size=(-1, 0),

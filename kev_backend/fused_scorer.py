@@ -43,7 +43,7 @@ class FusedScorer:
         split_passes: bool = False,
         graphs: bool = False,
         graph_max_tokens: int = 4096,
-        max_graphs: int = 64,
+        max_graphs: int = 96,
         long_kernels: str = "fla",
     ) -> None:
         self.device = next(model.parameters()).device
@@ -59,8 +59,9 @@ class FusedScorer:
         self.kernels = kernels
         # One pass per batch: new states' and rows' tokens share every GEMM (False), or states then rows (True).
         self.split_passes = split_passes
-        # CUDA graphs for passes of short segments (graphs.py); off, or no CUDA: every pass eagerly (on a CPU with
-        # graphs on, the padded passes run eagerly from the graphs' buffers).
+        # CUDA graphs for passes that fit a bucket (graphs.py; with long new states only on our long kernels); off,
+        # or no CUDA: every pass eagerly (on a CPU with graphs on, the padded passes run eagerly from the graphs'
+        # buffers).
         self.use_graphs = graphs
         self.graph_max_tokens = graph_max_tokens
         self.max_graphs = max_graphs
@@ -93,6 +94,7 @@ class FusedScorer:
             prefix_tokens=self.pass_tokens,
             max_graphs=self.max_graphs,
             capture=self.device.type == "cuda",
+            long_states=self.long_kernels == "ours",  # fla's chunk maps live on the host: not capturable
         )
 
     @property

@@ -1,14 +1,18 @@
 """CUDA graphs of the fused pass: one per bucket of pass shapes, replayed with the pass's indices in fixed buffers.
 
-A pass whose new states and rows are all short (at most RECURRENT_MAX_LEN tokens: every mixer is then one of our
-kernels, whose grids depend only on segment counts) is padded to a bucket: its state tokens to one size of
-TOKEN_BUCKETS (or none), its row tokens to another. Segment, pick and prefix capacities follow from the bucket, so
-the bucket alone fixes every shape and grid. Padding segments are empty and write to the pool's scratch slot and
-page; padding tokens belong to no segment; padding picks are never read. The GEMMs see at least 64 rows either way,
-where cuBLASLt's results do not depend on the row count, so a replayed pass answers exactly like an eager one.
+A pass is padded to a bucket: its new states' tokens to one size of STATE_BUCKETS (or none), its rows' tokens to one
+of ROW_BUCKETS. Segment, pick and prefix capacities follow from the bucket, so the bucket alone fixes every shape and
+grid. Rows must all be short (at most RECURRENT_MAX_LEN tokens). New states may be long too when the long-state
+kernels are capturable (`long_kernels` "ours": the token-parallel conv and the chunked delta rule tile segments
+without host maps, kernels/segments.py); fla's chunked kernel builds chunk maps on the host, so with it passes with a
+long new state run eagerly. In a graph the short and the long new states each form one kernel group over the whole
+state region, with offsets counted from the region's start (short states first, as in an eager pass); each group's
+kernels touch only its own segments' tokens.
 
-Passes with a long segment (fla's kernels build chunk maps on the host and cannot be captured) run eagerly. All
-graphs share one memory pool (they never run at once); the LRU keeps at most `max_graphs`.
+Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
+padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on
+the row count, so a replayed pass answers exactly like an eager one. All graphs share one memory pool (they never
+run at once); the LRU keeps at most `max_graphs`.
 """
 
 from __future__ import annotations
@@ -20,13 +24,27 @@ import torch
 
 from .fused import FusedQwen35
 from .gpu_bank import StatePool
-from .passes import MIN_GEMM_ROWS, RECURRENT_MAX_LEN, KernelGroup, PassInput, PassLayout, Segments, offsets
+from .passes import (
+    MIN_GEMM_ROWS,
+    RECURRENT_MAX_LEN,
+    KernelGroup,
+    PassInput,
+    PassLayout,
+    Segments,
+    is_short,
+    offsets,
+)
 
-TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Row tokens by powers of two; state tokens finer above 1,024, where one long state fills a pass and padding it
+# costs GEMM rows (2,200 tokens pad to 2,560, not 4,096).
+ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+STATE_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 8192)
 # Fewest tokens per segment assumed when sizing a bucket's segment capacities; a pass with more (shorter) segments
-# than that takes a larger bucket.
+# than that takes a larger bucket. Long states (over RECURRENT_MAX_LEN) get their own, smaller capacity: each of
+# their kernels' grids grows with it.
 MIN_STATE_TOKENS = 8
 MIN_ROW_TOKENS = 4
+MIN_LONG_STATE_TOKENS = 128
 
 
 @dataclass(frozen=True, order=True)
@@ -43,6 +61,10 @@ class Bucket:
         return self.state_tokens // MIN_STATE_TOKENS
 
     @property
+    def long_states(self) -> int:
+        return self.state_tokens // MIN_LONG_STATE_TOKENS
+
+    @property
     def rows(self) -> int:
         return self.row_tokens // MIN_ROW_TOKENS
 
@@ -51,9 +73,11 @@ class Bucket:
         return self.row_tokens // 2  # a row is ≥ 2 tokens per pick (<decide> and each option's </opt>)
 
     def fits(self, layout: PassLayout) -> bool:
+        long = sum(not is_short(n) for n in layout.state_lengths)
         return (
             len(layout.state_ids) <= self.state_tokens
-            and len(layout.state_lengths) <= self.states
+            and len(layout.state_lengths) - long <= self.states
+            and long <= self.long_states
             and len(layout.row_ids) <= self.row_tokens
             and len(layout.row_lengths) <= self.rows
             and len(layout.row_picks) <= self.picks
@@ -66,16 +90,19 @@ class Bucket:
 
 def all_buckets(max_tokens: int) -> list[Bucket]:
     """Every bucket up to `max_tokens` tokens, smallest first. Each has at least MIN_GEMM_ROWS tokens."""
-    sizes = (0, *TOKEN_BUCKETS)
-    buckets = sorted(Bucket(s, r) for s in sizes for r in sizes if 0 < s + r <= max_tokens)
+    buckets = sorted(Bucket(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS) if 0 < s + r <= max_tokens)
     assert all(b.tokens >= MIN_GEMM_ROWS for b in buckets)
     return buckets
 
 
-def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: int) -> Bucket | None:
-    """The smallest of `buckets` (sorted) that holds the pass, or None: a long segment, a prefix index over
-    `prefix_tokens`, or too large for any (the pass runs eagerly)."""
-    if not layout.all_short or len(layout.prefix) > prefix_tokens:
+def smallest_bucket(
+    buckets: list[Bucket], layout: PassLayout, prefix_tokens: int, long_states: bool = False
+) -> Bucket | None:
+    """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a long new state
+    without `long_states`, a prefix index over `prefix_tokens`, or too large for any (the pass runs eagerly)."""
+    if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
+        return None
+    if not long_states and not all(is_short(n) for n in layout.state_lengths):
         return None
     return next((b for b in buckets if b.fits(layout)), None)
 
@@ -90,6 +117,8 @@ class StaticInputs:
             "positions": largest.tokens,
             "state_cu": largest.states + 1,
             "state_slots": largest.states,
+            "long_cu": largest.long_states + 1,
+            "long_slots": largest.long_states,
             "state_kv_dst": largest.state_tokens,
             "row_cu": largest.rows + 1,
             "row_slots": largest.rows,
@@ -114,27 +143,39 @@ class StaticInputs:
         assert n <= size
         return (self.host if host else self.flat)[start : start + n]
 
-    def pass_input(self, bucket: Bucket) -> PassInput:
-        """The bucket's PassInput: views of the buffers, every shape fixed by the bucket."""
+    def pass_input(self, bucket: Bucket, long_states: bool = False) -> PassInput:
+        """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. With `long_states` the
+        state region holds a second kernel group, the long new states (capacity bucket.long_states, each up to the
+        whole region), listed first: their varlen attention writes the whole region, the short group's after it
+        only its own tokens."""
         s, r = bucket.state_tokens, bucket.row_tokens
 
-        def segments(start: int, tokens: int, cu: str, slots: str, n: int) -> Segments:
-            group = KernelGroup(
-                short=True,
+        def group(start: int, tokens: int, cu: str, slots: str, n: int, short: bool) -> KernelGroup:
+            return KernelGroup(
+                short=short,
                 start=start,
                 end=start + tokens,
-                max_len=RECURRENT_MAX_LEN,
+                max_len=RECURRENT_MAX_LEN if short else tokens,
                 cu=self.view(cu, n + 1),
                 slots=self.view(slots, n),
             )
-            return Segments(start, start + tokens, RECURRENT_MAX_LEN, group.cu, [group])
 
+        states = None
+        if s:
+            groups = [group(0, s, "state_cu", "state_slots", bucket.states, short=True)]
+            if long_states and bucket.long_states:
+                groups.insert(0, group(0, s, "long_cu", "long_slots", bucket.long_states, short=False))
+            states = Segments(0, s, s, groups[-1].cu, groups)  # `cu` of a region is read for rows only
+        rows = None
+        if r:
+            row_group = group(s, r, "row_cu", "row_slots", bucket.rows, short=True)
+            rows = Segments(s, s + r, RECURRENT_MAX_LEN, row_group.cu, [row_group])
         return PassInput(
             ids=self.view("ids", bucket.tokens),
             positions=self.view("positions", bucket.tokens),
-            states=segments(0, s, "state_cu", "state_slots", bucket.states) if s else None,
+            states=states,
             state_kv_dst=self.view("state_kv_dst", s) if s else None,
-            rows=segments(s, r, "row_cu", "row_slots", bucket.rows) if r else None,
+            rows=rows,
             row_prefix=self.view("prefix", self.prefix_tokens),
             row_prefix_start=self.view("prefix_start", bucket.rows),
             row_prefix_len=self.view("prefix_len", bucket.rows),
@@ -148,11 +189,17 @@ class StaticInputs:
         s = bucket.state_tokens
         ids = layout.state_ids + [pad_id] * (s - len(layout.state_ids)) + layout.row_ids
         positions = layout.state_positions() + [0] * (s - len(layout.state_ids)) + layout.row_positions
+        # Short new states first, then long ones (as the scorer orders them); both groups count from the region's start.
+        n_short = sum(is_short(n) for n in layout.state_lengths)
+        short, long = layout.state_lengths[:n_short], layout.state_lengths[n_short:]
+        assert all(is_short(n) for n in short) and not any(is_short(n) for n in long)
         values = {
             "ids": _padded(ids, bucket.tokens, pad_id),
             "positions": _padded(positions, bucket.tokens, 0),
-            "state_cu": _padded_offsets(layout.state_lengths, bucket.states + 1),
-            "state_slots": _padded(layout.state_slots, bucket.states, pool.scratch_slot),
+            "state_cu": _padded_offsets(short, bucket.states + 1),
+            "state_slots": _padded(layout.state_slots[:n_short], bucket.states, pool.scratch_slot),
+            "long_cu": _padded_offsets(long, bucket.long_states + 1, start=sum(short)),
+            "long_slots": _padded(layout.state_slots[n_short:], bucket.long_states, pool.scratch_slot),
             "state_kv_dst": _padded(layout.state_kv_dst, s, pool.scratch_token),
             "row_cu": _padded_offsets(layout.row_lengths, bucket.rows + 1),
             "row_slots": _padded(layout.row_slots, bucket.rows, pool.scratch_slot),
@@ -178,14 +225,15 @@ def _padded(values: list[int], n: int, pad: int) -> list[int]:
     return values + [pad] * (n - len(values))
 
 
-def _padded_offsets(lengths: list[int], n: int) -> list[int]:
-    cu = offsets(lengths)
-    return cu + [cu[-1]] * (n - len(cu))  # empty segments at the end
+def _padded_offsets(lengths: list[int], n: int, start: int = 0) -> list[int]:
+    cu = [start + offset for offset in offsets(lengths)]
+    return _padded(cu, n, cu[-1])  # empty segments at the end
 
 
 @dataclass
 class GraphStats:
     runs: int = 0  # passes run padded to a bucket (replayed, or eagerly without CUDA)
+    long_runs: int = 0  # of which with a long new state
     captures: int = 0
     replays: int = 0
     evictions: int = 0
@@ -195,7 +243,8 @@ class GraphStats:
 
 class PassGraphs:
     """Captures and replays the fused forward per bucket. With `capture` False (no CUDA) the same padded passes run
-    eagerly from the same buffers: tests check the padding and the buffers on a CPU."""
+    eagerly from the same buffers: tests check the padding and the buffers on a CPU. `long_states`: passes with long
+    new states are graphed too (only with capturable long-state kernels: FusedQwen35.long_kernels "ours")."""
 
     def __init__(
         self,
@@ -204,10 +253,12 @@ class PassGraphs:
         pad_id: int,
         max_tokens: int = 4096,
         prefix_tokens: int = 32_768,
-        max_graphs: int = 64,
+        max_graphs: int = 96,
         capture: bool = True,
+        long_states: bool = False,
     ) -> None:
         self.model = model
+        self.long_states = long_states  # passes with long new states too (their kernels are capturable)
         self.pool = pool
         self.pad_id = pad_id
         self.buckets = all_buckets(max_tokens)
@@ -228,7 +279,7 @@ class PassGraphs:
         self.stats = GraphStats()
 
     def bucket_for(self, layout: PassLayout) -> Bucket | None:
-        return smallest_bucket(self.buckets, layout, self.inputs.prefix_tokens)
+        return smallest_bucket(self.buckets, layout, self.inputs.prefix_tokens, self.long_states)
 
     def run(self, bucket: Bucket, layout: PassLayout) -> torch.Tensor:
         """The pass's picked hidden states [picks, hidden] (fp32), replaying (or first capturing) its bucket."""
@@ -237,9 +288,10 @@ class PassGraphs:
             entry = self._capture(bucket)
         self.inputs.fill(bucket, layout, self.pool, self.pad_id)
         self.stats.runs += 1
+        self.stats.long_runs += not all(is_short(n) for n in layout.state_lengths)
         self.seen.add(bucket)
         if entry is None:  # no CUDA: the padded pass, eagerly
-            out = self.model.forward(self.inputs.pass_input(bucket))
+            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states))
         else:
             self.graphs.move_to_end(bucket)
             graph, out = entry
@@ -259,7 +311,7 @@ class PassGraphs:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats.evictions += 1
-        inputs = self.inputs.pass_input(bucket)
+        inputs = self.inputs.pass_input(bucket, self.long_states)
         # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
         self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
         stream = self.stream

@@ -50,6 +50,7 @@ def engine_options(params: dict[str, str], device: str) -> EngineOptions:
         graphs=graphs == "on",
         graph_max_tokens=integer("graph_max_tokens", EngineOptions.graph_max_tokens),
         max_graphs=integer("max_graphs", EngineOptions.max_graphs),
+        long_kernels=os.environ.get("KEV_LONG_KERNELS") or params.get("long_kernels") or "fla",
         limits=limits,
         load=load,
     )

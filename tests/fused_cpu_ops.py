@@ -59,8 +59,14 @@ def delta_rule(
 
 
 def attention(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1)):
-    assert window_size == (-1, 0)
-    return torch.cat([segment_attention(q[a:b], k[c:d], v[c:d]) for (a, b), (c, d) in zip(bounds(cu_q), bounds(cu_k))])
+    """varlen attention's contract: an output for every token of q; tokens outside the segments (before cu[0] or
+    after cu[-1], as in a captured pass) are left unset (zeros here)."""
+    assert window_size == (-1, 0) and cu_q.dtype == torch.int32
+    o = torch.zeros_like(q)
+    for (a, b), (c, d) in zip(bounds(cu_q), bounds(cu_k)):
+        assert b - a <= max_q and d - c <= max_k
+        o[a:b] = segment_attention(q[a:b], k[c:d], v[c:d])
+    return o
 
 
 def rms_norm(x, weight, eps, residual=None, store_residual=False):

@@ -18,13 +18,21 @@ from .fused_cpu_ops import TORCH_KERNELS
 
 @pytest.mark.parametrize(
     "split_passes,graphs,long_kernels",
-    [(False, False, "fla"), (True, False, "fla"), (False, True, "fla"), (True, True, "fla"), (False, False, "ours")],
+    [
+        (False, False, "fla"),
+        (True, False, "fla"),
+        (False, True, "fla"),
+        (True, True, "fla"),
+        (False, False, "ours"),
+        (False, True, "ours"),
+    ],
 )
 def test_fused_pass_answers_like_the_reference(
     tiny_dir: Path, split_passes: bool, graphs: bool, long_kernels: str
 ) -> None:
-    """With `graphs`, passes of short segments run padded to their bucket from the graphs' fixed buffers (eagerly:
-    no CUDA here), the others as usual. `long_kernels`: which kernels the segments over 64 tokens take."""
+    """With `graphs`, passes that fit a bucket run padded to it from the graphs' fixed buffers (eagerly: no CUDA
+    here), the others as usual; with long_kernels "ours" that includes passes with long new states. `long_kernels`:
+    which kernels new states over 64 tokens take."""
     reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
     fused = FusedScorer(
@@ -60,3 +68,5 @@ def test_fused_pass_answers_like_the_reference(
         stats = fused.graphs.stats
         assert stats.captures == 0 and stats.replays == 0  # nothing to capture without CUDA
         assert stats.runs > 0 and len(fused.graphs.seen) >= 2, (stats, fused.graphs.seen)
+        # Padded passes with a long new state: the long group shares the state region with the short one.
+        assert (long_kernels == "ours") == (stats.long_runs > 0)

@@ -83,13 +83,15 @@ def test_kev4b_shapes_parity(tiny_dir: Path) -> None:
 
 def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
     """Issue 4: passes replayed from CUDA graphs answer like eager passes (≤ 0.01; the buckets keep ≥ 64 GEMM rows
-    and every kernel's per-segment work is the same, so equality is expected), batched, alone and from the bank."""
+    and every kernel's per-segment work is the same, so equality is expected), batched, alone and from the bank.
+    On our long kernels, so passes with long new states are graphed too."""
     from kev_backend.graphs import PassGraphs
     from kev_backend.parity import compare, scored
 
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
-    eager = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30))
-    graphed = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30, graphs=True))
+    options = dict(backend="fused", bank_bytes=16 << 30, long_kernels="ours")
+    eager = Engine(checkpoint, EngineOptions(**options))
+    graphed = Engine(checkpoint, EngineOptions(**options, graphs=True))
     graphs = graphed.scorer.graphs
     assert isinstance(graphs, PassGraphs) and graphs.stats.captures == len(graphs.graphs) > 0
     assert graphs.stats.bytes > 0  # the graphs' pool, grown from an emptied cache
@@ -109,6 +111,7 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
     if os.environ.get("KEV_RESULTS_DIR"):
         Path(os.environ["KEV_RESULTS_DIR"], "parity-graphs.json").write_text(json.dumps(report, indent=2))
     assert graphs.stats.replays > 0
+    assert graphs.stats.long_runs > 0  # passes with long new states replayed
     for name in ("batched", "alone", "bank"):
         assert report[name]["max_abs"] <= 0.01, (name, report[name])
     del eager, graphed, checkpoint

@@ -37,7 +37,7 @@ def layout(state_lengths: list[int], row_lengths: list[int], picks_per_row: int 
 
 def test_buckets_cover_every_size_with_enough_gemm_rows() -> None:
     buckets = all_buckets(4096)
-    assert len(buckets) == len(set(buckets)) == 50
+    assert len(buckets) == len(set(buckets)) == 69
     assert all(MIN_GEMM_ROWS <= b.tokens <= 4096 for b in buckets)
     assert Bucket(0, 64) in buckets and Bucket(64, 0) in buckets and Bucket(4096, 0) in buckets
 
@@ -51,7 +51,13 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
     assert bucket_for(layout([34], [39] * 6)) == Bucket(64, 256)  # Kev's short6 on a new state
     assert bucket_for(layout([], [39] * 6)) == Bucket(0, 256)  # the same state again
     assert bucket_for(layout([34] * 9, [10])) == Bucket(512, 64)  # nine states: more than 64 // 8 segments
-    assert bucket_for(layout([65], [10])) is None  # a long state: eager
+    assert bucket_for(layout([65], [10])) is None  # a long state: eager (fla's long kernels)
+    assert smallest_bucket(buckets, layout([65], [10]), 1000, long_states=True) == Bucket(128, 64)
+    long5 = layout([2200], [40] * 5)  # one padded to 2,560 state tokens, not 4,096
+    assert smallest_bucket(buckets, long5, 1000, long_states=True) == Bucket(2560, 256)
+    many_long = layout([70] * 9, [10])  # nine long states need 9 × 128 tokens of capacity
+    assert smallest_bucket(buckets, many_long, 1000, long_states=True) == Bucket(1536, 64)
+    assert smallest_bucket(buckets, layout([], [65]), 1000, long_states=True) is None  # a long row: eager
     assert bucket_for(layout([], [10] * 2000)) is None  # beyond the largest bucket
     too_long_prefix = layout([], [10])
     too_long_prefix.prefix.extend(range(1000))
@@ -74,3 +80,21 @@ def test_padding_writes_only_scratch() -> None:
     assert p.row_prefix_len.tolist() == [5, 5] + [0] * (bucket.rows - 2)
     assert p.picks.tolist()[:6] == [64 + i for i in (38, 37, 36, 50, 49, 48)]
     assert p.positions[64:103].tolist() == list(range(50, 89)) and p.positions[39:64].eq(0).all()
+
+
+def test_long_and_short_new_states_share_the_state_region() -> None:
+    """A padded pass with long new states: two kernel groups over the whole region, the long one first, offsets from
+    the region's start (short states first), padding segments empty and on the scratch slot."""
+    bucket = Bucket(2560, 64)
+    inputs = StaticInputs(Bucket(4096, 4096), prefix_tokens=1000, device=torch.device("cpu"))
+    inputs.fill(bucket, layout([34, 5, 100, 2000], [39]), ScratchPool(), pad_id=1)
+    p = inputs.pass_input(bucket, long_states=True)
+    long, short = p.states.groups
+    assert not long.short and short.short and (long.start, long.end) == (short.start, short.end) == (0, 2560)
+    assert long.max_len == 2560 and len(long.slots) == bucket.long_states == 20
+    assert long.cu.tolist() == [39, 139, 2139] + [2139] * 18
+    assert long.slots.tolist() == [2, 3] + [9] * 18
+    assert short.cu.tolist()[:4] == [0, 34, 39, 39] and short.slots.tolist()[:3] == [0, 1, 9]
+    assert p.positions[39:139].tolist() == list(range(100)) and p.positions[2139:2560].eq(0).all()
+    assert p.state_kv_dst.tolist()[139:141] == [300, 301] and p.state_kv_dst[2139:].eq(640).all()
+    assert len(inputs.pass_input(bucket).states.groups) == 1  # without long states: the short group alone
