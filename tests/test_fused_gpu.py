@@ -118,6 +118,33 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
     torch.cuda.empty_cache()
 
 
+def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:
+    """Issue 4: once the engine has warmed up (graphs captured, a short and a long batch run), no request compiles
+    a Triton kernel: no new specialisation of ours, no autotuning run of fla's. Realistic requests of every size,
+    alone and in batches, with graphs on (the GPU configuration)."""
+    import triton
+
+    from kev_backend.parity import scored
+
+    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30, graphs=True))
+    encoded = [engine.prepare(r)[1] for r in realistic(300, seed=5, max_words=2300)]
+    compiled: list[str] = []
+
+    def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # Triton calls it by these names
+        compiled.append(repr.split("(")[0])
+
+    triton.knobs.runtime.jit_post_compile_hook = record
+    try:
+        for size in (1, 7, 32):
+            scored(engine, encoded, size)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert not compiled, sorted(set(compiled))
+    del engine, checkpoint
+    torch.cuda.empty_cache()
+
+
 def test_cuda_eager_reference_matches_cpu(tiny_dir: Path) -> None:
     """Issue 2's reference path on CUDA (fp32, eager) gives the CPU's probabilities."""
     requests = realistic(60, seed=3, max_words=400)

@@ -76,7 +76,8 @@ def conv_rows(
 CONV_TILE = (16, 128)
 
 
-@triton.jit
+# The segment count varies per pass: one compiled variant for any (no specialisation on its value).
+@triton.jit(do_not_specialize=["N"])
 def _conv_tiles_kernel(
     x,
     weight,

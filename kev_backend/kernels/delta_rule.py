@@ -231,7 +231,8 @@ def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
     return tl.cumsum(g, axis=0), beta
 
 
-@triton.jit
+# The segment count varies per pass: one compiled variant for any (no specialisation on its value).
+@triton.jit(do_not_specialize=["N"])
 def _chunk_prep_kernel(
     k,
     v,
