@@ -170,6 +170,8 @@ def long_segments() -> None:
         ([100] * 40, False),
         ([39] * 192, False),
         ([34] * 32, True),
+        ([39] * 6, False),  # one short6 request's rows and state: latency, where the chunked kernel's 3 steps
+        ([34], True),  # might beat the token-by-token kernel's 39
     ):
         long_case(lengths, new)
 
