@@ -283,6 +283,7 @@ def main() -> None:
         "backend": engine.backend,
         "graphs": args.graphs,
         "long_kernels": options.long_kernels,
+        "short_delta_rule": options.short_delta_rule,
         "engine_start_s": engine_s,
         "torch": torch.__version__,
         "ceilings": ceil,
@@ -292,6 +293,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = result["gpu"].replace(" ", "-").lower()
     variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
+    variant += "-chunked" if options.short_delta_rule == "chunked" else ""
     path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
 
     def write() -> None:

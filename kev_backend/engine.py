@@ -50,6 +50,9 @@ class EngineOptions:
     warm: bool = True
     # fused path: new states over 64 tokens on fla's delta rule ("fla") or ours ("ours"); KEV_LONG_KERNELS overrides
     long_kernels: str = field(default_factory=lambda: os.environ.get("KEV_LONG_KERNELS", "fla"))
+    # fused path: segments of up to 64 tokens on our token-by-token delta rule ("recurrent") or our chunked one
+    # ("chunked": three steps instead of 39 for a short6 row; which is faster is measured by bench/diag.py long)
+    short_delta_rule: str = field(default_factory=lambda: os.environ.get("KEV_SHORT_DELTA_RULE", "recurrent"))
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)
 
@@ -106,6 +109,7 @@ class Engine:
                 graph_max_tokens=self.options.graph_max_tokens,
                 max_graphs=self.options.max_graphs,
                 long_kernels=self.options.long_kernels,
+                short_delta_rule=self.options.short_delta_rule,
             )
         else:
             self.scorer = ReferenceScorer(

@@ -155,7 +155,12 @@ class FusedQwen35:
     """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
 
     def __init__(
-        self, weights: FusedWeights, pool: StatePool, kernels: PassKernels | None = None, long_kernels: str = "fla"
+        self,
+        weights: FusedWeights,
+        pool: StatePool,
+        kernels: PassKernels | None = None,
+        long_kernels: str = "fla",
+        short_delta_rule: str = "recurrent",
     ) -> None:
         # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
         # would then move with the batch they ride in.
@@ -176,6 +181,11 @@ class FusedQwen35:
         if long_kernels not in ("fla", "ours"):
             raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
         self.long_kernels = long_kernels
+        # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule or our chunked one (both read and
+        # write the bank in place; a global choice, so an answer never depends on its batch).
+        if short_delta_rule not in ("recurrent", "chunked"):
+            raise ValueError(f"short_delta_rule must be recurrent or chunked, not {short_delta_rule!r}")
+        self.short_recurrent = short_delta_rule == "recurrent"
         self._recurrent_rows, self._conv_rows, self._rows_attention = k.recurrent_rows, k.conv_rows, k.rows_attention
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
@@ -264,9 +274,9 @@ class FusedQwen35:
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
         zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
-        on our token-by-token kernel; rows over 64 tokens on our chunked kernel (reading their states in place, no
-        gathered copy; fla's answers for a row moved with the other rows of its call: bench/diag.py invariance);
-        new long states on fla's chunked kernel, or ours with `long_kernels` "ours"."""
+        on our token-by-token kernel (or the chunked one: `short_delta_rule`); rows over 64 tokens on our chunked
+        kernel (reading their states in place, no gathered copy; fla's answers for a row moved with the other rows of
+        its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`)."""
         c = self.c
         T = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -274,10 +284,10 @@ class FusedQwen35:
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
         args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
-        if group.short:
+        if group.short and self.short_recurrent:
             self._recurrent_rows(*args, new_states=new, out=out)
             return
-        if not new or self.long_kernels == "ours":
+        if group.short or not new or self.long_kernels == "ours":
             self._chunked_rows(*args, new_states=new, out=out)
             return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)

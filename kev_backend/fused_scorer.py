@@ -45,9 +45,11 @@ class FusedScorer:
         graph_max_tokens: int = 4096,
         max_graphs: int = 96,
         long_kernels: str = "fla",
+        short_delta_rule: str = "recurrent",
     ) -> None:
         self.device = next(model.parameters()).device
         self.long_kernels = long_kernels
+        self.short_delta_rule = short_delta_rule
         self.weights = FusedWeights(model, dtype)
         self.head = head
         self.temperature = temperature
@@ -66,7 +68,7 @@ class FusedScorer:
         self.graph_max_tokens = graph_max_tokens
         self.max_graphs = max_graphs
         self.bank = self._new_bank()
-        self.model = FusedQwen35(self.weights, self.bank.pool, kernels, long_kernels)
+        self.model = FusedQwen35(self.weights, self.bank.pool, kernels, long_kernels, short_delta_rule)
         self.graphs = self._new_graphs()
         self.oom_retries = 0
 
@@ -117,7 +119,9 @@ class FusedScorer:
             self.graphs = None
             torch.cuda.empty_cache()
             self.bank = self._new_bank()
-            self.model = FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels)
+            self.model = FusedQwen35(
+                self.weights, self.bank.pool, self.kernels, self.long_kernels, self.short_delta_rule
+            )
             self.graphs = self._new_graphs()
             return self._probabilities(batch)
 

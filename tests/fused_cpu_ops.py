@@ -7,6 +7,8 @@ and varlen_attn on the GPU.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
@@ -96,7 +98,21 @@ def silu_mul(gate_up):
 # segment (outputs left as zeros here) and empty segments (a new one writes an empty state into its slot).
 
 
+CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing checks
+
+
+def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None):
+    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it."""
+    CALLS["chunked_rows"] += 1
+    return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
+
+
 def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None):
+    CALLS["recurrent_rows"] += 1
+    return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
+
+
+def _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None):
     T, HV, V = v.shape
     o = torch.zeros(T, HV, V, dtype=v.dtype) if out is None else out
     g = -a_log.exp() * F.softplus(a.float() + dt_bias)
@@ -145,7 +161,7 @@ TORCH_KERNELS = PassKernels(
     gated_rms_norm=gated_rms_norm,
     silu_mul=silu_mul,
     recurrent_rows=recurrent_rows,
-    chunked_rows=recurrent_rows,  # the same recurrence; the kernels differ only in how they walk it
+    chunked_rows=chunked_rows,
     conv_tiles=conv_rows,  # the same conv; the kernels differ only in how they walk it
     conv_rows=conv_rows,
     rows_attention=rows_attention,

@@ -13,26 +13,27 @@ from kev_backend.fused_scorer import FusedScorer
 from kev_backend.parity import compare
 from kev_backend.workloads import realistic, short6
 
-from .fused_cpu_ops import TORCH_KERNELS
+from .fused_cpu_ops import CALLS, TORCH_KERNELS
 
 
 @pytest.mark.parametrize(
-    "split_passes,graphs,long_kernels",
+    "split_passes,graphs,long_kernels,short_delta_rule",
     [
-        (False, False, "fla"),
-        (True, False, "fla"),
-        (False, True, "fla"),
-        (True, True, "fla"),
-        (False, False, "ours"),
-        (False, True, "ours"),
+        (False, False, "fla", "recurrent"),
+        (True, False, "fla", "recurrent"),
+        (False, True, "fla", "recurrent"),
+        (True, True, "fla", "recurrent"),
+        (False, False, "ours", "recurrent"),
+        (False, True, "ours", "chunked"),
     ],
 )
 def test_fused_pass_answers_like_the_reference(
-    tiny_dir: Path, split_passes: bool, graphs: bool, long_kernels: str
+    tiny_dir: Path, split_passes: bool, graphs: bool, long_kernels: str, short_delta_rule: str
 ) -> None:
     """With `graphs`, passes that fit a bucket run padded to it from the graphs' fixed buffers (eagerly: no CUDA
     here), the others as usual; with long_kernels "ours" that includes passes with long new states. `long_kernels`:
-    which kernels new states over 64 tokens take."""
+    which kernels new states over 64 tokens take; `short_delta_rule`, which delta rule segments up to 64 tokens
+    take (the stand-ins compute both alike: this checks the routing)."""
     reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
     fused = FusedScorer(
@@ -48,6 +49,7 @@ def test_fused_pass_answers_like_the_reference(
         graphs=graphs,
         graph_max_tokens=1024,
         long_kernels=long_kernels,
+        short_delta_rule=short_delta_rule,
     )
     requests = realistic(60, seed=7, min_words=5, max_words=150) + [short6(1), short6(), short6()]
     # Questions over 64 tokens take the chunked kernel from gathered states; a state over 64 tokens too.
@@ -55,6 +57,7 @@ def test_fused_pass_answers_like_the_reference(
     requests.append({"state": "x y", "questions": {"q": long_question, "r": requests[0]["questions"]["q0"]}})
     encoded = [reference.prepare(r)[1] for r in requests]
     expected = reference.scorer.probabilities(encoded)
+    CALLS.clear()
     first = fused.probabilities(encoded)  # several passes (600-token budget): new states and bank hits mixed
     assert fused.bank.stats.misses > 0
     hits = fused.bank.stats.hits
@@ -64,6 +67,9 @@ def test_fused_pass_answers_like_the_reference(
     for result in (first, again, alone):
         report = compare(expected, result)
         assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
+    # Segments up to 64 tokens on the token-by-token kernel unless short_delta_rule says chunked; longer rows always
+    # on the chunked one.
+    assert (CALLS["recurrent_rows"] > 0) == (short_delta_rule == "recurrent") and CALLS["chunked_rows"] > 0, CALLS
     if graphs:
         stats = fused.graphs.stats
         assert stats.captures == 0 and stats.replays == 0  # nothing to capture without CUDA
