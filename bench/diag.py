@@ -248,7 +248,9 @@ def long_case(lengths: list[int], new: bool) -> None:
 
 
 def quick_latency() -> None:
-    """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state."""
+    """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state, and
+    requests/s at 64 clients (3 s each): a quick engine-level comparison of kernel choices (KEV_LONG_KERNELS,
+    KEV_SHORT_DELTA_RULE)."""
     from kev_backend import bench, tiny
     from kev_backend.engine import Engine, EngineOptions
     from kev_backend.workloads import long5, short6
@@ -257,8 +259,11 @@ def quick_latency() -> None:
     tiny.write_tokenizer(directory)
     checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda")
     engine = Engine(checkpoint, EngineOptions(device="cuda", backend="fused", bank_bytes=8 << 30))
+    print("kernels", engine.options.long_kernels, engine.options.short_delta_rule, flush=True)
     for label, make in (("short6", short6), ("long5", long5)):
         print(label, bench.latency(engine, make), flush=True)
+        bench.throughput(engine, make, 64, 1.0)
+        print(label, "64 clients", bench.throughput(engine, make, 64, 3.0), flush=True)
 
 
 def host_profile() -> None:

@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# One device call on the GPU machine: install the carried wheels (.whl, from build/gpu_wheels.sh), run the GPU tests
-# (fused vs fp32 reference parity, CUDA eager reference), then the benchmark. Everything lands in $OUT.
-#   bench/gpu_run.sh [tests|parity|bench|graphs|first|all] [pytest -k expression]
-# graphs: the graph-vs-eager parity test, then the bench with CUDA graphs on.
-# first: the GPU tests, bench/diag.py long (our long-segment kernels against fla's) and the graph-vs-eager test,
-#        about 5 minutes: what to run first after kernel changes.
+# One device call on the GPU machine: install the carried wheels (.whl, from build/gpu_wheels.sh), then run the named
+# steps in order. Everything lands in $OUT.
+#   bench/gpu_run.sh STEP...        (default: all)
+# Steps:
+#   tests      GPU tests but parity and graphs: compiled kernels, engine API, no compiles after warm-up (~2.5 min)
+#   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
+#   graphtest  graph replay vs eager on our long kernels (~1.5 min)
+#   diag       bench/diag.py long (our kernels against fla's), then the engine's latency and 64-client throughput
+#              for each kernel choice (~5 min)
+#   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
+#   first      tests diag: what to run first after kernel changes
+#   all        tests parity bench
+# Environment: KEV_COMMIT (the commit the results name), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE (kernel choices).
 set -uo pipefail
-mode=${1:-all}
+steps=("${@:-all}")
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -16,25 +23,34 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'fla-core', m.version('fla-core'),
 'transformers', m.version('transformers'), 'triton', m.version('triton'))"
 status=0
-if [[ $mode == tests || $mode == all || $mode == first ]]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels.py tests/test_fused_gpu.py -k "${2:-not parity and not graph}" 2>&1 \
-    | tee "$out/gpu-tests.log" | tail -30 || status=1
-fi
-if [[ $mode == parity || $mode == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_fused_gpu.py -k "${2:-parity and not graph}" 2>&1 \
-    | tee "$out/gpu-parity.log" | grep -E "^(tiny|small|kev4b) |passed|failed|Error|error" | cut -c1-1500 || status=1
-fi
-if [[ $mode == bench || $mode == all ]]; then
-  python3 -m kev_backend.bench --out "$out" 2>&1 | tee "$out/bench.log" | tail -12 || status=1
-fi
-if [[ $mode == first ]]; then
-  timeout 180 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1
-fi
-if [[ $mode == graphs || $mode == first ]]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_fused_gpu.py -k graph_replay 2>&1 \
-    | tee "$out/gpu-graphs.log" | grep -E "^graphs |passed|failed|Error" | cut -c1-1500 || status=1
-fi
-if [[ $mode == graphs ]]; then
-  python3 -m kev_backend.bench --out "$out" --graphs 2>&1 | tee "$out/bench-graphs.log" | tail -12 || status=1
-fi
+gpu_pytest() {  # LOG -k EXPRESSION: the GPU tests matching it, the log's tail through FILTER (grep -E)
+  local log=$1 expression=$2 filter=$3
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_kernels.py tests/test_fused_gpu.py \
+    -k "$expression" 2>&1 | tee "$out/$log" | grep -E "$filter" | cut -c1-1500 || status=1
+}
+run_step() {
+  case $1 in
+    tests) gpu_pytest gpu-tests.log "not parity and not graph" "passed|failed|Error|assert" ;;
+    parity) gpu_pytest gpu-parity.log "parity and not graph" "^(tiny|small|kev4b) |passed|failed|Error|error" ;;
+    graphtest) gpu_pytest gpu-graphs.log "graph_replay" "^graphs |passed|failed|Error" ;;
+    diag)
+      timeout 180 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1
+      # The engine with each kernel choice: latency and 64-client throughput (which to make the default).
+      for choice in "" KEV_LONG_KERNELS=ours KEV_SHORT_DELTA_RULE=chunked; do
+        env $choice timeout 120 python3 bench/diag.py latency 2>&1 | grep -E "^(kernels|short6|long5)" \
+          | tee -a "$out/diag-latency.log" || status=1
+      done
+      ;;
+    bench)
+      # shellcheck disable=SC2086
+      python3 -m kev_backend.bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
+      ;;
+    first) run_step tests; run_step diag ;;
+    all) run_step tests; run_step parity; run_step bench ;;
+    *) echo "unknown step $1"; status=1 ;;
+  esac
+}
+for step in "${steps[@]}"; do
+  run_step "$step"
+done
 exit $status
