@@ -17,6 +17,7 @@ run at once); the LRU keeps at most `max_graphs`.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ STATE_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 81
 MIN_STATE_TOKENS = 8
 MIN_ROW_TOKENS = 4
 MIN_LONG_STATE_TOKENS = 128
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, order=True)
@@ -237,6 +240,7 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     evictions: int = 0
+    capture_failures: int = 0
     count: int = 0
     bytes: int = 0  # memory the graphs' pool holds (reserved while capturing)
 
@@ -271,6 +275,7 @@ class PassGraphs:
         self.inputs = StaticInputs(Bucket(largest_states, largest_rows), prefix_tokens, device)
         self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor]] = OrderedDict()
         self.seen: set[Bucket] = set()  # buckets passes have used (what a warm-up list could name)
+        self.failed: dict[Bucket, str] = {}  # buckets whose capture failed, and why
         # One pool and one capture stream for every graph. A graph may reuse memory that an earlier capture freed,
         # including where another graph's output lives; replays never overlap and `run` copies a graph's output
         # before anything else replays, so any replay order is safe.
@@ -284,13 +289,13 @@ class PassGraphs:
     def run(self, bucket: Bucket, layout: PassLayout) -> torch.Tensor:
         """The pass's picked hidden states [picks, hidden] (fp32), replaying (or first capturing) its bucket."""
         entry = self.graphs.get(bucket)
-        if entry is None and self.capture:
-            entry = self._capture(bucket)
+        if entry is None and self.capture and bucket not in self.failed:
+            entry = self._try_capture(bucket)
         self.inputs.fill(bucket, layout, self.pool, self.pad_id)
         self.stats.runs += 1
         self.stats.long_runs += not all(is_short(n) for n in layout.state_lengths)
         self.seen.add(bucket)
-        if entry is None:  # no CUDA: the padded pass, eagerly
+        if entry is None:  # no CUDA, or the capture failed: the padded pass, eagerly
             out = self.model.forward(self.inputs.pass_input(bucket, self.long_states))
         else:
             self.graphs.move_to_end(bucket)
@@ -304,8 +309,19 @@ class PassGraphs:
         if not self.capture:
             return
         for bucket in buckets if buckets is not None else self.buckets[: self.max_graphs]:
-            if bucket not in self.graphs:
-                self._capture(bucket)
+            if bucket not in self.graphs and bucket not in self.failed:
+                self._try_capture(bucket)
+
+    def _try_capture(self, bucket: Bucket) -> tuple[object, torch.Tensor] | None:
+        """Captures the bucket, or records why it could not be (an operation that refuses capture): its passes then
+        run padded and eagerly, with the same kernels, and the server keeps starting and serving."""
+        try:
+            return self._capture(bucket)
+        except RuntimeError as error:
+            self.failed[bucket] = repr(error)[:500]
+            self.stats.capture_failures += 1
+            log.warning("kev: CUDA graph capture of bucket %s failed, its passes run eagerly: %r", bucket.name, error)
+            return None
 
     def _capture(self, bucket: Bucket) -> tuple[object, torch.Tensor]:
         while len(self.graphs) >= self.max_graphs:

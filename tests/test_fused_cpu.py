@@ -76,3 +76,35 @@ def test_fused_pass_answers_like_the_reference(
         assert stats.runs > 0 and len(fused.graphs.seen) >= 2, (stats, fused.graphs.seen)
         # Padded passes with a long new state: the long group shares the state region with the short one.
         assert (long_kernels == "ours") == (stats.long_runs > 0)
+
+
+def test_a_failed_capture_leaves_its_bucket_eager(tiny_dir: Path) -> None:
+    """A bucket whose CUDA-graph capture raises (an operation that refuses capture) is recorded, never retried, and
+    its passes run padded and eagerly with the same answers: the engine keeps starting and serving."""
+    reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
+    ck = reference.checkpoint
+    fused = FusedScorer(
+        ck.model,
+        ck.head,
+        ck.temperature,
+        reference.tokenizer.delimiters.pad,
+        bank_bytes=1 << 26,
+        dtype=torch.float32,
+        kernels=TORCH_KERNELS,
+        graphs=True,
+        graph_max_tokens=1024,
+    )
+    attempts = []
+
+    def refuse(bucket):
+        attempts.append(bucket)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = fused.graphs
+    graphs.capture, graphs._capture = True, refuse  # as on a GPU, with a capture that always fails
+    encoded = [reference.prepare(short6(i))[1] for i in range(3)]
+    for _ in range(3):  # new states (too large for a graph here), then twice from the bank (a bucket)
+        report = compare(reference.scorer.probabilities(encoded), fused.probabilities(encoded))
+        assert report["max_abs"] < 2e-5, report
+    assert graphs.stats.capture_failures == len(attempts) == len(set(attempts)) == len(graphs.failed) >= 1
+    assert graphs.stats.runs >= 2 and graphs.stats.replays == 0

@@ -37,7 +37,8 @@ class TritonPythonModel:
         graphs = getattr(self.engine.scorer, "graphs", None)
         pb_utils.Logger.log_info(
             f"kev: {path} on {self.engine.device}, {self.engine.backend} path; {len(warmup)} warm-up requests; "
-            f"{graphs.stats.count if graphs is not None else 0} CUDA graphs; start-up seconds "
+            f"{graphs.stats.count if graphs is not None else 0} CUDA graphs "
+            f"({graphs.stats.capture_failures if graphs is not None else 0} failed to capture); start-up seconds "
             + ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.engine.startup.items())
         )
 
