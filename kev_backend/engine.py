@@ -171,6 +171,13 @@ class Engine:
         engine.startup = {"load": loaded, **engine.startup}
         return engine
 
+    def summary(self) -> str:
+        """One line for the server's log: device, path, CUDA graphs and the seconds of each start-up phase."""
+        graphs = getattr(self.scorer, "graphs", None)
+        held = f"{graphs.stats.count} CUDA graphs ({graphs.stats.capture_failures} failed to capture)" if graphs else ""
+        phases = ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.startup.items())
+        return f"on {self.device}, {self.backend} path; {held or 'no CUDA graphs'}; start-up seconds {phases}"
+
     @property
     def bank(self):
         return self.scorer.bank

@@ -34,13 +34,7 @@ class TritonPythonModel:
             self.engine.answer(warmup[start : start + 64])
             self.metrics.record(self.engine)
         self.engine.startup["warmup_requests"] = time.perf_counter() - started
-        graphs = getattr(self.engine.scorer, "graphs", None)
-        pb_utils.Logger.log_info(
-            f"kev: {path} on {self.engine.device}, {self.engine.backend} path; {len(warmup)} warm-up requests; "
-            f"{graphs.stats.count if graphs is not None else 0} CUDA graphs "
-            f"({graphs.stats.capture_failures if graphs is not None else 0} failed to capture); start-up seconds "
-            + ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.engine.startup.items())
-        )
+        pb_utils.Logger.log_info(f"kev: {path}; {len(warmup)} warm-up requests; {self.engine.summary()}")
 
     def execute(self, requests):
         responses = [None] * len(requests)
