@@ -343,25 +343,13 @@ def batch_invariance() -> None:
         for x, y in (("A", "B"), ("A", "C"), ("B", "C")):
             gap = max((a[0] - b[0]).abs().max().item() for a, b in zip(hidden[x], hidden[y]))
             print(long_kernels, x, "vs", y, compare(runs[x], runs[y]), "hidden max", gap, flush=True)
-        worst = sorted(
-            range(len(encoded)),
-            key=lambda i: (
-                -max((abs(p - q) for pa, pb in zip(runs["A"][i], runs["B"][i]) for p, q in zip(pa, pb)), default=0.0)
-            ),
-        )[:6]
-        for i in worst:
-            gap = max(abs(p - q) for pa, pb in zip(runs["A"][i], runs["B"][i]) for p, q in zip(pa, pb))
-            print(
-                "  request",
-                i,
-                "state",
-                len(encoded[i].state),
-                "rows",
-                [len(q.tokens) for q in encoded[i].questions],
-                "A-B",
-                round(gap, 5),
-                flush=True,
-            )
+        gaps = [
+            max((abs(p - q) for pa, pb in zip(a, b) for p, q in zip(pa, pb)), default=0.0)
+            for a, b in zip(runs["A"], runs["B"])
+        ]
+        for i in sorted(range(len(encoded)), key=lambda i: -gaps[i])[:6]:
+            rows = [len(q.tokens) for q in encoded[i].questions]
+            print(f"  request {i} state {len(encoded[i].state)} rows {rows} A-B {gaps[i]:.5f}", flush=True)
         del engine
         torch.cuda.empty_cache()
 
