@@ -5,15 +5,15 @@
 #   BIND_ADDRESS (0.0.0.0)  MODEL_REPOSITORY (<repo>/model_repository)  TRITON_ADMIN_KEY (admin API header value)
 #   KEV_CHECKPOINT  Kev checkpoint directory (default: the model's `checkpoint` parameter, the embedded tiny one)
 #   KEV_API_KEY     bearer key the gateway requires on /v1/* (none: open)
-#   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (default: build/.triton-cache;
-#                     TRITON_CACHE_AUTOTUNING=0 re-tunes fla's kernels at each start)
+#   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (default: build/.triton-cache)
 # Extra arguments go to tritonserver.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=$(realpath -m "${KEV_VENV:-$here/../.venv}")
 address=${BIND_ADDRESS:-0.0.0.0}
-# Triton-language kernels (ours, fla's) compile once per shape class; keep them, and fla's autotuning results, for
-# the next start.
+# Triton-language kernels (ours, fla's) compile once per shape class; keep them for the next start. fla stores its
+# autotuning results there too (FLA_CACHE_RESULTS, on by default in fla 0.6); TRITON_CACHE_AUTOTUNING=1 does the
+# same for any other autotuned Triton kernel.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$here/.triton-cache}
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 # Security by default: no model loading or unloading at run time (model-control none), and the repository,
