@@ -255,11 +255,16 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             )
             for residual, block in ((True, 4096), (False, 256))
         ],
-        (N._gated_rms_norm_kernel, {"x": bf, "z": bf, "weight": f32, "y": bf, "eps": "fp32"}, dict(BLOCK=128), 4),
+        (
+            N._gated_rms_norm_kernel,
+            {"x": bf, "z": bf, "weight": f32, "y": bf, "eps": "fp32"},
+            dict(BLOCK=128, R=N.GATED_NORM_ROWS),
+            4,
+        ),
         (
             N._rms_norm_rope_kernel,
             {"x": bf, "weight": f32, "cos": f32, "sin": f32, "y": bf, "eps": "fp32"},
-            dict(ROT=64, BLOCK=256),
+            dict(ROT=64, BLOCK=256, R=N.NORM_ROPE_ROWS),
             4,
         ),
         (N._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),

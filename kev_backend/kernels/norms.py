@@ -91,29 +91,52 @@ def rms_norm(
     return y.view(x.shape), (res_out.view(x.shape) if res_out is not None else None)
 
 
-@triton.jit
+# Rows (token × head) per program of the per-head norms: a head's row is 128 or 256 values, too little for a
+# program of its own (a 2,200-token DeltaNet pass has 70,400 such rows per layer).
+NORM_ROPE_ROWS = 4
+GATED_NORM_ROWS = 8
+
+
+# The row count varies per pass: one compiled variant for any (no specialisation on its value).
+@triton.jit(do_not_specialize=["rows"])
 def _rms_norm_rope_kernel(
-    x, weight, cos, sin, y, D, eps, heads, stride_x, stride_xh, stride_c, ROT: tl.constexpr, BLOCK: tl.constexpr
+    x,
+    weight,
+    cos,
+    sin,
+    y,
+    rows,
+    D,
+    eps,
+    heads,
+    stride_x,
+    stride_xh,
+    stride_c,
+    ROT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    R: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    m_r = row < rows
     token = row // heads
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    src = x + token * stride_x + (row % heads) * stride_xh
-    h = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
-    out = h * rstd * tl.load(weight + cols, mask=mask, other=0.0)
+    mask = m_r[:, None] & (cols < D)[None, :]
+    src = x + (token * stride_x + (row % heads) * stride_xh)[:, None]
+    h = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + eps)
+    out = h * rstd[:, None] * tl.load(weight + cols, mask=cols < D, other=0.0)[None, :]
     # NeoX RoPE on the first ROT dims: out_c = y_c cos_c - y_{c+ROT/2} sin_c (first half), y_c cos_c + y_{c-ROT/2}
     # sin_c (second half), the partner read again from the row (same statistics).
     half = ROT // 2
     rot = cols < ROT
+    m_rot = m_r[:, None] & rot[None, :]
     partner = tl.where(cols < half, cols + half, cols - half)
-    y_partner = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32) * rstd
-    y_partner = y_partner * tl.load(weight + partner, mask=rot, other=0.0)
-    c = tl.load(cos + token * stride_c + cols, mask=rot, other=1.0)
-    s = tl.load(sin + token * stride_c + cols, mask=rot, other=0.0)
-    out = tl.where(rot, out * c + tl.where(cols < half, -y_partner, y_partner) * s, out)
-    tl.store(y + row * D + cols, out.to(y.dtype.element_ty), mask=mask)
+    y_partner = tl.load(src + partner[None, :], mask=m_rot, other=0.0).to(tl.float32) * rstd[:, None]
+    y_partner = y_partner * tl.load(weight + partner, mask=rot, other=0.0)[None, :]
+    c = tl.load(cos + (token * stride_c)[:, None] + cols[None, :], mask=m_rot, other=1.0)
+    s = tl.load(sin + (token * stride_c)[:, None] + cols[None, :], mask=m_rot, other=0.0)
+    out = tl.where(rot[None, :], out * c + tl.where(cols < half, -y_partner, y_partner) * s, out)
+    tl.store(y + row[:, None] * D + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
@@ -127,12 +150,13 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     assert rot % 2 == 0 and rot <= D
     y = torch.empty(T, H, D, device=x.device, dtype=x.dtype)
     if T * H:
-        _rms_norm_rope_kernel[(T * H,)](
+        _rms_norm_rope_kernel[(triton.cdiv(T * H, NORM_ROPE_ROWS),)](
             x3,
             weight,
             cos,
             sin,
             y,
+            T * H,
             D,
             eps,
             H,
@@ -141,23 +165,25 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
             cos.stride(0),
             ROT=rot,
             BLOCK=triton.next_power_of_2(D),
+            R=NORM_ROPE_ROWS,
         )
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _gated_rms_norm_kernel(
-    x, z, weight, y, D, eps, heads, stride_x, stride_z, stride_zh, stride_y, BLOCK: tl.constexpr
+    x, z, weight, y, rows, D, eps, heads, stride_x, stride_z, stride_zh, stride_y, BLOCK: tl.constexpr, R: tl.constexpr
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(z + (row // heads) * stride_z + (row % heads) * stride_zh + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
-    w = tl.load(weight + cols, mask=mask, other=0.0)
-    out = h * rstd * w * (g * tl.sigmoid(g))
-    tl.store(y + row * stride_y + cols, out.to(y.dtype.element_ty), mask=mask)
+    mask = (row < rows)[:, None] & (cols < D)[None, :]
+    h = tl.load(x + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g_rows = z + ((row // heads) * stride_z + (row % heads) * stride_zh)[:, None]
+    g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + eps)
+    w = tl.load(weight + cols, mask=cols < D, other=0.0)
+    out = h * rstd[:, None] * w[None, :] * (g * tl.sigmoid(g))
+    tl.store(y + row[:, None] * stride_y + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,11 +199,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     assert z3.shape[0] * z3.shape[1] == rows
     y = torch.empty(rows, D, device=x.device, dtype=x.dtype)
     if rows:
-        _gated_rms_norm_kernel[(rows,)](
+        _gated_rms_norm_kernel[(triton.cdiv(rows, GATED_NORM_ROWS),)](
             x2,
             z3,
             weight,
             y,
+            rows,
             D,
             eps,
             z3.shape[1],
@@ -186,6 +213,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
             z3.stride(1),
             y.stride(0),
             BLOCK=triton.next_power_of_2(D),
+            R=GATED_NORM_ROWS,
         )
     return y.view(x.shape)
 
