@@ -123,6 +123,7 @@ class PassKernels:
     rms_norm_rope: Callable
     gated_rms_norm: Callable
     silu_mul: Callable
+    sigmoid_gate: Callable
     recurrent_rows: Callable
     chunked_rows: Callable
     conv_tiles: Callable
@@ -143,6 +144,7 @@ class PassKernels:
             kernels.rms_norm_rope,
             kernels.gated_rms_norm,
             kernels.silu_mul,
+            kernels.sigmoid_gate,
             kernels.recurrent_rows,
             kernels.chunked_rows,
             kernels.conv_tiles,
@@ -173,6 +175,7 @@ class FusedQwen35:
         self.c = weights.config
         self._chunk, self._attn = k.chunk, k.attention
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
+        self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv_tiles = k.chunked_rows, k.conv_tiles
         # The delta rule of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel ("fla"), or ours ("ours":
@@ -356,5 +359,4 @@ class FusedQwen35:
                 r.max_len,
                 out[r.start : r.end],
             )
-        out = out.view(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))
-        return F.linear(out, layer.out_proj)
+        return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place

@@ -89,6 +89,10 @@ def gated_rms_norm(x, z, weight, eps):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight * gate).to(x.dtype)
 
 
+def sigmoid_gate(x, gate):
+    return (x.float() * torch.sigmoid(gate.float())).to(x.dtype).reshape(x.shape[0], -1)
+
+
 def silu_mul(gate_up):
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
@@ -160,6 +164,7 @@ TORCH_KERNELS = PassKernels(
     rms_norm_rope=rms_norm_rope,
     gated_rms_norm=gated_rms_norm,
     silu_mul=silu_mul,
+    sigmoid_gate=sigmoid_gate,
     recurrent_rows=recurrent_rows,
     chunked_rows=chunked_rows,
     conv_tiles=conv_rows,  # the same conv; the kernels differ only in how they walk it

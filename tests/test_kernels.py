@@ -23,7 +23,7 @@ else:
     TOL, REL = 1e-5, 1e-6
 from kev_backend.kernels import (
     chunked_rows, conv_rows, conv_tiles, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention,
-    silu_mul,
+    sigmoid_gate, silu_mul,
 )
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
@@ -67,6 +67,12 @@ assert y.is_contiguous() and ((y - ref).abs().max() / ref.abs().max()) < REL * 4
 gate_up = torch.randn(5, 2 * 1500 + 3)[:, : 2 * 1500]
 ref = torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
 assert ((silu_mul(gate_up) - ref).abs().max() / ref.abs().max()) < REL
+# The attention output gate, the gate read in place from the [q | gate] per-head layout.
+gate = proj[:, : 3 * 2 * 32].view(9, 3, 2 * 32)[..., 32:]
+out = torch.randn(9, 3, 32)
+y = sigmoid_gate(out, gate)
+ref = (out * torch.sigmoid(gate)).reshape(9, 96)
+assert y.shape == (9, 96) and ((y - ref).abs().max() / ref.abs().max()) < REL
 
 # Rows' conv continuing the window held in a pool, and rows' attention over pool K/V by index.
 from kev_backend.qwen35 import causal_attention
@@ -268,6 +274,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             4,
         ),
         (N._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),
+        (N._sigmoid_gate_kernel, {"x": bf, "gate": bf, "y": bf}, dict(BLOCK=256, R=N.NORM_ROPE_ROWS), 4),
         *[
             (
                 C._conv_rows_kernel,

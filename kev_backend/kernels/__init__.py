@@ -5,7 +5,7 @@ writing their segments' states in the bank pool in place."""
 from .attention import rows_attention
 from .conv import conv_rows, conv_tiles
 from .delta_rule import chunked_rows, recurrent_rows
-from .norms import gated_rms_norm, rms_norm, rms_norm_rope, silu_mul
+from .norms import gated_rms_norm, rms_norm, rms_norm_rope, sigmoid_gate, silu_mul
 
 __all__ = [
     "chunked_rows",
@@ -16,5 +16,6 @@ __all__ = [
     "rms_norm",
     "rms_norm_rope",
     "rows_attention",
+    "sigmoid_gate",
     "silu_mul",
 ]

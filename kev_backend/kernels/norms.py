@@ -239,3 +239,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, y, width, gate_up.stride(0), y.stride(0), BLOCK=1024
         )
     return y
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _sigmoid_gate_kernel(x, gate, y, rows, D, heads, stride_g, stride_gh, BLOCK: tl.constexpr, R: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    cols = tl.arange(0, BLOCK)
+    mask = (row < rows)[:, None] & (cols < D)[None, :]
+    h = tl.load(x + row[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g_rows = gate + ((row // heads) * stride_g + (row % heads) * stride_gh)[:, None]
+    g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + row[:, None] * D + cols[None, :], (h * tl.sigmoid(g)).to(y.dtype.element_ty), mask=mask)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention's output gate: x · sigmoid(gate) (fp32 inside, one rounding). x: [tokens, heads, D]
+    contiguous; gate: [tokens, heads, D] with any token and head strides (the gate half of the per-head [q | gate]
+    projection, read in place). Returns [tokens, heads · D] in x's dtype."""
+    T, H, D = x.shape
+    assert x.is_contiguous() and gate.shape == x.shape and gate.stride(2) == 1
+    y = torch.empty(T, H * D, device=x.device, dtype=x.dtype)
+    if T * H:
+        _sigmoid_gate_kernel[(triton.cdiv(T * H, NORM_ROPE_ROWS),)](
+            x,
+            gate,
+            y,
+            T * H,
+            D,
+            H,
+            gate.stride(0),
+            gate.stride(1),
+            BLOCK=triton.next_power_of_2(D),
+            R=NORM_ROPE_ROWS,
+        )
+    return y
