@@ -65,7 +65,8 @@ def gemm_speed() -> None:
 
 
 def kernel_breakdown() -> None:
-    """GPU time by kernel for a busy short6 batch (32 new), a long5 batch (8 new) and one short6 on a banked state."""
+    """GPU time by kernel for a busy short6 batch (32 new), a long5 batch (8 new), one new short6 and one short6 on
+    a banked state."""
     from torch.profiler import ProfilerActivity, profile
 
     from kev_backend import tiny
@@ -80,6 +81,7 @@ def kernel_breakdown() -> None:
     cases = {
         "short6x32new": lambda: [short6(next(counter)) for _ in range(32)],
         "long5x8new": lambda: [long5(next(counter)) for _ in range(8)],
+        "short6new": lambda: [short6(next(counter))],
         "short6same": lambda: [short6(None)],
     }
     for label, make in cases.items():

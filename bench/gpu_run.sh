@@ -8,6 +8,7 @@
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
 #   diag       bench/diag.py long (our kernels against fla's), then the engine's latency and 64-client throughput
 #              for each kernel choice (~5 min)
+#   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes (~1.5 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
@@ -41,6 +42,7 @@ run_step() {
           | tee -a "$out/diag-latency.log" || status=1
       done
       ;;
+    profile) timeout 150 python3 bench/diag.py kernels > "$out/diag-kernels.log" 2>&1 || status=1 ;;
     bench)
       # shellcheck disable=SC2086
       python3 -m kev_backend.bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
