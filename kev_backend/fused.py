@@ -112,10 +112,11 @@ class FusedWeights:
 
 @dataclass(frozen=True)
 class PassKernels:
-    """The GPU kernels of a pass: fla's causal conv and chunked delta rule for segments over RECURRENT_MAX_LEN
-    tokens and torch's varlen attention for new states; ours (kev_backend.kernels) for norms and for short segments,
-    which read (rows) or write (new states) the bank in place. A CPU test substitutes
-    torch references with the same signatures to check the pass's plumbing."""
+    """The GPU kernels of a pass: fla's chunked delta rule for new states over RECURRENT_MAX_LEN tokens (unless
+    long_kernels is "ours") and torch's varlen attention for them; ours (kev_backend.kernels) for everything else:
+    norms, the causal conv, the delta rules and the attention of short segments and rows, which read (rows) or write
+    (new states) the bank in place. A CPU test substitutes torch references with the same signatures to check the
+    pass's plumbing."""
 
     chunk: Callable
     attention: Callable
@@ -126,8 +127,7 @@ class PassKernels:
     sigmoid_gate: Callable
     recurrent_rows: Callable
     chunked_rows: Callable
-    conv_tiles: Callable
-    conv_rows: Callable
+    conv: Callable
     rows_attention: Callable
 
     @classmethod
@@ -147,8 +147,7 @@ class PassKernels:
             kernels.sigmoid_gate,
             kernels.recurrent_rows,
             kernels.chunked_rows,
-            kernels.conv_tiles,
-            kernels.conv_rows,
+            kernels.conv_tokens,
             kernels.rows_attention,
         )
 
@@ -177,7 +176,7 @@ class FusedQwen35:
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
-        self._chunked_rows, self._conv_tiles = k.chunked_rows, k.conv_tiles
+        self._chunked_rows, self._conv = k.chunked_rows, k.conv
         # The delta rule of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel ("fla"), or ours ("ours":
         # chunked_rows, reading and writing the bank in place, no host chunk maps, so capturable). On an H200 (bench/
         # NOTES.md) ours wins for one 2,200-token state (0.58 vs 0.85 ms a layer) and loses for eight (4.5 vs 1.5).
@@ -189,7 +188,7 @@ class FusedQwen35:
         if short_delta_rule not in ("recurrent", "chunked"):
             raise ValueError(f"short_delta_rule must be recurrent or chunked, not {short_delta_rule!r}")
         self.short_recurrent = short_delta_rule == "recurrent"
-        self._recurrent_rows, self._conv_rows, self._rows_attention = k.recurrent_rows, k.conv_rows, k.rows_attention
+        self._recurrent_rows, self._rows_attention = k.recurrent_rows, k.rows_attention
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
@@ -251,10 +250,8 @@ class FusedQwen35:
         for seg, new in ((p.states, True), (p.rows, False)):
             for group in seg.groups if seg is not None else ():
                 span = group.span
-                if group.short:  # token by token (rows of up to 64 tokens: cheap, and no tiles to plan)
-                    mixed = self._conv_rows(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
-                else:  # tokens in parallel, windows in place: faster than fla's conv at every size measured
-                    mixed = self._conv_tiles(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
+                # Tokens in parallel, each finding its segment; windows read or written in place.
+                mixed = self._conv(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
                 self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),

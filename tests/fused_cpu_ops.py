@@ -167,7 +167,6 @@ TORCH_KERNELS = PassKernels(
     sigmoid_gate=sigmoid_gate,
     recurrent_rows=recurrent_rows,
     chunked_rows=chunked_rows,
-    conv_tiles=conv_rows,  # the same conv; the kernels differ only in how they walk it
-    conv_rows=conv_rows,
+    conv=conv_rows,  # conv_tokens' job, segment by segment
     rows_attention=rows_attention,
 )

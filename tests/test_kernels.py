@@ -22,8 +22,8 @@ if os.environ.get("KEV_KERNEL_DEVICE") == "cuda":
 else:
     TOL, REL = 1e-5, 1e-6
 from kev_backend.kernels import (
-    chunked_rows, conv_rows, conv_tiles, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention,
-    sigmoid_gate, silu_mul,
+    chunked_rows, conv_rows, conv_tiles, conv_tokens, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope,
+    rows_attention, sigmoid_gate, silu_mul,
 )
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
@@ -209,6 +209,18 @@ ya = conv_tiles(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, new_states=True
 yb = conv_rows(x, w, windows_b, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
 assert (ya - yb).abs().max() < TOL
 assert torch.equal(windows_a[[1, 4, 0, 2]], windows_b[[1, 4, 0, 2]])
+
+# conv_tokens (the pass's conv): the same answers, each token finding its segment; segments that start after the
+# input's first token and end before its last (a captured pass's long group) leave the other tokens alone.
+assert (conv_tokens(x, w, pool, slots, cu) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
+windows_c = torch.full((6, C, 4), float("nan"))
+yc = conv_tokens(x, w, windows_c, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
+assert (yc - yb).abs().max() < TOL
+assert torch.equal(windows_c[[1, 4, 0]], windows_b[[1, 4, 0]])  # the empty segment (slot 2) writes no window
+inner = torch.tensor([5, 42, 42, 100])  # tokens 0-4 and 100-107 in no segment; an empty one in between
+ya = conv_tokens(x, w, pool, torch.tensor([3, 0, 5]), inner)
+yb = conv_rows(x[5:], w, pool, torch.tensor([3, 0, 5]), inner - 5)
+assert (ya[5:100] - yb[:95]).abs().max() < TOL
 print("ok")
 """
 
@@ -290,6 +302,15 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
                 {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
                 dict(W=4, BT=C.CONV_TILE[0], BC=C.CONV_TILE[1], CONTINUE=continues),
                 4,
+            )
+            for continues in (True, False)
+        ],
+        *[
+            (
+                C._conv_tokens_kernel,
+                {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
+                dict(W=4, BT=C.TOKEN_TILE[0], BC=C.TOKEN_TILE[1], STEPS=C.SEARCH_STEPS, CONTINUE=continues),
+                C.TOKEN_WARPS,
             )
             for continues in (True, False)
         ],

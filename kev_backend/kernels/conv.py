@@ -1,4 +1,7 @@
-"""Qwen3.5's depthwise causal conv (kernel 4) + SiLU for segments reading or writing their window in the bank."""
+"""Qwen3.5's depthwise causal conv (kernel 4) + SiLU for segments reading or writing their window in the bank.
+
+The pass uses conv_tokens for every segment. conv_rows (token by token) and conv_tiles (tiles per segment) are its
+predecessors, kept while bench/diag.py long compares them on the GPU."""
 
 from __future__ import annotations
 
@@ -148,5 +151,114 @@ def conv_tiles(
         n = slots.shape[0]
         _conv_tiles_kernel[(triton.cdiv(C, BC), tile_grid(T, n, BT))](
             x, weight, pool, slots, cu, y, C, n, x.stride(0), y.stride(0), W=W, BT=BT, BC=BC, CONTINUE=not new_states
+        )
+    return y
+
+
+# Tokens × channels per program of conv_tokens, on 8 warps (4 spill a little on sm_90a: per-token window pointers),
+# and the binary search's steps: segments up to 2^16.
+TOKEN_TILE = (16, 128)
+TOKEN_WARPS = 8
+SEARCH_STEPS = 16
+
+
+@triton.jit
+def _conv_tokens_kernel(
+    x,
+    weight,
+    pool,
+    slots,
+    cu,
+    y,
+    C,
+    N,
+    stride_xt,
+    stride_yt,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    STEPS: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    i_c, i_t = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
+    # Each token's segment: the n with cu[n] <= t < cu[n + 1], by binary search over the offsets (empty segments
+    # are passed over). Tokens outside every segment (before cu[0], from cu[N]) are left alone.
+    lo = tl.zeros([BT], dtype=tl.int64)
+    hi = tl.zeros([BT], dtype=tl.int64) + N
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(cu + mid + 1, mask=active, other=0).to(tl.int64) <= t
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    n = lo
+    m_t = (t >= tl.load(cu).to(tl.int64)) & (n < N)
+    bos = tl.load(cu + n, mask=m_t, other=0).to(tl.int64)
+    eos = tl.load(cu + n + 1, mask=m_t, other=0).to(tl.int64)
+    slot = tl.load(slots + n, mask=m_t, other=0).to(tl.int64)
+    base = pool + (slot[:, None] * C + o_c[None, :]) * W  # each token's window [C, W]: W + d holds x_{bos + d}
+    mask = m_t[:, None] & m_c[None, :]
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):  # tap j multiplies x_{t - (W - 1) + j}
+        src = t - (W - 1) + j
+        inside = src >= bos
+        value = tl.load(x + src[:, None] * stride_xt + o_c[None, :], mask=mask & inside[:, None], other=0.0)
+        value = value.to(tl.float32)
+        if CONTINUE:  # before the segment: its state's window (new states: zeros)
+            held = W + (src - bos)
+            before = (~inside) & (held >= 0)
+            value += tl.load(base + held[:, None], mask=mask & before[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)[None, :] * value
+    out = acc * tl.sigmoid(acc)
+    tl.store(y + t[:, None] * stride_yt + o_c[None, :], out.to(y.dtype.element_ty), mask=mask)
+    if not CONTINUE:  # a segment's last token writes its window: the last W inputs, zeros before its start
+        last = mask & (t == eos - 1)[:, None]
+        for j in tl.static_range(W):
+            token = eos - W + j
+            held = tl.load(
+                x + token[:, None] * stride_xt + o_c[None, :], mask=last & (token >= bos)[:, None], other=0.0
+            )
+            tl.store(base + j, held.to(pool.dtype.element_ty), mask=last)
+
+
+def conv_tokens(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+) -> torch.Tensor:
+    """conv_rows' job (same arguments) for segments of any length and number: tiles of tokens × channels over the
+    whole input, each token finding its segment by binary search in `cu`. The grid depends only on x's size, so it
+    can be captured; tokens outside the segments are not written. A new state's window is written by its last
+    token, so an empty new segment writes none (the engine has none; a graph's padding segments are empty)."""
+    T, C = x.shape
+    W = weight.shape[1]
+    n = slots.shape[0]
+    assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous() and n < 2**SEARCH_STEPS
+    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    BT, BC = TOKEN_TILE
+    if n and T:
+        _conv_tokens_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
+            x,
+            weight,
+            pool,
+            slots,
+            cu,
+            y,
+            C,
+            n,
+            x.stride(0),
+            y.stride(0),
+            W=W,
+            BT=BT,
+            BC=BC,
+            STEPS=SEARCH_STEPS,
+            CONTINUE=not new_states,
+            num_warps=TOKEN_WARPS,
         )
     return y
