@@ -5,9 +5,9 @@ of ROW_BUCKETS. Segment, pick and prefix capacities follow from the bucket, so t
 grid. Rows must all be short (at most RECURRENT_MAX_LEN tokens). New states may be long too when the long-state
 kernels are capturable (`long_kernels` "ours": the conv finds each token's segment by binary search, the chunked
 delta rule tiles segments without host maps, kernels/segments.py); fla's chunked kernel builds chunk maps on the
-host, so with it passes with a long new state run eagerly. In a graph the short and the long new states each form one kernel group over the whole
-state region, with offsets counted from the region's start (short states first, as in an eager pass); each group's
-kernels touch only its own segments' tokens.
+host, so with it passes with a long new state run eagerly. In a graph the short and the long new states each form
+one kernel group over the whole state region, with offsets counted from the region's start (short states first, as
+in an eager pass); each group's kernels touch only its own segments' tokens.
 
 Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
 padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on
