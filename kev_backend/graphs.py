@@ -3,9 +3,9 @@
 A pass is padded to a bucket: its new states' tokens to one size of STATE_BUCKETS (or none), its rows' tokens to one
 of ROW_BUCKETS. Segment, pick and prefix capacities follow from the bucket, so the bucket alone fixes every shape and
 grid. Rows must all be short (at most RECURRENT_MAX_LEN tokens). New states may be long too when the long-state
-kernels are capturable (`long_kernels` "ours": the conv finds each token's segment by binary search, the chunked
-delta rule tiles segments without host maps, kernels/segments.py); fla's chunked kernel builds chunk maps on the
-host, so with it passes with a long new state run eagerly. In a graph the short and the long new states each form
+kernels are capturable (`long_kernels` "ours": the conv and the chunked delta rule find segments by binary search
+on the device, kernels/segments.py); fla's chunked kernel builds chunk maps on the host, so with it passes with a
+long new state run eagerly. In a graph the short and the long new states each form
 one kernel group over the whole state region, with offsets counted from the region's start (short states first, as
 in an eager pass); each group's kernels touch only its own segments' tokens.
 

@@ -22,8 +22,8 @@ if os.environ.get("KEV_KERNEL_DEVICE") == "cuda":
 else:
     TOL, REL = 1e-5, 1e-6
 from kev_backend.kernels import (
-    chunked_rows, conv_rows, conv_tiles, conv_tokens, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope,
-    rows_attention, sigmoid_gate, silu_mul,
+    chunked_rows, conv_rows, conv_tokens, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention,
+    sigmoid_gate, silu_mul,
 )
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
@@ -194,8 +194,20 @@ for n in range(3):
     ref, final = gated_delta_rule(*args, None)
     assert (o_new[a:b] - ref[0].transpose(0, 1)).abs().max() < 10 * TOL, n
     assert (fresh[[2, 5, 0][n]] - final[0]).abs().max() < 10 * TOL, n
+# Many segments inside a wider input (tokens 0-4 and 77-107 in none; several in one 16-token tile; an empty one), as
+# a captured pass's groups: the chunked kernel answers as the token-by-token one, rows and new states.
+inner_cu = torch.tensor([5, 8, 24, 41, 42, 42, 75, 77])
+o1 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
+o2 = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
+assert (o1[5:77] - o2[5:77]).abs().max() < 10 * TOL
+states_1, states_2 = torch.full((8, HV, K, V), float("nan")), torch.full((8, HV, K, V), float("nan"))
+o1 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states_1, torch.arange(7), inner_cu, new_states=True)
+o2 = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states_2, torch.arange(7), inner_cu, new_states=True)
+assert (o1[5:77] - o2[5:77]).abs().max() < 10 * TOL and (states_1[:7] - states_2[:7]).abs().max() < 10 * TOL
 
-# The token-parallel conv answers as the token-by-token one: rows from their windows, new states writing theirs.
+# The pass's conv (tokens in parallel, each finding its segment) answers as the token-by-token one: rows from their
+# windows, new states writing theirs; segments that start after the input's first token and end before its last (a
+# captured pass's long group) leave the other tokens alone.
 lens = [37, 1, 70, 0]
 cu = torch.tensor([0, 37, 38, 108, 108])
 wide = torch.randn(108, C + 5)
@@ -203,20 +215,12 @@ x = wide[:, 2 : 2 + C]
 pool = torch.randn(6, C, 4)
 slots = torch.tensor([3, 0, 3, 5])
 # Compiled, the two sum the window in different orders (fused multiply-adds): equal to rounding, not bit for bit.
-assert (conv_tiles(x, w, pool, slots, cu) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
+assert (conv_tokens(x, w, pool, slots, cu) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
 windows_a, windows_b = torch.full((6, C, 4), float("nan")), torch.full((6, C, 4), float("nan"))
-ya = conv_tiles(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
+ya = conv_tokens(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
 yb = conv_rows(x, w, windows_b, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
 assert (ya - yb).abs().max() < TOL
-assert torch.equal(windows_a[[1, 4, 0, 2]], windows_b[[1, 4, 0, 2]])
-
-# conv_tokens (the pass's conv): the same answers, each token finding its segment; segments that start after the
-# input's first token and end before its last (a captured pass's long group) leave the other tokens alone.
-assert (conv_tokens(x, w, pool, slots, cu) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
-windows_c = torch.full((6, C, 4), float("nan"))
-yc = conv_tokens(x, w, windows_c, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
-assert (yc - yb).abs().max() < TOL
-assert torch.equal(windows_c[[1, 4, 0]], windows_b[[1, 4, 0]])  # the empty segment (slot 2) writes no window
+assert torch.equal(windows_a[[1, 4, 0]], windows_b[[1, 4, 0]])  # the empty segment (slot 2) writes no window
 inner = torch.tensor([5, 42, 42, 100])  # tokens 0-4 and 100-107 in no segment; an empty one in between
 ya = conv_tokens(x, w, pool, torch.tensor([3, 0, 5]), inner)
 yb = conv_rows(x[5:], w, pool, torch.tensor([3, 0, 5]), inner - 5)
@@ -298,18 +302,9 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         ],
         *[
             (
-                C._conv_tiles_kernel,
-                {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-                dict(W=4, BT=C.CONV_TILE[0], BC=C.CONV_TILE[1], CONTINUE=continues),
-                4,
-            )
-            for continues in (True, False)
-        ],
-        *[
-            (
                 C._conv_tokens_kernel,
                 {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-                dict(W=4, BT=C.TOKEN_TILE[0], BC=C.TOKEN_TILE[1], STEPS=C.SEARCH_STEPS, CONTINUE=continues),
+                dict(W=4, BT=C.TOKEN_TILE[0], BC=C.TOKEN_TILE[1], STEPS=16, CONTINUE=continues),
                 C.TOKEN_WARPS,
             )
             for continues in (True, False)
@@ -329,7 +324,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         (
             R._chunk_prep_kernel,
             recurrent | {"w": f32, "u": f32},
-            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4),
+            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, STEPS=16),
             R.PREP_WARPS,
         ),
         *[

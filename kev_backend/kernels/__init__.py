@@ -3,14 +3,13 @@ norms and the MLP activation, the gated delta rule, the causal conv and row atte
 writing their segments' states in the bank pool in place."""
 
 from .attention import rows_attention
-from .conv import conv_rows, conv_tiles, conv_tokens
+from .conv import conv_rows, conv_tokens
 from .delta_rule import chunked_rows, recurrent_rows
 from .norms import gated_rms_norm, rms_norm, rms_norm_rope, sigmoid_gate, silu_mul
 
 __all__ = [
     "chunked_rows",
     "conv_rows",
-    "conv_tiles",
     "conv_tokens",
     "gated_rms_norm",
     "recurrent_rows",

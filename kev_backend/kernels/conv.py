@@ -1,7 +1,7 @@
 """Qwen3.5's depthwise causal conv (kernel 4) + SiLU for segments reading or writing their window in the bank.
 
-The pass uses conv_tokens for every segment. conv_rows (token by token) and conv_tiles (tiles per segment) are its
-predecessors, kept while bench/diag.py long compares them on the GPU."""
+The pass uses conv_tokens for every segment; conv_rows (token by token, its predecessor for short segments) stays
+while bench/diag.py long compares the two on the GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import segment_of_tile, tile_grid
+from .segments import SEARCH_STEPS, segment_of
 
 
 @triton.jit
@@ -74,92 +74,9 @@ def conv_rows(
     return y
 
 
-# Tokens × channels per program of the token-parallel conv: no register spills on sm_90a with 4 warps (32 × 128
-# spills in the variant that reads windows).
-CONV_TILE = (16, 128)
-
-
-# The segment count varies per pass: one compiled variant for any (no specialisation on its value).
-@triton.jit(do_not_specialize=["N"])
-def _conv_tiles_kernel(
-    x,
-    weight,
-    pool,
-    slots,
-    cu,
-    y,
-    C,
-    N,
-    stride_xt,
-    stride_yt,
-    W: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    CONTINUE: tl.constexpr,
-):
-    i_c, i_g = tl.program_id(0), tl.program_id(1)
-    n, bos, eos, first = segment_of_tile(cu, N, i_g, BT)
-    if n < 0:  # past the last tile
-        return
-    slot = tl.load(slots + n).to(tl.int64)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    t = first + tl.arange(0, BT)
-    m_t = t < eos
-    base = pool + (slot * C + o_c) * W  # the window [C, W]: slot W + d holds x_{bos + d}, d = -W..-1
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):  # tap j multiplies x_{t - (W - 1) + j}
-        src = t - (W - 1) + j
-        inside = src >= bos
-        value = tl.load(
-            x + src[:, None] * stride_xt + o_c[None, :], mask=(m_t & inside)[:, None] & m_c[None, :], other=0.0
-        ).to(tl.float32)
-        if CONTINUE:  # before the segment: its state's window (new states: zeros)
-            held = W + (src - bos)
-            before = m_t & (~inside) & (held >= 0)
-            value += tl.load(base[None, :] + held[:, None], mask=before[:, None] & m_c[None, :], other=0.0).to(
-                tl.float32
-            )
-        acc += tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)[None, :] * value
-    out = acc * tl.sigmoid(acc)
-    tl.store(y + t[:, None] * stride_yt + o_c[None, :], out.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
-    if not CONTINUE:
-        if first == bos:  # a new state's window: its last W inputs (zeros before its start) into its (fresh) slot
-            for j in tl.static_range(W):
-                token = eos - W + j
-                last = tl.load(x + token * stride_xt + o_c, mask=m_c & (token >= bos), other=0.0)
-                tl.store(base + j, last.to(pool.dtype.element_ty), mask=m_c)
-
-
-def conv_tiles(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-    cu: torch.Tensor,
-    new_states: bool = False,
-) -> torch.Tensor:
-    """conv_rows' job (same arguments) with the tokens in parallel: tiles of tokens × channels, each tap read from
-    the input or, before a row's start, from its state's window. For long segments, where conv_rows walks token by
-    token. The grid depends only on x's tokens and the segment count (kernels.segments)."""
-    T, C = x.shape
-    W = weight.shape[1]
-    assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
-    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
-    BT, BC = CONV_TILE
-    if slots.shape[0]:
-        n = slots.shape[0]
-        _conv_tiles_kernel[(triton.cdiv(C, BC), tile_grid(T, n, BT))](
-            x, weight, pool, slots, cu, y, C, n, x.stride(0), y.stride(0), W=W, BT=BT, BC=BC, CONTINUE=not new_states
-        )
-    return y
-
-
-# Tokens × channels per program of conv_tokens, on 8 warps (4 spill a little on sm_90a: per-token window pointers),
-# and the binary search's steps: segments up to 2^16.
+# Tokens × channels per program of conv_tokens, on 8 warps (4 spill a little on sm_90a: per-token window pointers).
 TOKEN_TILE = (16, 128)
 TOKEN_WARPS = 8
-SEARCH_STEPS = 16
 
 
 @triton.jit
@@ -184,17 +101,8 @@ def _conv_tokens_kernel(
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-    # Each token's segment: the n with cu[n] <= t < cu[n + 1], by binary search over the offsets (empty segments
-    # are passed over). Tokens outside every segment (before cu[0], from cu[N]) are left alone.
-    lo = tl.zeros([BT], dtype=tl.int64)
-    hi = tl.zeros([BT], dtype=tl.int64) + N
-    for _ in tl.static_range(STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        right = tl.load(cu + mid + 1, mask=active, other=0).to(tl.int64) <= t
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    n = lo
+    # Each token's segment; tokens outside every segment (before cu[0], from cu[N]) are left alone.
+    n = segment_of(cu, N, t, STEPS)
     m_t = (t >= tl.load(cu).to(tl.int64)) & (n < N)
     bos = tl.load(cu + n, mask=m_t, other=0).to(tl.int64)
     eos = tl.load(cu + n + 1, mask=m_t, other=0).to(tl.int64)

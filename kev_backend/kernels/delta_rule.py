@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import segment_of_tile, tile_grid
+from .segments import SEARCH_STEPS, segment_of
 
 
 @triton.jit
@@ -231,6 +231,38 @@ def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
     return tl.cumsum(g, axis=0), beta
 
 
+@triton.jit
+def _chunk_terms(
+    k, v, a, b, w, u, c0, eos, hk, hv, decay_rate, bias, stride_t, stride_vt, stride_at, HV, K, V, BT, LOG2_BT
+):
+    """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment), written per token."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    t = c0 + o_t
+    m = t < eos
+    gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
+    b_k = _l2_normalised(
+        tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    )
+    b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    causal = o_t[:, None] >= o_t[None, :]
+    strict = o_t[:, None] > o_t[None, :]
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
+    T = eye - A
+    P = A
+    for _ in tl.static_range(LOG2_BT - 1):
+        P = tl.dot(P, P, input_precision=PRECISION)
+        T = tl.dot(T, eye + P, input_precision=PRECISION)
+    W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
+    U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
+    tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W, mask=m[:, None])
+    tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
+
+
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
 @triton.jit(do_not_specialize=["N"])
 def _chunk_prep_kernel(
@@ -253,43 +285,47 @@ def _chunk_prep_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
     W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
-    (fp32), so that the sequential pass gets U = U₀ − W S."""
-    i_g, hv = tl.program_id(0), tl.program_id(1)
+    (fp32), so that the sequential pass gets U = U₀ − W S. Chunks start at their segment's first token and every
+    BT tokens after; a program takes the chunks that start in its BT tokens of the input (at most one per segment,
+    found from the first segment reaching into them)."""
+    i_t, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
-    n, bos, eos, c0 = segment_of_tile(cu, N, i_g, BT)
-    if n < 0:  # past the last chunk
-        return
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    t = c0 + o_t
-    m = t < eos
+    start = i_t.to(tl.int64) * BT
     decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
     bias = tl.load(dt_bias + hv).to(tl.float32)
-    gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
-    b_k = _l2_normalised(
-        tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    )
-    b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    causal = o_t[:, None] >= o_t[None, :]
-    strict = o_t[:, None] > o_t[None, :]
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
-    # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
-    T = eye - A
-    P = A
-    for _ in tl.static_range(LOG2_BT - 1):
-        P = tl.dot(P, P, input_precision=PRECISION)
-        T = tl.dot(T, eye + P, input_precision=PRECISION)
-    W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
-    U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
-    tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W, mask=m[:, None])
-    tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
+    n = segment_of(cu, N, start, STEPS)
+    while (n < N) & (tl.load(cu + n).to(tl.int64) < start + BT):
+        bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+        c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
+        if c0 < tl.minimum(eos, start + BT):
+            _chunk_terms(
+                k,
+                v,
+                a,
+                b,
+                w,
+                u,
+                c0,
+                eos,
+                hk,
+                hv,
+                decay_rate,
+                bias,
+                stride_t,
+                stride_vt,
+                stride_at,
+                HV,
+                K,
+                V,
+                BT,
+                LOG2_BT,
+            )
+        n += 1
 
 
 @triton.jit
@@ -371,6 +407,7 @@ def chunked_rows(
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
     the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
     segment counts (kernels.segments): capturable in a CUDA graph."""
+    assert slots.shape[0] < 2**SEARCH_STEPS
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
@@ -379,7 +416,7 @@ def chunked_rows(
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
-        _chunk_prep_kernel[(tile_grid(T, n, CHUNK), HV)](
+        _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
             k,
             v,
             a,
@@ -399,6 +436,7 @@ def chunked_rows(
             V=V,
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
+            STEPS=SEARCH_STEPS,
             num_warps=PREP_WARPS,
         )
     return _launch_delta_rule(
