@@ -91,6 +91,7 @@ def _recurrent_rows_kernel(
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h = _delta_rule_program(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
+    written = eos > bos  # empty segments (a captured pass's padding, on the scratch slot) store no end state
     # Token t+1's inputs are loaded while token t is computed (they do not depend on the state), so the loop's
     # critical path is the state update alone. o_t = (decayed h)·q + (k·q)·u, so both reductions over the key dim
     # read the decayed state at once instead of one after the other.
@@ -112,8 +113,10 @@ def _recurrent_rows_kernel(
         b_o = tl.sum(h * b_q[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
         h = h + b_k[:, None] * b_u[None, :]
         tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
-    if not CONTINUE:  # a new state's end state goes into its (fresh) bank slot; a row writes nothing back
-        tl.store(state, h)
+    # A new state's end state goes into its (fresh) bank slot; a row writes nothing back. Empty segments (a captured
+    # pass's padding, hundreds in a large bucket) write nothing either.
+    if not CONTINUE:
+        tl.store(state, h, mask=written)
 
 
 def recurrent_rows(
@@ -362,6 +365,7 @@ def _chunked_delta_rule_kernel(
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
+    written = eos > bos  # as in _recurrent_rows_kernel
     o_t = tl.arange(0, BT)
     causal = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
     for c0 in range(bos, eos, BT):
@@ -386,7 +390,7 @@ def _chunked_delta_rule_kernel(
         last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
         S = tl.exp(last) * S + tl.dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, input_precision=PRECISION)
     if not CONTINUE:
-        tl.store(state, S)
+        tl.store(state, S, mask=written)
 
 
 def chunked_rows(
