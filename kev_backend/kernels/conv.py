@@ -79,7 +79,8 @@ TOKEN_TILE = (16, 128)
 TOKEN_WARPS = 8
 
 
-@triton.jit
+# The segment count varies per pass: one compiled variant for any (no specialisation on its value).
+@triton.jit(do_not_specialize=["N"])
 def _conv_tokens_kernel(
     x,
     weight,
