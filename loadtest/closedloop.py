@@ -4,6 +4,8 @@
     python loadtest/closedloop.py triton --grpc 127.0.0.1:8001 --http 127.0.0.1:8000 --inprocess inprocess.json \\
         --out bench/results/<name>.json
 
+`--inprocess` also takes a bench JSON (python -m kev_backend.bench): its short6 figures at the same client count.
+
 `inprocess` answers from an Engine in this process, batched as Triton's dynamic batcher batches (kev_backend.bench
 .throughput). `triton` drives a running tritonserver over gRPC and HTTP with async tritonclient and writes the JSON
 with its `triton` block: grpc_rps, http_rps, inprocess_rps and grpc_p50_overhead_ms (gRPC p50 minus in-process p50).
@@ -43,6 +45,23 @@ def inprocess(args: argparse.Namespace) -> dict:
     }
 
 
+def inprocess_reference(record: dict, clients: int) -> dict:
+    """The in-process figures Triton is compared with: a record of `closedloop.py inprocess` as it is, or a bench
+    JSON's (python -m kev_backend.bench) short6 requests/s and p50 at `clients`."""
+    if "workloads" not in record:
+        return record
+    short6 = record["workloads"]["short6"]
+    return {
+        "clients": clients,
+        "gpu": record["gpu"],
+        "backend": record["backend"],
+        "graphs": record["graphs"],
+        "rps": short6["rps"][str(clients)],
+        "p50_ms": short6["p50_ms"][str(clients)],
+        "source": f"bench {record['commit']}",
+    }
+
+
 async def through_triton(args: argparse.Namespace) -> dict:
     results = {}
     for protocol, url in (("grpc", args.grpc), ("http", args.http)):
@@ -65,7 +84,7 @@ def main() -> None:
     two = sub.add_parser("triton")
     two.add_argument("--grpc", default="127.0.0.1:8001")
     two.add_argument("--http", default="127.0.0.1:8000")
-    two.add_argument("--inprocess", type=Path, required=True, help="the JSON `inprocess` wrote")
+    two.add_argument("--inprocess", type=Path, required=True, help="the JSON `inprocess` (or the bench) wrote")
     two.add_argument("--extra", type=Path, action="append", default=[], help="JSON objects merged in (e.g. start)")
     for p in (one, two):
         p.add_argument("--clients", type=int, default=64)
@@ -77,7 +96,7 @@ def main() -> None:
         print(json.dumps(record))
         args.out.write_text(json.dumps(record, indent=2) + "\n")
         return
-    local = json.loads(args.inprocess.read_text())
+    local = inprocess_reference(json.loads(args.inprocess.read_text()), args.clients)
     remote = asyncio.run(through_triton(args))
     record = {
         "gpu": local["gpu"],

@@ -161,3 +161,33 @@ def test_bench_results_compare_by_script() -> None:
     runs = [r for r in runs if "workloads" in r]
     assert len(out) == 1 + sum(len(r["workloads"]) for r in runs) and "short6" in out[1]
     assert out[0].split()[:3] == ["commit", "variant", "workload"]
+
+
+def test_closedloop_takes_a_bench_json_as_its_inprocess_reference() -> None:
+    """gpu_triton.sh compares Triton with the bench's in-process short6 figures at the same client count."""
+    sys.path.insert(0, str(REPO / "loadtest"))
+    try:
+        import closedloop
+    finally:
+        sys.path.remove(str(REPO / "loadtest"))
+    path = REPO / "bench" / "results" / "2026-11-30-nvidia-h200-8a29af68.json"
+    bench = json.loads(path.read_text())
+    local = closedloop.inprocess_reference(bench, 64)
+    assert local["rps"] == bench["workloads"]["short6"]["rps"]["64"] > 0
+    assert local["p50_ms"] == bench["workloads"]["short6"]["p50_ms"]["64"] > 0
+    assert local["gpu"] == bench["gpu"] and local["source"] == f"bench {bench['commit']}"
+    own = {"rps": 3.0, "p50_ms": 9.0, "gpu": "cpu"}
+    assert closedloop.inprocess_reference(own, 64) is own  # a closedloop inprocess record as it is
+
+
+def test_merge_json_adds_keys_and_never_overwrites(tmp_path: Path) -> None:
+    """bench/merge_json.py puts the Triton start times into the bench JSON; a key already there stops it."""
+    target, start = tmp_path / "bench.json", tmp_path / "start.json"
+    target.write_text(json.dumps({"graphs": True, "workloads": {}}))
+    start.write_text(json.dumps({"ready_s": 12.5, "first_answer_s": 13.0}))
+    script = [sys.executable, str(REPO / "bench" / "merge_json.py")]
+    subprocess.run([*script, str(target), str(start)], check=True, capture_output=True, timeout=60)
+    assert json.loads(target.read_text()) == {"graphs": True, "workloads": {}, "ready_s": 12.5, "first_answer_s": 13.0}
+    again = subprocess.run([*script, str(target), str(start)], capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0 and "ready_s" in again.stderr
+    assert json.loads(target.read_text())["ready_s"] == 12.5
