@@ -35,6 +35,9 @@ class KevMetrics:
         self.bank_entries = metric("kev_bank_entries", gauge, "states held in the bank")
         self.graph_hits = metric("kev_graph_replays_total", counter, "passes replayed from a CUDA graph")
         self.graph_captures = metric("kev_graph_captures_total", counter, "CUDA graphs captured")
+        self.graph_failures = metric(
+            "kev_graph_capture_failures_total", counter, "CUDA graph captures that failed (their passes run eagerly)"
+        )
         self.graphs = metric("kev_graphs", gauge, "CUDA graphs held")
         self.graph_bytes = metric("kev_graph_bytes", gauge, "GPU memory reserved while capturing the graphs")
         self.batch_requests = metric("kev_batch_requests", histogram, "requests per engine call", BATCH_BUCKETS)
@@ -43,7 +46,7 @@ class KevMetrics:
         )
         self.row_tokens = metric("kev_batch_row_tokens", histogram, "question-row tokens per batch", TOKEN_BUCKETS)
         self.engine_ms = metric("kev_engine_ms", histogram, "engine model time per batch (ms)", MS_BUCKETS)
-        self._seen = {"hits": 0, "misses": 0, "evictions": 0, "graph_replays": 0, "graph_captures": 0}
+        self._seen: dict[str, int] = {}  # the engine's running totals at the last record, per counter
 
     def record(self, engine: Any) -> None:
         batch = engine.last_batch
@@ -56,12 +59,14 @@ class KevMetrics:
             self.engine_ms.observe(batch.model_ms)
         stats = engine.bank_stats
         scorer = engine.scorer
+        graphs = getattr(scorer, "graphs", None)
         totals = {
             "hits": stats.hits,
             "misses": stats.misses,
             "evictions": stats.evictions,
             "graph_replays": getattr(scorer, "graph_replays", 0),
             "graph_captures": getattr(scorer, "graph_captures", 0),
+            "graph_failures": graphs.stats.capture_failures if graphs is not None else 0,
         }
         counters = {
             "hits": self.bank_hits,
@@ -69,13 +74,13 @@ class KevMetrics:
             "evictions": self.bank_evictions,
             "graph_replays": self.graph_hits,
             "graph_captures": self.graph_captures,
+            "graph_failures": self.graph_failures,
         }
         for key, total in totals.items():
-            if total > self._seen[key]:
-                counters[key].increment(total - self._seen[key])
+            if total > self._seen.get(key, 0):
+                counters[key].increment(total - self._seen.get(key, 0))
             self._seen[key] = total
         self.bank_bytes.set(stats.bytes)
         self.bank_entries.set(stats.entries)
-        graphs = getattr(scorer, "graphs", None)
         self.graphs.set(graphs.stats.count if graphs is not None else 0)
         self.graph_bytes.set(graphs.stats.bytes if graphs is not None else 0)

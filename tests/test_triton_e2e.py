@@ -233,6 +233,7 @@ def test_prometheus_metrics_from_the_backend(triton: TritonServer) -> None:
     assert delta("kev_batch_row_tokens_count") == delta("kev_engine_ms_count") >= 1
     assert delta("kev_batch_state_tokens_sum") > 0 and delta("kev_engine_ms_sum") > 0
     assert "kev_graph_replays_total" in after and "kev_graph_captures_total" in after
+    assert after["kev_graph_capture_failures_total"] == 0
     assert after["kev_graphs"] == 0 and after["kev_graph_bytes"] == 0  # no graphs on a CPU
 
 
