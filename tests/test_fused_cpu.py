@@ -52,7 +52,7 @@ def test_fused_pass_answers_like_the_reference(
         short_delta_rule=short_delta_rule,
     )
     requests = realistic(60, seed=7, min_words=5, max_words=150) + [short6(1), short6(), short6()]
-    # Questions over 64 tokens take the chunked kernel from gathered states; a state over 64 tokens too.
+    # A question over 64 tokens takes the chunked delta rule, reading its state in place.
     long_question = {"type": "noul", "instructions": " ".join(["order"] * 70)}
     requests.append({"state": "x y", "questions": {"q": long_question, "r": requests[0]["questions"]["q0"]}})
     encoded = [reference.prepare(r)[1] for r in requests]
