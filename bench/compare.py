@@ -30,9 +30,13 @@ def rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     header = ["commit", "variant", "workload", "new ms", "same ms", *(f"{c}c r/s" for c in clients), "floor r/s"]
     table = [header]
     for run in runs:
-        variant = "+".join(
-            name for name, on in (("graphs", run.get("graphs")), ("ours", run.get("long_kernels") == "ours")) if on
+        choices = (
+            ("graphs", run.get("graphs")),
+            ("ours", run.get("long_kernels") == "ours"),
+            ("chunked", run.get("short_delta_rule") == "chunked"),
+            ("partial", run.get("complete") is False),  # a run cut short: some workloads missing
         )
+        variant = "+".join(name for name, on in choices if on)
         for name, w in run["workloads"].items():
             rps = w.get("rps", {})
             table.append(
