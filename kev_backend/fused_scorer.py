@@ -68,7 +68,7 @@ class FusedScorer:
         self.graph_max_tokens = graph_max_tokens
         self.max_graphs = max_graphs
         self.bank = self._new_bank()
-        self.model = FusedQwen35(self.weights, self.bank.pool, kernels, long_kernels, short_delta_rule)
+        self.model = self._new_model()
         self.graphs = self._new_graphs()
         self.oom_retries = 0
 
@@ -82,6 +82,9 @@ class FusedScorer:
             min_tokens=self.max_state_tokens + 64,
         )
         return GpuBank(pool)
+
+    def _new_model(self) -> FusedQwen35:
+        return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels, self.short_delta_rule)
 
     def _new_graphs(self):
         if not self.use_graphs:
@@ -119,9 +122,7 @@ class FusedScorer:
             self.graphs = None
             torch.cuda.empty_cache()
             self.bank = self._new_bank()
-            self.model = FusedQwen35(
-                self.weights, self.bank.pool, self.kernels, self.long_kernels, self.short_delta_rule
-            )
+            self.model = self._new_model()
             self.graphs = self._new_graphs()
             return self._probabilities(batch)
 

@@ -75,12 +75,12 @@ class Bucket:
     def picks(self) -> int:
         return self.row_tokens // 2  # a row is ≥ 2 tokens per pick (<decide> and each option's </opt>)
 
-    def fits(self, layout: PassLayout) -> bool:
-        long = sum(not is_short(n) for n in layout.state_lengths)
+    def fits(self, layout: PassLayout, long_states: int) -> bool:
+        """Whether the pass fits; `long_states`: how many of its new states are long (counted once by the caller)."""
         return (
             len(layout.state_ids) <= self.state_tokens
-            and len(layout.state_lengths) - long <= self.states
-            and long <= self.long_states
+            and len(layout.state_lengths) - long_states <= self.states
+            and long_states <= self.long_states
             and len(layout.row_ids) <= self.row_tokens
             and len(layout.row_lengths) <= self.rows
             and len(layout.row_picks) <= self.picks
@@ -105,9 +105,10 @@ def smallest_bucket(
     without `long_states`, a prefix index over `prefix_tokens`, or too large for any (the pass runs eagerly)."""
     if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
         return None
-    if not long_states and not all(is_short(n) for n in layout.state_lengths):
+    long = sum(not is_short(n) for n in layout.state_lengths)
+    if long and not long_states:
         return None
-    return next((b for b in buckets if b.fits(layout)), None)
+    return next((b for b in buckets if b.fits(layout, long)), None)
 
 
 class StaticInputs:

@@ -16,6 +16,24 @@ from kev_backend.workloads import realistic, short6
 from .fused_cpu_ops import CALLS, TORCH_KERNELS
 
 
+def engines(tiny_dir: Path, **options) -> tuple[Engine, FusedScorer]:
+    """The reference engine on the tiny checkpoint and a fused scorer (fp32, torch stand-ins) on the same model."""
+    reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
+    ck = reference.checkpoint
+    fused = FusedScorer(
+        ck.model,
+        ck.head,
+        ck.temperature,
+        reference.tokenizer.delimiters.pad,
+        bank_bytes=1 << 26,
+        dtype=torch.float32,
+        kernels=TORCH_KERNELS,
+        graph_max_tokens=1024,
+        **options,
+    )
+    return reference, fused
+
+
 @pytest.mark.parametrize(
     "split_passes,graphs,long_kernels,short_delta_rule",
     [
@@ -34,20 +52,11 @@ def test_fused_pass_answers_like_the_reference(
     here), the others as usual; with long_kernels "ours" that includes passes with long new states. `long_kernels`:
     which kernels new states over 64 tokens take; `short_delta_rule`, which delta rule segments up to 64 tokens
     take (the stand-ins compute both alike: this checks the routing)."""
-    reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
-    ck = reference.checkpoint
-    fused = FusedScorer(
-        ck.model,
-        ck.head,
-        ck.temperature,
-        reference.tokenizer.delimiters.pad,
-        bank_bytes=1 << 26,
+    reference, fused = engines(
+        tiny_dir,
         pass_tokens=600,
-        dtype=torch.float32,
-        kernels=TORCH_KERNELS,
         split_passes=split_passes,
         graphs=graphs,
-        graph_max_tokens=1024,
         long_kernels=long_kernels,
         short_delta_rule=short_delta_rule,
     )
@@ -81,19 +90,7 @@ def test_fused_pass_answers_like_the_reference(
 def test_a_failed_capture_leaves_its_bucket_eager(tiny_dir: Path) -> None:
     """A bucket whose CUDA-graph capture raises (an operation that refuses capture) is recorded, never retried, and
     its passes run padded and eagerly with the same answers: the engine keeps starting and serving."""
-    reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
-    ck = reference.checkpoint
-    fused = FusedScorer(
-        ck.model,
-        ck.head,
-        ck.temperature,
-        reference.tokenizer.delimiters.pad,
-        bank_bytes=1 << 26,
-        dtype=torch.float32,
-        kernels=TORCH_KERNELS,
-        graphs=True,
-        graph_max_tokens=1024,
-    )
+    reference, fused = engines(tiny_dir, graphs=True)
     attempts = []
 
     def refuse(bucket):
