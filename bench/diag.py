@@ -247,6 +247,21 @@ def long_case(lengths: list[int], new: bool) -> None:
             f"fla {cuda_ms(fla_conv):.3f} ms",
             flush=True,
         )
+        from kev_backend.kernels import conv
+
+        chosen = conv.TOKEN_TILE, conv.TOKEN_WARPS
+        timings = []
+        for conv.TOKEN_TILE, conv.TOKEN_WARPS in (
+            ((16, 128), 8),
+            ((16, 128), 4),
+            ((32, 128), 4),
+            ((16, 256), 8),
+            ((64, 64), 4),
+            ((8, 256), 4),
+        ):
+            timings.append(f"{conv.TOKEN_TILE[0]}x{conv.TOKEN_TILE[1]}/{conv.TOKEN_WARPS} {cuda_ms(tokens):.3f}")
+        conv.TOKEN_TILE, conv.TOKEN_WARPS = chosen
+        print(f"  conv {label} by tile/warps: " + ", ".join(timings), flush=True)
 
 
 def quick_latency() -> None:

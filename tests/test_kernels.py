@@ -4,6 +4,7 @@ the interpreter setting never reaches GPU tests in the same run). On the GPU the
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -247,6 +248,12 @@ def test_kernels_compiled_on_the_gpu() -> None:
     run_check(KEV_KERNEL_DEVICE="cuda")
 
 
+# Spills measured to pay: the chunked delta rule's sequential pass on 4 warps spills ~90 bytes yet ran faster on the
+# H200 than on 8 warps without (bench/diag.py long at 994b313, 1/8/24 new 2,200-token states: 0.44/2.33/6.96 ms
+# against 0.49/3.74/11.2).
+SPILL_ALLOWED = {"_chunked_delta_rule_kernel": 128}
+
+
 def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     """Our kernels at Kev-4B's shapes compile for sm_90a (Triton to PTX, then the wheel's ptxas) with no register
     spills: the GPU run then only measures them. Needs no GPU."""
@@ -306,7 +313,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 C._conv_tokens_kernel,
                 {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-                dict(W=4, BT=C.TOKEN_TILE[0], BC=C.TOKEN_TILE[1], STEPS=16, CONTINUE=continues),
+                dict(W=4, BT=C.TOKEN_TILE[0], BC=C.TOKEN_TILE[1], CONTINUE=continues),
                 C.TOKEN_WARPS,
             )
             for continues in (True, False)
@@ -326,7 +333,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         (
             R._chunk_prep_kernel,
             recurrent | {"w": f32, "u": f32},
-            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, STEPS=16),
+            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4),
             R.PREP_WARPS,
         ),
         *[
@@ -355,4 +362,9 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             timeout=300,
         )
         assert result.returncode == 0, result.stderr[-2000:]
-        assert "0 bytes spill stores" in result.stderr, (fn.fn.__name__, constants, result.stderr[-500:])
+        spilled = re.search(r"(\d+) bytes spill stores", result.stderr)
+        assert spilled and int(spilled[1]) <= SPILL_ALLOWED.get(fn.fn.__name__, 0), (
+            fn.fn.__name__,
+            constants,
+            result.stderr[-500:],
+        )

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import SEARCH_STEPS, segment_of
+from .segments import search_steps, segment_of
 
 
 @triton.jit
@@ -80,7 +80,7 @@ TOKEN_WARPS = 8
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "steps"])
 def _conv_tokens_kernel(
     x,
     weight,
@@ -92,10 +92,10 @@ def _conv_tokens_kernel(
     N,
     stride_xt,
     stride_yt,
+    steps,
     W: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
-    STEPS: tl.constexpr,
     CONTINUE: tl.constexpr,
 ):
     i_c, i_t = tl.program_id(0), tl.program_id(1)
@@ -103,7 +103,7 @@ def _conv_tokens_kernel(
     m_c = o_c < C
     t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
     # Each token's segment; tokens outside every segment (before cu[0], from cu[N]) are left alone.
-    n = segment_of(cu, N, t, STEPS)
+    n = segment_of(cu, N, t, steps)
     m_t = (t >= tl.load(cu).to(tl.int64)) & (n < N)
     bos = tl.load(cu + n, mask=m_t, other=0).to(tl.int64)
     eos = tl.load(cu + n + 1, mask=m_t, other=0).to(tl.int64)
@@ -148,7 +148,7 @@ def conv_tokens(
     T, C = x.shape
     W = weight.shape[1]
     n = slots.shape[0]
-    assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous() and n < 2**SEARCH_STEPS
+    assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
     y = torch.empty(T, C, device=x.device, dtype=x.dtype)
     BT, BC = TOKEN_TILE
     if n and T:
@@ -163,10 +163,10 @@ def conv_tokens(
             n,
             x.stride(0),
             y.stride(0),
+            search_steps(n),
             W=W,
             BT=BT,
             BC=BC,
-            STEPS=SEARCH_STEPS,
             CONTINUE=not new_states,
             num_warps=TOKEN_WARPS,
         )

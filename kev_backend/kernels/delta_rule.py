@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import SEARCH_STEPS, segment_of
+from .segments import search_steps, segment_of
 
 
 @triton.jit
@@ -213,8 +213,10 @@ PRECISION: tl.constexpr = tl.constexpr("tf32")
 # Tokens per chunk of the chunked delta rule: (I + A)⁻¹ of a strictly lower-triangular A is then a product of
 # log2(CHUNK) factors (I + A^(2^j)), all 16×16 products.
 CHUNK = 16
-CHUNK_BV = 32  # value columns per program of the sequential pass, on CHUNK_WARPS warps
-CHUNK_WARPS = 8
+# Value columns per program of the sequential pass, on CHUNK_WARPS warps. H200, Kev-4B heads (bench/diag.py long,
+# 994b313), ms for 1/8/24 new states of 2,200 tokens: 32/4 0.44/2.33/6.96, 32/8 0.49/3.74/11.2, 64/8 0.50/2.23/6.69.
+CHUNK_BV = 32
+CHUNK_WARPS = 4
 PREP_WARPS = 4
 
 
@@ -267,7 +269,7 @@ def _chunk_terms(
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "steps"])
 def _chunk_prep_kernel(
     k,
     v,
@@ -282,13 +284,13 @@ def _chunk_prep_kernel(
     stride_t,
     stride_vt,
     stride_at,
+    steps,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
-    STEPS: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
@@ -301,7 +303,7 @@ def _chunk_prep_kernel(
     start = i_t.to(tl.int64) * BT
     decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
     bias = tl.load(dt_bias + hv).to(tl.float32)
-    n = segment_of(cu, N, start, STEPS)
+    n = segment_of(cu, N, start, steps)
     while (n < N) & (tl.load(cu + n).to(tl.int64) < start + BT):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
@@ -411,7 +413,6 @@ def chunked_rows(
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
     the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
     segment counts (kernels.segments): capturable in a CUDA graph."""
-    assert slots.shape[0] < 2**SEARCH_STEPS
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
@@ -434,13 +435,13 @@ def chunked_rows(
             q.stride(0),
             v.stride(0),
             a.stride(0),
+            search_steps(n),
             H=H,
             HV=HV,
             K=K,
             V=V,
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
-            STEPS=SEARCH_STEPS,
             num_warps=PREP_WARPS,
         )
     return _launch_delta_rule(

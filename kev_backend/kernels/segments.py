@@ -8,17 +8,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Halvings of the search: up to 2^16 segments per call.
-SEARCH_STEPS = 16
+# At most 2^16 segments per call.
+MAX_SEGMENTS = 2**16
+
+
+def search_steps(n: int) -> int:
+    """Halvings that find one of n segments (or none past them): each is a dependent load, so a call searches
+    only as deep as its own segment count needs (a constant 16 cost ~6x on a single long state's conv). The count
+    is the segments tensor's length, a shape, hence fixed inside a captured graph."""
+    assert n < MAX_SEGMENTS
+    return max(1, n.bit_length())
 
 
 @triton.jit
-def segment_of(cu, N, t, STEPS: tl.constexpr):
+def segment_of(cu, N, t, steps):
     """The first segment n whose end cu[n + 1] is past token t (its own segment when cu[n] <= t; empty segments
-    are passed over), N when t is at or past cu[N]. t: a scalar or a block of token positions (int64)."""
+    are passed over), N when t is at or past cu[N]; `steps` from search_steps(N). t: a scalar or a block of token
+    positions (int64)."""
     lo = t * 0
     hi = t * 0 + N
-    for _ in tl.static_range(STEPS):
+    for _ in range(steps):
         active = lo < hi
         mid = (lo + hi) // 2
         right = tl.load(cu + mid + 1, mask=active, other=0).to(tl.int64) <= t
