@@ -6,13 +6,14 @@
 #   tests      GPU tests but parity and graphs: compiled kernels, engine API, no compiles after warm-up (~2.5 min)
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
-#   diag       bench/diag.py long (our kernels against fla's), then the engine's latency and 64-client throughput
+#   long       bench/diag.py long: our kernels against fla's, block/warps sweeps (~1.5 min)
+#   diag       long, then the engine's latency and 64-client throughput
 #              for each kernel choice (~5 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes (~1.5 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
-# Environment: KEV_COMMIT (the commit the results name), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE (kernel choices).
+# Environment: KEV_COMMIT (the commit the results name), PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE (kernel choices).
 set -uo pipefail
 steps=("${@:-all}")
 out=${OUT:-/tmp/out}
@@ -32,10 +33,11 @@ gpu_pytest() {  # LOG -k EXPRESSION: the GPU tests matching it, the log's tail t
 run_step() {
   case $1 in
     tests) gpu_pytest gpu-tests.log "not parity and not graph" "passed|failed|Error|assert" ;;
-    parity) gpu_pytest gpu-parity.log "parity and not graph" "^(tiny|small|kev4b) |passed|failed|Error|error" ;;
+    parity) gpu_pytest gpu-parity.log "${PARITY_SELECT:-parity and not graph}" "^(tiny|small|kev4b) |passed|failed|Error|error" ;;
     graphtest) gpu_pytest gpu-graphs.log "graph_replay" "^graphs |passed|failed|Error" ;;
+    long) timeout 180 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1 ;;
     diag)
-      timeout 180 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1
+      run_step long
       # The engine with each kernel choice: latency and 64-client throughput (which to make the default).
       for choice in "" KEV_LONG_KERNELS=ours KEV_SHORT_DELTA_RULE=chunked; do
         env $choice timeout 120 python3 bench/diag.py latency 2>&1 | grep -E "^(kernels|short6|long5)" \
