@@ -249,9 +249,9 @@ def long_case(lengths: list[int], new: bool) -> None:
         )
         from kev_backend.kernels import conv
 
-        chosen = conv.TOKEN_TILE, conv.TOKEN_WARPS
+        chosen = conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS
         timings = []
-        for conv.TOKEN_TILE, conv.TOKEN_WARPS in (
+        for conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS in (
             ((16, 128), 8),
             ((16, 128), 4),
             ((32, 128), 4),
@@ -259,8 +259,9 @@ def long_case(lengths: list[int], new: bool) -> None:
             ((64, 64), 4),
             ((8, 256), 4),
         ):
-            timings.append(f"{conv.TOKEN_TILE[0]}x{conv.TOKEN_TILE[1]}/{conv.TOKEN_WARPS} {cuda_ms(tokens):.3f}")
-        conv.TOKEN_TILE, conv.TOKEN_WARPS = chosen
+            tile = f"{conv.NEW_TOKEN_TILE[0]}x{conv.NEW_TOKEN_TILE[1]}/{conv.NEW_TOKEN_WARPS}"
+            timings.append(f"{tile} {cuda_ms(tokens):.3f}")
+        conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS = chosen
         print(f"  conv {label} by tile/warps: " + ", ".join(timings), flush=True)
 
 

@@ -248,10 +248,15 @@ def test_kernels_compiled_on_the_gpu() -> None:
     run_check(KEV_KERNEL_DEVICE="cuda")
 
 
-# Spills measured to pay: the chunked delta rule's sequential pass on 4 warps spills ~90 bytes yet ran faster on the
-# H200 than on 8 warps without (bench/diag.py long at 994b313, 1/8/24 new 2,200-token states: 0.44/2.33/6.96 ms
-# against 0.49/3.74/11.2).
-SPILL_ALLOWED = {"_chunked_delta_rule_kernel": 128}
+# Spills measured to pay, by (kernel, CONTINUE): the chunked delta rule's sequential pass on 4 warps spills ~90 bytes
+# yet ran faster on the H200 than on 8 warps without (bench/diag.py long at 994b313, 1/8/24 new 2,200-token states:
+# 0.44/2.33/6.96 ms against 0.49/3.74/11.2); the conv of new states in 64×64 tiles on 4 warps spills 172 bytes and ran
+# 2-2.3x faster than 16×128 on 8 warps without (dd024d3, in kernels/conv.py).
+SPILL_ALLOWED = {
+    ("_chunked_delta_rule_kernel", True): 128,
+    ("_chunked_delta_rule_kernel", False): 128,
+    ("_conv_tokens_kernel", False): 192,
+}
 
 
 def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
@@ -313,10 +318,13 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 C._conv_tokens_kernel,
                 {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-                dict(W=4, BT=C.TOKEN_TILE[0], BC=C.TOKEN_TILE[1], CONTINUE=continues),
-                C.TOKEN_WARPS,
+                dict(W=4, BT=tile[0], BC=tile[1], CONTINUE=continues),
+                warps,
             )
-            for continues in (True, False)
+            for continues, tile, warps in (
+                (True, C.TOKEN_TILE, C.TOKEN_WARPS),
+                (False, C.NEW_TOKEN_TILE, C.NEW_TOKEN_WARPS),
+            )
         ],
         (
             R._recurrent_rows_kernel,
@@ -363,7 +371,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         )
         assert result.returncode == 0, result.stderr[-2000:]
         spilled = re.search(r"(\d+) bytes spill stores", result.stderr)
-        assert spilled and int(spilled[1]) <= SPILL_ALLOWED.get(fn.fn.__name__, 0), (
+        assert spilled and int(spilled[1]) <= SPILL_ALLOWED.get((fn.fn.__name__, constants.get("CONTINUE")), 0), (
             fn.fn.__name__,
             constants,
             result.stderr[-500:],

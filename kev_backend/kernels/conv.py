@@ -74,7 +74,13 @@ def conv_rows(
     return y
 
 
-# Tokens × channels per program of conv_tokens, on 8 warps (4 spill a little on sm_90a: per-token window pointers).
+# Tokens × channels per program of conv_tokens, and warps. H200, Kev-4B's 8,192 channels (bench/diag.py long, dd024d3),
+# ms for 1/8/24 new states of 2,200 tokens and 1/32 of 34: 64×64/4 0.068/0.437/1.31/0.026/0.036; 32×128/4
+# 0.068/0.467/1.41/0.042/0.035; 16×128/8 (before) 0.123/0.982/3.00/0.045/0.069.
+# That is new states'; rows, which read their state's window through per-token pointers, spill at 64×64/4 (6.5 KB on
+# sm_90a) and keep 16×128/8.
+NEW_TOKEN_TILE = (64, 64)
+NEW_TOKEN_WARPS = 4
 TOKEN_TILE = (16, 128)
 TOKEN_WARPS = 8
 
@@ -150,7 +156,7 @@ def conv_tokens(
     n = slots.shape[0]
     assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
     y = torch.empty(T, C, device=x.device, dtype=x.dtype)
-    BT, BC = TOKEN_TILE
+    BT, BC = NEW_TOKEN_TILE if new_states else TOKEN_TILE
     if n and T:
         _conv_tokens_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
             x,
@@ -168,6 +174,6 @@ def conv_tokens(
             BT=BT,
             BC=BC,
             CONTINUE=not new_states,
-            num_warps=TOKEN_WARPS,
+            num_warps=NEW_TOKEN_WARPS if new_states else TOKEN_WARPS,
         )
     return y
