@@ -10,8 +10,8 @@ from pathlib import Path
 
 
 def set_queue_delay(text: str, delay_us: int) -> str:
-    pattern = re.compile(r"^(\s*max_queue_delay_microseconds:\s*)\d+\s*$", re.MULTILINE)
-    updated, count = pattern.subn(lambda m: f"{m.group(1)}{delay_us}", text)
+    pattern = re.compile(r"^(\s*max_queue_delay_microseconds:\s*)\d+(\s*(?:#.*)?)$", re.MULTILINE)
+    updated, count = pattern.subn(lambda m: f"{m.group(1)}{delay_us}{m.group(2)}", text)
     if count != 1:
         raise ValueError(f"expected one max_queue_delay_microseconds line, found {count}")
     return updated

@@ -19,6 +19,7 @@ import torch
 from .bank import BankStats, StateBank
 from .checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from .encoding import Encoded, KevTokenizer, Limits, encode
+from .head import warm_pointer_head
 from .reference import ReferenceScorer
 from .systemone import Record, RequestError, answers_from_probabilities, answers_json, parse_request, response_body
 
@@ -141,8 +142,8 @@ class Engine:
         return "fused" if usable and self.checkpoint.dtype != torch.float32 else "reference"
 
     def warm(self) -> None:
-        """Captures the graph buckets and runs one batch with a short and a long state and question (every kernel
-        family compiles and tunes now, not on a request)."""
+        """Captures the graph buckets, runs one batch with a short and a long state and question (every kernel
+        family compiles and tunes now, not on a request) and the pointer head at every row count up to 512."""
         started = time.perf_counter()
         if getattr(self.scorer, "graphs", None) is not None:
             self.scorer.graphs.warm()
@@ -159,6 +160,8 @@ class Engine:
                 {"state": words, "questions": {"q": question, "r": long_question}},
             ]
         )
+        if self.backend == "fused":
+            warm_pointer_head(self.scorer.head)
         self.startup["warm_batch"] = time.perf_counter() - started
 
     @classmethod
