@@ -6,7 +6,7 @@
 # graphs on): time to ready and to the first answer with an empty kernel cache and again with the cache the first
 # start filled, each with its start-up phases (added to the bench JSON); gRPC and HTTP at 64 closed-loop clients
 # against the bench's in-process figures; open-loop sweeps for short6 and the realistic mix; Triton's and our
-# metrics. Files under $OUT (at most 8 come back); about 8 minutes.
+# metrics. Files under $OUT (at most 8 come back); about 5.5 minutes (5.1 at aa82118, before the one-client run and the fourth mix rate).
 set -uo pipefail
 source "$(dirname "$0")/gpu_triton_env.sh"
 # The engine alone first (the bench in this process, graphs on, nothing else on the GPU), then the server: never both
@@ -29,7 +29,7 @@ python3 bench/merge_json.py "$bench_json" /tmp/start.json /tmp/restart.json
 python3 loadtest/closedloop.py triton --inprocess "$bench_json" --extra /tmp/start.json --extra /tmp/restart.json \
   --seconds 10 --out "$out/triton-$(date +%F).json"
 python3 loadtest/openloop.py --rates "${1:-50,100,200,300}" --seconds 8 --shape short6 --out "$out/openloop-short6"
-python3 loadtest/openloop.py --rates "${2:-10,20,40}" --seconds 8 --shape mix --out "$out/openloop-mix"
+python3 loadtest/openloop.py --rates "${2:-20,40,80,120}" --seconds 8 --shape mix --out "$out/openloop-mix"
 curl -s 127.0.0.1:8002/metrics | grep -E "^kev_|^nv_inference_(count|exec_count|queue_duration)" > "$out/metrics.txt"
 kill $server
 wait $server

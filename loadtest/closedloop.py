@@ -8,7 +8,9 @@
 
 `inprocess` answers from an Engine in this process, batched as Triton's dynamic batcher batches (kev_backend.bench
 .throughput). `triton` drives a running tritonserver over gRPC and HTTP with async tritonclient and writes the JSON
-with its `triton` block: grpc_rps, http_rps, inprocess_rps and grpc_p50_overhead_ms (gRPC p50 minus in-process p50).
+with its `triton` block: grpc_rps, http_rps, inprocess_rps, grpc_p50_overhead_ms (gRPC p50 minus in-process p50)
+and the same with one client (grpc_p50_overhead_1c_ms); each Triton run also records the server's breakdown (mean
+batch, queue and execute time per request, the engine's time per batch: Triton's statistics and metrics).
 Run the two one after the other, not at once: both use the GPU.
 """
 
@@ -20,7 +22,7 @@ import datetime
 import json
 from pathlib import Path
 
-from loops import closed_loop
+from loops import closed_loop, server_breakdown, server_totals
 
 from kev_backend.bench import commit
 from kev_backend.client import AsyncKevClient
@@ -36,12 +38,14 @@ def inprocess(args: argparse.Namespace) -> dict:
     engine = Engine.from_checkpoint(args.checkpoint, EngineOptions(graphs=args.graphs))
     bench.throughput(engine, short6, args.clients, 2.0)  # warm-up: batch shapes, first launches
     result = bench.throughput(engine, short6, args.clients, args.seconds)
+    alone = bench.throughput(engine, short6, 1, args.seconds)
     return {
         "clients": args.clients,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "backend": engine.backend,
         "graphs": args.graphs,
         **result,
+        "p50_1c_ms": alone["p50_ms"],
     }
 
 
@@ -58,20 +62,29 @@ def inprocess_reference(record: dict, clients: int) -> dict:
         "graphs": record["graphs"],
         "rps": short6["rps"][str(clients)],
         "p50_ms": short6["p50_ms"][str(clients)],
+        "p50_1c_ms": short6["p50_ms"].get("1"),
         "source": f"bench {record['commit']}",
     }
 
 
 async def through_triton(args: argparse.Namespace) -> dict:
+    """gRPC and HTTP at `clients`, then gRPC with one client (what the front door adds to one request's latency);
+    each run with the server's own breakdown of where its requests spent their time."""
     results = {}
-    for protocol, url in (("grpc", args.grpc), ("http", args.http)):
+    for label, protocol, url, clients in (
+        ("grpc", "grpc", args.grpc, args.clients),
+        ("http", "http", args.http, args.clients),
+        ("grpc_1c", "grpc", args.grpc, 1),
+    ):
         async with AsyncKevClient(url, protocol) as kev:
 
             async def send(body: str, kev: AsyncKevClient = kev) -> None:
                 await kev.score_raw(body)
 
-            await closed_loop(send, args.clients, 2.0)  # warm-up
-            results[protocol] = await closed_loop(send, args.clients, args.seconds)
+            await closed_loop(send, clients, 2.0)  # warm-up
+            before = server_totals(args.http, metrics_url=args.metrics)
+            results[label] = await closed_loop(send, clients, args.seconds)
+            results[label]["server"] = server_breakdown(before, server_totals(args.http, metrics_url=args.metrics))
     return results
 
 
@@ -84,6 +97,7 @@ def main() -> None:
     two = sub.add_parser("triton")
     two.add_argument("--grpc", default="127.0.0.1:8001")
     two.add_argument("--http", default="127.0.0.1:8000")
+    two.add_argument("--metrics", default="127.0.0.1:8002", help="Triton's metrics port (the engine's time)")
     two.add_argument("--inprocess", type=Path, required=True, help="the JSON `inprocess` (or the bench) wrote")
     two.add_argument("--extra", type=Path, action="append", default=[], help="JSON objects merged in (e.g. start)")
     for p in (one, two):
@@ -108,12 +122,16 @@ def main() -> None:
             "http_rps": remote["http"]["rps"],
             "inprocess_rps": local["rps"],
             "grpc_p50_overhead_ms": remote["grpc"]["p50_ms"] - local["p50_ms"],
+            "grpc_p50_overhead_1c_ms": (
+                remote["grpc_1c"]["p50_ms"] - local["p50_1c_ms"] if local.get("p50_1c_ms") is not None else None
+            ),
             "grpc_share": remote["grpc"]["rps"] / local["rps"],
             "http_share": remote["http"]["rps"] / local["rps"],
         },
         "inprocess": local,
         "grpc": remote["grpc"],
         "http": remote["http"],
+        "grpc_1c": remote["grpc_1c"],
     }
     for extra in args.extra:
         record.update(json.loads(extra.read_text()))

@@ -7,7 +7,10 @@ import itertools
 import json
 import statistics
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
+
+import tritonclient.http as httpclient
 
 from kev_backend.workloads import short6
 
@@ -36,3 +39,46 @@ async def closed_loop(send: Callable[[str], Awaitable[object]], clients: int, se
         "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "requests": len(latencies),
     }
+
+
+# Triton's per-request phases (statistics extension): each holds a count and the nanoseconds summed over requests.
+PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def server_totals(http_url: str, model: str = "kev", metrics_url: str | None = None) -> dict[str, float]:
+    """What the server has counted for the model so far: Triton's inferences, executions (batches) and per-phase
+    totals; with `metrics_url`, also the engine's own time (kev_engine_ms, one observation per batch)."""
+    client = httpclient.InferenceServerClient(http_url)
+    try:
+        stats = client.get_inference_statistics(model)["model_stats"][0]
+    finally:
+        client.close()
+    totals = {"inferences": float(stats["inference_count"]), "executions": float(stats["execution_count"])}
+    for phase in PHASES:
+        totals[f"{phase}_count"] = float(stats["inference_stats"][phase]["count"])
+        totals[f"{phase}_ns"] = float(stats["inference_stats"][phase]["ns"])
+    if metrics_url:
+        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                name = line.split("{")[0]
+                if name in ("kev_engine_ms_sum", "kev_engine_ms_count"):
+                    totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def server_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Where a run's requests spent their time on the server, from two server_totals: the mean batch, each phase's
+    mean per request (a batched request counts its whole batch's compute), and the engine's mean per batch. The
+    execute phase (compute_infer) minus the engine's time is the Python backend's own work around the engine."""
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    out: dict[str, float | None] = {"requests": delta("inferences"), "batches": delta("executions")}
+    out["mean_batch"] = out["requests"] / out["batches"] if out["batches"] else None
+    for phase in PHASES:
+        count = delta(f"{phase}_count")
+        out[f"{phase}_ms"] = delta(f"{phase}_ns") / count / 1e6 if count else None
+    engine_batches = delta("kev_engine_ms_count")
+    out["engine_ms_per_batch"] = delta("kev_engine_ms_sum") / engine_batches if engine_batches else None
+    return out

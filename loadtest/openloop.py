@@ -19,20 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import tritonclient.http as httpclient
+from loops import server_breakdown, server_totals
 
 from kev_backend.client import AsyncKevClient, KevError
 from kev_backend.workloads import Traffic
-
-
-def queue_totals(http_url: str, model: str) -> tuple[int, int]:
-    """(requests, nanoseconds) Triton has counted in the model's queue so far."""
-    client = httpclient.InferenceServerClient(http_url)
-    try:
-        stats = client.get_inference_statistics(model)["model_stats"][0]["inference_stats"]["queue"]
-    finally:
-        client.close()
-    return int(stats["count"]), int(stats["ns"])
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -82,11 +72,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     async with AsyncKevClient(args.triton_grpc, "grpc", args.model, timeout_s=args.timeout) as kev:
         traffic = Traffic(args.shape, args.repeat, seed=args.seed)
         for i, rate in enumerate(args.rates):
-            before = queue_totals(args.triton_http, args.model)
+            before = server_totals(args.triton_http, args.model)
             result = await one_rate(kev, traffic, rate, args.seconds, args.seed + i)
-            after = queue_totals(args.triton_http, args.model)
-            waited = after[0] - before[0]
-            result["queue_ms"] = (after[1] - before[1]) / 1e6 / waited if waited else None
+            result["queue_ms"] = server_breakdown(before, server_totals(args.triton_http, args.model))["queue_ms"]
             results.append(result)
             print(json.dumps(result), flush=True)
     return results

@@ -119,6 +119,8 @@ def test_closedloop_triton_against_inprocess(triton: TritonServer, tiny_dir: Pat
             grpc,
             "--http",
             http,
+            "--metrics",
+            triton.metrics_url,
             "--inprocess",
             str(local),
             "--extra",
@@ -139,6 +141,13 @@ def test_closedloop_triton_against_inprocess(triton: TritonServer, tiny_dir: Pat
     assert block["inprocess_rps"] > 0 and block["grpc_rps"] > 0 and block["http_rps"] > 0
     assert record["grpc"]["requests"] > 0 and record["grpc"]["p50_ms"] <= record["grpc"]["p99_ms"]
     assert block["grpc_p50_overhead_ms"] == record["grpc"]["p50_ms"] - record["inprocess"]["p50_ms"]
+    assert block["grpc_p50_overhead_1c_ms"] == record["grpc_1c"]["p50_ms"] - record["inprocess"]["p50_1c_ms"]
+    # The server's view of each run: it answered exactly the requests the clients counted; one client, batches of one.
+    for run in ("grpc", "http", "grpc_1c"):
+        server = record[run]["server"]
+        assert server["requests"] == record[run]["requests"] and server["batches"] >= 1, (run, server)
+        assert server["engine_ms_per_batch"] > 0 and server["compute_infer_ms"] > 0 and server["queue_ms"] >= 0
+    assert record["grpc_1c"]["server"]["mean_batch"] == 1.0
 
 
 @pytest.mark.parametrize("shape", ["bogus"])
