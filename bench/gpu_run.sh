@@ -7,13 +7,13 @@
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
 #   long       bench/diag.py long: our kernels against fla's, block/warps sweeps (~1.5 min)
-#   diag       long, then the engine's latency and 64-client throughput
-#              for each kernel choice (~5 min)
+#   diag       long, then the engine's latency and 64-client throughput for each kernel choice (~3 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes (~1.5 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
-# Environment: KEV_COMMIT (the commit the results name), PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE (kernel choices).
+# Environment: KEV_COMMIT (the commit the results name), PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS,
+# KEV_SHORT_DELTA_RULE (kernel choices).
 set -uo pipefail
 steps=("${@:-all}")
 out=${OUT:-/tmp/out}

@@ -6,7 +6,8 @@
 # graphs on): time to ready and to the first answer with an empty kernel cache and again with the cache the first
 # start filled, each with its start-up phases (added to the bench JSON); gRPC and HTTP at 64 closed-loop clients
 # against the bench's in-process figures; open-loop sweeps for short6 and the realistic mix; Triton's and our
-# metrics. Files under $OUT (at most 8 come back); about 5.5 minutes (5.1 at aa82118, before the one-client run and the fourth mix rate).
+# metrics. Files under $OUT (at most 8 come back); about 5.5 minutes (5.1 at aa82118, before the one-client run
+# and the fourth mix rate).
 set -uo pipefail
 source "$(dirname "$0")/gpu_triton_env.sh"
 # The engine alone first (the bench in this process, graphs on, nothing else on the GPU), then the server: never both

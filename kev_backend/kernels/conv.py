@@ -74,11 +74,10 @@ def conv_rows(
     return y
 
 
-# Tokens × channels per program of conv_tokens, and warps. H200, Kev-4B's 8,192 channels (bench/diag.py long, dd024d3),
-# ms for 1/8/24 new states of 2,200 tokens and 1/32 of 34: 64×64/4 0.068/0.437/1.31/0.026/0.036; 32×128/4
-# 0.068/0.467/1.41/0.042/0.035; 16×128/8 (before) 0.123/0.982/3.00/0.045/0.069.
-# That is new states'; rows, which read their state's window through per-token pointers, spill at 64×64/4 (6.5 KB on
-# sm_90a) and keep 16×128/8.
+# Tokens × channels per program of conv_tokens, and warps, for new states. H200, Kev-4B's 8,192 channels (bench/diag.py
+# long, dd024d3), ms for 1/8/24 new states of 2,200 tokens and 1/32 of 34: 64×64/4 0.068/0.437/1.31/0.026/0.036;
+# 32×128/4 0.068/0.467/1.41/0.042/0.035; 16×128/8 (before) 0.123/0.982/3.00/0.045/0.069. Rows read their state's
+# window through per-token pointers and spill 6.5 KB at 64×64/4 on sm_90a: they keep 16×128 on 8 warps (untimed).
 NEW_TOKEN_TILE = (64, 64)
 NEW_TOKEN_WARPS = 4
 TOKEN_TILE = (16, 128)
