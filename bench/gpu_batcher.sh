@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# One device call: Triton's dynamic-batcher delay chosen by measurement (issue 6). For each max_queue_delay in
-# DELAYS (µs), a copy of the model repository with that delay in configs/gpu.pbtxt, the server started afresh, and
-# short6 on new states through gRPC at 1, 8 and 64 closed-loop clients. Writes $OUT/batcher.json
-# ({delay: {clients: {rps, p50_ms, p99_ms}}}). Setup: bench/gpu_triton_env.sh (carry .whl and .gpu).
-#   DELAYS="0 500 2000" bench/gpu_batcher.sh
+# One device call: Triton's dynamic-batcher delay and model instances per GPU chosen by measurement (issue 6). For each
+# instance count in INSTANCES and max_queue_delay in DELAYS (µs), a copy of the model repository with those settings in
+# configs/gpu.pbtxt, the server started afresh (kernel cache kept), and short6 on new states through gRPC at 1, 8 and
+# 64 closed-loop clients with the server's breakdown (loadtest/loops.py). Writes $OUT/batcher.json
+# ({"<instances>x<delay>": {clients: {rps, p50_ms, p99_ms, server}}}). Setup: bench/gpu_triton_env.sh (carry .whl and
+# .gpu). Each setting takes ~50 s once the first start has filled the kernel cache.
+#   INSTANCES="1 2" DELAYS="500" bench/gpu_batcher.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_triton_env.sh"
 echo '{}' > /tmp/batcher.json
+for instances in ${INSTANCES:-1}; do
 for delay in ${DELAYS:-0 500 2000}; do
-  repo=/tmp/repo-$delay
+  setting=${instances}x$delay
+  repo=/tmp/repo-$setting
   rm -rf "$repo" && mkdir -p "$repo" && cp -r model_repository/kev "$repo/kev" && rm -rf "$repo/kev/embedded"
-  python3 bench/set_queue_delay.py "$repo/kev/configs/gpu.pbtxt" "$delay" || exit 1
-  start_triton "$repo" "/tmp/tritonserver-$delay.log"
-  wait_ready "/tmp/start-$delay.json" "/tmp/tritonserver-$delay.log" || { kill $server; tail -20 "/tmp/tritonserver-$delay.log"; exit 1; }
-  python3 - "$delay" <<'PY'
+  python3 bench/batcher_config.py "$repo/kev/configs/gpu.pbtxt" "$delay" "$instances" || exit 1
+  start_triton "$repo" "/tmp/tritonserver-$setting.log"
+  wait_ready "/tmp/start-$setting.json" "/tmp/tritonserver-$setting.log" \
+    || { kill $server; tail -20 "/tmp/tritonserver-$setting.log"; exit 1; }
+  python3 - "$setting" <<'PY'
 import asyncio, json, sys
 sys.path.insert(0, "loadtest")
-from loops import closed_loop
+from loops import closed_loop, server_breakdown, server_totals
 from kev_backend.client import AsyncKevClient
 
 async def main() -> dict:
@@ -26,16 +31,20 @@ async def main() -> dict:
         levels = {}
         for clients in (1, 8, 64):
             await closed_loop(send, clients, 2.0)
+            before = server_totals("127.0.0.1:8000", metrics_url="127.0.0.1:8002")
             levels[str(clients)] = await closed_loop(send, clients, 8.0)
+            after = server_totals("127.0.0.1:8000", metrics_url="127.0.0.1:8002")
+            levels[str(clients)]["server"] = server_breakdown(before, after)
         return levels
 
-delay = sys.argv[1]
+setting = sys.argv[1]
 record = json.load(open("/tmp/batcher.json"))
-record[delay] = asyncio.run(main())
+record[setting] = asyncio.run(main())
 json.dump(record, open("/tmp/batcher.json", "w"), indent=2)
-print(delay, {c: (round(r["rps"], 1), round(r["p50_ms"], 2)) for c, r in record[delay].items()})
+print(setting, {c: (round(r["rps"], 1), round(r["p50_ms"], 2), r["server"]["mean_batch"]) for c, r in record[setting].items()})
 PY
   kill $server
   wait $server
+done
 done
 cp /tmp/batcher.json "$out/batcher.json"

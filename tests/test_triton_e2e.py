@@ -307,16 +307,21 @@ def test_gpu_config_differs_only_in_its_gpu_settings() -> None:
     ]
 
 
-def test_queue_delay_rewrite_for_the_batcher_sweep() -> None:
-    """bench/gpu_batcher.sh rewrites the GPU config's batcher delay: exactly that line changes."""
+def test_batcher_config_rewrites_for_the_sweep() -> None:
+    """bench/gpu_batcher.sh rewrites the GPU config's batcher delay and instance count: exactly those lines change."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("set_queue_delay", REPO / "bench" / "set_queue_delay.py")
+    spec = importlib.util.spec_from_file_location("batcher_config", REPO / "bench" / "batcher_config.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     text = (REPO / "model_repository" / "kev" / "configs" / "gpu.pbtxt").read_text()
-    updated = module.set_queue_delay(text, 1500)
+    updated = module.set_instance_count(module.set_queue_delay(text, 1500), 2)
     changed = [(a, b) for a, b in zip(text.splitlines(), updated.splitlines(), strict=True) if a != b]
-    assert len(changed) == 1 and changed[0][1].strip().startswith("max_queue_delay_microseconds: 1500")
+    assert [b.strip() for _, b in changed] == [
+        "max_queue_delay_microseconds: 1500  # GPU setting",
+        "{ kind: KIND_GPU, count: 2 }  # GPU setting",
+    ]
     with pytest.raises(ValueError):
         module.set_queue_delay("dynamic_batching { }", 500)
+    with pytest.raises(ValueError):
+        module.set_instance_count("instance_group [ { kind: KIND_CPU, count: 1 } ]", 2)
