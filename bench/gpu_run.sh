@@ -6,7 +6,7 @@
 #   tests      GPU tests but parity and graphs: compiled kernels, engine API, no compiles after warm-up (~2.5 min)
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
-#   long       bench/diag.py long: our kernels against fla's, block/warps sweeps (~1.5 min)
+#   long       bench/diag.py long: our kernels against fla's, block, warps and chunk sweeps (~2 min)
 #   diag       long, then the engine's latency and 64-client throughput for each kernel choice (~3 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes (~1.5 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
@@ -35,7 +35,7 @@ run_step() {
     tests) gpu_pytest gpu-tests.log "not parity and not graph" "passed|failed|Error|assert" ;;
     parity) gpu_pytest gpu-parity.log "${PARITY_SELECT:-parity and not graph}" "^(tiny|small|kev4b) |passed|failed|Error|error" ;;
     graphtest) gpu_pytest gpu-graphs.log "graph_replay" "^graphs |passed|failed|Error" ;;
-    long) timeout 180 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1 ;;
+    long) timeout 240 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1 ;;
     diag)
       run_step long
       # The engine with each kernel choice: latency and 64-client throughput (which to make the default).
