@@ -229,21 +229,23 @@ def long_case(lengths: list[int], new: bool) -> None:
             timings.append(f"{delta_rule.CHUNK_BV}/{delta_rule.CHUNK_WARPS} {cuda_ms(ours):.3f}")
         delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS = chosen
         print(f"  chunked {label} by value block/warps: " + ", ".join(timings), flush=True)
-        # Longer chunks: fewer steps on the sequential chain, bigger products per step (and per prep program).
-        chosen = delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS
-        timings = []
-        for delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS in (
-            (16, 4, 4),
-            (32, 4, 4),
-            (32, 8, 4),
-            (64, 8, 4),
-            (64, 8, 8),
-        ):
-            diff = (ours().float() - theirs().float()).abs().max().item()
-            setting = f"{delta_rule.CHUNK}/{delta_rule.PREP_WARPS}/{delta_rule.CHUNK_WARPS}"
-            timings.append(f"{setting} {cuda_ms(ours):.3f} (diff {diff:.1e})")
-        delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS = chosen
-        print(f"  chunked {label} by chunk/prep warps/warps: " + ", ".join(timings), flush=True)
+    # Longer chunks: fewer steps on the sequential chain, bigger products per step (and per prep program).
+    from kev_backend.kernels import delta_rule
+
+    chosen = delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS
+    timings = []
+    for delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS in (
+        (16, 4, 4),
+        (32, 4, 4),
+        (32, 8, 4),
+        (64, 8, 4),
+        (64, 8, 8),
+    ):
+        diff = (ours().float() - theirs().float()).abs().max().item()
+        setting = f"{delta_rule.CHUNK}/{delta_rule.PREP_WARPS}/{delta_rule.CHUNK_WARPS}"
+        timings.append(f"{setting} {cuda_ms(ours):.3f} (diff {diff:.1e})")
+    delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS = chosen
+    print(f"  chunked {label} by chunk/prep warps/warps: " + ", ".join(timings), flush=True)
     if new:
         conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         window = torch.zeros(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
@@ -292,7 +294,10 @@ def quick_latency() -> None:
     tiny.write_tokenizer(directory)
     checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda")
     engine = Engine(checkpoint, EngineOptions(device="cuda", backend="fused", bank_bytes=8 << 30))
-    print("kernels", engine.options.long_kernels, engine.options.short_delta_rule, flush=True)
+    from kev_backend.kernels import delta_rule
+
+    options = engine.options
+    print("kernels", options.long_kernels, options.short_delta_rule, "chunk", delta_rule.CHUNK, flush=True)
     for label, make in (("short6", short6), ("long5", long5)):
         print(label, bench.latency(engine, make), flush=True)
         bench.throughput(engine, make, 64, 1.0)

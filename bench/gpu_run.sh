@@ -7,13 +7,13 @@
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
 #   long       bench/diag.py long: our kernels against fla's, block, warps and chunk sweeps (~2 min)
-#   diag       long, then the engine's latency and 64-client throughput for each kernel choice (~3 min)
+#   diag       long, then the engine's latency and 64-client throughput for each kernel choice (~4 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes (~1.5 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
 # Environment: KEV_COMMIT (the commit the results name), PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS,
-# KEV_SHORT_DELTA_RULE (kernel choices).
+# KEV_SHORT_DELTA_RULE, KEV_CHUNK (kernel choices).
 set -uo pipefail
 steps=("${@:-all}")
 out=${OUT:-/tmp/out}
@@ -39,7 +39,9 @@ run_step() {
     diag)
       run_step long
       # The engine with each kernel choice: latency and 64-client throughput (which to make the default).
-      for choice in "" KEV_LONG_KERNELS=ours KEV_SHORT_DELTA_RULE=chunked; do
+      for choice in "" KEV_LONG_KERNELS=ours KEV_SHORT_DELTA_RULE=chunked \
+        "KEV_LONG_KERNELS=ours KEV_SHORT_DELTA_RULE=chunked KEV_CHUNK=64"; do
+        # shellcheck disable=SC2086
         env $choice timeout 120 python3 bench/diag.py latency 2>&1 | grep -E "^(kernels|short6|long5)" \
           | tee -a "$out/diag-latency.log" || status=1
       done

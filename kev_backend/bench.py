@@ -31,6 +31,7 @@ import torch
 from . import tiny
 from .checkpoint import load_checkpoint
 from .engine import Engine, EngineOptions
+from .kernels import delta_rule
 from .workloads import long5, short6
 
 CLIENTS = (1, 8, 32, 64)
@@ -286,6 +287,7 @@ def main() -> None:
         "graphs": args.graphs,
         "long_kernels": options.long_kernels,
         "short_delta_rule": options.short_delta_rule,
+        "chunk_tokens": delta_rule.CHUNK,
         "engine_start_s": engine_s,
         "torch": torch.__version__,
         "ceilings": ceil,
@@ -296,6 +298,7 @@ def main() -> None:
     gpu = result["gpu"].replace(" ", "-").lower()
     variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
     variant += "-chunked" if options.short_delta_rule == "chunked" else ""
+    variant += f"-chunk{delta_rule.CHUNK}" if delta_rule.CHUNK != 16 else ""
     path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
 
     def write() -> None:

@@ -26,11 +26,8 @@ from kev_backend.kernels import (
     chunked_rows, conv_rows, conv_tokens, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention,
     sigmoid_gate, silu_mul,
 )
-from kev_backend.kernels import delta_rule
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
-# The chunked delta rule's chunk length (a power of two; bench/diag.py long times 16, 32 and 64).
-delta_rule.CHUNK = int(os.environ.get("KEV_CHUNK", delta_rule.CHUNK))
 torch.manual_seed(0)
 # RMSNorm with the fp32 residual stream, on a strided input (a slice of a wider projection), and gated RMSNorm.
 for D, N in [(64, 3), (256, 37)]:
@@ -247,7 +244,7 @@ def test_kernels_in_the_interpreter() -> None:
 
 
 def test_chunked_delta_rule_with_64_token_chunks_in_the_interpreter() -> None:
-    """The chunk length bench/diag.py long also times: the same checks hold with 64-token chunks."""
+    """The chunk length bench/diag.py also times (KEV_CHUNK): the same checks hold with 64-token chunks."""
     run_check(TRITON_INTERPRET="1", KEV_CHUNK="64")
 
 

@@ -3,6 +3,8 @@ or in chunks (any length, graph-capturable)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -207,12 +209,21 @@ def _launch_delta_rule(
 
 # The chunked delta rule's products take fp32 operands rounded to TF32 on tensor cores (10-bit mantissa; fla's
 # chunked kernels round to bf16, 7 bits) and accumulate in fp32; the state stays fp32. At K = 128 and 32 value
-# columns on 4 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v); "tf32" does not.
+# columns on 8 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v); "tf32" does not.
 PRECISION: tl.constexpr = tl.constexpr("tf32")
 
-# Tokens per chunk of the chunked delta rule: (I + A)⁻¹ of a strictly lower-triangular A is then a product of
-# log2(CHUNK) factors (I + A^(2^j)), all 16×16 products.
-CHUNK = 16
+
+def _chunk_tokens() -> int:
+    """Tokens per chunk of the chunked delta rule: 16, or 32 / 64 (KEV_CHUNK) while bench/diag.py times them. Longer
+    chunks put fewer steps on the sequential chain (a 39-token row is one 64-token chunk) for bigger products."""
+    tokens = int(os.environ.get("KEV_CHUNK", "16"))
+    if tokens not in (16, 32, 64):
+        raise ValueError(f"KEV_CHUNK must be 16, 32 or 64, not {tokens}")
+    return tokens
+
+
+# (I + A)⁻¹ of a strictly lower-triangular A [CHUNK, CHUNK] is a product of log2(CHUNK) factors (I + A^(2^j)).
+CHUNK = _chunk_tokens()
 # Value columns per program of the sequential pass, on CHUNK_WARPS warps. H200, Kev-4B heads (bench/diag.py long,
 # 994b313), ms for 1/8/24 new states of 2,200 tokens: 32/4 0.44/2.33/6.96, 32/8 0.49/3.74/11.2, 64/8 0.50/2.23/6.69.
 CHUNK_BV = 32
