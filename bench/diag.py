@@ -183,6 +183,7 @@ def long_case(lengths: list[int], new: bool) -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from kev_backend import kernels
+    from kev_backend.kernels import conv, delta_rule
     from kev_backend.passes import offsets
 
     _, HV, K, V = KEV4B_HEADS
@@ -221,8 +222,6 @@ def long_case(lengths: list[int], new: bool) -> None:
         flush=True,
     )
     if lengths[0] > 64:  # the sequential pass's value block and warps (64/8 spills 4 bytes on sm_90a)
-        from kev_backend.kernels import delta_rule
-
         chosen = delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS
         timings = []
         for delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS in ((16, 4), (32, 4), (32, 8), (64, 8)):
@@ -230,8 +229,6 @@ def long_case(lengths: list[int], new: bool) -> None:
         delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS = chosen
         print(f"  chunked {label} by value block/warps: " + ", ".join(timings), flush=True)
     # Longer chunks: fewer steps on the sequential chain, bigger products per step (and per prep program).
-    from kev_backend.kernels import delta_rule
-
     chosen = delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS
     timings = []
     for delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS in (
@@ -264,8 +261,6 @@ def long_case(lengths: list[int], new: bool) -> None:
             f"fla {cuda_ms(fla_conv):.3f} ms",
             flush=True,
         )
-        from kev_backend.kernels import conv
-
         chosen = conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS
         timings = []
         for conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS in (

@@ -21,21 +21,17 @@ for delay in ${DELAYS:-0 500 2000}; do
   python3 - "$setting" <<'PY'
 import asyncio, json, sys
 sys.path.insert(0, "loadtest")
-from loops import closed_loop, server_breakdown, server_totals
+from loops import measured_loop
 from kev_backend.client import AsyncKevClient
 
 async def main() -> dict:
     async with AsyncKevClient("127.0.0.1:8001", "grpc") as kev:
         async def send(body: str) -> None:
             await kev.score_raw(body)
-        levels = {}
-        for clients in (1, 8, 64):
-            await closed_loop(send, clients, 2.0)
-            before = server_totals("127.0.0.1:8000", metrics_url="127.0.0.1:8002")
-            levels[str(clients)] = await closed_loop(send, clients, 8.0)
-            after = server_totals("127.0.0.1:8000", metrics_url="127.0.0.1:8002")
-            levels[str(clients)]["server"] = server_breakdown(before, after)
-        return levels
+        return {
+            str(clients): await measured_loop(send, clients, 8.0, "127.0.0.1:8000", "127.0.0.1:8002")
+            for clients in (1, 8, 64)
+        }
 
 setting = sys.argv[1]
 record = json.load(open("/tmp/batcher.json"))

@@ -160,8 +160,7 @@ class Engine:
                 {"state": words, "questions": {"q": question, "r": long_question}},
             ]
         )
-        if self.backend == "fused":
-            warm_pointer_head(self.scorer.head)
+        warm_pointer_head(self.scorer.head)
         self.startup["warm_batch"] = time.perf_counter() - started
 
     @classmethod

@@ -22,7 +22,7 @@ import datetime
 import json
 from pathlib import Path
 
-from loops import closed_loop, server_breakdown, server_totals
+from loops import measured_loop
 
 from kev_backend.bench import commit
 from kev_backend.client import AsyncKevClient
@@ -81,10 +81,7 @@ async def through_triton(args: argparse.Namespace) -> dict:
             async def send(body: str, kev: AsyncKevClient = kev) -> None:
                 await kev.score_raw(body)
 
-            await closed_loop(send, clients, 2.0)  # warm-up
-            before = server_totals(args.http, metrics_url=args.metrics)
-            results[label] = await closed_loop(send, clients, args.seconds)
-            results[label]["server"] = server_breakdown(before, server_totals(args.http, metrics_url=args.metrics))
+            results[label] = await measured_loop(send, clients, args.seconds, args.http, args.metrics)
     return results
 
 

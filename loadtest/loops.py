@@ -82,3 +82,14 @@ def server_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[
     engine_batches = delta("kev_engine_ms_count")
     out["engine_ms_per_batch"] = delta("kev_engine_ms_sum") / engine_batches if engine_batches else None
     return out
+
+
+async def measured_loop(
+    send: Callable[[str], Awaitable[object]], clients: int, seconds: float, http_url: str, metrics_url: str | None
+) -> dict:
+    """A closed loop against a running server after 2 s of warm-up, with the server's breakdown of that run."""
+    await closed_loop(send, clients, 2.0)
+    before = server_totals(http_url, metrics_url=metrics_url)
+    result: dict = await closed_loop(send, clients, seconds)
+    result["server"] = server_breakdown(before, server_totals(http_url, metrics_url=metrics_url))
+    return result
