@@ -28,6 +28,20 @@ def cuda_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
     return start.elapsed_time(end) / repeat
 
 
+def kev4b_engine(**options):
+    """An engine on random Kev-4B weights (8 GiB bank); KEV_GRAPHS=1 replays CUDA graphs as the GPU config does."""
+    import os
+
+    from kev_backend import tiny
+    from kev_backend.engine import Engine, EngineOptions
+
+    directory = Path(tempfile.mkdtemp())
+    tiny.write_tokenizer(directory)
+    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
+    options = {"bank_bytes": 8 << 30, "graphs": os.environ.get("KEV_GRAPHS") == "1", **options}
+    return Engine(checkpoint, EngineOptions(device="cuda", backend="fused", **options))
+
+
 def gemm_invariance() -> None:
     for library in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(library)
@@ -66,34 +80,41 @@ def gemm_speed() -> None:
 
 def kernel_breakdown() -> None:
     """GPU time by kernel for a busy short6 batch (32 new), a long5 batch (8 new), one new short6 and one short6 on
-    a banked state."""
+    a banked state, one new long5 (KEV_GRAPHS=1: as the graphs replay them)."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kev_backend import tiny
-    from kev_backend.engine import Engine, EngineOptions
     from kev_backend.workloads import long5, short6
 
-    directory = Path(tempfile.mkdtemp())
-    tiny.write_tokenizer(directory)
-    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda")
-    engine = Engine(checkpoint, EngineOptions(device="cuda", backend="fused", bank_bytes=8 << 30))
+    engine = kev4b_engine()
     counter = iter(range(10**6))
     cases = {
         "short6x32new": lambda: [short6(next(counter)) for _ in range(32)],
         "long5x8new": lambda: [long5(next(counter)) for _ in range(8)],
         "short6new": lambda: [short6(next(counter))],
         "short6same": lambda: [short6(None)],
+        "long5new": lambda: [long5(next(counter))],
     }
     for label, make in cases.items():
         engine.answer(make())
         engine.answer(make())
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
             engine.answer(make())
             wall = (time.perf_counter() - t) * 1000
-        print(f"== {label}: wall {wall:.1f} ms", flush=True)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for event in prof.events():
+            if event.device_type == DeviceType.CUDA:
+                by_name[event.name][0] += 1
+                by_name[event.name][1] += event.device_time_total / 1000
+        busy = sum(ms for _, ms in by_name.values())
+        count = sum(n for n, _ in by_name.values())
+        print(f"== {label}: wall {wall:.1f} ms, {count} kernels, GPU {busy:.2f} ms", flush=True)
+        for name, (n, ms) in sorted(by_name.items(), key=lambda item: -item[1][1])[:22]:
+            print(f"  {ms:7.3f} ms {n:4d}x  {name[:90]}", flush=True)
 
 
 def invariance_sweep() -> None:
@@ -281,14 +302,10 @@ def quick_latency() -> None:
     """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state, and
     requests/s at 64 clients (3 s each): a quick engine-level comparison of kernel choices (KEV_LONG_KERNELS,
     KEV_SHORT_DELTA_RULE)."""
-    from kev_backend import bench, tiny
-    from kev_backend.engine import Engine, EngineOptions
+    from kev_backend import bench
     from kev_backend.workloads import long5, short6
 
-    directory = Path(tempfile.mkdtemp())
-    tiny.write_tokenizer(directory)
-    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda")
-    engine = Engine(checkpoint, EngineOptions(device="cuda", backend="fused", bank_bytes=8 << 30))
+    engine = kev4b_engine()
     from kev_backend.kernels import delta_rule
 
     options = engine.options
@@ -300,14 +317,9 @@ def quick_latency() -> None:
 
 
 def host_profile() -> None:
-    from kev_backend import tiny
-    from kev_backend.engine import Engine, EngineOptions
     from kev_backend.workloads import short6
 
-    directory = Path(tempfile.mkdtemp())
-    tiny.write_tokenizer(directory)
-    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda")
-    engine = Engine(checkpoint, EngineOptions(device="cuda", backend="fused", bank_bytes=8 << 30))
+    engine = kev4b_engine()
     for _ in range(3):
         engine.answer([short6(None)])
     t = time.perf_counter()

@@ -7,8 +7,10 @@
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
 #   long       bench/diag.py long: our kernels against fla's, block, warps and chunk sweeps (~2 min)
-#   diag       long, then the engine's latency and 64-client throughput for each kernel choice (~4 min)
-#   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes (~1.5 min)
+#   latency    the engine's latency and 64-client throughput from graphs for each chunk length (~4 min)
+#   diag       long, then latency (~6 min)
+#   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes, replayed from
+#              CUDA graphs on our long kernels (~2 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
@@ -36,17 +38,20 @@ run_step() {
     parity) gpu_pytest gpu-parity.log "${PARITY_SELECT:-parity and not graph}" "^(tiny|small|kev4b) |passed|failed|Error|error" ;;
     graphtest) gpu_pytest gpu-graphs.log "graph_replay" "^graphs |passed|failed|Error" ;;
     long) timeout 240 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1 ;;
-    diag)
-      run_step long
-      # The engine with each kernel choice: latency and 64-client throughput (which to make the default).
-      for choice in "" KEV_LONG_KERNELS=ours KEV_SHORT_DELTA_RULE=chunked \
-        "KEV_LONG_KERNELS=ours KEV_SHORT_DELTA_RULE=chunked KEV_CHUNK=64"; do
+    diag) run_step long; run_step latency ;;
+    latency)
+      # The engine replaying CUDA graphs (as the GPU config does) with each kernel choice: latency and 64-client
+      # throughput (which to make the default).
+      for choice in "" KEV_CHUNK=32 KEV_CHUNK=64 "KEV_SHORT_DELTA_RULE=chunked KEV_CHUNK=64"; do
         # shellcheck disable=SC2086
-        env $choice timeout 120 python3 bench/diag.py latency 2>&1 | grep -E "^(kernels|short6|long5)" \
-          | tee -a "$out/diag-latency.log" || status=1
+        env KEV_GRAPHS=1 KEV_LONG_KERNELS=ours $choice timeout 120 python3 bench/diag.py latency 2>&1 \
+          | grep -E "^(kernels|short6|long5)" | tee -a "$out/diag-latency.log" || status=1
       done
       ;;
-    profile) timeout 150 python3 bench/diag.py kernels > "$out/diag-kernels.log" 2>&1 || status=1 ;;
+    profile)
+      KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 180 python3 bench/diag.py kernels 2>&1 | grep -v -i warn \
+        | tee "$out/diag-kernels.log" | grep -E "^==" || status=1
+      ;;
     bench)
       # shellcheck disable=SC2086
       python3 -m kev_backend.bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
