@@ -168,18 +168,18 @@ def recurrent_configs() -> None:
 
     _, HV, K, V = KEV4B_HEADS
     pool = torch.randn(256, HV, K, V, device="cuda") * 0.01
-    for rows in (6, 192):
-        T = rows * 39
+    for rows, length in ((6, 39), (192, 39), (192, 31)):
+        T = rows * length
         _, q, k, v, a, b = delta_rule_inputs(T)
         a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
         slots = torch.randint(0, 256, (rows,), device="cuda")
-        cu = torch.arange(0, T + 1, 39, device="cuda")
+        cu = torch.arange(0, T + 1, length, device="cuda")
         line = []
         for bv, warps in ((32, 4), (8, 1), (16, 1), (16, 2), (32, 2), (8, 2), (4, 1)):
             delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS = bv, warps  # read at each launch
             args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
             line.append(f"BV{bv}/w{warps}:{cuda_ms(lambda args=args: kernels.recurrent_rows(*args)):.3f}ms")
-        print(f"recurrent rows={rows}:", " ".join(line), flush=True)
+        print(f"recurrent rows={rows}x{length}:", " ".join(line), flush=True)
 
 
 def long_segments() -> None:
@@ -295,6 +295,27 @@ def long_case(lengths: list[int], new: bool) -> None:
             tile = f"{conv.NEW_TOKEN_TILE[0]}x{conv.NEW_TOKEN_TILE[1]}/{conv.NEW_TOKEN_WARPS}"
             timings.append(f"{tile} {cuda_ms(tokens):.3f}")
         conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS = chosen
+        print(f"  conv {label} by tile/warps: " + ", ".join(timings), flush=True)
+    else:  # rows continue their state's window, read in place from the bank
+        conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
+        window = torch.randn(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
+        rows = lambda: kernels.conv_tokens(mixed, conv_w, window, slots, cu, new_states=False)  # noqa: E731
+        reference = rows()
+        chosen = conv.TOKEN_TILE, conv.TOKEN_WARPS
+        timings = []
+        for conv.TOKEN_TILE, conv.TOKEN_WARPS in (
+            ((16, 128), 8),
+            ((16, 128), 4),
+            ((32, 128), 4),
+            ((32, 64), 4),
+            ((64, 64), 4),
+            ((64, 64), 8),
+            ((16, 256), 4),
+        ):
+            tile = f"{conv.TOKEN_TILE[0]}x{conv.TOKEN_TILE[1]}/{conv.TOKEN_WARPS}"
+            same = torch.equal(rows(), reference)
+            timings.append(f"{tile} {cuda_ms(rows):.3f}{'' if same else ' (DIFFERS)'}")
+        conv.TOKEN_TILE, conv.TOKEN_WARPS = chosen
         print(f"  conv {label} by tile/warps: " + ", ".join(timings), flush=True)
 
 

@@ -7,7 +7,8 @@
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
 #   long       bench/diag.py long: our kernels against fla's, block, warps and chunk sweeps (~2 min)
-#   latency    the engine's latency and 64-client throughput from graphs for each chunk length (~4 min)
+#   latency    the engine's latency and 64-client throughput from graphs, short rows token by token or chunked (~2 min)
+#   recurrent  bench/diag.py recurrent: the token-by-token delta rule's value block and warps on short6 rows (~20 s)
 #   diag       long, then latency (~6 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes, replayed from
 #              CUDA graphs on our long kernels (~2 min)
@@ -39,10 +40,11 @@ run_step() {
     graphtest) gpu_pytest gpu-graphs.log "graph_replay" "^graphs |passed|failed|Error" ;;
     long) timeout 240 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1 ;;
     diag) run_step long; run_step latency ;;
+    recurrent) timeout 120 python3 bench/diag.py recurrent 2>&1 | grep -v -i warn | tee "$out/diag-recurrent.log" || status=1 ;;
     latency)
       # The engine replaying CUDA graphs (as the GPU config does) with each kernel choice: latency and 64-client
       # throughput (which to make the default).
-      for choice in "" KEV_CHUNK=32 KEV_CHUNK=64 "KEV_SHORT_DELTA_RULE=chunked KEV_CHUNK=64"; do
+      for choice in "" KEV_SHORT_DELTA_RULE=chunked; do
         # shellcheck disable=SC2086
         env KEV_GRAPHS=1 KEV_LONG_KERNELS=ours $choice timeout 120 python3 bench/diag.py latency 2>&1 \
           | grep -E "^(kernels|short6|long5)" | tee -a "$out/diag-latency.log" || status=1

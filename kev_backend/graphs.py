@@ -36,9 +36,13 @@ from .passes import (
     offsets,
 )
 
-# Row tokens by powers of two; state tokens finer above 1,024, where one long state fills a pass and padding it
-# costs GEMM rows (2,200 tokens pad to 2,560, not 4,096).
+# Row tokens by powers of two, with 1.5x steps where rows fill most of the pass (ROW_STEPS, only with a state
+# region no larger than the rows); state tokens finer above 1,024, where one long state fills a pass and padding it
+# costs GEMM rows (2,200 tokens pad to 2,560, not 4,096). Why the 1.5x steps: cuBLASLt's GEMMs run in 64-row tiles
+# and their time follows the padded total. One short6 request (a 33-token state and 185 row tokens) took s64r256,
+# 320 tokens; s64r192 is 256 (H200, bench/diag.py kernels: the pass's GEMMs took 5.0 ms at 320 rows, 3.0 at 256).
 ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+ROW_STEPS = (192, 384, 768, 1536, 3072, 6144)
 STATE_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 8192)
 # Fewest tokens per segment assumed when sizing a bucket's segment capacities; a pass with more (shorter) segments
 # than that takes a larger bucket. Long states (over RECURRENT_MAX_LEN) get their own, smaller capacity: each of
@@ -92,8 +96,11 @@ class Bucket:
 
 
 def all_buckets(max_tokens: int) -> list[Bucket]:
-    """Every bucket up to `max_tokens` tokens, smallest first. Each has at least MIN_GEMM_ROWS tokens."""
-    buckets = sorted(Bucket(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS) if 0 < s + r <= max_tokens)
+    """Every bucket up to `max_tokens` tokens, smallest first (94 up to 4,096). Each has at least MIN_GEMM_ROWS
+    tokens."""
+    shapes = [(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS)]
+    shapes += [(s, r) for s in (0, *STATE_BUCKETS) for r in ROW_STEPS if s <= r]
+    buckets = sorted(Bucket(s, r) for s, r in shapes if 0 < s + r <= max_tokens)
     assert all(b.tokens >= MIN_GEMM_ROWS for b in buckets)
     return buckets
 

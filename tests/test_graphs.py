@@ -37,9 +37,10 @@ def layout(state_lengths: list[int], row_lengths: list[int], picks_per_row: int 
 
 def test_buckets_cover_every_size_with_enough_gemm_rows() -> None:
     buckets = all_buckets(4096)
-    assert len(buckets) == len(set(buckets)) == 69
+    assert len(buckets) == len(set(buckets)) == 94
     assert all(MIN_GEMM_ROWS <= b.tokens <= 4096 for b in buckets)
     assert Bucket(0, 64) in buckets and Bucket(64, 0) in buckets and Bucket(4096, 0) in buckets
+    assert Bucket(64, 192) in buckets and Bucket(1024, 192) not in buckets
 
 
 def test_the_smallest_bucket_that_holds_the_pass() -> None:
