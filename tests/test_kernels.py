@@ -243,9 +243,9 @@ def test_kernels_in_the_interpreter() -> None:
     run_check(TRITON_INTERPRET="1")
 
 
-def test_chunked_delta_rule_with_64_token_chunks_in_the_interpreter() -> None:
-    """The chunk length bench/diag.py also times (KEV_CHUNK): the same checks hold with 64-token chunks."""
-    run_check(TRITON_INTERPRET="1", KEV_CHUNK="64")
+def test_chunked_delta_rule_with_32_token_chunks_in_the_interpreter() -> None:
+    """The chunk length bench/diag.py also times (KEV_CHUNK): the same checks hold with 32-token chunks."""
+    run_check(TRITON_INTERPRET="1", KEV_CHUNK="32")
 
 
 @pytest.mark.gpu

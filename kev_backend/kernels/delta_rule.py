@@ -214,11 +214,12 @@ PRECISION: tl.constexpr = tl.constexpr("tf32")
 
 
 def _chunk_tokens() -> int:
-    """Tokens per chunk of the chunked delta rule: 16, or 32 / 64 (KEV_CHUNK) while bench/diag.py times them. Longer
-    chunks put fewer steps on the sequential chain (a 39-token row is one 64-token chunk) for bigger products."""
+    """Tokens per chunk of the chunked delta rule: 16, or 32 (KEV_CHUNK). Longer chunks put fewer steps on the
+    sequential chain for bigger products. H200 (bench/results/logs, 37abcc4): 32 within noise of 16 (short6 9.1 /
+    6.1 vs 9.4 / 6.5 ms, long5 58.0 vs 57.5 ms, from graphs); 64 needs 262 KB of shared memory (232 KB there)."""
     tokens = int(os.environ.get("KEV_CHUNK", "16"))
-    if tokens not in (16, 32, 64):
-        raise ValueError(f"KEV_CHUNK must be 16, 32 or 64, not {tokens}")
+    if tokens not in (16, 32):
+        raise ValueError(f"KEV_CHUNK must be 16 or 32, not {tokens}")
     return tokens
 
 
