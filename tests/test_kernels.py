@@ -256,11 +256,13 @@ def test_kernels_compiled_on_the_gpu() -> None:
 # Spills measured to pay, by (kernel, CONTINUE): the chunked delta rule's sequential pass on 4 warps spills ~90 bytes
 # yet ran faster on the H200 than on 8 warps without (bench/diag.py long at 994b313, 1/8/24 new 2,200-token states:
 # 0.44/2.33/6.96 ms against 0.49/3.74/11.2); the conv of new states in 64×64 tiles on 4 warps spills 172 bytes and ran
-# 2-2.3x faster than 16×128 on 8 warps without (dd024d3, in kernels/conv.py).
+# 2-2.3x faster than 16×128 on 8 warps without (dd024d3, in kernels/conv.py); the rows' conv in 32×128 tiles on 4 warps
+# spills 756 bytes and ran 7-19 % faster than 16×128 on 8 warps without, with identical outputs (5597f85).
 SPILL_ALLOWED = {
     ("_chunked_delta_rule_kernel", True): 128,
     ("_chunked_delta_rule_kernel", False): 128,
     ("_conv_tokens_kernel", False): 192,
+    ("_conv_tokens_kernel", True): 768,
 }
 
 

@@ -76,12 +76,13 @@ def conv_rows(
 
 # Tokens × channels per program of conv_tokens, and warps, for new states. H200, Kev-4B's 8,192 channels (bench/diag.py
 # long, dd024d3), ms for 1/8/24 new states of 2,200 tokens and 1/32 of 34: 64×64/4 0.068/0.437/1.31/0.026/0.036;
-# 32×128/4 0.068/0.467/1.41/0.042/0.035; 16×128/8 (before) 0.123/0.982/3.00/0.045/0.069. Rows read their state's
-# window through per-token pointers and spill 6.5 KB at 64×64/4 on sm_90a: they keep 16×128 on 8 warps (untimed).
+# 32×128/4 0.068/0.467/1.41/0.042/0.035; 16×128/8 (before) 0.123/0.982/3.00/0.045/0.069. Rows (reading their state's
+# window through per-token pointers; 5597f85, ms for 192×39, 40×100 and 6×39 rows): 32×128/4 0.394/0.192/0.045 (spills
+# 756 bytes on sm_90a), 16×256/4 0.393/0.198/0.052, 64×64/4 0.442/0.223/0.049, 16×128/8 (before) 0.472/0.239/0.050.
 NEW_TOKEN_TILE = (64, 64)
 NEW_TOKEN_WARPS = 4
-TOKEN_TILE = (16, 128)
-TOKEN_WARPS = 8
+TOKEN_TILE = (32, 128)
+TOKEN_WARPS = 4
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
