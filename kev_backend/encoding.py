@@ -100,6 +100,11 @@ class KevTokenizer:
         """Plain token count (no escaping), as Kev counts usage.output_tokens."""
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def count_tokens_batch(self, texts: list[str]) -> list[int]:
+        """count_tokens of each text, encoded in one call (the tokenizer spreads a batch over its threads: 32 short6
+        answers took 4.7 ms on 2 cores, 7.3 one by one)."""
+        return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
 
 @dataclass(frozen=True)
 class Limits:

@@ -213,10 +213,10 @@ class Engine:
             report.questions = sum(len(e.questions) for e in batch)
             report.state_tokens = sum(len(state) for state in {e.state for e in batch})
             report.row_tokens = sum(len(q.tokens) for e in batch for q in e.questions)
-            for (i, record, encoded), probs in zip(accepted, probabilities):
-                answers = answers_from_probabilities(record, probs)
-                output_tokens = self.tokenizer.count_tokens(answers_json(answers))
-                results[i] = response_body(record.model, answers, encoded.input_tokens, output_tokens, report.model_ms)
+            answers = [answers_from_probabilities(r, probs) for (_, r, _), probs in zip(accepted, probabilities)]
+            output_tokens = self.tokenizer.count_tokens_batch([answers_json(a) for a in answers])
+            for (i, record, encoded), mine, tokens in zip(accepted, answers, output_tokens):
+                results[i] = response_body(record.model, mine, encoded.input_tokens, tokens, report.model_ms)
         self.last_batch = report
         return results  # type: ignore[return-value]
 
