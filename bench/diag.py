@@ -336,6 +336,14 @@ def quick_latency() -> None:
         print(label, "64 clients", bench.throughput(engine, make, 64, 3.0), flush=True)
 
 
+def startup() -> None:
+    """The engine's start-up phases with every graph bucket captured (as the GPU config loads it)."""
+    engine = kev4b_engine(graphs=True, long_kernels="ours")
+    stats = engine.scorer.graphs.stats
+    phases = {phase: round(seconds, 2) for phase, seconds in engine.startup.items()}
+    print(f"startup {phases} graphs {stats.count} ({stats.capture_failures} failed) {stats.bytes / 2**20:.0f} MiB")
+
+
 def host_profile() -> None:
     from kev_backend.workloads import short6
 
@@ -427,6 +435,8 @@ if __name__ == "__main__":
         long_segments(only_rows="rows" in sys.argv[2:])
     if what == "latency":
         quick_latency()
+    if what == "startup":
+        startup()
     if what == "sweep":
         invariance_sweep()
     if what == "recurrent":
