@@ -205,7 +205,7 @@ def long_case(lengths: list[int], new: bool) -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from kev_backend import kernels
-    from kev_backend.kernels import conv, delta_rule
+    from kev_backend.kernels import delta_rule
     from kev_backend.passes import offsets
 
     _, HV, K, V = KEV4B_HEADS
@@ -263,8 +263,8 @@ def long_case(lengths: list[int], new: bool) -> None:
         timings.append(f"{setting} {cuda_ms(ours):.3f} (diff {diff:.1e})")
     delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS = chosen
     print(f"  chunked {label} by chunk/prep warps/warps: " + ", ".join(timings), flush=True)
+    conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
     if new:
-        conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         window = torch.zeros(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         ours_conv = lambda: kernels.conv_rows(mixed, conv_w, window, slots, cu, new_states=True)  # noqa: E731
         tokens = lambda: kernels.conv_tokens(mixed, conv_w, window, slots, cu, new_states=True)  # noqa: E731
@@ -281,41 +281,32 @@ def long_case(lengths: list[int], new: bool) -> None:
             f"fla {cuda_ms(fla_conv):.3f} ms",
             flush=True,
         )
-        chosen = conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS
-        timings = []
-        for conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS in (
-            ((16, 128), 8),
-            ((16, 128), 4),
-            ((32, 128), 4),
-            ((16, 256), 8),
-            ((64, 64), 4),
-            ((8, 256), 4),
-        ):
-            tile = f"{conv.NEW_TOKEN_TILE[0]}x{conv.NEW_TOKEN_TILE[1]}/{conv.NEW_TOKEN_WARPS}"
-            timings.append(f"{tile} {cuda_ms(tokens):.3f}")
-        conv.NEW_TOKEN_TILE, conv.NEW_TOKEN_WARPS = chosen
-        print(f"  conv {label} by tile/warps: " + ", ".join(timings), flush=True)
+        conv_tile_sweep(label, tokens, new=True)
     else:  # rows continue their state's window, read in place from the bank
-        conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         window = torch.randn(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         rows = lambda: kernels.conv_tokens(mixed, conv_w, window, slots, cu, new_states=False)  # noqa: E731
-        reference = rows()
-        chosen = conv.TOKEN_TILE, conv.TOKEN_WARPS
-        timings = []
-        for conv.TOKEN_TILE, conv.TOKEN_WARPS in (
-            ((16, 128), 8),
-            ((16, 128), 4),
-            ((32, 128), 4),
-            ((32, 64), 4),
-            ((64, 64), 4),
-            ((64, 64), 8),
-            ((16, 256), 4),
-        ):
-            tile = f"{conv.TOKEN_TILE[0]}x{conv.TOKEN_TILE[1]}/{conv.TOKEN_WARPS}"
-            same = torch.equal(rows(), reference)
-            timings.append(f"{tile} {cuda_ms(rows):.3f}{'' if same else ' (DIFFERS)'}")
-        conv.TOKEN_TILE, conv.TOKEN_WARPS = chosen
-        print(f"  conv {label} by tile/warps: " + ", ".join(timings), flush=True)
+        conv_tile_sweep(label, rows, new=False)
+
+
+CONV_TILES = (((16, 128), 8), ((16, 128), 4), ((32, 128), 4), ((32, 64), 4), ((64, 64), 4), ((16, 256), 4))
+
+
+def conv_tile_sweep(label: str, run, new: bool) -> None:
+    """Times `run` (conv_tokens for new states or rows) at each tile and warp count; flags outputs that differ."""
+    from kev_backend.kernels import conv
+
+    names = ("NEW_TOKEN_TILE", "NEW_TOKEN_WARPS") if new else ("TOKEN_TILE", "TOKEN_WARPS")
+    chosen = [getattr(conv, name) for name in names]
+    reference = run()
+    timings = []
+    for tile, warps in CONV_TILES:
+        setattr(conv, names[0], tile)  # read at each launch
+        setattr(conv, names[1], warps)
+        same = torch.equal(run(), reference)
+        timings.append(f"{tile[0]}x{tile[1]}/{warps} {cuda_ms(run):.3f}{'' if same else ' (DIFFERS)'}")
+    for name, value in zip(names, chosen):
+        setattr(conv, name, value)
+    print(f"  conv {label} by tile/warps: " + ", ".join(timings), flush=True)
 
 
 def quick_latency() -> None:

@@ -344,18 +344,13 @@ class PassGraphs:
             self.model.forward(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # Captured with capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache on entry:
-        # every bucket's warm-up pass would then allocate its activations afresh (94 buckets took 9.7 s at load on the
-        # H200). Capture allocates only from the graphs' own pool, so what it adds to the reserved memory is what
-        # that pool grew by (it keeps its segments while any graph lives).
+        # torch.cuda.graph empties the allocator's cache on entry: measured from an empty cache, what capture adds to
+        # the reserved memory is what the graphs' pool grew by (it keeps its segments while any graph lives).
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self.mempool)
-            try:
-                out = self.model.forward(inputs)
-            finally:
-                graph.capture_end()
+        with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
+            out = self.model.forward(inputs)
         self.stats.bytes += torch.cuda.memory_reserved(self.device) - reserved
         self.stats.captures += 1
         self.graphs[bucket] = (graph, out)
