@@ -51,6 +51,9 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
 
     assert bucket_for(layout([34], [39] * 6)) == Bucket(64, 256)  # Kev's short6 on a new state
     assert bucket_for(layout([], [39] * 6)) == Bucket(0, 256)  # the same state again
+    # short6 as the bench's tokenizer splits it (185 row tokens): a 1.5x row step, 256 tokens in all rather than 320
+    assert bucket_for(layout([33], [38, 52, 26, 19, 30, 20])) == Bucket(64, 192)
+    assert bucket_for(layout([40] * 8, [30] * 6)) == Bucket(512, 256)  # 1.5x row steps only where rows fill the pass
     assert bucket_for(layout([34] * 9, [10])) == Bucket(512, 64)  # nine states: more than 64 // 8 segments
     assert bucket_for(layout([65], [10])) is None  # a long state: eager (fla's long kernels)
     assert smallest_bucket(buckets, layout([65], [10]), 1000, long_states=True) == Bucket(128, 64)
