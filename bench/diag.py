@@ -1,6 +1,7 @@
-"""Diagnostics on the GPU machine (not a benchmark): where a short pass spends host time, and whether cuBLAS bf16
-GEMMs give a row the same result whatever else rides in the batch. Prints a short report.
-    python3 bench/diag.py [profile|gemm]"""
+"""Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
+timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
+    python3 bench/diag.py [kernels|long [rows]|recurrent|latency|startup|speed|sweep|invariance|profile|gemm]
+(KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
 
