@@ -324,16 +324,32 @@ def quick_latency() -> None:
     print("kernels", options.long_kernels, options.short_delta_rule, "chunk", delta_rule.CHUNK, flush=True)
     for label, make in (("short6", short6), ("long5", long5)):
         print(label, bench.latency(engine, make), flush=True)
-        bench.throughput(engine, make, 64, 1.0)
-        print(label, "64 clients", bench.throughput(engine, make, 64, 3.0), flush=True)
+        for pipelined in (True, False):
+            bench.throughput(engine, make, 64, 1.0, pipelined)
+            measured = bench.throughput(engine, make, 64, 3.0, pipelined)
+            print(label, "64 clients", "pipelined" if pipelined else "serial", measured, flush=True)
 
 
 def startup() -> None:
-    """The engine's start-up phases with every graph bucket captured (as the GPU config loads it)."""
+    """The engine's start-up phases with every graph bucket captured (as the GPU config loads it): seconds in eager
+    warm-up passes and in captures, and (KEV_PROFILE=1) where the host spends the graphs phase."""
+    import os
+
+    profiler = cProfile.Profile() if os.environ.get("KEV_PROFILE") == "1" else None
+    if profiler is not None:
+        profiler.enable()
     engine = kev4b_engine(graphs=True, long_kernels="ours")
+    if profiler is not None:
+        profiler.disable()
     stats = engine.scorer.graphs.stats
     phases = {phase: round(seconds, 2) for phase, seconds in engine.startup.items()}
-    print(f"startup {phases} graphs {stats.count} ({stats.capture_failures} failed) {stats.bytes / 2**20:.0f} MiB")
+    print(
+        f"startup {phases} graphs {stats.count} ({stats.capture_failures} failed, {stats.retries} retried warm) "
+        f"{stats.bytes / 2**20:.0f} MiB; warm passes {stats.warm_s:.2f} s, captures {stats.capture_s:.2f} s",
+        flush=True,
+    )
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 
 
 def host_profile() -> None:

@@ -13,6 +13,8 @@
 #   diag       long, then latency (~6 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes, replayed from
 #              CUDA graphs on our long kernels (~2 min)
+#   startup    bench/diag.py startup: start-up phases on an empty kernel cache, the kept one (with a host profile), and
+#              the kept one without eager passes before captures; then graph replay vs eager without them (~4 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
@@ -45,8 +47,8 @@ run_step() {
     recurrent) timeout 120 python3 bench/diag.py recurrent 2>&1 | grep -v -i warn | tee "$out/diag-recurrent.log" || status=1 ;;
     latency)
       # The engine replaying CUDA graphs (as the GPU config does) with each kernel choice: latency and 64-client
-      # throughput (which to make the default).
-      for choice in "" KEV_SHORT_DELTA_RULE=chunked; do
+      # throughput, pipelined and serial (which to make the default). LATENCY_CHOICES: the choices (default both).
+      for choice in ${LATENCY_CHOICES:-KEV_SHORT_DELTA_RULE=recurrent KEV_SHORT_DELTA_RULE=chunked}; do
         # shellcheck disable=SC2086
         env KEV_GRAPHS=1 KEV_LONG_KERNELS=ours $choice timeout 120 python3 bench/diag.py latency 2>&1 \
           | grep -E "^(kernels|short6|long5)" | tee -a "$out/diag-latency.log" || status=1
@@ -59,6 +61,14 @@ run_step() {
     bench)
       # shellcheck disable=SC2086
       python3 -m kev_backend.bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
+      ;;
+    startup)
+      timeout 200 python3 bench/diag.py startup 2>&1 | grep -E "^startup|Error" | tee "$out/diag-startup.log" || status=1
+      KEV_PROFILE=1 timeout 120 python3 bench/diag.py startup 2>&1 | grep -v -i warn | head -45 \
+        | tee -a "$out/diag-startup.log" || status=1
+      KEV_GRAPH_WARM_PASSES=0 timeout 120 python3 bench/diag.py startup 2>&1 | grep -E "^startup|Error" \
+        | tee -a "$out/diag-startup.log" || status=1
+      KEV_GRAPH_WARM_PASSES=0 gpu_pytest gpu-graphs-no-warm-passes.log "graph_replay" "^graphs |passed|failed|Error"
       ;;
     first) run_step tests; run_step diag ;;
     all) run_step tests; run_step parity; run_step bench ;;

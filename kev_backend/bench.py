@@ -32,6 +32,7 @@ from . import tiny
 from .checkpoint import load_checkpoint
 from .engine import Engine, EngineOptions
 from .kernels import delta_rule
+from .pipeline import Pipeline
 from .workloads import long5, short6
 
 CLIENTS = (1, 8, 32, 64)
@@ -111,14 +112,21 @@ def pass_profile(engine: Engine, make, new: bool) -> dict[str, float]:
     return {"kernels": len(kernels), "gpu_busy_ms": busy_us / 1000, "wall_ms": wall * 1000}
 
 
-def throughput(engine: Engine, make, clients: int, seconds: float) -> dict[str, float]:
-    """Closed loop: `clients` threads each send a new-state request when their last one is answered; one model
-    thread answers everything queued at once."""
+def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bool = True) -> dict[str, float]:
+    """Closed loop: `clients` threads each send a new-state request when their last one is answered; one batching
+    thread takes everything queued at once and hands it to the engine: through the pipeline Triton's model uses
+    (kev_backend/pipeline.py: the next batch is prepared while this one is on the GPU), or with `pipelined` False
+    one `answer` call at a time."""
     inbox: queue.Queue = queue.Queue()
     stop = time.perf_counter() + seconds
     done: list[float] = []
     batches: list[int] = []
     lock = threading.Lock()
+    pipeline = Pipeline(engine) if pipelined else None
+
+    def answered(events: list[threading.Event]) -> None:
+        for event in events:
+            event.set()
 
     def model_loop() -> None:
         while time.perf_counter() < stop or not inbox.empty():
@@ -132,10 +140,13 @@ def throughput(engine: Engine, make, clients: int, seconds: float) -> dict[str, 
                     batch.append(inbox.get_nowait())
                 except queue.Empty:
                     break
-            engine.answer([body for body, _ in batch])
+            bodies, events = [body for body, _ in batch], [event for _, event in batch]
             batches.append(len(batch))
-            for _, event in batch:
-                event.set()
+            if pipeline is None:
+                engine.answer(bodies)
+                answered(events)
+            else:
+                pipeline.submit(bodies, lambda results, prepared, events=events: answered(events))
 
     def client() -> None:
         while time.perf_counter() < stop:
@@ -157,6 +168,8 @@ def throughput(engine: Engine, make, clients: int, seconds: float) -> dict[str, 
         t.join()
     worker.join()
     elapsed = time.perf_counter() - begin
+    if pipeline is not None:
+        pipeline.close()
     latencies = sorted(done)
     return {
         "rps": len(done) / elapsed,
@@ -288,6 +301,7 @@ def main() -> None:
         "long_kernels": options.long_kernels,
         "short_delta_rule": options.short_delta_rule,
         "chunk_tokens": delta_rule.CHUNK,
+        "pipelined": True,  # throughput through kev_backend/pipeline.py; serial_rps_64 without it
         "engine_start_s": engine_s,
         "torch": torch.__version__,
         "ceilings": ceil,
@@ -339,6 +353,10 @@ def main() -> None:
             entry["p50_ms"][str(clients)] = measured["p50_ms"]
             entry["mean_batch"][str(clients)] = measured["mean_batch"]
             print(f"{label} clients={clients} {measured}", flush=True)
+        # 64 clients without the pipeline (one answer() call at a time): what overlapping batches buys.
+        throughput(engine, make, 64, 1.0, pipelined=False)
+        entry["serial_rps_64"] = throughput(engine, make, 64, seconds, pipelined=False)["rps"]
+        print(f"{label} clients=64 serial {entry['serial_rps_64']:.1f} req/s", flush=True)
         # The same new-state latency and 64-client throughput with new states in a pass of their own before the
         # rows: whether one shared pass through the weights pays.
         if hasattr(engine.scorer, "split_passes"):

@@ -46,6 +46,9 @@ class EngineOptions:
     graphs: bool = False
     graph_max_tokens: int = 4096
     max_graphs: int = 96
+    # fused path: an eager pass before every graph capture (True), or only where a capture without one fails
+    # (graphs.py); KEV_GRAPH_WARM_PASSES=0 sets False
+    graph_warm_passes: bool = field(default_factory=lambda: os.environ.get("KEV_GRAPH_WARM_PASSES", "1") != "0")
     # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
     # autotuning), so no request pays for them
     warm: bool = True
@@ -82,6 +85,29 @@ class BatchReport:
     model_ms: float = 0.0
 
 
+@dataclass
+class PreparedBatch:
+    """A batch between answer()'s stages: each request's place in `results` holds its RequestError if refused;
+    `accepted` the rest, in order; `probabilities` and `report` come from `score`."""
+
+    results: list[dict | RequestError | None]
+    accepted: list[tuple[int, Record, Encoded]] = field(default_factory=list)
+    dropped: int = 0  # requests taken out before scoring (cancelled): not counted in the report
+    probabilities: list[list[list[float]]] = field(default_factory=list)
+    report: BatchReport = field(default_factory=BatchReport)
+
+    @property
+    def refused(self) -> int:
+        return sum(isinstance(r, RequestError) for r in self.results)
+
+    def drop(self, indices: set[int]) -> None:
+        """Takes the requests at `indices` out before scoring: their places stay None and they cost no model work."""
+        self.accepted = [a for a in self.accepted if a[0] not in indices]
+        for i in indices:
+            self.results[i] = None
+        self.dropped += len(indices)
+
+
 class Engine:
     def __init__(self, checkpoint: KevCheckpoint, options: EngineOptions | None = None) -> None:
         self.options = options or EngineOptions()
@@ -111,6 +137,7 @@ class Engine:
                 max_graphs=self.options.max_graphs,
                 long_kernels=self.options.long_kernels,
                 short_delta_rule=self.options.short_delta_rule,
+                graph_warm_passes=self.options.graph_warm_passes,
             )
         else:
             self.scorer = ReferenceScorer(
@@ -195,29 +222,46 @@ class Engine:
 
     def answer(self, bodies: Sequence[Body]) -> list[dict | RequestError]:
         """One response body (a dict, Kev 1.0's JSON) or one RequestError per request, in order."""
-        results: list[dict | RequestError | None] = [None] * len(bodies)
-        accepted: list[tuple[int, Record, Encoded]] = []
+        return self.finish(self.score(self.prepare_batch(bodies)))
+
+    # answer() in three stages, so a pipeline (kev_backend/pipeline.py) can run them on different threads: one batch's
+    # host work (parsing, tokenizing; answers and their token counts) overlaps another's GPU work. Only `score` touches
+    # the model and the bank; `prepare_batch` and `finish` read the tokenizer, which is safe to share.
+
+    def prepare_batch(self, bodies: Sequence[Body]) -> PreparedBatch:
+        """Validates and encodes each request (host work only); a refused one keeps its RequestError."""
+        batch = PreparedBatch(results=[None] * len(bodies))
         for i, body in enumerate(bodies):
             try:
                 record, encoded = self.prepare(body)
             except RequestError as error:
-                results[i] = error
+                batch.results[i] = error
             else:
-                accepted.append((i, record, encoded))
-        report = BatchReport(requests=len(bodies), errors=len(bodies) - len(accepted))
-        if accepted:
-            batch = [encoded for _, _, encoded in accepted]
+                batch.accepted.append((i, record, encoded))
+        return batch
+
+    def score(self, batch: PreparedBatch) -> PreparedBatch:
+        """Runs the model on the batch's accepted requests (none: nothing runs) and records the batch's report."""
+        report = BatchReport(requests=len(batch.results) - batch.dropped, errors=batch.refused)
+        if batch.accepted:
+            encoded = [e for _, _, e in batch.accepted]
             started = self._clock()
-            probabilities = self.scorer.probabilities(batch)
+            batch.probabilities = self.scorer.probabilities(encoded)
             report.model_ms = (self._clock() - started) * 1000.0
-            report.questions = sum(len(e.questions) for e in batch)
-            report.state_tokens = sum(len(state) for state in {e.state for e in batch})
-            report.row_tokens = sum(len(q.tokens) for e in batch for q in e.questions)
-            answers = [answers_from_probabilities(r, probs) for (_, r, _), probs in zip(accepted, probabilities)]
+            report.questions = sum(len(e.questions) for e in encoded)
+            report.state_tokens = sum(len(state) for state in {e.state for e in encoded})
+            report.row_tokens = sum(len(q.tokens) for e in encoded for q in e.questions)
+        batch.report = self.last_batch = report
+        return batch
+
+    def finish(self, batch: PreparedBatch) -> list[dict | RequestError]:
+        """The scored batch's response bodies, with refusals in place (a dropped request's place stays None)."""
+        results = list(batch.results)
+        if batch.accepted:
+            answers = [answers_from_probabilities(r, p) for (_, r, _), p in zip(batch.accepted, batch.probabilities)]
             output_tokens = self.tokenizer.count_tokens_batch([answers_json(a) for a in answers])
-            for (i, record, encoded), mine, tokens in zip(accepted, answers, output_tokens):
-                results[i] = response_body(record.model, mine, encoded.input_tokens, tokens, report.model_ms)
-        self.last_batch = report
+            for (i, record, encoded), mine, tokens in zip(batch.accepted, answers, output_tokens):
+                results[i] = response_body(record.model, mine, encoded.input_tokens, tokens, batch.report.model_ms)
         return results  # type: ignore[return-value]
 
     def _clock(self) -> float:

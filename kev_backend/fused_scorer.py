@@ -46,6 +46,7 @@ class FusedScorer:
         max_graphs: int = 96,
         long_kernels: str = "fla",
         short_delta_rule: str = "recurrent",
+        graph_warm_passes: bool = True,
     ) -> None:
         self.device = next(model.parameters()).device
         self.long_kernels = long_kernels
@@ -67,6 +68,7 @@ class FusedScorer:
         self.use_graphs = graphs
         self.graph_max_tokens = graph_max_tokens
         self.max_graphs = max_graphs
+        self.graph_warm_passes = graph_warm_passes
         self.bank = self._new_bank()
         self.model = self._new_model()
         self.graphs = self._new_graphs()
@@ -100,6 +102,7 @@ class FusedScorer:
             max_graphs=self.max_graphs,
             capture=self.device.type == "cuda",
             long_states=self.long_kernels == "ours",  # fla's chunk maps live on the host: not capturable
+            warm_passes=self.graph_warm_passes,
         )
 
     @property

@@ -18,6 +18,7 @@ run at once); the LRU keeps at most `max_graphs`.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -251,6 +252,9 @@ class GraphStats:
     capture_failures: int = 0
     count: int = 0
     bytes: int = 0  # memory the graphs' pool holds (reserved while capturing)
+    warm_s: float = 0.0  # seconds in eager passes before captures (first launches stay out of the graphs)
+    capture_s: float = 0.0  # seconds capturing and instantiating
+    retries: int = 0  # captures without an eager pass first that failed, then succeeded after one
 
 
 class PassGraphs:
@@ -268,8 +272,13 @@ class PassGraphs:
         max_graphs: int = 96,
         capture: bool = True,
         long_states: bool = False,
+        warm_passes: bool = True,
     ) -> None:
         self.model = model
+        # An eager pass before each capture (True), or only before the first and wherever a capture without one
+        # fails (False): once earlier buckets have compiled a kernel's variants, a later bucket's pass runs none
+        # for the first time.
+        self.warm_passes = warm_passes
         self.long_states = long_states  # passes with long new states too (their kernels are capturable)
         self.pool = pool
         self.pad_id = pad_id
@@ -323,15 +332,21 @@ class PassGraphs:
     def _try_capture(self, bucket: Bucket) -> tuple[object, torch.Tensor] | None:
         """Captures the bucket, or records why it could not be (an operation that refuses capture): its passes then
         run padded and eagerly, with the same kernels, and the server keeps starting and serving."""
+        if not self.warm_passes and self.stats.captures:
+            try:
+                return self._capture(bucket, warm=False)
+            except RuntimeError as error:  # e.g. a kernel variant compiling inside the capture: again, warmed
+                log.info("kev: capture of bucket %s without a warm-up pass failed: %r", bucket.name, error)
+                self.stats.retries += 1
         try:
-            return self._capture(bucket)
+            return self._capture(bucket, warm=True)
         except RuntimeError as error:
             self.failed[bucket] = repr(error)[:500]
             self.stats.capture_failures += 1
             log.warning("kev: CUDA graph capture of bucket %s failed, its passes run eagerly: %r", bucket.name, error)
             return None
 
-    def _capture(self, bucket: Bucket) -> tuple[object, torch.Tensor]:
+    def _capture(self, bucket: Bucket, warm: bool = True) -> tuple[object, torch.Tensor]:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats.evictions += 1
@@ -339,18 +354,23 @@ class PassGraphs:
         # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
         self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
         stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # first launches (Triton compiles, cuBLASLt picks) stay out of the graph
-            self.model.forward(inputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        started = time.perf_counter()
+        if warm:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # first launches (Triton compiles, cuBLASLt picks) stay out of the graph
+                self.model.forward(inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # torch.cuda.graph empties the allocator's cache on entry: measured from an empty cache, what capture adds to
         # the reserved memory is what the graphs' pool grew by (it keeps its segments while any graph lives).
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
+        captured = time.perf_counter()
         with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
             out = self.model.forward(inputs)
+        self.stats.warm_s += captured - started
+        self.stats.capture_s += time.perf_counter() - captured
         self.stats.bytes += torch.cuda.memory_reserved(self.device) - reserved
         self.stats.captures += 1
         self.graphs[bucket] = (graph, out)

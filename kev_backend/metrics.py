@@ -48,8 +48,9 @@ class KevMetrics:
         self.engine_ms = metric("kev_engine_ms", histogram, "engine model time per batch (ms)", MS_BUCKETS)
         self._seen: dict[str, int] = {}  # the engine's running totals at the last record, per counter
 
-    def record(self, engine: Any) -> None:
-        batch = engine.last_batch
+    def record(self, engine: Any, batch: Any = None) -> None:
+        """After a batch: its report (BatchReport; default the engine's last) and the engine's running totals."""
+        batch = batch or engine.last_batch
         self.batch_requests.observe(batch.requests)
         if batch.errors:
             self.request_errors.increment(batch.errors)

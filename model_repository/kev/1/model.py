@@ -1,5 +1,6 @@
 """Triton Python-backend adapter for Kev: one System One JSON request per REQUEST element, Kev 1.0's response JSON
-per RESPONSE element. The whole batch goes to the engine in one call; a bad request fails alone (INVALID_ARG)."""
+per RESPONSE element. Each batch goes to the engine in one call, through a pipeline that overlaps batches' host and
+GPU work (kev_backend/pipeline.py); a bad request fails alone (INVALID_ARG)."""
 
 import json
 import time
@@ -10,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from kev_backend.engine import Engine, dumps
 from kev_backend.metrics import KevMetrics
+from kev_backend.pipeline import Pipeline
 from kev_backend.systemone import RequestError
 from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
 
@@ -35,37 +37,62 @@ class TritonPythonModel:
             self.metrics.record(self.engine)
         self.engine.startup["warmup_requests"] = time.perf_counter() - started
         pb_utils.Logger.log_info(f"kev: {path}; {len(warmup)} warm-up requests; {self.engine.summary()}")
+        self.pipeline = Pipeline(self.engine)
 
     def execute(self, requests):
-        responses = [None] * len(requests)
-        # A request cancelled while queued costs no model work.
+        # Responses go out through each request's sender once the pipeline has answered (execute returns None, so
+        # Triton hands over the next batch while this one is on the GPU). A request cancelled while queued costs no
+        # model work, here or just before its batch is scored.
+        senders = [request.get_response_sender() for request in requests]
         live = []
-        for i, request in enumerate(requests):
+        for request, sender in zip(requests, senders):
             if request.is_cancelled():
-                responses[i] = error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+                send(sender, error_response("request cancelled", pb_utils.TritonError.CANCELLED))
             else:
-                live.append(i)
+                live.append((request, sender))
         if not live:
-            return responses
+            return None
         # A request may carry several JSON strings (batch dim n > 1); all are scored in one engine call.
-        bodies = [pb_utils.get_input_tensor_by_name(requests[i], "REQUEST").as_numpy().reshape(-1) for i in live]
-        try:
-            results = self.engine.answer([body for items in bodies for body in items])
-        except Exception as error:  # an engine fault fails this batch's requests; the server keeps serving
-            pb_utils.Logger.log_error(f"kev: batch failed: {error!r}")
-            for i in live:
-                responses[i] = error_response(f"kev engine error: {error}", pb_utils.TritonError.INTERNAL)
-            return responses
-        self.metrics.record(self.engine)
-        start = 0
-        for i, items in zip(live, bodies):
-            mine, start = results[start : start + len(items)], start + len(items)
-            errors = [(j, r) for j, r in enumerate(mine) if isinstance(r, RequestError)]
-            if errors:
-                j, error = errors[0]
-                message = error.message if len(items) == 1 else f"REQUEST[{j}]: {error.message}"
-                responses[i] = error_response(message, pb_utils.TritonError.INVALID_ARG)
-                continue
-            out = np.array([dumps(r).encode() for r in mine], dtype=np.object_).reshape(len(items), 1)
-            responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RESPONSE", out)])
-        return responses
+        bodies = [pb_utils.get_input_tensor_by_name(r, "REQUEST").as_numpy().reshape(-1) for r, _ in live]
+        spans, start = [], 0
+        for items in bodies:
+            spans.append(range(start, start + len(items)))
+            start += len(items)
+        senders = [sender for _, sender in live]
+
+        def cancelled():
+            return {j for sender, span in zip(senders, spans) if sender.is_cancelled() for j in span}
+
+        def deliver(results, batch):
+            if isinstance(results, Exception):  # an engine fault fails this batch's requests; the server keeps serving
+                pb_utils.Logger.log_error(f"kev: batch failed: {results!r}")
+                for sender in senders:
+                    send(sender, error_response(f"kev engine error: {results}", pb_utils.TritonError.INTERNAL))
+                return
+            if batch.report.requests:
+                self.metrics.record(self.engine, batch.report)
+            for sender, span in zip(senders, spans):
+                send(sender, response(results[span.start : span.stop]))
+
+        self.pipeline.submit([body for items in bodies for body in items], deliver, cancelled)
+        return None
+
+    def finalize(self):
+        self.pipeline.close()
+
+
+def send(sender, reply):
+    sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def response(results):
+    """One request's response: its answers, or the first refusal (INVALID_ARG) or cancellation among them."""
+    if any(r is None for r in results):  # dropped before scoring
+        return error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+    errors = [(j, r) for j, r in enumerate(results) if isinstance(r, RequestError)]
+    if errors:
+        j, error = errors[0]
+        message = error.message if len(results) == 1 else f"REQUEST[{j}]: {error.message}"
+        return error_response(message, pb_utils.TritonError.INVALID_ARG)
+    out = np.array([dumps(r).encode() for r in results], dtype=np.object_).reshape(len(results), 1)
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RESPONSE", out)])

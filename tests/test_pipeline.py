@@ -1,0 +1,92 @@
+"""The pipelined engine (prepare, score and deliver on three threads) answers exactly like `Engine.answer`, drops
+cancelled requests before any model work, and confines an engine fault to its own batch."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+
+from kev_backend.engine import Engine, EngineOptions
+from kev_backend.pipeline import Pipeline
+from kev_backend.systemone import RequestError
+
+from .test_engine import request
+
+BAD = {"state": "x", "questions": {}}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path) -> Engine:
+    return Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=1 << 24))
+
+
+def run(pipeline: Pipeline, batches: list[list], cancelled: dict[int, set[int]] | None = None) -> list:
+    """Submits every batch from the caller's thread at once; returns (results, report) per batch in order."""
+    delivered: queue.Queue = queue.Queue()
+    for n, bodies in enumerate(batches):
+        drop = (cancelled or {}).get(n)
+        pipeline.submit(
+            bodies,
+            lambda results, batch, n=n: delivered.put((n, results, batch.report, threading.current_thread().name)),
+            (lambda drop=drop: drop) if drop is not None else None,
+        )
+    out = dict((n, rest) for n, *rest in (delivered.get(timeout=60) for _ in batches))
+    return [out[n] for n in range(len(batches))]
+
+
+def test_pipelined_answers_equal_engine_answers(engine: Engine) -> None:
+    batches = [[request(f"ticket {n} {i}") for i in range(1 + n % 3)] + ([BAD] if n % 2 else []) for n in range(6)]
+    expected = [engine.answer(bodies) for bodies in batches]
+    pipeline = Pipeline(engine)
+    try:
+        got = run(pipeline, batches)
+    finally:
+        pipeline.close()
+    for (results, report, thread), want, bodies in zip(got, expected, batches, strict=True):
+        assert thread == "kev-delivery"
+        assert report.requests == len(bodies) and report.errors == sum(b is BAD for b in bodies)
+        for actual, wanted in zip(results, want, strict=True):
+            if isinstance(wanted, RequestError):
+                assert isinstance(actual, RequestError) and actual.message == wanted.message
+            else:
+                assert actual["answers"] == wanted["answers"] and actual["usage"] == wanted["usage"]
+
+
+def test_cancelled_requests_cost_no_model_work(engine: Engine) -> None:
+    pipeline = Pipeline(engine)
+    try:
+        before = engine.bank_stats.misses
+        (partial, report, _), (none, empty, _) = run(
+            pipeline,
+            [[request("kept state"), request("dropped state one")], [request("dropped state two")]],
+            cancelled={0: {1}, 1: {0}},
+        )
+    finally:
+        pipeline.close()
+    assert partial[1] is None and partial[0]["answers"].keys() == request()["questions"].keys()
+    assert report.requests == 1
+    assert none == [None] and empty.requests == 0 and empty.model_ms == 0.0
+    assert engine.bank_stats.misses - before == 1  # only the kept state was computed
+
+
+def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = engine.scorer.probabilities
+    calls = []
+
+    def failing_once(batch):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("device fault")
+        return original(batch)
+
+    monkeypatch.setattr(engine.scorer, "probabilities", failing_once)
+    pipeline = Pipeline(engine)
+    try:
+        (first, _, _), (second, _, _) = run(pipeline, [[request("fault a")], [request("fault b")]])
+    finally:
+        pipeline.close()
+    assert isinstance(first, RuntimeError) and "device fault" in str(first)
+    assert isinstance(second, list) and "answers" in second[0]
