@@ -332,7 +332,7 @@ def quick_latency() -> None:
 
 def startup() -> None:
     """The engine's start-up phases with every graph bucket captured (as the GPU config loads it): seconds in eager
-    warm-up passes and in captures, and (KEV_PROFILE=1) where the host spends the graphs phase."""
+    warm-up passes and in captures, and (KEV_PROFILE=1) where the host spends them."""
     import os
 
     profiler = cProfile.Profile() if os.environ.get("KEV_PROFILE") == "1" else None
@@ -349,7 +349,9 @@ def startup() -> None:
         flush=True,
     )
     if profiler is not None:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+        stats = pstats.Stats(profiler).sort_stats("tottime")
+        stats.print_stats(20)
+        stats.print_callers("builtins.compile")
 
 
 def host_profile() -> None:

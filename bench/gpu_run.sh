@@ -14,7 +14,7 @@
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes, replayed from
 #              CUDA graphs on our long kernels (~2 min)
 #   startup    bench/diag.py startup: start-up phases on an empty kernel cache, the kept one (with a host profile), and
-#              the kept one without eager passes before captures; then graph replay vs eager without them (~4 min)
+#              the kept one with an eager pass before every capture; then graph replay vs eager (~4 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
@@ -64,11 +64,11 @@ run_step() {
       ;;
     startup)
       timeout 200 python3 bench/diag.py startup 2>&1 | grep -E "^startup|Error" | tee "$out/diag-startup.log" || status=1
-      KEV_PROFILE=1 timeout 120 python3 bench/diag.py startup 2>&1 | grep -v -i warn | head -45 \
+      KEV_PROFILE=1 timeout 120 python3 bench/diag.py startup 2>&1 | grep -v -i warn | head -70 \
         | tee -a "$out/diag-startup.log" || status=1
-      KEV_GRAPH_WARM_PASSES=0 timeout 120 python3 bench/diag.py startup 2>&1 | grep -E "^startup|Error" \
+      KEV_GRAPH_WARM_PASSES=1 timeout 120 python3 bench/diag.py startup 2>&1 | grep -E "^startup|Error" \
         | tee -a "$out/diag-startup.log" || status=1
-      KEV_GRAPH_WARM_PASSES=0 gpu_pytest gpu-graphs-no-warm-passes.log "graph_replay" "^graphs |passed|failed|Error"
+      run_step graphtest
       ;;
     first) run_step tests; run_step diag ;;
     all) run_step tests; run_step parity; run_step bench ;;

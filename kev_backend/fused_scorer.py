@@ -46,7 +46,7 @@ class FusedScorer:
         max_graphs: int = 96,
         long_kernels: str = "fla",
         short_delta_rule: str = "recurrent",
-        graph_warm_passes: bool = True,
+        graph_warm_passes: bool = False,
     ) -> None:
         self.device = next(model.parameters()).device
         self.long_kernels = long_kernels

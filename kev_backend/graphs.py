@@ -272,7 +272,7 @@ class PassGraphs:
         max_graphs: int = 96,
         capture: bool = True,
         long_states: bool = False,
-        warm_passes: bool = True,
+        warm_passes: bool = False,
     ) -> None:
         self.model = model
         # An eager pass before each capture (True), or only before the first and wherever a capture without one
