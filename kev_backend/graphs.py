@@ -97,8 +97,8 @@ class Bucket:
 
 
 def all_buckets(max_tokens: int) -> list[Bucket]:
-    """Every bucket up to `max_tokens` tokens, smallest first (94 up to 4,096). Each has at least MIN_GEMM_ROWS
-    tokens."""
+    """Every bucket up to `max_tokens` tokens, smallest first (94 up to 4,096, 133 up to 8,192). Each has at least
+    MIN_GEMM_ROWS tokens."""
     shapes = [(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS)]
     shapes += [(s, r) for s in (0, *STATE_BUCKETS) for r in ROW_STEPS if s <= r]
     buckets = sorted(Bucket(s, r) for s, r in shapes if 0 < s + r <= max_tokens)
@@ -267,9 +267,9 @@ class PassGraphs:
         model: FusedQwen35,
         pool: StatePool,
         pad_id: int,
-        max_tokens: int = 4096,
+        max_tokens: int = 8192,
         prefix_tokens: int = 32_768,
-        max_graphs: int = 96,
+        max_graphs: int = 136,
         capture: bool = True,
         long_states: bool = False,
         warm_passes: bool = False,

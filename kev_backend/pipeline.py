@@ -15,8 +15,12 @@ model thread just as this one finishes: the recent scoring time less the recent 
 batch's arrival (Triton's batching, its IPC, decoding and preparing). Requests keep waiting where they arrived
 (Triton's queue, with its size limit and timeouts) meanwhile.
 
-Just before scoring, a batch may drop requests that no longer want answers (`Job.cancelled`): they cost no model
-work. An engine fault fails only its own batch, delivered as the exception.
+A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
+which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
+answers each `is_cancelled` through its IPC; asking for every request of every batch would cost the model thread
+milliseconds per batch, and the caller has just asked.)
+
+An engine fault fails only its own batch, delivered as the exception.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Job:
     deliver: Callable[[Results | Exception, PreparedBatch], None]
     # Called on the model thread just before scoring: the indices of requests to drop (cancelled meanwhile).
     cancelled: Callable[[], set[int]] | None = None
+    queued: float = field(default_factory=time.perf_counter)
     error: Exception | None = field(default=None)
     scored: threading.Event = field(default_factory=threading.Event)  # set once the model thread is done with it
 
@@ -65,8 +70,9 @@ class Recent:
 
 
 class Pipeline:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, recheck_after_s: float = 0.005) -> None:
         self.engine = engine
+        self.recheck_after_s = recheck_after_s
         self.scoring_s = Recent()  # model thread: from taking a batch to having scored it
         self.arrival_s = Recent()  # from submit returning to the next batch being prepared
         self._returned: float | None = None
@@ -108,7 +114,7 @@ class Pipeline:
             self._to_model.task_done()
             started = time.perf_counter()
             try:
-                if job.cancelled is not None:
+                if job.cancelled is not None and started - job.queued >= self.recheck_after_s:
                     if dropped := job.cancelled():
                         job.batch.drop(dropped)
                 if len(job.batch.results) > job.batch.dropped:  # not everyone dropped out
