@@ -338,7 +338,8 @@ def startup() -> None:
     profiler = cProfile.Profile() if os.environ.get("KEV_PROFILE") == "1" else None
     if profiler is not None:
         profiler.enable()
-    engine = kev4b_engine(graphs=True, long_kernels="ours")
+    max_tokens = int(os.environ.get("KEV_GRAPH_MAX_TOKENS", 4096))
+    engine = kev4b_engine(graphs=True, long_kernels="ours", graph_max_tokens=max_tokens, max_graphs=200)
     if profiler is not None:
         profiler.disable()
     stats = engine.scorer.graphs.stats
@@ -348,6 +349,8 @@ def startup() -> None:
         f"{stats.bytes / 2**20:.0f} MiB; warm passes {stats.warm_s:.2f} s, captures {stats.capture_s:.2f} s",
         flush=True,
     )
+    for bucket, error in {**engine.scorer.graphs.retried, **engine.scorer.graphs.failed}.items():
+        print(f"startup bucket {bucket.name}: {error}", flush=True)
     if profiler is not None:
         stats = pstats.Stats(profiler).sort_stats("tottime")
         stats.print_stats(20)

@@ -42,11 +42,10 @@ class EngineOptions:
     bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
     # fused path: CUDA graphs (kev_backend/graphs.py) for passes of short rows and short new states (long new states
-    # too with long_kernels "ours"), buckets up to graph_max_tokens tokens (133 up to 8,192: a busy batch of 32 short6
-    # requests, 7,020 tokens, replays s1536r6144), at most max_graphs kept.
+    # too with long_kernels "ours"), buckets up to graph_max_tokens tokens (94 up to 4,096), at most max_graphs kept.
     graphs: bool = False
-    graph_max_tokens: int = 8192
-    max_graphs: int = 136
+    graph_max_tokens: int = 4096
+    max_graphs: int = 96
     # fused path: an eager pass before every graph capture (True), or only before the first and where a capture
     # without one fails (False, graphs.py: H200, kept kernel cache, 94 buckets: graphs phase 3.5 s against 9.0, the
     # same answers, no retries); KEV_GRAPH_WARM_PASSES=1 sets True

@@ -267,9 +267,9 @@ class PassGraphs:
         model: FusedQwen35,
         pool: StatePool,
         pad_id: int,
-        max_tokens: int = 8192,
+        max_tokens: int = 4096,
         prefix_tokens: int = 32_768,
-        max_graphs: int = 136,
+        max_graphs: int = 96,
         capture: bool = True,
         long_states: bool = False,
         warm_passes: bool = False,
@@ -293,6 +293,7 @@ class PassGraphs:
         self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor]] = OrderedDict()
         self.seen: set[Bucket] = set()  # buckets passes have used (what a warm-up list could name)
         self.failed: dict[Bucket, str] = {}  # buckets whose capture failed, and why
+        self.retried: dict[Bucket, str] = {}  # buckets captured only after an eager pass, and why
         # One pool and one capture stream for every graph. A graph may reuse memory that an earlier capture freed,
         # including where another graph's output lives; replays never overlap and `run` copies a graph's output
         # before anything else replays, so any replay order is safe.
@@ -337,6 +338,7 @@ class PassGraphs:
                 return self._capture(bucket, warm=False)
             except RuntimeError as error:  # e.g. a kernel variant compiling inside the capture: again, warmed
                 log.info("kev: capture of bucket %s without a warm-up pass failed: %r", bucket.name, error)
+                self.retried[bucket] = repr(error)[:500]
                 self.stats.retries += 1
         try:
             return self._capture(bucket, warm=True)
