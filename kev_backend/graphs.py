@@ -338,15 +338,34 @@ class PassGraphs:
                 return self._capture(bucket, warm=False)
             except RuntimeError as error:  # e.g. a kernel variant compiling inside the capture: again, warmed
                 log.info("kev: capture of bucket %s without a warm-up pass failed: %r", bucket.name, error)
+                self._recover()
                 self.retried[bucket] = repr(error)[:500]
                 self.stats.retries += 1
         try:
             return self._capture(bucket, warm=True)
         except RuntimeError as error:
+            self._recover()
             self.failed[bucket] = repr(error)[:500]
             self.stats.capture_failures += 1
             log.warning("kev: CUDA graph capture of bucket %s failed, its passes run eagerly: %r", bucket.name, error)
             return None
+
+    def _recover(self) -> None:
+        """After a capture that raised. torch's capture_end throws on an invalidated capture before it stops routing
+        the stream's allocations to the graphs' pool and before it ends the CUDA generator's capture: every later
+        capture then failed ("already recording to mempool_id") and so did any CUDA randn (H200, a bucket whose grid
+        the driver refused). Stop the routing, then capture an empty graph, whose capture_end ends the generator's."""
+        torch.cuda.synchronize(self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(index, self.mempool)
+        except RuntimeError:  # the capture failed before capture_begin, or capture_end got as far as this
+            pass
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=self.mempool, stream=self.stream):
+                pass
+        except RuntimeError as error:
+            log.warning("kev: CUDA graphs did not recover from a failed capture: %r", error)
 
     def _capture(self, bucket: Bucket, warm: bool = True) -> tuple[object, torch.Tensor]:
         while len(self.graphs) >= self.max_graphs:

@@ -118,6 +118,32 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
     torch.cuda.empty_cache()
 
 
+def test_a_failed_capture_leaves_the_others_working(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that raises (here: the pass of one bucket, inside the capture) fails alone: that bucket's passes run
+    eagerly, later buckets still capture, and CUDA random numbers still work (torch's capture_end had left both the
+    allocator and the generator mid-capture)."""
+    from kev_backend.graphs import Bucket
+
+    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, graphs=True, warm=False))
+    graphs = engine.scorer.graphs
+    doomed = Bucket(0, 128)
+    forward = graphs.model.forward
+
+    def failing_in_capture(inputs):
+        out = forward(inputs)
+        if torch.cuda.is_current_stream_capturing() and len(inputs.ids) == doomed.tokens:
+            torch.cuda.synchronize()  # refused while capturing: invalidates the capture
+        return out
+
+    monkeypatch.setattr(graphs.model, "forward", failing_in_capture)
+    graphs.warm([Bucket(0, 64), doomed, Bucket(0, 256), Bucket(64, 128)])
+    assert doomed in graphs.failed and set(graphs.graphs) == {Bucket(0, 64), Bucket(0, 256), Bucket(64, 128)}
+    assert torch.randn(4, device="cuda").isfinite().all()
+    results = engine.answer([realistic(3, seed=5)[0]])
+    assert "answers" in results[0]
+
+
 def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:
     """Issue 4: once the engine has warmed up (graphs captured, a short and a long batch run), no request compiles
     a Triton kernel: no new specialisation of ours, no autotuning run of fla's. Realistic requests of every size,
