@@ -345,11 +345,11 @@ def startup() -> None:
     stats = engine.scorer.graphs.stats
     phases = {phase: round(seconds, 2) for phase, seconds in engine.startup.items()}
     print(
-        f"startup {phases} graphs {stats.count} ({stats.capture_failures} failed, {stats.retries} retried warm) "
+        f"startup {phases} graphs {stats.count} ({stats.capture_failures} failed) "
         f"{stats.bytes / 2**20:.0f} MiB; warm passes {stats.warm_s:.2f} s, captures {stats.capture_s:.2f} s",
         flush=True,
     )
-    for bucket, error in {**engine.scorer.graphs.retried, **engine.scorer.graphs.failed}.items():
+    for bucket, error in engine.scorer.graphs.failed.items():
         print(f"startup bucket {bucket.name}: {error}", flush=True)
     if profiler is not None:
         stats = pstats.Stats(profiler).sort_stats("tottime")

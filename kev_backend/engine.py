@@ -46,9 +46,8 @@ class EngineOptions:
     graphs: bool = False
     graph_max_tokens: int = 4096
     max_graphs: int = 96
-    # fused path: an eager pass before every graph capture (True), or only before the first and where a capture
-    # without one fails (False, graphs.py: H200, kept kernel cache, 94 buckets: graphs phase 3.5 s against 9.0, the
-    # same answers, no retries); KEV_GRAPH_WARM_PASSES=1 sets True
+    # fused path: an eager pass before every graph capture (True), or only before the first (False, graphs.py: H200,
+    # kept kernel cache, 94 buckets: graphs phase 3.5 s against 9.0, the same answers); KEV_GRAPH_WARM_PASSES=1: True
     graph_warm_passes: bool = field(default_factory=lambda: os.environ.get("KEV_GRAPH_WARM_PASSES") == "1")
     # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
     # autotuning), so no request pays for them
@@ -204,12 +203,7 @@ class Engine:
     def summary(self) -> str:
         """One line for the server's log: device, path, CUDA graphs and the seconds of each start-up phase."""
         graphs = getattr(self.scorer, "graphs", None)
-        held = (
-            f"{graphs.stats.count} CUDA graphs ({graphs.stats.capture_failures} failed to capture, "
-            f"{graphs.stats.retries} after an eager pass)"
-            if graphs
-            else ""
-        )
+        held = f"{graphs.stats.count} CUDA graphs ({graphs.stats.capture_failures} failed to capture)" if graphs else ""
         phases = ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.startup.items())
         return f"on {self.device}, {self.backend} path; {held or 'no CUDA graphs'}; start-up seconds {phases}"
 
