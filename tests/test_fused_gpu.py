@@ -148,6 +148,23 @@ def test_after_a_failed_capture_passes_run_eagerly(tiny_dir: Path, monkeypatch: 
     assert graphs.stats.captures == 1 and graphs.stats.runs > graphs.stats.replays
 
 
+def test_a_pass_with_more_row_segments_than_one_launch_holds(tiny_dir: Path) -> None:
+    """2,100 questions on one state, Kev-4B shapes: 2,100 row segments × 32 value heads pass CUDA's 65,535 limit on
+    a grid's second dimension, which the delta rule's launch refused ("invalid argument"); now it launches per span
+    of segments (kernels.grid), and every answer equals the same question's in a request of 700."""
+    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, long_kernels="ours"))
+    state = "the invoice total was wrong and the refund is late"
+    questions = {f"q{i}": {"type": "noul", "instructions": f"is item {i} urgent ?"} for i in range(2100)}
+    whole = engine.answer([{"state": state, "questions": questions}])[0]
+    assert isinstance(whole, dict), whole
+    names = list(questions)
+    for start in range(0, len(names), 700):
+        part = engine.answer([{"state": state, "questions": {n: questions[n] for n in names[start : start + 700]}}])
+        for name, answer in part[0]["answers"].items():
+            assert abs(answer["noul"] - whole["answers"][name]["noul"]) <= 0.01, name
+
+
 def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:
     """Issue 4: once the engine has warmed up (graphs captured, a short and a long batch run), no request compiles
     a Triton kernel: no new specialisation of ours, no autotuning run of fla's. Realistic requests of every size,

@@ -26,7 +26,20 @@ from kev_backend.kernels import (
     chunked_rows, conv_rows, conv_tokens, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention,
     sigmoid_gate, silu_mul,
 )
+from kev_backend.kernels import grid
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
+
+
+# fn() equals itself with every launch that puts segments on the grid's second dimension split into one launch per
+# segment (kernels.grid: CUDA caps that dimension at 65,535).
+def same_in_one_segment_launches(fn):
+    whole = fn()
+    limit, grid.MAX_GRID_Y = grid.MAX_GRID_Y, 1
+    try:
+        return torch.equal(whole, fn())
+    finally:
+        grid.MAX_GRID_Y = limit
+
 
 torch.manual_seed(0)
 # RMSNorm with the fp32 residual stream, on a strided input (a slice of a wider projection), and gated RMSNorm.
@@ -89,6 +102,7 @@ for n in range(3):
     seq = torch.cat([pool[slots[n]][:, 1:], x[a:b].T], dim=1)
     ref = torch.nn.functional.silu(torch.nn.functional.conv1d(seq[None], w[:, None, :], groups=C))[0].T
     assert (y[a:b] - ref).abs().max() < TOL, n
+assert same_in_one_segment_launches(lambda: conv_rows(x, w, pool, slots, cu))
 HQ, HKV, D = 4, 2, 32
 kp, vp = torch.randn(200, HKV, D), torch.randn(200, HKV, D)
 runs = [[3, 4, 5, 6, 100, 101], list(range(40, 77))]
@@ -114,6 +128,8 @@ for n in range(3):
     qq, kk, vv = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
     ref = causal_attention(qq, kk, vv, D**-0.5)[0].transpose(0, 1)
     assert (o[a:b] - ref).abs().max() < TOL, n
+assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
+assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20))
 
 # Rows continuing states read in place from a pool, against the fp32 chunked reference from a copied state.
 H, HV, K, V = 2, 4, 16, 32
@@ -207,6 +223,16 @@ o2 = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states_2, torch.ara
 written = [0, 1, 2, 3, 5, 6]  # the empty segment's slot (4) is left alone
 assert (o1[5:77] - o2[5:77]).abs().max() < 10 * TOL and (states_1[written] - states_2[written]).abs().max() < 10 * TOL
 assert states_1[4].isnan().all() and states_2[4].isnan().all()
+for kernel in (chunked_rows, recurrent_rows):
+    rows = lambda: kernel(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
+    assert same_in_one_segment_launches(lambda: rows()[5:77])
+
+    def new_states():
+        states = torch.zeros(8, HV, K, V)
+        o = kernel(q, k, v, gate_a, gate_b, a_log, dt_bias, states, torch.arange(7), inner_cu, new_states=True)
+        return torch.cat([o[5:77].flatten(), states.flatten()])
+
+    assert same_in_one_segment_launches(new_states)
 
 # The pass's conv (tokens in parallel, each finding its segment) answers as the token-by-token one: rows from their
 # windows, new states writing theirs; segments that start after the input's first token and end before its last (a

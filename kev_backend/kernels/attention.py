@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import grid
+
 
 @triton.jit
 def _rows_attention_kernel(
@@ -120,8 +122,8 @@ def rows_attention(
     has_prefix = prefix is not None
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
-    if n:
-        _rows_attention_kernel[(triton.cdiv(max_len, BM), n * HQ)](
+    for first, last in grid.segment_spans(n, HQ):  # a program per (query block, segment, head), within the grid
+        _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HQ)](
             q,
             k,
             v,
@@ -129,9 +131,9 @@ def rows_attention(
             v_pool,
             o,
             prefix,
-            prefix_start,
-            prefix_len,
-            cu,
+            prefix_start[first:last],
+            prefix_len[first:last],
+            cu[first : last + 1],
             D**-0.5,
             q.stride(0),
             k.stride(0),

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import grid
 from .segments import search_steps, segment_of
 
 
@@ -67,9 +68,20 @@ def conv_rows(
     assert W == 4 and x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
     y = torch.empty(T, C, device=x.device, dtype=x.dtype)
     BC = 256
-    if slots.shape[0]:
-        _conv_rows_kernel[(triton.cdiv(C, BC), slots.shape[0])](
-            x, weight, pool, slots, cu, y, C, x.stride(0), y.stride(0), W=W, BC=BC, CONTINUE=not new_states
+    for first, last in grid.segment_spans(slots.shape[0], 1):
+        _conv_rows_kernel[(triton.cdiv(C, BC), last - first)](
+            x,
+            weight,
+            pool,
+            slots[first:last],
+            cu[first : last + 1],
+            y,
+            C,
+            x.stride(0),
+            y.stride(0),
+            W=W,
+            BC=BC,
+            CONTINUE=not new_states,
         )
     return y
 

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import grid
 from .segments import search_steps, segment_of
 
 
@@ -166,7 +167,8 @@ def _launch_delta_rule(
     kernel, block_v: int, warps: int, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, **extra
 ) -> torch.Tensor:
     """Checks the layouts both delta-rule kernels assume and launches one: a program per (value block, segment,
-    value head). `extra`: further arguments of the kernel, by name."""
+    value head), in spans of segments that fit the grid (kernels.grid). `extra`: further arguments of the kernel,
+    by name (per token, never per segment)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
@@ -177,8 +179,8 @@ def _launch_delta_rule(
     assert out.shape == (T, HV, V) and out.is_contiguous()
     BV = min(block_v, V)
     n = slots.shape[0]
-    if n:
-        kernel[(triton.cdiv(V, BV), n * HV)](
+    for first, last in grid.segment_spans(n, HV):
+        kernel[(triton.cdiv(V, BV), (last - first) * HV)](
             q,
             k,
             v,
@@ -187,8 +189,8 @@ def _launch_delta_rule(
             a_log,
             dt_bias,
             pool,
-            slots,
-            cu,
+            slots[first:last],
+            cu[first : last + 1],
             out,
             K**-0.5,
             q.stride(0),
