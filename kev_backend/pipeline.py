@@ -57,16 +57,20 @@ _STOP = object()
 
 
 class Recent:
-    """The median of the last few values: one idle pause or one odd batch does not move it."""
+    """The median of the last few values: one idle pause or one odd batch does not move it. One thread adds, another
+    reads."""
 
     def __init__(self, size: int = 8) -> None:
         self.values: deque[float] = deque(maxlen=size)
+        self.lock = threading.Lock()
 
     def add(self, value: float) -> None:
-        self.values.append(value)
+        with self.lock:
+            self.values.append(value)
 
     def median(self) -> float | None:
-        return statistics.median(self.values) if self.values else None
+        with self.lock:
+            return statistics.median(self.values) if self.values else None
 
 
 class Pipeline:

@@ -65,16 +65,22 @@ class TritonPythonModel:
 
         def deliver(results, batch):
             if isinstance(results, Exception):  # an engine fault fails this batch's requests; the server keeps serving
-                pb_utils.Logger.log_error(f"kev: batch failed: {results!r}")
-                for sender in senders:
-                    send(sender, error_response(f"kev engine error: {results}", pb_utils.TritonError.INTERNAL))
+                fail(results)
                 return
             if batch.report.requests:
                 self.metrics.record(self.engine, batch.report)
             for sender, span in zip(senders, spans):
                 send(sender, response(results[span.start : span.stop]))
 
-        self.pipeline.submit([body for items in bodies for body in items], deliver, cancelled)
+        def fail(error):
+            pb_utils.Logger.log_error(f"kev: batch failed: {error!r}")
+            for sender in senders:
+                send(sender, error_response(f"kev engine error: {error}", pb_utils.TritonError.INTERNAL))
+
+        try:
+            self.pipeline.submit([body for items in bodies for body in items], deliver, cancelled)
+        except Exception as error:  # preparing the batch failed (not a bad request: those are refused one by one)
+            fail(error)
         return None
 
     def finalize(self):
