@@ -88,12 +88,13 @@ def test_fused_pass_answers_like_the_reference(
 
 
 def test_a_failed_capture_leaves_its_bucket_eager(tiny_dir: Path) -> None:
-    """A bucket whose CUDA-graph capture raises (an operation that refuses capture) is recorded, never retried, and
-    its passes run padded and eagerly with the same answers: the engine keeps starting and serving."""
+    """A bucket whose CUDA-graph capture raises (an operation that refuses capture) is recorded, never retried, no
+    other capture is tried after it, and passes run padded and eagerly with the same answers: the engine keeps
+    starting and serving."""
     reference, fused = engines(tiny_dir, graphs=True)
     attempts = []
 
-    def refuse(bucket):
+    def refuse(bucket, warm):
         attempts.append(bucket)
         raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -103,5 +104,5 @@ def test_a_failed_capture_leaves_its_bucket_eager(tiny_dir: Path) -> None:
     for _ in range(3):  # new states (too large for a graph here), then twice from the bank (a bucket)
         report = compare(reference.scorer.probabilities(encoded), fused.probabilities(encoded))
         assert report["max_abs"] < 2e-5, report
-    assert graphs.stats.capture_failures == len(attempts) == len(set(attempts)) == len(graphs.failed) >= 1
+    assert graphs.stats.capture_failures == len(attempts) == len(graphs.failed) == 1
     assert graphs.stats.runs >= 2 and graphs.stats.replays == 0
