@@ -24,7 +24,7 @@ def engine(tiny_dir: Path) -> Engine:
 
 
 def run(pipeline: Pipeline, batches: list[list], cancelled: dict[int, set[int]] | None = None) -> list:
-    """Submits every batch from the caller's thread at once; returns (results, report) per batch in order."""
+    """Submits every batch from the caller's thread in turn; returns (results, report, delivering thread) per batch."""
     delivered: queue.Queue = queue.Queue()
     for n, bodies in enumerate(batches):
         drop = (cancelled or {}).get(n)
