@@ -30,7 +30,8 @@ def cuda_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
 
 
 def kev4b_engine(**options):
-    """An engine on random Kev-4B weights (8 GiB bank); KEV_GRAPHS=1 replays CUDA graphs as the GPU config does."""
+    """An engine on random Kev-4B weights (8 GiB bank); KEV_GRAPHS=1 replays CUDA graphs as the GPU config does,
+    KEV_GRAPH_MAX_TOKENS sets their largest bucket."""
     import os
 
     from kev_backend import tiny
@@ -40,6 +41,8 @@ def kev4b_engine(**options):
     tiny.write_tokenizer(directory)
     checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
     options = {"bank_bytes": 8 << 30, "graphs": os.environ.get("KEV_GRAPHS") == "1", **options}
+    if "KEV_GRAPH_MAX_TOKENS" in os.environ:  # buckets up to this many tokens, all of them kept
+        options.update(graph_max_tokens=int(os.environ["KEV_GRAPH_MAX_TOKENS"]), max_graphs=200)
     return Engine(checkpoint, EngineOptions(device="cuda", backend="fused", **options))
 
 
@@ -338,8 +341,7 @@ def startup() -> None:
     profiler = cProfile.Profile() if os.environ.get("KEV_PROFILE") == "1" else None
     if profiler is not None:
         profiler.enable()
-    max_tokens = int(os.environ.get("KEV_GRAPH_MAX_TOKENS", 4096))
-    engine = kev4b_engine(graphs=True, long_kernels="ours", graph_max_tokens=max_tokens, max_graphs=200)
+    engine = kev4b_engine(graphs=True, long_kernels="ours")
     if profiler is not None:
         profiler.disable()
     stats = engine.scorer.graphs.stats
