@@ -243,6 +243,12 @@ def long_case(lengths: list[int], new: bool) -> None:
     if lengths[0] <= 64:  # short segments: our token-by-token kernel too
         recurrent = lambda: kernels.recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)  # noqa: E731
         print(f"recurrent {label}: {cuda_ms(recurrent):.3f} ms", flush=True)
+        if not new:  # rows in one chunk each on tensor cores, by value block / warps; the prep alone
+            one_chunk_sweep(
+                label, recurrent, lambda: kernels.one_chunk_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+            )
+            prep = lambda: delta_rule._chunk_prep(q, k, v, a, b, a_log, dt_bias, cu, n, delta_rule.ONE_CHUNK, 4)  # noqa: E731
+            print(f"  one chunk {label}: prep alone {cuda_ms(prep):.3f} ms", flush=True)
     print(
         f"delta rule {label}: ours {cuda_ms(ours):.3f} ms, fla {cuda_ms(theirs):.3f} ms, max diff {diff:.2e}",
         flush=True,
@@ -292,25 +298,39 @@ def long_case(lengths: list[int], new: bool) -> None:
         conv_tile_sweep(label, rows, new=False)
 
 
-CONV_TILES = (((16, 128), 8), ((16, 128), 4), ((32, 128), 4), ((32, 64), 4), ((64, 64), 4), ((16, 256), 4))
+SCAN_CONFIGS = ((16, 256, 2), (32, 256, 2), (64, 256, 2), (128, 256, 2), (32, 128, 1), (32, 512, 4), (32, 256, 4))
 
 
 def conv_tile_sweep(label: str, run, new: bool) -> None:
-    """Times `run` (conv_tokens for new states or rows) at each tile and warp count; flags outputs that differ."""
+    """Times `run` (conv_tokens for new states or rows) on the tiled kernel at its chosen tile and on the scanning one
+    at each of SCAN_CONFIGS (tokens, channels, warps); the largest difference from the tiled kernel's output."""
     from kev_backend.kernels import conv
 
-    names = ("NEW_TOKEN_TILE", "NEW_TOKEN_WARPS") if new else ("TOKEN_TILE", "TOKEN_WARPS")
-    chosen = [getattr(conv, name) for name in names]
+    chosen = conv.CONV, conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS
+    conv.CONV = "tiles"  # read at each launch
     reference = run()
+    timings = [f"tiles {cuda_ms(run):.3f}"]
+    conv.CONV = "scan"
+    for conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS in SCAN_CONFIGS:
+        diff = (run().float() - reference.float()).abs().max().item()
+        timings.append(f"{conv.SCAN_TOKENS}x{conv.SCAN_CHANNELS}/{conv.SCAN_WARPS} {cuda_ms(run):.3f} ({diff:.0e})")
+    conv.CONV, conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS = chosen
+    print(f"  conv {label}, tiled vs scan by tokens x channels/warps: " + ", ".join(timings), flush=True)
+
+
+def one_chunk_sweep(label: str, recurrent, run) -> None:
+    """Times `run` (one_chunk_rows) at each value block / warps; the largest difference from the recurrent kernel."""
+    from kev_backend.kernels import delta_rule
+
+    chosen = delta_rule.ONE_CHUNK_BV, delta_rule.ONE_CHUNK_WARPS
+    expected = recurrent().float()
     timings = []
-    for tile, warps in CONV_TILES:
-        setattr(conv, names[0], tile)  # read at each launch
-        setattr(conv, names[1], warps)
-        same = torch.equal(run(), reference)
-        timings.append(f"{tile[0]}x{tile[1]}/{warps} {cuda_ms(run):.3f}{'' if same else ' (DIFFERS)'}")
-    for name, value in zip(names, chosen):
-        setattr(conv, name, value)
-    print(f"  conv {label} by tile/warps: " + ", ".join(timings), flush=True)
+    for delta_rule.ONE_CHUNK_BV, delta_rule.ONE_CHUNK_WARPS in ((64, 8), (32, 4), (128, 8), (32, 8), (64, 4)):
+        diff = (run().float() - expected).abs().max().item()
+        setting = f"{delta_rule.ONE_CHUNK_BV}/{delta_rule.ONE_CHUNK_WARPS}"
+        timings.append(f"{setting} {cuda_ms(run):.3f} ({diff:.0e})")
+    delta_rule.ONE_CHUNK_BV, delta_rule.ONE_CHUNK_WARPS = chosen
+    print(f"  one chunk {label} by value block/warps: " + ", ".join(timings), flush=True)
 
 
 def quick_latency() -> None:

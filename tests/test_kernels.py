@@ -237,23 +237,28 @@ for kernel in (chunked_rows, recurrent_rows):
 # The pass's conv (tokens in parallel, each finding its segment) answers as the token-by-token one: rows from their
 # windows, new states writing theirs; segments that start after the input's first token and end before its last (a
 # captured pass's long group) leave the other tokens alone.
-lens = [37, 1, 70, 0]
-cu = torch.tensor([0, 37, 38, 108, 108])
-wide = torch.randn(108, C + 5)
-x = wide[:, 2 : 2 + C]
-pool = torch.randn(6, C, 4)
-slots = torch.tensor([3, 0, 3, 5])
-# Compiled, the two sum the window in different orders (fused multiply-adds): equal to rounding, not bit for bit.
-assert (conv_tokens(x, w, pool, slots, cu) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
-windows_a, windows_b = torch.full((6, C, 4), float("nan")), torch.full((6, C, 4), float("nan"))
-ya = conv_tokens(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
-yb = conv_rows(x, w, windows_b, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
-assert (ya - yb).abs().max() < TOL
-assert torch.equal(windows_a[[1, 4, 0]], windows_b[[1, 4, 0]])  # the empty segment (slot 2) writes no window
-inner = torch.tensor([5, 42, 42, 100])  # tokens 0-4 and 100-107 in no segment; an empty one in between
-ya = conv_tokens(x, w, pool, torch.tensor([3, 0, 5]), inner)
-yb = conv_rows(x[5:], w, pool, torch.tensor([3, 0, 5]), inner - 5)
-assert (ya[5:100] - yb[:95]).abs().max() < TOL
+# Both of conv_tokens' kernels: the scanning one in 32- and in 4-token slices (segments crossing many slices, each
+# scan starting inside a segment), and the tiled one.
+from kev_backend.kernels import conv as conv_kernels
+
+for conv_kernels.CONV, conv_kernels.SCAN_TOKENS in (("scan", 32), ("scan", 4), ("tiles", 32)):
+    lens = [37, 1, 70, 0]
+    cu = torch.tensor([0, 37, 38, 108, 108])
+    wide = torch.randn(108, C + 5)
+    x = wide[:, 2 : 2 + C]
+    pool = torch.randn(6, C, 4)
+    slots = torch.tensor([3, 0, 3, 5])
+    # Compiled, the two sum the window in different orders (fused multiply-adds): equal to rounding, not bit for bit.
+    assert (conv_tokens(x, w, pool, slots, cu) - conv_rows(x, w, pool, slots, cu)).abs().max() < TOL
+    windows_a, windows_b = torch.full((6, C, 4), float("nan")), torch.full((6, C, 4), float("nan"))
+    ya = conv_tokens(x, w, windows_a, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
+    yb = conv_rows(x, w, windows_b, torch.tensor([1, 4, 0, 2]), cu, new_states=True)
+    assert (ya - yb).abs().max() < TOL
+    assert torch.equal(windows_a[[1, 4, 0]], windows_b[[1, 4, 0]])  # the empty segment (slot 2) writes no window
+    inner = torch.tensor([5, 42, 42, 100])  # tokens 0-4 and 100-107 in no segment; an empty one in between
+    ya = conv_tokens(x, w, pool, torch.tensor([3, 0, 5]), inner)
+    yb = conv_rows(x[5:], w, pool, torch.tensor([3, 0, 5]), inner - 5)
+    assert (ya[5:100] - yb[:95]).abs().max() < TOL
 print("ok")
 """
 
@@ -358,6 +363,15 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
                 (True, C.TOKEN_TILE, C.TOKEN_WARPS),
                 (False, C.NEW_TOKEN_TILE, C.NEW_TOKEN_WARPS),
             )
+        ],
+        *[
+            (
+                C._conv_scan_kernel,
+                {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
+                dict(W=4, BT=C.SCAN_TOKENS, BC=C.SCAN_CHANNELS, CONTINUE=continues),
+                C.SCAN_WARPS,
+            )
+            for continues in (True, False)
         ],
         (
             R._recurrent_rows_kernel,

@@ -5,6 +5,8 @@ while bench/diag.py long compares the two on the GPU."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -151,6 +153,89 @@ def _conv_tokens_kernel(
             tl.store(base + j, held.to(pool.dtype.element_ty), mask=last)
 
 
+# Tokens per program of the scanning conv, and channels per program on SCAN_WARPS warps. Four channels per thread
+# hold ~64 registers (sm_90a), eight 128: 32 or 16 warps per SM. bench/diag.py long sweeps them on the H200.
+SCAN_TOKENS = 32
+SCAN_CHANNELS = 256
+SCAN_WARPS = 2
+# Which conv the pass runs: "scan" (_conv_scan_kernel) or "tiles" (_conv_tokens_kernel), until the H200 has compared
+# them (KEV_CONV).
+CONV = os.environ.get("KEV_CONV", "scan")
+
+
+# The segment count varies per pass: one compiled variant for any (no specialisation on its value).
+@triton.jit(do_not_specialize=["N", "steps"])
+def _conv_scan_kernel(
+    x,
+    weight,
+    pool,
+    slots,
+    cu,
+    y,
+    C,
+    N,
+    stride_xt,
+    stride_yt,
+    steps,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    """conv_tokens in BT-token slices of the input, each scanned token by token by one program per BC channels: the
+    window lives in registers, so each input is loaded once, and the program holds a few [BC] vectors, not the
+    [BT, BC] tiles of pointers and masks that limit _conv_tokens_kernel to two programs per SM. The scan of a
+    segment that starts before the slice begins W tokens early (outputs not stored) to fill the window."""
+    i_c, i_t = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    w0 = tl.load(weight + o_c * W + 0, mask=m_c, other=0.0).to(tl.float32)
+    w1 = tl.load(weight + o_c * W + 1, mask=m_c, other=0.0).to(tl.float32)
+    w2 = tl.load(weight + o_c * W + 2, mask=m_c, other=0.0).to(tl.float32)
+    w3 = tl.load(weight + o_c * W + 3, mask=m_c, other=0.0).to(tl.float32)
+    # Tokens before cu[0] or from cu[N] belong to no segment and are left alone.
+    first = tl.maximum(i_t.to(tl.int64) * BT, tl.load(cu).to(tl.int64))
+    last = tl.minimum(i_t.to(tl.int64) * BT + BT, tl.load(cu + N).to(tl.int64))
+    n = segment_of(cu, N, first, steps)  # first >= last: n is N or its segment starts at or after last
+    bos = tl.load(cu + n, mask=n < N, other=0).to(tl.int64)
+    while (n < N) & (bos < last):
+        eos = tl.load(cu + n + 1).to(tl.int64)
+        lo, hi = tl.maximum(bos, first), tl.minimum(eos, last)
+        start = tl.maximum(bos, lo - W)  # where the scan starts: the segment's start, or W tokens before lo
+        base = pool + (tl.load(slots + n).to(tl.int64) * C + o_c) * W  # the window [C, W]: W - d holds x_{bos - d}
+        # The window before `start`: a row's state's window when the scan starts at the row's first token, else
+        # zeros (a new state's start; or a scan started inside the segment, which replaces them before lo).
+        x4 = tl.zeros([BC], dtype=tl.float32)
+        x3 = tl.zeros([BC], dtype=tl.float32)
+        x2 = tl.zeros([BC], dtype=tl.float32)
+        x1 = tl.zeros([BC], dtype=tl.float32)
+        if CONTINUE:
+            if start == bos:
+                x4 = tl.load(base + 0, mask=m_c, other=0.0).to(tl.float32)
+                x3 = tl.load(base + 1, mask=m_c, other=0.0).to(tl.float32)
+                x2 = tl.load(base + 2, mask=m_c, other=0.0).to(tl.float32)
+                x1 = tl.load(base + 3, mask=m_c, other=0.0).to(tl.float32)
+        for t in range(start, lo):
+            x0 = tl.load(x + t * stride_xt + o_c, mask=m_c, other=0.0).to(tl.float32)
+            x4, x3, x2, x1 = x3, x2, x1, x0
+        # Token t + 1's input is loaded while token t's output is computed and stored.
+        ahead = tl.load(x + lo * stride_xt + o_c, mask=m_c & (lo < hi), other=0.0)
+        for t in range(lo, hi):
+            x0 = ahead.to(tl.float32)
+            ahead = tl.load(x + (t + 1) * stride_xt + o_c, mask=m_c & (t + 1 < hi), other=0.0)
+            acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
+            tl.store(y + t * stride_yt + o_c, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=m_c)
+            x4, x3, x2, x1 = x3, x2, x1, x0
+        if not CONTINUE:  # the program with a new state's last token writes its window: its last W inputs
+            end = m_c & (hi == eos) & (hi > lo)
+            tl.store(base + 0, x4.to(pool.dtype.element_ty), mask=end)
+            tl.store(base + 1, x3.to(pool.dtype.element_ty), mask=end)
+            tl.store(base + 2, x2.to(pool.dtype.element_ty), mask=end)
+            tl.store(base + 3, x1.to(pool.dtype.element_ty), mask=end)
+        n += 1
+        bos = tl.load(cu + n, mask=n < N, other=0).to(tl.int64)
+
+
 def conv_tokens(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -168,6 +253,26 @@ def conv_tokens(
     n = slots.shape[0]
     assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
     y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    if n and T and CONV == "scan":
+        _conv_scan_kernel[(triton.cdiv(C, SCAN_CHANNELS), triton.cdiv(T, SCAN_TOKENS))](
+            x,
+            weight,
+            pool,
+            slots,
+            cu,
+            y,
+            C,
+            n,
+            x.stride(0),
+            y.stride(0),
+            search_steps(n),
+            W=W,
+            BT=SCAN_TOKENS,
+            BC=SCAN_CHANNELS,
+            CONTINUE=not new_states,
+            num_warps=SCAN_WARPS,
+        )
+        return y
     BT, BC = NEW_TOKEN_TILE if new_states else TOKEN_TILE
     if n and T:
         _conv_tokens_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
