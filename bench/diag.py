@@ -243,12 +243,6 @@ def long_case(lengths: list[int], new: bool) -> None:
     if lengths[0] <= 64:  # short segments: our token-by-token kernel too
         recurrent = lambda: kernels.recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)  # noqa: E731
         print(f"recurrent {label}: {cuda_ms(recurrent):.3f} ms", flush=True)
-        if not new:  # rows in one chunk each on tensor cores, by value block / warps; the prep alone
-            one_chunk_sweep(
-                label, recurrent, lambda: kernels.one_chunk_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
-            )
-            prep = lambda: delta_rule._chunk_prep(q, k, v, a, b, a_log, dt_bias, cu, n, delta_rule.ONE_CHUNK, 4)  # noqa: E731
-            print(f"  one chunk {label}: prep alone {cuda_ms(prep):.3f} ms", flush=True)
     print(
         f"delta rule {label}: ours {cuda_ms(ours):.3f} ms, fla {cuda_ms(theirs):.3f} ms, max diff {diff:.2e}",
         flush=True,
@@ -291,55 +285,42 @@ def long_case(lengths: list[int], new: bool) -> None:
             f"fla {cuda_ms(fla_conv):.3f} ms",
             flush=True,
         )
-        conv_tile_sweep(label, tokens, new=True)
+        conv_tile_sweep(label, tokens)
     else:  # rows continue their state's window, read in place from the bank
         window = torch.randn(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
         rows = lambda: kernels.conv_tokens(mixed, conv_w, window, slots, cu, new_states=False)  # noqa: E731
-        conv_tile_sweep(label, rows, new=False)
+        conv_tile_sweep(label, rows)
 
 
 SCAN_CONFIGS = ((16, 256, 2), (32, 256, 2), (64, 256, 2), (128, 256, 2), (32, 128, 1), (32, 512, 4), (32, 256, 4))
 
 
-def conv_tile_sweep(label: str, run, new: bool) -> None:
-    """Times `run` (conv_tokens for new states or rows) on the tiled kernel at its chosen tile and on the scanning one
-    at each of SCAN_CONFIGS (tokens, channels, warps); the largest difference from the tiled kernel's output."""
+def conv_tile_sweep(label: str, run) -> None:
+    """Times `run` (conv_tokens for new states or rows) at each of SCAN_CONFIGS (tokens, channels, warps); the
+    largest difference from its output at the chosen configuration."""
     from kev_backend.kernels import conv
 
-    chosen = conv.CONV, conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS
-    conv.CONV = "tiles"  # read at each launch
+    chosen = conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS  # read at each launch
     reference = run()
-    timings = [f"tiles {cuda_ms(run):.3f}"]
-    conv.CONV = "scan"
+    timings = []
     for conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS in SCAN_CONFIGS:
         diff = (run().float() - reference.float()).abs().max().item()
         timings.append(f"{conv.SCAN_TOKENS}x{conv.SCAN_CHANNELS}/{conv.SCAN_WARPS} {cuda_ms(run):.3f} ({diff:.0e})")
-    conv.CONV, conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS = chosen
-    print(f"  conv {label}, tiled vs scan by tokens x channels/warps: " + ", ".join(timings), flush=True)
-
-
-def one_chunk_sweep(label: str, recurrent, run) -> None:
-    """Times `run` (one_chunk_rows) at each value block / warps; the largest difference from the recurrent kernel."""
-    from kev_backend.kernels import delta_rule
-
-    chosen = delta_rule.ONE_CHUNK_BV, delta_rule.ONE_CHUNK_WARPS
-    expected = recurrent().float()
-    timings = []
-    for delta_rule.ONE_CHUNK_BV, delta_rule.ONE_CHUNK_WARPS in ((64, 8), (32, 4), (128, 8), (32, 8), (64, 4)):
-        diff = (run().float() - expected).abs().max().item()
-        setting = f"{delta_rule.ONE_CHUNK_BV}/{delta_rule.ONE_CHUNK_WARPS}"
-        timings.append(f"{setting} {cuda_ms(run):.3f} ({diff:.0e})")
-    delta_rule.ONE_CHUNK_BV, delta_rule.ONE_CHUNK_WARPS = chosen
-    print(f"  one chunk {label} by value block/warps: " + ", ".join(timings), flush=True)
+    conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS = chosen
+    print(f"  conv {label} by tokens x channels/warps: " + ", ".join(timings), flush=True)
 
 
 def quick_latency() -> None:
     """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state, and
     requests/s at 64 clients (3 s each): a quick engine-level comparison of kernel choices (KEV_LONG_KERNELS,
     KEV_SHORT_DELTA_RULE)."""
+    import os
+
     from kev_backend import bench
     from kev_backend.workloads import long5, short6
 
+    if "KEV_SWITCH_INTERVAL" in os.environ:  # how long a thread holds the GIL while another waits for it (5 ms)
+        sys.setswitchinterval(float(os.environ["KEV_SWITCH_INTERVAL"]))
     engine = kev4b_engine()
     from kev_backend.kernels import delta_rule
 

@@ -127,7 +127,6 @@ class PassKernels:
     sigmoid_gate: Callable
     recurrent_rows: Callable
     chunked_rows: Callable
-    one_chunk_rows: Callable
     conv: Callable
     rows_attention: Callable
 
@@ -148,7 +147,6 @@ class PassKernels:
             kernels.sigmoid_gate,
             kernels.recurrent_rows,
             kernels.chunked_rows,
-            kernels.one_chunk_rows,
             kernels.conv_tokens,
             kernels.rows_attention,
         )
@@ -185,14 +183,12 @@ class FusedQwen35:
         if long_kernels not in ("fla", "ours"):
             raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
         self.long_kernels = long_kernels
-        # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule, our chunked one, or ("one_chunk")
-        # rows in one chunk each with new states token by token (all read and write the bank in place; a global
-        # choice, so an answer never depends on its batch).
-        if short_delta_rule not in ("recurrent", "chunked", "one_chunk"):
-            raise ValueError(f"short_delta_rule must be recurrent, chunked or one_chunk, not {short_delta_rule!r}")
-        self.short_delta_rule = short_delta_rule
+        # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule or our chunked one (both read and
+        # write the bank in place; a global choice, so an answer never depends on its batch).
+        if short_delta_rule not in ("recurrent", "chunked"):
+            raise ValueError(f"short_delta_rule must be recurrent or chunked, not {short_delta_rule!r}")
+        self.short_recurrent = short_delta_rule == "recurrent"
         self._recurrent_rows, self._rows_attention = k.recurrent_rows, k.rows_attention
-        self._one_chunk_rows = k.one_chunk_rows
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
@@ -288,10 +284,7 @@ class FusedQwen35:
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
         args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
-        if group.short and not new and self.short_delta_rule == "one_chunk":
-            self._one_chunk_rows(*args, out=out)
-            return
-        if group.short and self.short_delta_rule != "chunked":
+        if group.short and self.short_recurrent:
             self._recurrent_rows(*args, new_states=new, out=out)
             return
         if group.short or not new or self.long_kernels == "ours":

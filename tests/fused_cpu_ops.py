@@ -167,7 +167,6 @@ TORCH_KERNELS = PassKernels(
     sigmoid_gate=sigmoid_gate,
     recurrent_rows=recurrent_rows,
     chunked_rows=chunked_rows,
-    one_chunk_rows=recurrent_rows,  # rows: the same job
     conv=conv_rows,  # conv_tokens' job, segment by segment
     rows_attention=rows_attention,
 )

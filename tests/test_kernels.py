@@ -237,11 +237,10 @@ for kernel in (chunked_rows, recurrent_rows):
 # The pass's conv (tokens in parallel, each finding its segment) answers as the token-by-token one: rows from their
 # windows, new states writing theirs; segments that start after the input's first token and end before its last (a
 # captured pass's long group) leave the other tokens alone.
-# Both of conv_tokens' kernels: the scanning one in 32- and in 4-token slices (segments crossing many slices, each
-# scan starting inside a segment), and the tiled one.
+# In 32- and in 4-token slices: segments crossing many slices, scans starting inside a segment.
 from kev_backend.kernels import conv as conv_kernels
 
-for conv_kernels.CONV, conv_kernels.SCAN_TOKENS in (("scan", 32), ("scan", 4), ("tiles", 32)):
+for conv_kernels.SCAN_TOKENS in (32, 4):
     lens = [37, 1, 70, 0]
     cu = torch.tensor([0, 37, 38, 108, 108])
     wide = torch.randn(108, C + 5)
@@ -286,14 +285,10 @@ def test_kernels_compiled_on_the_gpu() -> None:
 
 # Spills measured to pay, by (kernel, CONTINUE): the chunked delta rule's sequential pass on 4 warps spills ~90 bytes
 # yet ran faster on the H200 than on 8 warps without (bench/diag.py long at 994b313, 1/8/24 new 2,200-token states:
-# 0.44/2.33/6.96 ms against 0.49/3.74/11.2); the conv of new states in 64×64 tiles on 4 warps spills 172 bytes and ran
-# 2-2.3x faster than 16×128 on 8 warps without (dd024d3, in kernels/conv.py); the rows' conv in 32×128 tiles on 4 warps
-# spills 756 bytes and ran 7-19 % faster than 16×128 on 8 warps without, with identical outputs (5597f85).
+# 0.44/2.33/6.96 ms against 0.49/3.74/11.2).
 SPILL_ALLOWED = {
     ("_chunked_delta_rule_kernel", True): 128,
     ("_chunked_delta_rule_kernel", False): 128,
-    ("_conv_tokens_kernel", False): 192,
-    ("_conv_tokens_kernel", True): 768,
 }
 
 
@@ -351,18 +346,6 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
                 4,
             )
             for continues in (True, False)
-        ],
-        *[
-            (
-                C._conv_tokens_kernel,
-                {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-                dict(W=4, BT=tile[0], BC=tile[1], CONTINUE=continues),
-                warps,
-            )
-            for continues, tile, warps in (
-                (True, C.TOKEN_TILE, C.TOKEN_WARPS),
-                (False, C.NEW_TOKEN_TILE, C.NEW_TOKEN_WARPS),
-            )
         ],
         *[
             (

@@ -1,11 +1,9 @@
 """Qwen3.5's depthwise causal conv (kernel 4) + SiLU for segments reading or writing their window in the bank.
 
-The pass uses conv_tokens for every segment; conv_rows (token by token, its predecessor for short segments) stays
-while bench/diag.py long compares the two on the GPU."""
+The pass uses conv_tokens for every segment; conv_rows (a program per segment, token by token: its predecessor for
+short segments) stays as the tests' and bench/diag.py's reference."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -88,81 +86,15 @@ def conv_rows(
     return y
 
 
-# Tokens × channels per program of conv_tokens, and warps, for new states. H200, Kev-4B's 8,192 channels (bench/diag.py
-# long, dd024d3), ms for 1/8/24 new states of 2,200 tokens and 1/32 of 34: 64×64/4 0.068/0.437/1.31/0.026/0.036;
-# 32×128/4 0.068/0.467/1.41/0.042/0.035; 16×128/8 (before) 0.123/0.982/3.00/0.045/0.069. Rows (reading their state's
-# window through per-token pointers; 5597f85, ms for 192×39, 40×100 and 6×39 rows): 32×128/4 0.394/0.192/0.045 (spills
-# 756 bytes on sm_90a), 16×256/4 0.393/0.198/0.052, 64×64/4 0.442/0.223/0.049, 16×128/8 (before) 0.472/0.239/0.050.
-NEW_TOKEN_TILE = (64, 64)
-NEW_TOKEN_WARPS = 4
-TOKEN_TILE = (32, 128)
-TOKEN_WARPS = 4
-
-
-# The segment count varies per pass: one compiled variant for any (no specialisation on its value).
-@triton.jit(do_not_specialize=["N", "steps"])
-def _conv_tokens_kernel(
-    x,
-    weight,
-    pool,
-    slots,
-    cu,
-    y,
-    C,
-    N,
-    stride_xt,
-    stride_yt,
-    steps,
-    W: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    CONTINUE: tl.constexpr,
-):
-    i_c, i_t = tl.program_id(0), tl.program_id(1)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-    # Each token's segment; tokens outside every segment (before cu[0], from cu[N]) are left alone.
-    n = segment_of(cu, N, t, steps)
-    m_t = (t >= tl.load(cu).to(tl.int64)) & (n < N)
-    bos = tl.load(cu + n, mask=m_t, other=0).to(tl.int64)
-    eos = tl.load(cu + n + 1, mask=m_t, other=0).to(tl.int64)
-    slot = tl.load(slots + n, mask=m_t, other=0).to(tl.int64)
-    base = pool + (slot[:, None] * C + o_c[None, :]) * W  # each token's window [C, W]: W + d holds x_{bos + d}
-    mask = m_t[:, None] & m_c[None, :]
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):  # tap j multiplies x_{t - (W - 1) + j}
-        src = t - (W - 1) + j
-        inside = src >= bos
-        value = tl.load(x + src[:, None] * stride_xt + o_c[None, :], mask=mask & inside[:, None], other=0.0)
-        value = value.to(tl.float32)
-        if CONTINUE:  # before the segment: its state's window (new states: zeros)
-            held = W + (src - bos)
-            before = (~inside) & (held >= 0)
-            value += tl.load(base + held[:, None], mask=mask & before[:, None], other=0.0).to(tl.float32)
-        acc += tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)[None, :] * value
-    out = acc * tl.sigmoid(acc)
-    tl.store(y + t[:, None] * stride_yt + o_c[None, :], out.to(y.dtype.element_ty), mask=mask)
-    if not CONTINUE:  # a segment's last token writes its window: the last W inputs, zeros before its start
-        last = mask & (t == eos - 1)[:, None]
-        for j in tl.static_range(W):
-            token = eos - W + j
-            held = tl.load(
-                x + token[:, None] * stride_xt + o_c[None, :], mask=last & (token >= bos)[:, None], other=0.0
-            )
-            tl.store(base + j, held.to(pool.dtype.element_ty), mask=last)
-
-
-# Tokens per program of the scanning conv, and channels per program on SCAN_WARPS warps. Four channels per thread
-# hold ~64 registers (sm_90a), eight 128: 32 or 16 warps per SM. bench/diag.py long sweeps them on the H200.
+# Tokens per program of the scanning conv, and channels per program on SCAN_WARPS warps (four per thread: ~64
+# registers on sm_90a, so 32 warps per SM). H200, Kev-4B's 8,192 channels (bench/diag.py long, d19e5d8; results/logs),
+# ms for 192×39 / 40×100 rows and 1 / 8 / 24 new states of 2,200 tokens: 32×256/2 0.111 / 0.061 and 0.039 / 0.259 /
+# 0.749; 64×256/2 0.110 / 0.058, 0.042 / 0.253 / 0.732; 32×128/1 0.125 / 0.077; 32×512/4 0.127 / 0.080. The tiled
+# kernel it replaced ([tokens, channels] tiles, each token finding its segment; 220-255 registers with spills: two
+# programs per SM) took 0.389 / 0.190 and 0.059 / 0.437 / 1.308, with identical outputs.
 SCAN_TOKENS = 32
 SCAN_CHANNELS = 256
 SCAN_WARPS = 2
-# Which conv the pass runs: "scan" (_conv_scan_kernel) or "tiles" (_conv_tokens_kernel), until the H200 has compared
-# them (KEV_CONV).
-CONV = os.environ.get("KEV_CONV", "scan")
-
-
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
 @triton.jit(do_not_specialize=["N", "steps"])
 def _conv_scan_kernel(
@@ -183,9 +115,9 @@ def _conv_scan_kernel(
     CONTINUE: tl.constexpr,
 ):
     """conv_tokens in BT-token slices of the input, each scanned token by token by one program per BC channels: the
-    window lives in registers, so each input is loaded once, and the program holds a few [BC] vectors, not the
-    [BT, BC] tiles of pointers and masks that limit _conv_tokens_kernel to two programs per SM. The scan of a
-    segment that starts before the slice begins W tokens early (outputs not stored) to fill the window."""
+    window lives in registers, so each input is loaded once, and a program holds a few [BC] vectors (no [BT, BC]
+    tiles of pointers and masks). The scan of a segment that starts before the slice begins W tokens early
+    (outputs not stored) to fill the window."""
     i_c, i_t = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -244,16 +176,17 @@ def conv_tokens(
     cu: torch.Tensor,
     new_states: bool = False,
 ) -> torch.Tensor:
-    """conv_rows' job (same arguments) for segments of any length and number: tiles of tokens × channels over the
-    whole input, each token finding its segment by binary search in `cu`. The grid depends only on x's size, so it
-    can be captured; tokens outside the segments are not written. A new state's window is written by its last
-    token, so an empty new segment writes none (the engine has none; a graph's padding segments are empty)."""
+    """conv_rows' job (same arguments) for segments of any length and number: slices of SCAN_TOKENS tokens of the
+    whole input scanned in parallel, each finding its first segment by binary search in `cu`. The grid depends
+    only on x's size, so it can be captured; tokens outside the segments are not written. A new state's window is
+    written by the program holding its last token, so an empty new segment writes none (the engine has none; a
+    graph's padding segments are empty)."""
     T, C = x.shape
     W = weight.shape[1]
     n = slots.shape[0]
     assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
     y = torch.empty(T, C, device=x.device, dtype=x.dtype)
-    if n and T and CONV == "scan":
+    if n and T:
         _conv_scan_kernel[(triton.cdiv(C, SCAN_CHANNELS), triton.cdiv(T, SCAN_TOKENS))](
             x,
             weight,
@@ -271,26 +204,5 @@ def conv_tokens(
             BC=SCAN_CHANNELS,
             CONTINUE=not new_states,
             num_warps=SCAN_WARPS,
-        )
-        return y
-    BT, BC = NEW_TOKEN_TILE if new_states else TOKEN_TILE
-    if n and T:
-        _conv_tokens_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
-            x,
-            weight,
-            pool,
-            slots,
-            cu,
-            y,
-            C,
-            n,
-            x.stride(0),
-            y.stride(0),
-            search_steps(n),
-            W=W,
-            BT=BT,
-            BC=BC,
-            CONTINUE=not new_states,
-            num_warps=NEW_TOKEN_WARPS if new_states else TOKEN_WARPS,
         )
     return y

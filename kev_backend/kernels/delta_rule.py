@@ -348,59 +348,6 @@ def _chunk_prep_kernel(
 
 
 @triton.jit
-def _chunk_step(
-    q,
-    k,
-    u,
-    a,
-    b,
-    w,
-    o,
-    S,
-    c0,
-    eos,
-    hk,
-    hv,
-    o_k,
-    o_v,
-    decay_rate,
-    bias,
-    scale,
-    stride_t,
-    stride_ut,
-    stride_at,
-    stride_ot,
-    HV,
-    K,
-    V,
-    BT,
-):
-    """One chunk (tokens [c0, min(c0 + BT, eos))) from the state S at its start: U = U₀ − W S and
-    o = exp(γ) q S + (q·kᵀ ⊙ decay) U, stored; returns U, γ and the chunk's normalised keys for the state update."""
-    o_t = tl.arange(0, BT)
-    causal = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
-    t = c0 + o_t
-    m = t < eos
-    gam, _ = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
-    b_q = _l2_normalised(
-        tl.load(q + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    )
-    b_k = _l2_normalised(
-        tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    )
-    b_w = tl.load(w + (t[:, None] * HV + hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-    b_u = tl.load(u + t[:, None] * stride_ut + hv * V + o_v[None, :], mask=m[:, None], other=0.0)
-    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay * scale
-    U = b_u - tl.dot(b_w, S, input_precision=PRECISION)
-    out = (tl.exp(gam) * scale)[:, None] * tl.dot(b_q, S, input_precision=PRECISION) + tl.dot(
-        qk, U, input_precision=PRECISION
-    )
-    tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
-    return U, gam, b_k
-
-
-@triton.jit
 def _chunked_delta_rule_kernel(
     q,
     k,
@@ -435,134 +382,31 @@ def _chunked_delta_rule_kernel(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
     written = eos > bos  # as in _recurrent_rows_kernel
+    o_t = tl.arange(0, BT)
+    causal = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
     for c0 in range(bos, eos, BT):
-        U, gam, b_k = _chunk_step(
-            q,
-            k,
-            u,
-            a,
-            b,
-            w,
-            o,
-            S,
-            c0,
-            eos,
-            hk,
-            hv,
-            o_k,
-            o_v,
-            decay_rate,
-            bias,
-            scale,
-            stride_t,
-            stride_ut,
-            stride_at,
-            stride_ot,
-            HV,
-            K,
-            V,
-            BT,
+        t = c0 + o_t
+        m = t < eos
+        gam, _ = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
+        b_q = _l2_normalised(
+            tl.load(q + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         )
-        last = tl.sum(tl.where(tl.arange(0, BT) == BT - 1, gam, 0.0), axis=0)
+        b_k = _l2_normalised(
+            tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        )
+        b_w = tl.load(w + (t[:, None] * HV + hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+        b_u = tl.load(u + t[:, None] * stride_ut + hv * V + o_v[None, :], mask=m[:, None], other=0.0)
+        decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay * scale
+        U = b_u - tl.dot(b_w, S, input_precision=PRECISION)
+        out = (tl.exp(gam) * scale)[:, None] * tl.dot(b_q, S, input_precision=PRECISION) + tl.dot(
+            qk, U, input_precision=PRECISION
+        )
+        tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
+        last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
         S = tl.exp(last) * S + tl.dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, input_precision=PRECISION)
     if not CONTINUE:
         tl.store(state, S, mask=written)
-
-
-@triton.jit
-def _one_chunk_rows_kernel(
-    q,
-    k,
-    u,
-    a,
-    b,
-    a_log,
-    dt_bias,
-    pool,
-    slots,
-    cu,
-    o,
-    scale,
-    stride_t,
-    stride_ut,
-    stride_at,
-    stride_ot,
-    w,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    BT: tl.constexpr,
-    CONTINUE: tl.constexpr,  # always (rows)
-):
-    """_chunked_delta_rule_kernel for rows of at most BT tokens: each row is one chunk from its banked state, and
-    no state is carried on or written."""
-    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
-        a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, True
-    )
-    _chunk_step(
-        q,
-        k,
-        u,
-        a,
-        b,
-        w,
-        o,
-        S,
-        bos,
-        eos,
-        hk,
-        hv,
-        o_k,
-        o_v,
-        decay_rate,
-        bias,
-        scale,
-        stride_t,
-        stride_ut,
-        stride_at,
-        stride_ot,
-        HV,
-        K,
-        V,
-        BT,
-    )
-
-
-def _chunk_prep(q, k, v, a, b, a_log, dt_bias, cu, n: int, chunk: int, warps: int):
-    """Every chunk's state-independent terms (_chunk_prep_kernel) into new w [T, HV, K] and u [T, HV, V] (fp32)."""
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    w = torch.empty(T, HV, K, device=q.device, dtype=torch.float32)
-    u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
-    if n:
-        assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
-        assert a.stride() == b.stride() and a.stride(1) == 1
-        _chunk_prep_kernel[(triton.cdiv(T, chunk), HV)](
-            k,
-            v,
-            a,
-            b,
-            a_log,
-            dt_bias,
-            cu,
-            w,
-            u,
-            n,
-            q.stride(0),
-            v.stride(0),
-            a.stride(0),
-            search_steps(n),
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            BT=chunk,
-            LOG2_BT=chunk.bit_length() - 1,
-            num_warps=warps,
-        )
-    return w, u
 
 
 def chunked_rows(
@@ -583,7 +427,37 @@ def chunked_rows(
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
     the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
     segment counts (kernels.segments): capturable in a CUDA graph."""
-    w, u = _chunk_prep(q, k, v, a, b, a_log, dt_bias, cu, slots.shape[0], CHUNK, PREP_WARPS)
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    n = slots.shape[0]
+    w = torch.empty(T, HV, K, device=q.device, dtype=torch.float32)
+    u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
+    if n:
+        assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
+        assert a.stride() == b.stride() and a.stride(1) == 1
+        _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            cu,
+            w,
+            u,
+            n,
+            q.stride(0),
+            v.stride(0),
+            a.stride(0),
+            search_steps(n),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BT=CHUNK,
+            LOG2_BT=CHUNK.bit_length() - 1,
+            num_warps=PREP_WARPS,
+        )
     return _launch_delta_rule(
         _chunked_delta_rule_kernel,
         CHUNK_BV,
@@ -602,49 +476,4 @@ def chunked_rows(
         out,
         w=w,
         BT=CHUNK,
-    )
-
-
-# Rows in one chunk each (rows are at most RECURRENT_MAX_LEN tokens): the chunk length, the sequential pass's value
-# block and warps, and the prep's warps. Compiled for sm_90a at 64 / 64 / 8: 147 KB of shared memory, no spills; the
-# prep at 64 tokens spills ~2 KB.
-ONE_CHUNK = 64
-ONE_CHUNK_BV = 64
-ONE_CHUNK_WARPS = 8
-ONE_CHUNK_PREP_WARPS = 4
-
-
-def one_chunk_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-    cu: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """recurrent_rows' job for rows of at most ONE_CHUNK tokens, each one chunk on tensor cores: no chain of steps."""
-    w, u = _chunk_prep(q, k, v, a, b, a_log, dt_bias, cu, slots.shape[0], ONE_CHUNK, ONE_CHUNK_PREP_WARPS)
-    return _launch_delta_rule(
-        _one_chunk_rows_kernel,
-        ONE_CHUNK_BV,
-        ONE_CHUNK_WARPS,
-        q,
-        k,
-        u,
-        a,
-        b,
-        a_log,
-        dt_bias,
-        pool,
-        slots,
-        cu,
-        False,
-        out,
-        w=w,
-        BT=ONE_CHUNK,
     )
