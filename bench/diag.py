@@ -314,13 +314,9 @@ def quick_latency() -> None:
     """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state, and
     requests/s at 64 clients (3 s each): a quick engine-level comparison of kernel choices (KEV_LONG_KERNELS,
     KEV_SHORT_DELTA_RULE)."""
-    import os
-
     from kev_backend import bench
     from kev_backend.workloads import long5, short6
 
-    if "KEV_SWITCH_INTERVAL" in os.environ:  # how long a thread holds the GIL while another waits for it (5 ms)
-        sys.setswitchinterval(float(os.environ["KEV_SWITCH_INTERVAL"]))
     engine = kev4b_engine()
     from kev_backend.kernels import delta_rule
 
