@@ -1,6 +1,6 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
-    python3 bench/diag.py [kernels|long [rows]|recurrent|latency|startup|speed|sweep|invariance|profile|gemm]
+    python3 bench/diag.py [kernels|gaps|long [rows]|recurrent|latency|startup|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -439,6 +439,65 @@ def batch_invariance() -> None:
         torch.cuda.empty_cache()
 
 
+def gpu_gaps() -> None:
+    """short6 at 64 closed-loop clients through the pipeline (KEV_GRAPHS=1: as the GPU config runs it): the model
+    thread's time per batch by scorer phase (the head's includes waiting for the GPU), how busy the GPU is and its
+    idle gaps by length: whether the idle time lies between batches or inside passes."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from kev_backend import bench, fused_scorer
+    from kev_backend.workloads import short6
+
+    engine = kev4b_engine()
+    scorer = engine.scorer
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - started
+
+        return wrapper
+
+    for name in ("plan", "layout", "pass_input", "forward", "run_group"):
+        setattr(scorer, name, timed(name, getattr(scorer, name)))
+    fused_scorer.batch_probabilities = timed("head and wait", fused_scorer.batch_probabilities)
+    engine.score = timed("score", engine.score)
+    bench.throughput(engine, short6, 64, 1.0, True)
+    spent.clear()
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        measured = bench.throughput(engine, short6, 64, 2.0, True)
+    batches = round(measured["rps"] * 2.0 / measured["mean_batch"])
+    phases = ", ".join(f"{name} {seconds * 1000 / max(batches, 1):.2f}" for name, seconds in spent.items())
+    print(f"gaps: {measured}; model thread per batch (~{batches} batches), ms: {phases}", flush=True)
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
+    )
+    if not intervals:
+        print("gaps: no CUDA events recorded", flush=True)
+        return
+    busy, gaps, end = 0.0, [], intervals[0][0]
+    start0 = end
+    for lo, hi in intervals:
+        if lo > end:
+            gaps.append((lo - end) / 1000)
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    span = (end - start0) / 1000
+    print(f"gaps: GPU span {span:.0f} ms, busy {busy / 1000:.0f} ms ({busy / 10 / span:.1f} %)", flush=True)
+    for lo, hi in ((0.0, 0.05), (0.05, 0.5), (0.5, 2), (2, 10), (10, 1e9)):
+        inside = [g for g in gaps if lo <= g < hi]
+        print(f"gaps {lo}-{hi} ms: {len(inside)}, {sum(inside):.1f} ms idle", flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     if what == "invariance":
@@ -457,6 +516,8 @@ if __name__ == "__main__":
         gemm_speed()
     if what == "kernels":
         kernel_breakdown()
+    if what == "gaps":
+        gpu_gaps()
     if what in ("gemm", "all"):
         gemm_invariance()
     if what in ("profile", "all"):
