@@ -234,9 +234,9 @@ for kernel in (chunked_rows, recurrent_rows):
 
     assert same_in_one_segment_launches(new_states)
 
-# The pass's conv (tokens in parallel, each finding its segment) answers as the token-by-token one: rows from their
-# windows, new states writing theirs; segments that start after the input's first token and end before its last (a
-# captured pass's long group) leave the other tokens alone.
+# The pass's conv (token slices in parallel, each finding its first segment) answers as the token-by-token one: rows
+# from their windows, new states writing theirs; segments that start after the input's first token and end before its
+# last (a captured pass's long group) leave the other tokens alone.
 # In 32- and in 4-token slices: segments crossing many slices, scans starting inside a segment.
 from kev_backend.kernels import conv as conv_kernels
 

@@ -95,6 +95,8 @@ def conv_rows(
 SCAN_TOKENS = 32
 SCAN_CHANNELS = 256
 SCAN_WARPS = 2
+
+
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
 @triton.jit(do_not_specialize=["N", "steps"])
 def _conv_scan_kernel(
