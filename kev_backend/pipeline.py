@@ -12,9 +12,8 @@ the model thread takes a batch splits the clients into three groups (scoring, pr
 at 64 short6 clients batches of ~21 instead of ~32 lost more than the overlap gained (H200, 228 against 236
 req/s in process). So `submit` returns when the next batch, formed and prepared from then on, should reach the
 model thread just as this one finishes: the recent scoring time less the recent time from a return to the next
-batch's arrival (Triton's batching, its IPC, decoding and preparing), and `lead_s` earlier still
-(KEV_PIPELINE_LEAD_MS, default 0): a next batch that arrives late leaves the GPU idle, one formed early is smaller.
-Requests keep waiting where they arrived (Triton's queue, with its size limit and timeouts) meanwhile.
+batch's arrival (Triton's batching, its IPC, decoding and preparing). Requests keep waiting where they arrived
+(Triton's queue, with its size limit and timeouts) meanwhile.
 
 A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
@@ -27,7 +26,6 @@ An engine fault fails only its own batch, delivered as the exception.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import statistics
 import threading
@@ -76,10 +74,9 @@ class Recent:
 
 
 class Pipeline:
-    def __init__(self, engine: Engine, recheck_after_s: float = 0.005, lead_s: float | None = None) -> None:
+    def __init__(self, engine: Engine, recheck_after_s: float = 0.005) -> None:
         self.engine = engine
         self.recheck_after_s = recheck_after_s
-        self.lead_s = float(os.environ.get("KEV_PIPELINE_LEAD_MS", "0")) / 1000 if lead_s is None else lead_s
         self.scoring_s = Recent()  # model thread: from taking a batch to having scored it
         self.arrival_s = Recent()  # from submit returning to the next batch being prepared
         self._returned: float | None = None
@@ -107,7 +104,7 @@ class Pipeline:
         self._to_model.join()  # taken: the model thread is on it
         scoring, arrival = self.scoring_s.median(), self.arrival_s.median()
         if scoring is not None:
-            job.scored.wait(timeout=max(0.0, scoring - (arrival or 0.0) - self.lead_s))
+            job.scored.wait(timeout=max(0.0, scoring - (arrival or 0.0)))
         self._returned = time.perf_counter()
 
     def close(self) -> None:
