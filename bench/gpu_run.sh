@@ -13,6 +13,8 @@
 #   diag       long, then latency (~6 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes, replayed from
 #              CUDA graphs on our long kernels (~2 min)
+#   gaps       bench/diag.py gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients,
+#              from graphs on our long kernels (~1 min)
 #   startup    bench/diag.py startup: start-up phases on an empty kernel cache, the kept one (with a host profile), and
 #              the kept one with an eager pass before every capture; then graph replay vs eager (~4 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
@@ -57,6 +59,10 @@ run_step() {
     profile)
       KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 180 python3 bench/diag.py kernels 2>&1 | grep -v -i warn \
         | tee "$out/diag-kernels.log" | grep -E "^==" || status=1
+      ;;
+    gaps)
+      KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 120 python3 bench/diag.py gaps 2>&1 | grep -E "^gaps|Error" \
+        | tee -a "$out/diag-gaps.log" || status=1
       ;;
     bench)
       # shellcheck disable=SC2086
