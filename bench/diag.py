@@ -441,8 +441,10 @@ def batch_invariance() -> None:
 
 def gpu_gaps() -> None:
     """short6 at 64 closed-loop clients through the pipeline (KEV_GRAPHS=1: as the GPU config runs it): the model
-    thread's time per batch by scorer phase (the head's includes waiting for the GPU), how busy the GPU is and its
-    idle gaps by length: whether the idle time lies between batches or inside passes."""
+    thread's time per batch by scorer phase (the head's includes waiting for the GPU), its waits for the next batch,
+    Python's garbage collections, how busy the GPU is and its idle gaps by length: whether the idle time lies
+    between batches or inside passes, and what the long gaps coincide with."""
+    import gc
     from collections import defaultdict
 
     from torch.autograd import DeviceType
@@ -468,15 +470,51 @@ def gpu_gaps() -> None:
     for name in ("plan", "layout", "pass_input", "forward", "run_group"):
         setattr(scorer, name, timed(name, getattr(scorer, name)))
     fused_scorer.batch_probabilities = timed("head and wait", fused_scorer.batch_probabilities)
-    engine.score = timed("score", engine.score)
+    scores: list[tuple[float, float]] = []  # the model thread's (start, end) of each batch's score
+    score = timed("score", engine.score)
+
+    def recorded_score(batch):
+        started = time.perf_counter()
+        try:
+            return score(batch)
+        finally:
+            scores.append((started, time.perf_counter()))
+
+    engine.score = recorded_score
+    collections: list[tuple[int, float]] = []  # (generation, seconds) of each collection by Python's GC
+    collecting = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - collecting[0]))
+
     bench.throughput(engine, short6, 64, 1.0, True)
     spent.clear()
+    scores.clear()
+    gc.callbacks.append(on_gc)
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         measured = bench.throughput(engine, short6, 64, 2.0, True)
-    batches = round(measured["rps"] * 2.0 / measured["mean_batch"])
+    gc.callbacks.remove(on_gc)
+    batches = len(scores)
     phases = ", ".join(f"{name} {seconds * 1000 / max(batches, 1):.2f}" for name, seconds in spent.items())
-    print(f"gaps: {measured}; model thread per batch (~{batches} batches), ms: {phases}", flush=True)
+    print(f"gaps: {measured}; model thread per batch ({batches} batches), ms: {phases}", flush=True)
+    waits = [(b[0] - a[1]) * 1000 for a, b in zip(scores, scores[1:])]  # from one score's end to the next's start
+    print(
+        f"gaps: model thread waiting for the next batch, ms: total {sum(waits):.1f}, "
+        f"{sum(w >= 2 for w in waits)} of 2 ms or more, {sum(w >= 10 for w in waits)} of 10 ms or more, "
+        f"longest {max(waits, default=0.0):.1f}",
+        flush=True,
+    )
+    for generation in range(3):
+        pauses = [seconds * 1000 for g, seconds in collections if g == generation]
+        print(
+            f"gaps: GC generation {generation}: {len(pauses)} collections, {sum(pauses):.1f} ms, "
+            f"longest {max(pauses, default=0.0):.1f}",
+            flush=True,
+        )
     intervals = sorted(
         (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
     )
