@@ -455,7 +455,7 @@ def gpu_gaps() -> None:
 
     engine = kev4b_engine()
     scorer = engine.scorer
-    spent: dict[str, float] = defaultdict(float)
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (start, end) of each call, by phase
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -463,24 +463,14 @@ def gpu_gaps() -> None:
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[name] += time.perf_counter() - started
+                spans[name].append((started, time.perf_counter()))
 
         return wrapper
 
     for name in ("plan", "layout", "pass_input", "forward", "run_group"):
         setattr(scorer, name, timed(name, getattr(scorer, name)))
     fused_scorer.batch_probabilities = timed("head and wait", fused_scorer.batch_probabilities)
-    scores: list[tuple[float, float]] = []  # the model thread's (start, end) of each batch's score
-    score = timed("score", engine.score)
-
-    def recorded_score(batch):
-        started = time.perf_counter()
-        try:
-            return score(batch)
-        finally:
-            scores.append((started, time.perf_counter()))
-
-    engine.score = recorded_score
+    engine.score = timed("score", engine.score)
     collections: list[tuple[int, float]] = []  # (generation, seconds) of each collection by Python's GC
     collecting = [0.0]
 
@@ -491,15 +481,18 @@ def gpu_gaps() -> None:
             collections.append((info["generation"], time.perf_counter() - collecting[0]))
 
     bench.throughput(engine, short6, 64, 1.0, True)
-    spent.clear()
-    scores.clear()
+    spans.clear()
     gc.callbacks.append(on_gc)
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         measured = bench.throughput(engine, short6, 64, 2.0, True)
     gc.callbacks.remove(on_gc)
+    scores = spans["score"]  # the model thread's batches
     batches = len(scores)
-    phases = ", ".join(f"{name} {seconds * 1000 / max(batches, 1):.2f}" for name, seconds in spent.items())
+    phases = ", ".join(
+        f"{name} {sum(end - start for start, end in calls) * 1000 / max(batches, 1):.2f}"
+        for name, calls in spans.items()
+    )
     print(f"gaps: {measured}; model thread per batch ({batches} batches), ms: {phases}", flush=True)
     waits = [(b[0] - a[1]) * 1000 for a, b in zip(scores, scores[1:])]  # from one score's end to the next's start
     print(

@@ -78,11 +78,11 @@ def warm_pointer_head(head: dict[str, torch.Tensor], rows: int = 512) -> None:
     weight = head["q.weight"]
     for n in range(1, rows + 1):
         hidden = torch.zeros(n, weight.shape[1], device=weight.device, dtype=torch.float32)
-        torch.nn.functional.linear(hidden, head["q.weight"], head["q.bias"])
+        torch.nn.functional.linear(hidden, weight, head["q.bias"])
         torch.nn.functional.linear(hidden, head["k.weight"], head["k.bias"])
     # The rest of the head (gathers, the padded softmax) at option widths up to System One's 255.
+    decide = torch.zeros(2, weight.shape[1], device=weight.device)
     for width in (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 255):
-        decide = torch.zeros(2, weight.shape[1], device=weight.device)
         pointer_probabilities(
             head, 1.0, decide, torch.zeros(2 * width, weight.shape[1], device=weight.device), [width] * 2
         )

@@ -43,9 +43,9 @@ class TritonPythonModel:
         # Responses go out through each request's sender once the pipeline has answered (execute returns None, so
         # Triton hands over the next batch while this one is on the GPU). A request cancelled while queued costs no
         # model work, here or just before its batch is scored.
-        senders = [request.get_response_sender() for request in requests]
-        live = []
-        for request, sender in zip(requests, senders):
+        live = []  # (request, its response sender) of each request still wanted
+        for request in requests:
+            sender = request.get_response_sender()
             if request.is_cancelled():
                 send(sender, error_response("request cancelled", pb_utils.TritonError.CANCELLED))
             else:
