@@ -143,6 +143,9 @@ v = mixed[:, 2 * H * K : 2 * H * K + HV * V].view(T, HV, V)
 gates = torch.randn(T, 2 * HV + 1)  # a and b: strided views, as slices of the projection
 gate_a, gate_b = gates[:, :HV], gates[:, HV : 2 * HV]
 a_log, dt_bias = torch.randn(HV), torch.randn(HV)
+# Head 1 decays hard (g ≈ -14 a token): the token-by-token kernel folds each decay into its state there, and keeps
+# the decay in its scalar scale on the other heads (kernels.delta_rule, SCALE_GROUP).
+a_log[1] = 3.0
 gate_a[0, 0] = 30.0  # softplus's linear branch
 g = -a_log.exp() * torch.nn.functional.softplus(gate_a + dt_bias)
 beta = torch.sigmoid(gate_b)

@@ -30,6 +30,10 @@ def _delta_rule_inputs(q, k, v, a, b, t, eos, stride_t, stride_vt, stride_at, hk
 # 192 rows of 39 tokens: 16/1 1.65 ms, 8/1 2.05, 32/2 2.08, 32/4 3.16.
 RECURRENT_BV = 16
 RECURRENT_WARPS = 1
+# The token-by-token kernel keeps its state as h_scale · h (see _recurrent_rows_kernel) with h_scale ≥ 2^-80 ≈ 8e-25:
+# h stays within 2^80 of the true state, inside fp32's range (2^128) with room for its products with unnormalised q
+# and k.
+RESCALE_BELOW: tl.constexpr = tl.constexpr(2.0**-80)
 
 
 @triton.jit
@@ -67,6 +71,29 @@ def _delta_rule_program(
 
 
 @triton.jit
+def _log_decay(b_a, decay_rate, bias):
+    """g = -exp(A_log) · softplus(a + dt_bias), the log decay (fp32), as Qwen3.5 has it."""
+    b_a = b_a + bias
+    return -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a)))
+
+
+@triton.jit
+def _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale):
+    """One token of the gated delta rule on the decayed state h_scale · h [K, BV] (fp32): the new h and its output
+    [BV]. The loop is bound by the FP32 issue rate: every thread holds 64 of the state block's entries, so each op
+    on the whole state costs 64 instructions a token. This does three, all FMAs (two reductions over the key dim and
+    the update), where the plain form does four: the decay multiplies the scalar h_scale rather than h, and q and k
+    stay unnormalised, their norms applied to the reductions' [BV] results. sm_90a SASS: 528 → ~420 instructions."""
+    inv_q = scale * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+    inv_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    qk = tl.sum(b_k * b_q) * inv_q * inv_k
+    b_u = (b_v - tl.sum(h * b_k[:, None], axis=0) * (h_scale * inv_k)) * tl.sigmoid(b_b)
+    b_o = tl.sum(h * b_q[:, None], axis=0) * (h_scale * inv_q) + qk * b_u
+    h = h + b_k[:, None] * (b_u * tl.fdiv(inv_k, h_scale))[None, :]
+    return h, b_o
+
+
+@triton.jit
 def _recurrent_rows_kernel(
     q,
     k,
@@ -95,27 +122,37 @@ def _recurrent_rows_kernel(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
     written = eos > bos  # empty segments (a captured pass's padding, on the scratch slot) store no end state
-    # Token t+1's inputs are loaded while token t is computed (they do not depend on the state), so the loop's
-    # critical path is the state update alone. o_t = (decayed h)·q + (k·q)·u, so both reductions over the key dim
-    # read the decayed state at once instead of one after the other.
+    # Token t+1's inputs (and its decay) are loaded while token t is computed (they do not depend on the state), so
+    # the loop's critical path is the state update alone. The state is h_scale · h: the inner loop runs while the
+    # decays multiplied into h_scale keep it at RESCALE_BELOW or more; then h_scale is folded into h, and a token
+    # whose decay alone is below that decays h itself.
     n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
         q, k, v, a, b, bos, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
     )
-    for t in range(bos, eos):
-        b_q, b_k, b_v, b_a, b_b = n_q, n_k, n_v, n_a, n_b
-        n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
-            q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
-        )
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_a = b_a + bias
-        b_g = -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a)))
-        b_beta = tl.sigmoid(b_b)
-        h = h * tl.exp(b_g)
-        b_u = (b_v - tl.sum(h * b_k[:, None], axis=0)) * b_beta
-        b_o = tl.sum(h * b_q[:, None], axis=0) + tl.sum(b_k * b_q) * b_u
-        h = h + b_k[:, None] * b_u[None, :]
-        tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
+    n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
+    h_scale = tl.full([], 1.0, tl.float32)
+    t = bos
+    while t < eos:
+        while (t < eos) & (h_scale * n_decay >= RESCALE_BELOW):
+            b_q, b_k, b_v, b_b, h_scale = n_q, n_k, n_v, n_b, h_scale * n_decay
+            n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+                q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+            )
+            n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
+            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale)
+            tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
+            t += 1
+        h = h * h_scale
+        h_scale = tl.full([], 1.0, tl.float32)
+        if (t < eos) & (n_decay < RESCALE_BELOW):
+            b_q, b_k, b_v, b_b, h = n_q, n_k, n_v, n_b, h * n_decay
+            n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+                q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+            )
+            n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
+            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale)
+            tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
+            t += 1
     # A new state's end state goes into its (fresh) bank slot; a row writes nothing back. Empty segments (a captured
     # pass's padding, hundreds in a large bucket) write nothing either.
     if not CONTINUE:
