@@ -143,9 +143,10 @@ v = mixed[:, 2 * H * K : 2 * H * K + HV * V].view(T, HV, V)
 gates = torch.randn(T, 2 * HV + 1)  # a and b: strided views, as slices of the projection
 gate_a, gate_b = gates[:, :HV], gates[:, HV : 2 * HV]
 a_log, dt_bias = torch.randn(HV), torch.randn(HV)
-# Head 1 decays hard (g ≈ -14 a token): the token-by-token kernel folds each decay into its state there, and keeps
-# the decay in its scalar scale on the other heads (kernels.delta_rule, SCALE_GROUP).
-a_log[1] = 3.0
+# The token-by-token kernel keeps the decay in a scalar scale and folds it into the state once the scale falls under
+# RESCALE_BELOW (kernels.delta_rule): head 1 decays by g ≈ -14 a token (a fold every few tokens), head 2 by g ≈ -100
+# (each token's decay alone is under it: folded token by token), the others mildly.
+a_log[1], a_log[2] = 3.0, 4.6
 gate_a[0, 0] = 30.0  # softplus's linear branch
 g = -a_log.exp() * torch.nn.functional.softplus(gate_a + dt_bias)
 beta = torch.sigmoid(gate_b)
