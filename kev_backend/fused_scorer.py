@@ -146,7 +146,8 @@ class FusedScorer:
         current: list[Row] = []
         cost = 0
         states = 0
-        max_states = len(self.bank.pool.recurrent[0]) if len(self.bank.pool.recurrent) else 1 << 30
+        # The slots the bank can give (all but its scratch slot); a model without DeltaNet layers has none to lack.
+        max_states = self.bank.pool.scratch_slot if len(self.bank.pool.recurrent) else 1 << 30
         for state, members in by_state.items():
             need = len(state) + sum(len(m.tokens.tokens) for m in members)
             if current and (cost + need > self.pass_tokens or states + 1 > max_states):

@@ -16,7 +16,7 @@ from kev_backend.workloads import realistic, short6
 from .fused_cpu_ops import CALLS, TORCH_KERNELS
 
 
-def engines(tiny_dir: Path, **options) -> tuple[Engine, FusedScorer]:
+def engines(tiny_dir: Path, bank_bytes: int = 1 << 26, **options) -> tuple[Engine, FusedScorer]:
     """The reference engine on the tiny checkpoint and a fused scorer (fp32, torch stand-ins) on the same model."""
     reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
@@ -25,7 +25,7 @@ def engines(tiny_dir: Path, **options) -> tuple[Engine, FusedScorer]:
         ck.head,
         ck.temperature,
         reference.tokenizer.delimiters.pad,
-        bank_bytes=1 << 26,
+        bank_bytes=bank_bytes,
         dtype=torch.float32,
         kernels=TORCH_KERNELS,
         graph_max_tokens=1024,
@@ -85,6 +85,17 @@ def test_fused_pass_answers_like_the_reference(
         assert stats.runs > 0 and len(fused.graphs.seen) >= 2, (stats, fused.graphs.seen)
         # Padded passes with a long new state: the long group shares the state region with the short one.
         assert (long_kernels == "ours") == (stats.long_runs > 0)
+
+
+def test_a_batch_with_more_states_than_the_bank_holds_runs_in_passes_it_can_hold(tiny_dir: Path) -> None:
+    """A pass takes at most as many states as the bank has slots to give (its scratch slot is not one): four states
+    on a bank of three run in two passes, answering as the reference does."""
+    reference, probe = engines(tiny_dir)
+    _, fused = engines(tiny_dir, bank_bytes=2 * 3 * probe.bank.pool.slot_bytes)
+    assert fused.bank.pool.scratch_slot == 3  # slots 0-2 to give, 3 the scratch
+    encoded = [reference.prepare(short6(i))[1] for i in range(4)]
+    report = compare(reference.scorer.probabilities(encoded), fused.probabilities(encoded))
+    assert report["max_abs"] < 2e-5, report
 
 
 def test_a_failed_capture_leaves_its_bucket_eager(tiny_dir: Path) -> None:
