@@ -441,9 +441,9 @@ def batch_invariance() -> None:
 
 def gpu_gaps() -> None:
     """short6 at 64 closed-loop clients through the pipeline (KEV_GRAPHS=1: as the GPU config runs it): the model
-    thread's time per batch by scorer phase (the head's includes waiting for the GPU), its waits for the next batch,
-    Python's garbage collections, how busy the GPU is and its idle gaps by length: whether the idle time lies
-    between batches or inside passes, and what the long gaps coincide with."""
+    thread's time per batch by phase of its launch (collect, on the delivery thread, waits for the GPU), its waits
+    for the next batch, Python's garbage collections, how busy the GPU is and its idle gaps by length: whether the
+    idle time lies between batches or inside passes, and what the long gaps coincide with."""
     import gc
     from collections import defaultdict
 
@@ -469,8 +469,9 @@ def gpu_gaps() -> None:
 
     for name in ("plan", "layout", "pass_input", "forward", "run_group"):
         setattr(scorer, name, timed(name, getattr(scorer, name)))
-    fused_scorer.batch_probabilities = timed("head and wait", fused_scorer.batch_probabilities)
-    engine.score = timed("score", engine.score)
+    fused_scorer.launch_batch_probabilities = timed("head", fused_scorer.launch_batch_probabilities)
+    engine.launch = timed("launch", engine.launch)
+    engine.collect = timed("collect", engine.collect)
     collections: list[tuple[int, float]] = []  # (generation, seconds) of each collection by Python's GC
     collecting = [0.0]
 
@@ -487,14 +488,14 @@ def gpu_gaps() -> None:
     with profile(activities=[activity]) as prof:
         measured = bench.throughput(engine, short6, 64, 2.0, True)
     gc.callbacks.remove(on_gc)
-    scores = spans["score"]  # the model thread's batches
-    batches = len(scores)
+    launches = spans["launch"]  # the model thread's batches
+    batches = len(launches)
     phases = ", ".join(
         f"{name} {sum(end - start for start, end in calls) * 1000 / max(batches, 1):.2f}"
         for name, calls in spans.items()
     )
     print(f"gaps: {measured}; model thread per batch ({batches} batches), ms: {phases}", flush=True)
-    waits = [(b[0] - a[1]) * 1000 for a, b in zip(scores, scores[1:])]  # from one score's end to the next's start
+    waits = [(b[0] - a[1]) * 1000 for a, b in zip(launches, launches[1:])]  # one launch's end to the next's start
     print(
         f"gaps: model thread waiting for the next batch, ms: total {sum(waits):.1f}, "
         f"{sum(w >= 2 for w in waits)} of 2 ms or more, {sum(w >= 10 for w in waits)} of 10 ms or more, "

@@ -26,10 +26,16 @@ from .systemone import Record, RequestError, answers_from_probabilities, answers
 Body = str | bytes | dict
 
 
+class Pending(Protocol):
+    def result(self) -> list[list[list[float]]]: ...
+
+
 class Scorer(Protocol):
     bank: Any
 
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]: ...
+
+    def launch(self, batch: Sequence[Encoded]) -> Pending: ...
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,8 @@ class PreparedBatch:
     dropped: int = 0  # requests taken out before scoring (cancelled): not counted in the report
     probabilities: list[list[list[float]]] = field(default_factory=list)
     report: BatchReport = field(default_factory=BatchReport)
+    pending: Pending | None = None  # launched, not yet collected
+    launched_at: float = 0.0
 
     @property
     def refused(self) -> int:
@@ -242,12 +250,26 @@ class Engine:
 
     def score(self, batch: PreparedBatch) -> PreparedBatch:
         """Runs the model on the batch's accepted requests (none: nothing runs) and records the batch's report."""
-        report = BatchReport(requests=len(batch.results) - batch.dropped, errors=batch.refused)
+        self.launch(batch)
+        return self.collect(batch)
+
+    def launch(self, batch: PreparedBatch) -> None:
+        """Enqueues the model work of the batch's accepted requests and returns without waiting for the GPU, so the
+        next batch can be enqueued behind it (kev_backend/pipeline.py); `collect` waits for the answers."""
+        batch.launched_at = time.perf_counter()
         if batch.accepted:
+            batch.pending = self.scorer.launch([e for _, _, e in batch.accepted])
+
+    def collect(self, batch: PreparedBatch) -> PreparedBatch:
+        """Waits for a launched batch's probabilities and records its report. model_ms runs from its launch to
+        its probabilities on the host: Kev's latency_ms, the model time of the whole batch (with batches enqueued
+        back to back, it includes the wait behind the one before)."""
+        report = BatchReport(requests=len(batch.results) - batch.dropped, errors=batch.refused)
+        if batch.pending is not None:
+            batch.probabilities = batch.pending.result()
+            batch.pending = None
+            report.model_ms = (time.perf_counter() - batch.launched_at) * 1000.0
             encoded = [e for _, _, e in batch.accepted]
-            started = self._clock()
-            batch.probabilities = self.scorer.probabilities(encoded)
-            report.model_ms = (self._clock() - started) * 1000.0
             report.questions = sum(len(e.questions) for e in encoded)
             report.state_tokens = sum(len(state) for state in {e.state for e in encoded})
             report.row_tokens = sum(len(q.tokens) for e in encoded for q in e.questions)
@@ -263,12 +285,6 @@ class Engine:
             for (i, record, encoded), mine, tokens in zip(batch.accepted, answers, output_tokens):
                 results[i] = response_body(record.model, mine, encoded.input_tokens, tokens, batch.report.model_ms)
         return results  # type: ignore[return-value]
-
-    def _clock(self) -> float:
-        # latency_ms is the model time of the whole batch, measured between device syncs, as Kev reports it.
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
 
 def dumps(body: dict) -> str:

@@ -13,9 +13,10 @@ import torch
 from .encoding import Encoded, EncodedQuestion
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .gpu_bank import GpuBank, Slot, StatePool
-from .head import Picked, batch_probabilities
+from .head import PendingProbabilities, Picked, launch_batch_probabilities
 from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
 from .qwen35 import Qwen35TextModel
+from .transfer import device_ints
 
 
 @dataclass
@@ -114,8 +115,13 @@ class FusedScorer:
         return self.graphs.stats.captures if self.graphs is not None else 0
 
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+        return self.launch(batch).result()
+
+    def launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
+        """Enqueues the batch's passes and head on the GPU without waiting for them (nor for earlier work): the
+        result waits. Its bank slots are taken now; work enqueued earlier that read or wrote them runs first."""
         try:
-            return self._probabilities(batch)
+            return self._launch(batch)
         except torch.cuda.OutOfMemoryError:
             # Drop the bank (and its pool), free the failed pass, retry once; a second failure fails the batch.
             self.oom_retries += 1
@@ -127,14 +133,14 @@ class FusedScorer:
             self.bank = self._new_bank()
             self.model = self._new_model()
             self.graphs = self._new_graphs()
-            return self._probabilities(batch)
+            return self._launch(batch)
 
-    def _probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+    def _launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
         rows = [Row(r, q, tokens, e.state) for r, e in enumerate(batch) for q, tokens in enumerate(e.questions)]
         picked: dict[tuple[int, int], Picked] = {}
         for group in self.plan(rows):
             picked.update(self.run_group(group))
-        return batch_probabilities(self.head, self.temperature, batch, picked)
+        return launch_batch_probabilities(self.head, self.temperature, batch, picked)
 
     def plan(self, rows: list[Row]) -> list[list[Row]]:
         """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted
@@ -236,7 +242,7 @@ class FusedScorer:
         device = self.device
 
         def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return device_ints(values, device)
 
         return PassInput(
             ids=tensor(layout.state_ids + layout.row_ids + [self.pad_id] * padding),

@@ -147,13 +147,16 @@ class StaticInputs:
         self.device = device
         self.prefix_tokens = prefix_tokens
         self.flat = torch.zeros(total, dtype=torch.int64, device=device)
-        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.copied: torch.cuda.Event | None = None  # the last host→device copy (the host buffer is reused)
+        # Two host buffers, used in turn: filling one waits only for the copy out of it two passes back, which has run
+        # unless the model thread is two batches ahead of the GPU.
+        self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last host→device copy
+        self.turn = 0
 
     def view(self, name: str, n: int, host: bool = False) -> torch.Tensor:
         start, size = self.offsets[name]
         assert n <= size
-        return (self.host if host else self.flat)[start : start + n]
+        return (self.hosts[self.turn] if host else self.flat)[start : start + n]
 
     def pass_input(self, bucket: Bucket, long_states: bool = False) -> PassInput:
         """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. With `long_states` the
@@ -196,8 +199,9 @@ class StaticInputs:
 
     def fill(self, bucket: Bucket, layout: PassLayout, pool: StatePool, pad_id: int) -> None:
         """Writes the layout, padded to the bucket, into the buffers: one copy to the device."""
-        if self.copied is not None:
-            self.copied.synchronize()  # the previous pass's copy has read the host buffer
+        self.turn ^= 1
+        if (copied := self.copied[self.turn]) is not None:
+            copied.synchronize()  # the copy out of this host buffer has read it
         s = bucket.state_tokens
         ids = layout.state_ids + [pad_id] * (s - len(layout.state_ids)) + layout.row_ids
         positions = layout.state_positions() + [0] * (s - len(layout.state_ids)) + layout.row_positions
@@ -226,10 +230,10 @@ class StaticInputs:
                 self.view(name, len(seq), host=True).copy_(torch.tensor(seq, dtype=torch.int64))
                 start = self.offsets[name][0]
                 end = max(end, start + len(seq))
-        self.flat[:end].copy_(self.host[:end], non_blocking=True)
+        self.flat[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
         if self.device.type == "cuda":
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
 
 
 def _padded(values: list[int], n: int, pad: int) -> list[int]:

@@ -7,13 +7,43 @@ final-norm hidden state at option j's </opt> and h_dec the one at <decide>.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from .encoding import Encoded
+from .transfer import HostCopy, device_ints
 
 # The final-norm hidden states a question's answer is read from: (<decide> [d], each option's </opt> [K, d]).
 Picked = tuple[torch.Tensor, torch.Tensor]
+
+
+def pointer_softmax(
+    head: dict[str, torch.Tensor],
+    temperature: float,
+    decide_hidden: torch.Tensor,
+    option_hidden: torch.Tensor,
+    options_per_question: Sequence[int],
+) -> torch.Tensor:
+    """decide_hidden [Q, d] and option_hidden [sum K_i, d] (questions' options in order) → p [Q, max K_i] on their
+    device, each question's row zero past its options. A fixed number of kernels for every question, and nothing
+    that waits for the GPU: the option indices are built on the host."""
+    device = decide_hidden.device
+    q = torch.nn.functional.linear(decide_hidden.float(), head["q.weight"], head["q.bias"])
+    k = torch.nn.functional.linear(option_hidden.float(), head["k.weight"], head["k.bias"])
+    # Each option's question and its place among that question's options (one upload).
+    owner, column = device_ints(
+        [i for i, n in enumerate(options_per_question) for _ in range(n)]
+        + [j for n in options_per_question for j in range(n)],
+        device,
+    ).view(2, -1)
+    logits = (k * q[owner]).sum(-1) / (q.shape[-1] ** 0.5)
+    if temperature != 1.0:
+        logits = logits / temperature
+    # Scatter into [Q, Kmax] padded with -inf so one softmax serves every question.
+    padded = torch.full((len(options_per_question), int(max(options_per_question))), float("-inf"), device=device)
+    padded[owner, column] = logits
+    return torch.softmax(padded, dim=-1)
 
 
 def pointer_probabilities(
@@ -23,26 +53,48 @@ def pointer_probabilities(
     option_hidden: torch.Tensor,
     options_per_question: Sequence[int],
 ) -> list[list[float]]:
-    """decide_hidden [Q, d] and option_hidden [sum K_i, d] (questions' options in order) → per question p.
-
-    All questions are scored in a fixed number of kernels, with one device→host copy at the end.
-    """
-    device = decide_hidden.device
-    q = torch.nn.functional.linear(decide_hidden.float(), head["q.weight"], head["q.bias"])
-    k = torch.nn.functional.linear(option_hidden.float(), head["k.weight"], head["k.bias"])
-    counts = torch.tensor(list(options_per_question), device=device)
-    owner = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
-    logits = (k * q[owner]).sum(-1) / (q.shape[-1] ** 0.5)
-    if temperature != 1.0:
-        logits = logits / temperature
-    # Scatter into [Q, Kmax] padded with -inf so one softmax serves every question.
-    widest = int(max(options_per_question))
-    starts = torch.cumsum(counts, 0) - counts
-    column = torch.arange(len(owner), device=device) - starts[owner]
-    padded = torch.full((len(counts), widest), float("-inf"), device=device)
-    padded[owner, column] = logits
-    probs = torch.softmax(padded, dim=-1).cpu().tolist()
+    """pointer_softmax on the host: per question, its options' probabilities."""
+    probs = pointer_softmax(head, temperature, decide_hidden, option_hidden, options_per_question).cpu().tolist()
     return [row[:n] for row, n in zip(probs, options_per_question)]
+
+
+@dataclass
+class PendingProbabilities:
+    """A batch's probabilities on their way to the host (`result()` waits for them): per request, per question."""
+
+    requests: int
+    owners: list[int] = field(default_factory=list)  # each question's request, in order
+    widths: list[int] = field(default_factory=list)  # each question's option count
+    copy: HostCopy | None = None  # [questions, max width]
+
+    def result(self) -> list[list[list[float]]]:
+        out: list[list[list[float]]] = [[] for _ in range(self.requests)]
+        if self.copy is not None:
+            for r, row, n in zip(self.owners, self.copy.get().tolist(), self.widths):
+                out[r].append(row[:n])
+        return out
+
+
+def launch_batch_probabilities(
+    head: dict[str, torch.Tensor],
+    temperature: float,
+    batch: Sequence[Encoded],
+    picked: Mapping[tuple[int, int], Picked],
+) -> PendingProbabilities:
+    """Every question of the batch in one head call, from the hidden states picked for each (request, question),
+    enqueued with the copy of its probabilities to the host."""
+    order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
+    if not order:
+        return PendingProbabilities(len(batch))
+    widths = [len(batch[r].questions[q].option_ends) for r, q in order]
+    probs = pointer_softmax(
+        head,
+        temperature,
+        torch.stack([picked[key][0] for key in order]),
+        torch.cat([picked[key][1] for key in order]),
+        widths,
+    )
+    return PendingProbabilities(len(batch), [r for r, _ in order], widths, HostCopy(probs))
 
 
 def batch_probabilities(
@@ -51,22 +103,8 @@ def batch_probabilities(
     batch: Sequence[Encoded],
     picked: Mapping[tuple[int, int], Picked],
 ) -> list[list[list[float]]]:
-    """Per request, per question, the option probabilities, from the hidden states picked for each
-    (request, question): every question of the batch in one head call."""
-    order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
-    out: list[list[list[float]]] = [[] for _ in batch]
-    if not order:
-        return out
-    flat = pointer_probabilities(
-        head,
-        temperature,
-        torch.stack([picked[key][0] for key in order]),
-        torch.cat([picked[key][1] for key in order]),
-        [len(batch[r].questions[q].option_ends) for r, q in order],
-    )
-    for (r, _), p in zip(order, flat):
-        out[r].append(p)
-    return out
+    """Per request, per question, the option probabilities (launch_batch_probabilities, waited for)."""
+    return launch_batch_probabilities(head, temperature, batch, picked).result()
 
 
 def warm_pointer_head(head: dict[str, torch.Tensor], rows: int = 512) -> None:

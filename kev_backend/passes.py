@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .transfer import device_ints
+
 # A segment this short runs the recurrent delta rule (fp32 state throughout), a longer one the chunked kernel. The
 # choice depends on the segment alone, never on what shares its pass, so a question's answer does not depend on
 # its batch.
@@ -60,16 +62,16 @@ class KernelGroup:
     def build(cls, start: int, lengths: list[int], slots: list[int], device: torch.device) -> KernelGroup:
         short = all(is_short(n) for n in lengths)
         assert short or not any(is_short(n) for n in lengths)
-        cu_cpu = torch.tensor(offsets(lengths), dtype=torch.int64)
-        cu = cu_cpu.to(device)
+        cu_host = offsets(lengths)
+        cu = device_ints(cu_host, device)
         return cls(
             short=short,
             start=start,
-            end=start + int(cu_cpu[-1]),
+            end=start + cu_host[-1],
             max_len=max(lengths),
             cu=cu,
-            slots=torch.tensor(slots, dtype=torch.int64, device=device),
-            cu_cpu=None if short else cu_cpu,
+            slots=device_ints(slots, device),
+            cu_cpu=None if short else torch.tensor(cu_host, dtype=torch.int64),
             cu32=None if short else cu.to(torch.int32),
         )
 
@@ -106,7 +108,7 @@ class Segments:
                 groups.append(group)
                 offset = group.end
         # One length class (the usual case): the region's offsets are its group's, already on the device.
-        cu = groups[0].cu if len(groups) == 1 else torch.tensor(offsets(lengths), dtype=torch.int64, device=device)
+        cu = groups[0].cu if len(groups) == 1 else device_ints(offsets(lengths), device)
         return cls(start, offset, max(lengths), cu, groups)
 
 

@@ -1,19 +1,23 @@
 """answer() as a three-stage pipeline over one engine, so one batch's host work overlaps another's GPU work.
 
-The caller's thread prepares a batch (parsing, Kev's limits, tokenizing) and hands it over; a model thread scores
-batches one at a time (the only thread that touches the model and the bank); a delivery thread builds their answers
-and hands them to each batch's callback. While the GPU runs batch N, batch N+1 is being prepared and batch N-1's
-answers built: on the H200 a busy short6 batch of 32 spent ~24 ms of its 151 ms in Triton's execute outside the
-model, all of it serial with the GPU before (bench/NOTES.md, session 5).
+The caller's thread prepares a batch (parsing, Kev's limits, tokenizing) and hands it over; a model thread launches
+batches one at a time (the only thread that touches the model and the bank): it enqueues the batch's passes and
+head on the GPU and returns without waiting for them (Engine.launch); a delivery thread waits for each batch's
+probabilities (Engine.collect, the GIL released), builds their answers and hands them to the batch's callback.
+So the next batch's host work before its first kernel (planning, bank slots, layout, uploads) and its launches run
+while the GPU still works on this one, and the GPU need not idle between batches. While the GPU runs batch N, batch
+N+1 is being prepared or enqueued and batch N-1's answers built.
 
 When `submit` returns decides how many batches are in flight, and so how large they grow: its caller (Triton's
 execute; the bench's batching thread) forms the next batch from the requests waiting by then. Returning as soon as
 the model thread takes a batch splits the clients into three groups (scoring, prepared and waiting, arriving), and
 at 64 short6 clients batches of ~21 instead of ~32 lost more than the overlap gained (H200, 228 against 236
 req/s in process). So `submit` returns when the next batch, formed and prepared from then on, should reach the
-model thread just as this one finishes: the recent scoring time less the recent time from a return to the next
-batch's arrival (Triton's batching, its IPC, decoding and preparing). Requests keep waiting where they arrived
-(Triton's queue, with its size limit and timeouts) meanwhile.
+model thread just as this one is done (`lead_s` earlier, KEV_PIPELINE_LEAD_MS, default 0): this one is expected
+done a service time after it was taken or after the batch before it is done, whichever is later (recent medians),
+and the next batch's arrival takes the recent time from a return to the next batch being prepared (Triton's
+batching, its IPC, decoding and preparing). Requests keep waiting where they arrived (Triton's queue, with its size
+limit and timeouts) meanwhile.
 
 A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
@@ -26,6 +30,7 @@ An engine fault fails only its own batch, delivered as the exception.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import statistics
 import threading
@@ -49,8 +54,11 @@ class Job:
     # Called on the model thread just before scoring: the indices of requests to drop (cancelled meanwhile).
     cancelled: Callable[[], set[int]] | None = None
     queued: float = field(default_factory=time.perf_counter)
+    taken: float = 0.0  # when the model thread took it
+    expected_done: float = 0.0  # when submit expects its answers on the host
+    done: float = 0.0  # when they were
     error: Exception | None = field(default=None)
-    scored: threading.Event = field(default_factory=threading.Event)  # set once the model thread is done with it
+    scored: threading.Event = field(default_factory=threading.Event)  # set once its answers are on the host
 
 
 _STOP = object()
@@ -74,12 +82,17 @@ class Recent:
 
 
 class Pipeline:
-    def __init__(self, engine: Engine, recheck_after_s: float = 0.005) -> None:
+    def __init__(self, engine: Engine, recheck_after_s: float = 0.005, lead_s: float | None = None) -> None:
         self.engine = engine
         self.recheck_after_s = recheck_after_s
-        self.scoring_s = Recent()  # model thread: from taking a batch to having scored it
+        self.lead_s = float(os.environ.get("KEV_PIPELINE_LEAD_MS", "0")) / 1000 if lead_s is None else lead_s
+        # A batch's service time: from when it was taken, or when the batch before it was done if later, to its
+        # answers on the host.
+        self.service_s = Recent()
         self.arrival_s = Recent()  # from submit returning to the next batch being prepared
         self._returned: float | None = None
+        self._previous: Job | None = None  # the last batch submitted
+        self._last_done = 0.0  # delivery thread: when the last batch was done
         self._to_model: queue.Queue = queue.Queue(maxsize=1)
         self._to_delivery: queue.Queue = queue.Queue(maxsize=1)
         self._threads = [
@@ -102,9 +115,15 @@ class Pipeline:
             self.arrival_s.add(time.perf_counter() - self._returned)
         self._to_model.put(job)
         self._to_model.join()  # taken: the model thread is on it
-        scoring, arrival = self.scoring_s.median(), self.arrival_s.median()
-        if scoring is not None:
-            job.scored.wait(timeout=max(0.0, scoring - (arrival or 0.0)))
+        service, arrival = self.service_s.median(), self.arrival_s.median()
+        previous, self._previous = self._previous, job
+        if service is not None:
+            # It starts once taken and once the batch before it is done (its work is queued behind that one's).
+            before = 0.0
+            if previous is not None:
+                before = previous.done if previous.scored.is_set() else previous.expected_done
+            job.expected_done = max(job.taken, before) + service
+            job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - self.lead_s - time.perf_counter()))
         self._returned = time.perf_counter()
 
     def close(self) -> None:
@@ -115,24 +134,32 @@ class Pipeline:
 
     def _model_loop(self) -> None:
         while (job := self._to_model.get()) is not _STOP:
+            job.taken = time.perf_counter()
             self._to_model.task_done()
-            started = time.perf_counter()
             try:
-                if job.cancelled is not None and started - job.queued >= self.recheck_after_s:
+                if job.cancelled is not None and job.taken - job.queued >= self.recheck_after_s:
                     if dropped := job.cancelled():
                         job.batch.drop(dropped)
                 if len(job.batch.results) > job.batch.dropped:  # not everyone dropped out
-                    self.engine.score(job.batch)
+                    self.engine.launch(job.batch)
             except Exception as error:  # noqa: BLE001 - one batch's fault goes to its own requests
                 log.exception("kev: batch failed")
                 job.error = error
-            self.scoring_s.add(time.perf_counter() - started)
-            job.scored.set()
-            self._to_delivery.put(job)
+            self._to_delivery.put(job)  # blocks while the delivery thread has one waiting already
         self._to_delivery.put(_STOP)
 
     def _delivery_loop(self) -> None:
         while (job := self._to_delivery.get()) is not _STOP:
+            if job.error is None and job.batch.pending is not None:
+                try:
+                    self.engine.collect(job.batch)  # waits for the GPU, the GIL released
+                except Exception as error:  # noqa: BLE001 - a fault surfacing at the sync fails its own batch
+                    log.exception("kev: batch failed")
+                    job.error = error
+            job.done = time.perf_counter()
+            self.service_s.add(job.done - max(job.taken, self._last_done))
+            self._last_done = job.done
+            job.scored.set()
             try:
                 results: Results | Exception = job.error or self.engine.finish(job.batch)
             except Exception as error:  # noqa: BLE001

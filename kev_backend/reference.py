@@ -8,6 +8,7 @@ budget that counts the state once per row, as Kev's eager path does. It is the o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +16,16 @@ from .bank import StateBank
 from .encoding import Encoded, EncodedQuestion
 from .head import Picked, batch_probabilities, pointer_probabilities
 from .qwen35 import Qwen35TextModel, SequenceCache
+
+
+@dataclass
+class Done:
+    """Probabilities already on the host (a scorer's launch that ran synchronously)."""
+
+    value: list[list[list[float]]]
+
+    def result(self) -> list[list[list[float]]]:
+        return self.value
 
 
 class ReferenceScorer:
@@ -41,6 +52,10 @@ class ReferenceScorer:
             _, cache = self.model(torch.tensor([state], device=self.device))
             self.bank.put(state, cache)
         return cache
+
+    def launch(self, batch: Sequence[Encoded]) -> Done:
+        """The probabilities, computed now (the reference path has nothing to overlap)."""
+        return Done(self.probabilities(batch))
 
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         """Per request, per question, the option probabilities."""

@@ -165,6 +165,65 @@ def test_a_pass_with_more_row_segments_than_one_launch_holds(tiny_dir: Path) -> 
             assert abs(answer["noul"] - whole["answers"][name]["noul"]) <= 0.01, name
 
 
+def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path) -> None:
+    """The pipeline's model thread enqueues a batch without waiting for the ones before it (Engine.launch: uploads
+    from pinned memory, the head's result copied back asynchronously, the graphs' two host buffers in turn). With
+    graphs, long new states, and a bank of six slots, so that states are evicted and their slots reused while work
+    reading them is still queued, every batch answers as it does through Engine.score, one batch at a time."""
+    import threading
+
+    from kev_backend.parity import compare
+    from kev_backend.pipeline import Pipeline
+
+    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    probe = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=1 << 30, warm=False))
+    options = dict(backend="fused", bank_bytes=2 * 6 * probe.scorer.bank.pool.slot_bytes, graphs=True)
+    del probe
+    serial = Engine(checkpoint, EngineOptions(**options, long_kernels="ours"))
+    piped = Engine(checkpoint, EngineOptions(**options, long_kernels="ours"))
+    requests = realistic(QUESTIONS, seed=5, max_words=2300)[:48]
+    batches = [requests[i : i + 1 + i % 5] for i in range(0, 40, 4)] + [requests[:3], requests[20:26], requests[::7]]
+    expected = [serial.score(serial.prepare_batch(b)).probabilities for b in batches]
+
+    lock, in_flight, most = threading.Lock(), [0], [0]
+    launch, collect = piped.launch, piped.collect
+
+    def counted_launch(batch):
+        launch(batch)
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+
+    def counted_collect(batch):
+        with lock:
+            in_flight[0] -= 1
+        return collect(batch)
+
+    piped.launch, piped.collect = counted_launch, counted_collect
+    got: dict[int, list] = {}
+    done = threading.Event()
+    pipeline = Pipeline(piped, lead_s=3600.0)  # submit returns at once: the model thread runs ahead of the GPU
+    try:
+        for n, bodies in enumerate(batches):
+
+            def deliver(results, batch, n=n):
+                got[n] = results if isinstance(results, Exception) else batch.probabilities
+                if len(got) == len(batches):
+                    done.set()
+
+            pipeline.submit(bodies, deliver)
+        assert done.wait(timeout=300)
+    finally:
+        pipeline.close()
+    assert most[0] >= 2, most  # batches were enqueued while earlier ones were still on the GPU
+    for n, want in enumerate(expected):
+        assert not isinstance(got[n], Exception), got[n]
+        report = compare(want, got[n])
+        assert report["max_abs"] <= 1e-4, (n, report)
+    del serial, piped, checkpoint
+    torch.cuda.empty_cache()
+
+
 def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:
     """Issue 4: once the engine has warmed up (graphs captured, a short and a long batch run), no request compiles
     a Triton kernel: no new specialisation of ours, no autotuning run of fla's. Realistic requests of every size,
