@@ -125,7 +125,8 @@ def _recurrent_rows_kernel(
     # Token t+1's inputs (and its decay) are loaded while token t is computed (they do not depend on the state), so
     # the loop's critical path is the state update alone. The state is h_scale · h: the inner loop runs while the
     # decays multiplied into h_scale keep it at RESCALE_BELOW or more; then h_scale is folded into h, and a token
-    # whose decay alone is below that decays h itself.
+    # whose decay alone is below that decays h itself. The two token blocks are written out: the same work through
+    # one helper made ptxas spill 28 bytes in the new-state variant (sm_90a, 255 registers).
     n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
         q, k, v, a, b, bos, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
     )
