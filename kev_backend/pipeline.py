@@ -57,6 +57,7 @@ class Job:
     taken: float = 0.0  # when the model thread took it
     expected_done: float = 0.0  # when submit expects its answers on the host
     done: float = 0.0  # when they were
+    launched: bool = False  # the model thread launched it (every request refused or dropped: it runs nothing)
     error: Exception | None = field(default=None)
     scored: threading.Event = field(default_factory=threading.Event)  # set once its answers are on the host
 
@@ -142,6 +143,7 @@ class Pipeline:
                         job.batch.drop(dropped)
                 if len(job.batch.results) > job.batch.dropped:  # not everyone dropped out
                     self.engine.launch(job.batch)
+                    job.launched = True
             except Exception as error:  # noqa: BLE001 - one batch's fault goes to its own requests
                 log.exception("kev: batch failed")
                 job.error = error
@@ -150,9 +152,9 @@ class Pipeline:
 
     def _delivery_loop(self) -> None:
         while (job := self._to_delivery.get()) is not _STOP:
-            if job.error is None and job.batch.pending is not None:
+            if job.error is None and job.launched:
                 try:
-                    self.engine.collect(job.batch)  # waits for the GPU, the GIL released
+                    self.engine.collect(job.batch)  # waits for the GPU (the GIL released); the batch's report
                 except Exception as error:  # noqa: BLE001 - a fault surfacing at the sync fails its own batch
                     log.exception("kev: batch failed")
                     job.error = error
