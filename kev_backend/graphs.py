@@ -377,7 +377,9 @@ class PassGraphs:
         captured = time.perf_counter()
         current = torch.cuda.current_stream(self.device)
         try:
-            with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
+            # thread_local: the pipeline's delivery thread may be waiting on a batch's event meanwhile, which a
+            # "global" capture forbids in every thread (a capture after warm-up: a bucket evicted, or warm off).
+            with torch.cuda.graph(graph, pool=self.mempool, stream=stream, capture_error_mode="thread_local"):
                 out = self.model.forward(inputs)
         finally:
             torch.cuda.set_stream(current)  # torch.cuda.graph leaves its stream current when capture_end raises
