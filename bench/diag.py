@@ -82,6 +82,48 @@ def gemm_speed() -> None:
         print("speed", name, " ".join(line), flush=True)
 
 
+def small_gemm_sweep() -> None:
+    """bench/small_gemm.py's configurations against F.linear (cuBLASLt, as the engine sets it) at Kev-4B's
+    projection shapes and the row counts of one request's passes: ms, the largest difference from F.linear, and the
+    whole pass's GEMM time (24 DeltaNet and 8 attention layers) with cuBLASLt and with the best configuration per
+    shape."""
+    import small_gemm
+
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    shapes = {
+        "gdn_in": (12352, 2560),
+        "attn_in": (10240, 2560),
+        "out": (2560, 4096),
+        "gate_up": (18432, 2560),
+        "down": (2560, 9216),
+    }
+    per_pass = {"gdn_in": 24, "attn_in": 8, "out": 32, "gate_up": 32, "down": 32}
+    torch.manual_seed(0)
+    for m in (40, 192, 256, 320):
+        theirs_total = ours_total = 0.0
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            reference = F.linear(x, w)
+            theirs = cuda_ms(lambda x=x, w=w: F.linear(x, w), repeat=50)
+            line, best = [], (float("inf"), None)
+            for config in small_gemm.CONFIGS:
+                if n % config[1] or k % (config[2] * config[3]):
+                    continue
+                run = lambda x=x, w=w, config=config: small_gemm.small_m_linear(x, w, config)  # noqa: E731
+                diff = (run().float() - reference.float()).abs().max().item()
+                ms = cuda_ms(run, repeat=50)
+                line.append(f"{'/'.join(map(str, config))} {ms:.4f} ({diff:.0e})")
+                best = min(best, (ms, config))
+            theirs_total += per_pass[name] * theirs
+            ours_total += per_pass[name] * best[0]
+            read = n * k * 2 / theirs / 1e9
+            print(f"smallgemm M={m} {name}: cuBLASLt {theirs:.4f} ms ({read:.2f} TB/s of weights); " + ", ".join(line))
+        summary = f"cuBLASLt {theirs_total:.2f} ms, best per shape {ours_total:.2f} ms"
+        print(f"smallgemm M={m} pass GEMMs: {summary}", flush=True)
+
+
 def kernel_breakdown() -> None:
     """GPU time by kernel for a busy short6 batch (32 new), a long5 batch (8 new), one new short6 and one short6 on
     a banked state, one new long5 (KEV_GRAPHS=1: as the graphs replay them)."""
@@ -546,6 +588,8 @@ if __name__ == "__main__":
         recurrent_configs()
     if what == "speed":
         gemm_speed()
+    if what == "smallgemm":
+        small_gemm_sweep()
     if what == "kernels":
         kernel_breakdown()
     if what == "gaps":
