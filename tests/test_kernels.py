@@ -165,6 +165,12 @@ for n in range(3):
                               pool[slots[n]][None].clone())
     assert (o[a:b] - ref[0].transpose(0, 1)).abs().max() < TOL, n
 
+# A NaN gate input (NaN activations) makes that head's outputs NaN from its token on, and the kernel still ends.
+nan_gates = gates.clone()
+nan_gates[2, 0] = float("nan")
+o = recurrent_rows(q, k, v, nan_gates[:, :HV], nan_gates[:, HV : 2 * HV], a_log, dt_bias, pool.clone(), slots, cu)
+assert o[2:5, 0].isnan().all() and not o[:2].isnan().any() and not o[:, 1:].isnan().any()
+
 # New states: from zero, each writing its end state (and conv window) into its slot.
 fresh = torch.full((6, HV, K, V), float("nan"))
 o = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, fresh, torch.tensor([2, 5]), cu[:3], new_states=True)

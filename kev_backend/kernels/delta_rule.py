@@ -145,7 +145,7 @@ def _recurrent_rows_kernel(
             t += 1
         h = h * h_scale
         h_scale = tl.full([], 1.0, tl.float32)
-        if (t < eos) & (n_decay < RESCALE_BELOW):
+        if (t < eos) & ~(n_decay >= RESCALE_BELOW):  # not `<`: a NaN decay (NaN inputs) must advance t as well
             b_q, b_k, b_v, b_b, h = n_q, n_k, n_v, n_b, h * n_decay
             n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
                 q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
