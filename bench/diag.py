@@ -444,13 +444,13 @@ def batch_invariance() -> None:
     tiny.write_tokenizer(directory)
     checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
     captured: list = []
-    original = fused_scorer.batch_probabilities
+    original = fused_scorer.launch_batch_probabilities
 
     def capturing(head, temperature, batch, picked):
         captured.append({key: (d.float().cpu(), o.float().cpu()) for key, (d, o) in picked.items()})
         return original(head, temperature, batch, picked)
 
-    fused_scorer.batch_probabilities = capturing
+    fused_scorer.launch_batch_probabilities = capturing
     for long_kernels in ("fla", "ours"):
         engine = Engine(
             checkpoint,
