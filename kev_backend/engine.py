@@ -94,7 +94,7 @@ class BatchReport:
 @dataclass
 class PreparedBatch:
     """A batch between answer()'s stages: each request's place in `results` holds its RequestError if refused;
-    `accepted` the rest, in order; `probabilities` and `report` come from `score`."""
+    `accepted` the rest, in order; `probabilities` and `report` come from `collect` (after `launch`)."""
 
     results: list[dict | RequestError | None]
     accepted: list[tuple[int, Record, Encoded]] = field(default_factory=list)

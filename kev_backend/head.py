@@ -97,16 +97,6 @@ def launch_batch_probabilities(
     return PendingProbabilities(len(batch), [r for r, _ in order], widths, HostCopy(probs))
 
 
-def batch_probabilities(
-    head: dict[str, torch.Tensor],
-    temperature: float,
-    batch: Sequence[Encoded],
-    picked: Mapping[tuple[int, int], Picked],
-) -> list[list[list[float]]]:
-    """Per request, per question, the option probabilities (launch_batch_probabilities, waited for)."""
-    return launch_batch_probabilities(head, temperature, batch, picked).result()
-
-
 def warm_pointer_head(head: dict[str, torch.Tensor], rows: int = 512) -> None:
     """Runs the head's two projections once for every row count up to `rows` (questions, or options, of a batch).
     cuBLAS may pick another kernel for each count, and with CUDA's lazy module loading a kernel's first launch loads

@@ -8,24 +8,13 @@ budget that counts the state once per row, as Kev's eager path does. It is the o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from .bank import StateBank
 from .encoding import Encoded, EncodedQuestion
-from .head import Picked, batch_probabilities, pointer_probabilities
+from .head import PendingProbabilities, Picked, launch_batch_probabilities, pointer_probabilities
 from .qwen35 import Qwen35TextModel, SequenceCache
-
-
-@dataclass
-class Done:
-    """Probabilities already on the host (a scorer's launch that ran synchronously)."""
-
-    value: list[list[list[float]]]
-
-    def result(self) -> list[list[list[float]]]:
-        return self.value
 
 
 class ReferenceScorer:
@@ -53,12 +42,12 @@ class ReferenceScorer:
             self.bank.put(state, cache)
         return cache
 
-    def launch(self, batch: Sequence[Encoded]) -> Done:
-        """The probabilities, computed now (the reference path has nothing to overlap)."""
-        return Done(self.probabilities(batch))
-
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         """Per request, per question, the option probabilities."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
+        """The model runs eagerly here; only the head's copy to the host is left to wait for (none on a CPU)."""
         by_state: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         for r, encoded in enumerate(batch):
             for q in range(len(encoded.questions)):
@@ -72,7 +61,7 @@ class ReferenceScorer:
                 for j, i in enumerate(chunk):
                     row = rows[i]
                     picked[items[i]] = (hidden[j, row.decide], hidden[j, list(row.option_ends)])
-        return batch_probabilities(self.head, self.temperature, batch, picked)
+        return launch_batch_probabilities(self.head, self.temperature, batch, picked)
 
     def row_passes(self, state_len: int, rows: Sequence[EncodedQuestion]) -> list[list[int]]:
         """Row indices per pass: as many rows as fit the budget counting the state once per row."""

@@ -74,7 +74,7 @@ def test_cancelled_requests_cost_no_model_work(engine: Engine) -> None:
 
 
 def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = engine.scorer.probabilities
+    original = engine.scorer.launch
     calls = []
 
     def failing_once(batch):
@@ -83,7 +83,7 @@ def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytes
             raise RuntimeError("device fault")
         return original(batch)
 
-    monkeypatch.setattr(engine.scorer, "probabilities", failing_once)
+    monkeypatch.setattr(engine.scorer, "launch", failing_once)
     pipeline = Pipeline(engine)
     try:
         (first, _, _), (second, _, _) = run(pipeline, [[request("fault a")], [request("fault b")]])
