@@ -1,5 +1,5 @@
 """bench/small_gemm.py, the small-M GEMM that bench/diag.py times against cuBLASLt, computes x wᵀ: in Triton's
-interpreter (fp32: numpy has no bf16), whole and split along K, with rows short of a tile."""
+interpreter (fp32: numpy has no bf16), whole and split along K, with rows short of a tile, and swapped (yᵀ = w xᵀ)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ torch.manual_seed(0)
 for m in (7, 70):
     x, w = torch.randn(m, 256), torch.randn(128, 256) * 0.05
     reference = x @ w.T
-    for config in ((64, 64, 64, 1, 4, 2), (64, 32, 32, 4, 4, 2), (128, 64, 64, 2, 4, 2)):
+    configs = ((64, 64, 64, 1, 4, 2), (64, 32, 32, 4, 4, 2), (128, 64, 64, 2, 4, 2), (64, 64, 64, 1, 4, 2, 1))
+    for config in configs + ((128, 64, 32, 2, 4, 2, 1),):
         assert (small_gemm.small_m_linear(x, w, config) - reference).abs().max() < 1e-4, (m, config)
 print("ok")
 """
