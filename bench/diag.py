@@ -89,6 +89,7 @@ def small_gemm_sweep() -> None:
     whole pass's GEMM time (24 DeltaNet and 8 attention layers) with cuBLASLt and with the best configuration per
     shape."""
     import small_gemm
+    import triton
 
     torch.backends.cuda.preferred_blas_library("cublaslt")
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -116,6 +117,11 @@ def small_gemm_sweep() -> None:
                 if n % config[1] or k % (config[2] * config[3]):
                     continue
                 run = lambda x=x, config=config, turn=turn: small_gemm.small_m_linear(x, next(turn), config)  # noqa: E731
+                try:
+                    run()
+                except triton.runtime.errors.OutOfResources:
+                    line.append(f"{'/'.join(map(str, config))} out of shared memory")
+                    continue
                 diff = (small_gemm.small_m_linear(x, copies[0], config).float() - reference.float()).abs().max().item()
                 ms = cuda_ms(run, repeat=60)
                 line.append(f"{'/'.join(map(str, config))} {ms:.4f} ({diff:.0e})")
