@@ -257,6 +257,54 @@ def long_segments(only_rows: bool = False) -> None:
             long_case(lengths, new)
 
 
+def chunk_variants() -> None:
+    """The chunked delta rule's sequential pass by (value block, warps, product operands, register cap) on Kev-4B
+    heads: ms for new long states one at a time and many at once (throughput: programs sharing SMs), and rows; the
+    largest difference from the default configuration."""
+    from kev_backend import kernels
+    from kev_backend.kernels import delta_rule
+    from kev_backend.passes import offsets
+
+    _, HV, K, V = KEV4B_HEADS
+    variants = [
+        (32, 4, "tf32", None),
+        (32, 4, "bf16", None),
+        (32, 4, "tf32", 168),
+        (32, 4, "tf32", 128),
+        (32, 4, "bf16", 168),
+        (32, 4, "bf16", 128),
+        (16, 4, "bf16", 128),
+        (16, 2, "bf16", 128),
+        (64, 8, "bf16", None),
+        (64, 4, "bf16", 168),
+    ]
+    chosen = delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS, delta_rule.CHUNK_DOTS, delta_rule.CHUNK_MAXNREG
+    for lengths, new in (([2200], True), ([2200] * 8, True), ([2200] * 24, True), ([100] * 40, False)):
+        torch.manual_seed(0)
+        _, q, k, v, a, b = delta_rule_inputs(sum(lengths))
+        a_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda")
+        n = len(lengths)
+        pool = torch.randn(n + 1, HV, K, V, device="cuda") * 0.05
+        slots = torch.arange(n, device="cuda")
+        cu = torch.tensor(offsets(lengths)).cuda()
+        args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+        run = lambda args=args, new=new: kernels.chunked_rows(*args, new_states=new)  # noqa: E731
+        reference, line = None, []
+        for variant in variants:
+            delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS, delta_rule.CHUNK_DOTS, delta_rule.CHUNK_MAXNREG = variant
+            try:
+                out = run().float()
+            except Exception as error:  # noqa: BLE001 (a configuration that does not compile: reported, skipped)
+                line.append(f"{'/'.join(map(str, variant))} failed {type(error).__name__}")
+                continue
+            reference = out if reference is None else reference
+            diff = (out - reference).abs().max().item()
+            line.append(f"{'/'.join(map(str, variant))} {cuda_ms(run):.3f} ({diff:.1e})")
+        label = f"{n}x{lengths[0]} {'new' if new else 'rows'}"
+        print(f"chunkvariants {label}: " + ", ".join(line), flush=True)
+    delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS, delta_rule.CHUNK_DOTS, delta_rule.CHUNK_MAXNREG = chosen
+
+
 def long_case(lengths: list[int], new: bool) -> None:
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -599,6 +647,8 @@ if __name__ == "__main__":
         recurrent_configs()
     if what == "speed":
         gemm_speed()
+    if what == "chunkvariants":
+        chunk_variants()
     if what == "smallgemm":
         small_gemm_sweep()
     if what == "kernels":

@@ -13,6 +13,8 @@
 #   diag       long, then latency (~6 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes, replayed from
 #              CUDA graphs on our long kernels (~2 min)
+#   chunkvariants  bench/diag.py chunkvariants: the chunked delta rule's sequential pass by value block, warps,
+#              product operands (tf32 / bf16) and register cap, for 1 / 8 / 24 new long states and rows (~1 min)
 #   smallgemm  bench/diag.py smallgemm: bench/small_gemm.py's configurations against cuBLASLt at Kev-4B's
 #              projections and one request's row counts (~1 min)
 #   gaps       bench/diag.py gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients,
@@ -61,6 +63,10 @@ run_step() {
     profile)
       KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 180 python3 bench/diag.py kernels 2>&1 | grep -v -i warn \
         | tee "$out/diag-kernels.log" | grep -E "^==" || status=1
+      ;;
+    chunkvariants)
+      timeout 240 python3 bench/diag.py chunkvariants 2>&1 | grep -E "^chunkvariants|Error" \
+        | tee "$out/diag-chunkvariants.log" || status=1
       ;;
     smallgemm)
       timeout 240 python3 bench/diag.py smallgemm 2>&1 | grep -E "^smallgemm|Error" | tee "$out/diag-smallgemm.log" || status=1

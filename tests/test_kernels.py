@@ -388,7 +388,16 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunked_delta_rule_kernel,
                 recurrent | {"u": f32, "w": f32},
-                dict(H=16, HV=32, K=128, V=128, BV=R.CHUNK_BV, BT=R.CHUNK, CONTINUE=continues),
+                dict(
+                    H=16,
+                    HV=32,
+                    K=128,
+                    V=128,
+                    BV=R.CHUNK_BV,
+                    BT=R.CHUNK,
+                    CONTINUE=continues,
+                    BF16=R.CHUNK_DOTS == "bf16",
+                ),
                 R.CHUNK_WARPS,
             )
             for continues in (True, False)

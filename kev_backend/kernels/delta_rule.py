@@ -269,7 +269,21 @@ CHUNK = _chunk_tokens()
 # 994b313), ms for 1/8/24 new states of 2,200 tokens: 32/4 0.44/2.33/6.96, 32/8 0.49/3.74/11.2, 64/8 0.50/2.23/6.69.
 CHUNK_BV = 32
 CHUNK_WARPS = 4
+# The chain's products: "tf32" or "bf16" operands (_chain_dot), read at each launch.
+CHUNK_DOTS = "tf32"
+# A register cap for the sequential pass (ptxas's .maxnreg; None: ptxas takes up to 255, two 4-warp programs an
+# SM), read at each launch: fewer registers let more programs share an SM when many states run at once.
+CHUNK_MAXNREG: int | None = None
 PREP_WARPS = 4
+
+
+@triton.jit
+def _chain_dot(x, y, BF16: tl.constexpr):
+    """x @ y for the chunked delta rule's chain: fp32 operands on TF32 tensor cores, or (BF16) rounded to bf16 as
+    fla's chunked kernels do, which halves the registers an MMA operand takes; fp32 accumulation either way."""
+    if BF16:
+        return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
+    return tl.dot(x, y, input_precision=PRECISION)
 
 
 @triton.jit
@@ -411,6 +425,7 @@ def _chunked_delta_rule_kernel(
     BV: tl.constexpr,
     BT: tl.constexpr,
     CONTINUE: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place and W [T, HV, K] added),
     chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
@@ -435,14 +450,12 @@ def _chunked_delta_rule_kernel(
         b_w = tl.load(w + (t[:, None] * HV + hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
         b_u = tl.load(u + t[:, None] * stride_ut + hv * V + o_v[None, :], mask=m[:, None], other=0.0)
         decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay * scale
-        U = b_u - tl.dot(b_w, S, input_precision=PRECISION)
-        out = (tl.exp(gam) * scale)[:, None] * tl.dot(b_q, S, input_precision=PRECISION) + tl.dot(
-            qk, U, input_precision=PRECISION
-        )
+        qk = _chain_dot(b_q, tl.trans(b_k), BF16) * decay * scale
+        U = b_u - _chain_dot(b_w, S, BF16)
+        out = (tl.exp(gam) * scale)[:, None] * _chain_dot(b_q, S, BF16) + _chain_dot(qk, U, BF16)
         tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
         last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
-        S = tl.exp(last) * S + tl.dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, input_precision=PRECISION)
+        S = tl.exp(last) * S + _chain_dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, BF16)
     if not CONTINUE:
         tl.store(state, S, mask=written)
 
@@ -514,4 +527,6 @@ def chunked_rows(
         out,
         w=w,
         BT=CHUNK,
+        BF16=CHUNK_DOTS == "bf16",
+        **({} if CHUNK_MAXNREG is None else {"maxnreg": CHUNK_MAXNREG}),
     )
