@@ -20,6 +20,7 @@ import torch
 from kev_backend import bench, tiny
 from kev_backend.checkpoint import LoadOptions, load_checkpoint
 from kev_backend.engine import Engine, EngineOptions
+from kev_backend.kernels import delta_rule
 from kev_backend.parity import parity_report
 from kev_backend.workloads import realistic
 
@@ -29,10 +30,11 @@ QUESTIONS = int(os.environ.get("KEV_PARITY_QUESTIONS", "1000"))  # fewer only fo
 
 def check(report: dict, name: str, max_abs: float | None = 0.03) -> None:
     report["long_kernels"] = EngineOptions().long_kernels  # KEV_LONG_KERNELS: fla's or ours for new long states
+    report["chunk_dots"] = delta_rule.CHUNK_DOTS  # KEV_CHUNK_DOTS: our chunked delta rule's product operands
     report.update(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=bench.commit())
     print(name, json.dumps(report))
     if os.environ.get("KEV_RESULTS_DIR"):
-        suffix = "-ours" if report["long_kernels"] == "ours" else ""
+        suffix = ("-ours" if report["long_kernels"] == "ours" else "") + f"-{delta_rule.CHUNK_DOTS}"
         Path(os.environ["KEV_RESULTS_DIR"], f"parity-{name}{suffix}.json").write_text(json.dumps(report, indent=2))
     assert report["vs_reference"]["questions"] >= QUESTIONS
     if max_abs is not None:

@@ -269,8 +269,10 @@ CHUNK = _chunk_tokens()
 # 994b313), ms for 1/8/24 new states of 2,200 tokens: 32/4 0.44/2.33/6.96, 32/8 0.49/3.74/11.2, 64/8 0.50/2.23/6.69.
 CHUNK_BV = 32
 CHUNK_WARPS = 4
-# The chain's products: "tf32" or "bf16" operands (_chain_dot), read at each launch.
-CHUNK_DOTS = "tf32"
+# The chain's products: "tf32" or "bf16" operands (_chain_dot; KEV_CHUNK_DOTS), read at each launch.
+CHUNK_DOTS = os.environ.get("KEV_CHUNK_DOTS", "tf32")
+if CHUNK_DOTS not in ("tf32", "bf16"):
+    raise ValueError(f"KEV_CHUNK_DOTS must be tf32 or bf16, not {CHUNK_DOTS!r}")
 # A register cap for the sequential pass (ptxas's .maxnreg; None: ptxas takes up to 255, two 4-warp programs an
 # SM), read at each launch: fewer registers let more programs share an SM when many states run at once.
 CHUNK_MAXNREG: int | None = None
