@@ -55,6 +55,7 @@ run_step() {
       # The engine replaying CUDA graphs (as the GPU config does) with each kernel choice: latency and 64-client
       # throughput, pipelined and serial (which to make the default). LATENCY_CHOICES: the choices (default both).
       for choice in ${LATENCY_CHOICES:-KEV_SHORT_DELTA_RULE=recurrent KEV_SHORT_DELTA_RULE=chunked}; do
+        echo "choice $choice" | tee -a "$out/diag-latency.log"
         # shellcheck disable=SC2086
         env KEV_GRAPHS=1 KEV_LONG_KERNELS=ours $choice timeout 120 python3 bench/diag.py latency 2>&1 \
           | grep -E "^(kernels|short6|long5)" | tee -a "$out/diag-latency.log" || status=1

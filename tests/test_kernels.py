@@ -279,13 +279,18 @@ def run_check(**env: str) -> None:
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+# The interpreter multiplies bf16 tensors as raw bits (numpy has no bf16): the chunked delta rule's chain runs its
+# TF32 form here (exact fp32 in the interpreter); test_kernels_compiled_on_the_gpu checks the bf16 default.
+INTERPRETER = {"TRITON_INTERPRET": "1", "KEV_CHUNK_DOTS": "tf32"}
+
+
 def test_kernels_in_the_interpreter() -> None:
-    run_check(TRITON_INTERPRET="1")
+    run_check(**INTERPRETER)
 
 
 def test_chunked_delta_rule_with_32_token_chunks_in_the_interpreter() -> None:
     """The chunk length bench/diag.py also times (KEV_CHUNK): the same checks hold with 32-token chunks."""
-    run_check(TRITON_INTERPRET="1", KEV_CHUNK="32")
+    run_check(**INTERPRETER, KEV_CHUNK="32")
 
 
 @pytest.mark.gpu

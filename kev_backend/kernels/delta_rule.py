@@ -269,8 +269,12 @@ CHUNK = _chunk_tokens()
 # 994b313), ms for 1/8/24 new states of 2,200 tokens: 32/4 0.44/2.33/6.96, 32/8 0.49/3.74/11.2, 64/8 0.50/2.23/6.69.
 CHUNK_BV = 32
 CHUNK_WARPS = 4
-# The chain's products: "tf32" or "bf16" operands (_chain_dot; KEV_CHUNK_DOTS), read at each launch.
-CHUNK_DOTS = os.environ.get("KEV_CHUNK_DOTS", "tf32")
+# The chain's products: "bf16" or "tf32" operands (_chain_dot; KEV_CHUNK_DOTS), read at each launch. H200
+# (bench/diag.py chunkvariants, 9a6af43), ms a layer, tf32 → bf16: 1 / 8 / 24 new 2,200-token states 0.432 → 0.297,
+# 2.27 → 1.64, 6.82 → 4.93; 40×100 rows 0.61 → 0.45. Kev-4B against the fp32 reference with bf16 (88ab874): max
+# |Δp| 0.0118, mean 0.0018, no decided flip (tf32 at 8262a34: 0.0147, 0.0018, 1). Triton's interpreter multiplies
+# bf16 operands as raw bits (numpy has no bf16), so the CPU tests run tf32 and the GPU tests bf16.
+CHUNK_DOTS = os.environ.get("KEV_CHUNK_DOTS", "bf16")
 if CHUNK_DOTS not in ("tf32", "bf16"):
     raise ValueError(f"KEV_CHUNK_DOTS must be tf32 or bf16, not {CHUNK_DOTS!r}")
 # A register cap for the sequential pass (ptxas's .maxnreg; None: ptxas takes up to 255, two 4-warp programs an
