@@ -258,27 +258,28 @@ def long_segments(only_rows: bool = False) -> None:
 
 
 def chunk_variants() -> None:
-    """The chunked delta rule's sequential pass by (value block, warps, product operands, register cap) on Kev-4B
-    heads: ms for new long states one at a time and many at once (throughput: programs sharing SMs), and rows; the
-    largest difference from the default configuration."""
+    """The chunked delta rule by the sequential pass's (value block, warps, product operands, register cap) and the
+    prep's (warps, product operands) on Kev-4B heads: ms for new long states one at a time and many at once
+    (throughput: programs sharing SMs), and rows; the largest difference from the first (the default)."""
     from kev_backend import kernels
-    from kev_backend.kernels import delta_rule
+    from kev_backend.kernels import delta_rule as R
     from kev_backend.passes import offsets
 
     _, HV, K, V = KEV4B_HEADS
+    names = ("CHUNK_BV", "CHUNK_WARPS", "CHUNK_DOTS", "CHUNK_MAXNREG", "PREP_WARPS", "PREP_DOTS")
+    chosen = tuple(getattr(R, name) for name in names)
     variants = [
-        (32, 4, "tf32", None),
-        (32, 4, "bf16", None),
-        (32, 4, "tf32", 168),
-        (32, 4, "tf32", 128),
-        (32, 4, "bf16", 168),
-        (32, 4, "bf16", 128),
-        (16, 4, "bf16", 128),
-        (16, 2, "bf16", 128),
-        (64, 8, "bf16", None),
-        (64, 4, "bf16", 168),
+        chosen,
+        (32, 4, "tf32", None, 4, "tf32"),
+        (32, 4, "bf16", None, 4, "bf16"),
+        (32, 4, "bf16", None, 2, "tf32"),
+        (32, 4, "bf16", None, 2, "bf16"),
+        (32, 4, "bf16", None, 8, "bf16"),
+        (32, 4, "bf16", 168, 4, "tf32"),
+        (64, 8, "bf16", None, 4, "tf32"),
+        (64, 4, "bf16", 168, 4, "tf32"),
+        (64, 4, "bf16", 168, 2, "bf16"),
     ]
-    chosen = delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS, delta_rule.CHUNK_DOTS, delta_rule.CHUNK_MAXNREG
     for lengths, new in (([2200], True), ([2200] * 8, True), ([2200] * 24, True), ([100] * 40, False)):
         torch.manual_seed(0)
         _, q, k, v, a, b = delta_rule_inputs(sum(lengths))
@@ -291,7 +292,8 @@ def chunk_variants() -> None:
         run = lambda args=args, new=new: kernels.chunked_rows(*args, new_states=new)  # noqa: E731
         reference, line = None, []
         for variant in variants:
-            delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS, delta_rule.CHUNK_DOTS, delta_rule.CHUNK_MAXNREG = variant
+            for name, value in zip(names, variant, strict=True):
+                setattr(R, name, value)
             try:
                 out = run().float()
             except Exception as error:  # noqa: BLE001 (a configuration that does not compile: reported, skipped)
@@ -302,7 +304,8 @@ def chunk_variants() -> None:
             line.append(f"{'/'.join(map(str, variant))} {cuda_ms(run):.3f} ({diff:.1e})")
         label = f"{n}x{lengths[0]} {'new' if new else 'rows'}"
         print(f"chunkvariants {label}: " + ", ".join(line), flush=True)
-    delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS, delta_rule.CHUNK_DOTS, delta_rule.CHUNK_MAXNREG = chosen
+    for name, value in zip(names, chosen, strict=True):
+        setattr(R, name, value)
 
 
 def long_case(lengths: list[int], new: bool) -> None:

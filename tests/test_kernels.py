@@ -326,6 +326,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         pytest.skip("this triton wheel carries no ptxas")
     bf, f32, i64 = "*bf16", "*fp32", "*i64"
     recurrent = {"q": bf, "k": bf, "v": bf, "a": bf, "b": bf, "a_log": f32, "dt_bias": f32, "pool": f32}
+    chunk_w = bf if R.CHUNK_DOTS == "bf16" else f32  # W is stored as the chain multiplies it
     recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
@@ -385,14 +386,14 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         ),
         (
             R._chunk_prep_kernel,
-            recurrent | {"w": f32, "u": f32},
-            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4),
+            recurrent | {"w": chunk_w, "u": f32},
+            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, BF16=R.PREP_DOTS == "bf16"),
             R.PREP_WARPS,
         ),
         *[
             (
                 R._chunked_delta_rule_kernel,
-                recurrent | {"u": f32, "w": f32},
+                recurrent | {"u": f32, "w": chunk_w},
                 dict(
                     H=16,
                     HV=32,

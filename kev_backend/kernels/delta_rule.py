@@ -269,7 +269,7 @@ CHUNK = _chunk_tokens()
 # 994b313), ms for 1/8/24 new states of 2,200 tokens: 32/4 0.44/2.33/6.96, 32/8 0.49/3.74/11.2, 64/8 0.50/2.23/6.69.
 CHUNK_BV = 32
 CHUNK_WARPS = 4
-# The chain's products: "bf16" or "tf32" operands (_chain_dot; KEV_CHUNK_DOTS), read at each launch. H200
+# The chain's products: "bf16" or "tf32" operands (_dot; KEV_CHUNK_DOTS), read at each launch. H200
 # (bench/diag.py chunkvariants, 9a6af43), ms a layer, tf32 → bf16: 1 / 8 / 24 new 2,200-token states 0.432 → 0.297,
 # 2.27 → 1.64, 6.82 → 4.93; 40×100 rows 0.61 → 0.45. Kev-4B against the fp32 reference with bf16 (88ab874): max
 # |Δp| 0.0118, mean 0.0018, no decided flip (tf32 at 8262a34: 0.0147, 0.0018, 1). Triton's interpreter multiplies
@@ -281,12 +281,15 @@ if CHUNK_DOTS not in ("tf32", "bf16"):
 # SM), read at each launch: fewer registers let more programs share an SM when many states run at once.
 CHUNK_MAXNREG: int | None = None
 PREP_WARPS = 4
+# The prep's products but the inverse's (k·kᵀ, W and U₀): "tf32" or "bf16" operands, read at each launch. W is stored
+# in bf16 when the chain multiplies in bf16 (all it is used for), in fp32 otherwise; U₀ always in fp32.
+PREP_DOTS = "tf32"
 
 
 @triton.jit
-def _chain_dot(x, y, BF16: tl.constexpr):
-    """x @ y for the chunked delta rule's chain: fp32 operands on TF32 tensor cores, or (BF16) rounded to bf16 as
-    fla's chunked kernels do, which halves the registers an MMA operand takes; fp32 accumulation either way."""
+def _dot(x, y, BF16: tl.constexpr):
+    """x @ y for the chunked delta rule: fp32 operands on TF32 tensor cores, or (BF16) rounded to bf16 as fla's
+    chunked kernels do, which halves the registers an MMA operand takes; fp32 accumulation either way."""
     if BF16:
         return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
     return tl.dot(x, y, input_precision=PRECISION)
@@ -310,7 +313,7 @@ def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
 
 @triton.jit
 def _chunk_terms(
-    k, v, a, b, w, u, c0, eos, hk, hv, decay_rate, bias, stride_t, stride_vt, stride_at, HV, K, V, BT, LOG2_BT
+    k, v, a, b, w, u, c0, eos, hk, hv, decay_rate, bias, stride_t, stride_vt, stride_at, HV, K, V, BT, LOG2_BT, BF16
 ):
     """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment), written per token."""
     o_t = tl.arange(0, BT)
@@ -327,16 +330,16 @@ def _chunk_terms(
     strict = o_t[:, None] > o_t[None, :]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
     decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    A = tl.where(strict, beta[:, None] * decay * _dot(b_k, tl.trans(b_k), BF16), 0.0)
     # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
     T = eye - A
     P = A
     for _ in tl.static_range(LOG2_BT - 1):
         P = tl.dot(P, P, input_precision=PRECISION)
         T = tl.dot(T, eye + P, input_precision=PRECISION)
-    W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
-    U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
-    tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W, mask=m[:, None])
+    W = _dot(T, (beta * tl.exp(gam))[:, None] * b_k, BF16)
+    U0 = _dot(T, beta[:, None] * b_v, BF16)
+    tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W.to(w.dtype.element_ty), mask=m[:, None])
     tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
 
 
@@ -363,6 +366,7 @@ def _chunk_prep_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
@@ -401,6 +405,7 @@ def _chunk_prep_kernel(
                 V,
                 BT,
                 LOG2_BT,
+                BF16,
             )
         n += 1
 
@@ -453,15 +458,15 @@ def _chunked_delta_rule_kernel(
         b_k = _l2_normalised(
             tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         )
-        b_w = tl.load(w + (t[:, None] * HV + hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+        b_w = tl.load(w + (t[:, None] * HV + hv) * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         b_u = tl.load(u + t[:, None] * stride_ut + hv * V + o_v[None, :], mask=m[:, None], other=0.0)
         decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        qk = _chain_dot(b_q, tl.trans(b_k), BF16) * decay * scale
-        U = b_u - _chain_dot(b_w, S, BF16)
-        out = (tl.exp(gam) * scale)[:, None] * _chain_dot(b_q, S, BF16) + _chain_dot(qk, U, BF16)
+        qk = _dot(b_q, tl.trans(b_k), BF16) * decay * scale
+        U = b_u - _dot(b_w, S, BF16)
+        out = (tl.exp(gam) * scale)[:, None] * _dot(b_q, S, BF16) + _dot(qk, U, BF16)
         tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
         last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
-        S = tl.exp(last) * S + _chain_dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, BF16)
+        S = tl.exp(last) * S + _dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, BF16)
     if not CONTINUE:
         tl.store(state, S, mask=written)
 
@@ -487,7 +492,7 @@ def chunked_rows(
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
-    w = torch.empty(T, HV, K, device=q.device, dtype=torch.float32)
+    w = torch.empty(T, HV, K, device=q.device, dtype=torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32)
     u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
@@ -513,6 +518,7 @@ def chunked_rows(
             V=V,
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
+            BF16=PREP_DOTS == "bf16",
             num_warps=PREP_WARPS,
         )
     return _launch_delta_rule(
