@@ -266,20 +266,27 @@ def chunk_variants() -> None:
     from kev_backend.passes import offsets
 
     _, HV, K, V = KEV4B_HEADS
-    names = ("CHUNK_BV", "CHUNK_WARPS", "CHUNK_DOTS", "CHUNK_MAXNREG", "PREP_WARPS", "PREP_DOTS")
+    names = ("CHUNK_NARROW", "CHUNK_WIDE", "CHUNK_DOTS", "PREP_WARPS", "PREP_DOTS")
     chosen = tuple(getattr(R, name) for name in names)
+    # The default (the chain's configuration chosen by program count), then: its tf32 form, and configurations forced
+    # on every pass: (value block, warps, register cap) twice, chain operands, prep warps, prep operands.
+    narrow, wide = chosen[:2]
     variants = [
         chosen,
-        (32, 4, "tf32", None, 4, "tf32"),
-        (32, 4, "bf16", None, 4, "bf16"),
-        (32, 4, "bf16", None, 2, "tf32"),
-        (32, 4, "bf16", None, 2, "bf16"),
-        (32, 4, "bf16", None, 8, "bf16"),
-        (32, 4, "bf16", 168, 4, "tf32"),
-        (64, 8, "bf16", None, 4, "tf32"),
-        (64, 4, "bf16", 168, 4, "tf32"),
-        (64, 4, "bf16", 168, 2, "bf16"),
+        (narrow, wide, "tf32", 2, "tf32"),
+        (narrow, narrow, "bf16", 2, "tf32"),
+        (wide, wide, "bf16", 2, "tf32"),
+        (wide, wide, "bf16", 2, "bf16"),
+        ((64, 4, 128), (64, 4, 128), "bf16", 2, "tf32"),
+        ((64, 8, 168), (64, 8, 168), "bf16", 2, "tf32"),
+        ((128, 8, 168), (128, 8, 168), "bf16", 2, "tf32"),
     ]
+
+    def describe(variant) -> str:
+        narrow, wide, *rest = variant
+        chain = "auto" if (narrow, wide) == chosen[:2] and narrow != wide else "/".join(map(str, narrow))
+        return "/".join(map(str, [chain, *rest]))
+
     for lengths, new in (([2200], True), ([2200] * 8, True), ([2200] * 24, True), ([100] * 40, False)):
         torch.manual_seed(0)
         _, q, k, v, a, b = delta_rule_inputs(sum(lengths))
@@ -297,11 +304,11 @@ def chunk_variants() -> None:
             try:
                 out = run().float()
             except Exception as error:  # noqa: BLE001 (a configuration that does not compile: reported, skipped)
-                line.append(f"{'/'.join(map(str, variant))} failed {type(error).__name__}")
+                line.append(f"{describe(variant)} failed {type(error).__name__}")
                 continue
             reference = out if reference is None else reference
             diff = (out - reference).abs().max().item()
-            line.append(f"{'/'.join(map(str, variant))} {cuda_ms(run):.3f} ({diff:.1e})")
+            line.append(f"{describe(variant)} {cuda_ms(run):.3f} ({diff:.1e})")
         label = f"{n}x{lengths[0]} {'new' if new else 'rows'}"
         print(f"chunkvariants {label}: " + ", ".join(line), flush=True)
     for name, value in zip(names, chosen, strict=True):
@@ -352,25 +359,22 @@ def long_case(lengths: list[int], new: bool) -> None:
         flush=True,
     )
     if lengths[0] > 64:  # the sequential pass's value block and warps (64/8 spills 4 bytes on sm_90a)
-        chosen = delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS
+        chosen = delta_rule.CHUNK_NARROW, delta_rule.CHUNK_WIDE
         timings = []
-        for delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS in ((16, 4), (32, 4), (32, 8), (64, 8)):
-            timings.append(f"{delta_rule.CHUNK_BV}/{delta_rule.CHUNK_WARPS} {cuda_ms(ours):.3f}")
-        delta_rule.CHUNK_BV, delta_rule.CHUNK_WARPS = chosen
-        print(f"  chunked {label} by value block/warps: " + ", ".join(timings), flush=True)
+        for config in ((16, 4, None), (32, 4, None), (64, 8, None), (64, 4, 168)):
+            delta_rule.CHUNK_NARROW = delta_rule.CHUNK_WIDE = config
+            timings.append(f"{'/'.join(map(str, config))} {cuda_ms(ours):.3f}")
+        delta_rule.CHUNK_NARROW, delta_rule.CHUNK_WIDE = chosen
+        print(f"  chunked {label} by value block/warps/register cap: " + ", ".join(timings), flush=True)
     # Longer chunks: fewer steps on the sequential chain, bigger products per step (and per prep program).
-    chosen = delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS
+    chosen = delta_rule.CHUNK, delta_rule.PREP_WARPS
     timings = []
-    for delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS in (
-        (16, 4, 4),
-        (32, 4, 4),
-        (32, 8, 4),
-    ):
-        setting = f"{delta_rule.CHUNK}/{delta_rule.PREP_WARPS}/{delta_rule.CHUNK_WARPS}"
+    for delta_rule.CHUNK, delta_rule.PREP_WARPS in ((16, 2), (16, 4), (32, 4), (32, 8)):
+        setting = f"{delta_rule.CHUNK}/{delta_rule.PREP_WARPS}"
         diff = (ours().float() - theirs().float()).abs().max().item()
         timings.append(f"{setting} {cuda_ms(ours):.3f} (diff {diff:.1e})")
-    delta_rule.CHUNK, delta_rule.PREP_WARPS, delta_rule.CHUNK_WARPS = chosen
-    print(f"  chunked {label} by chunk/prep warps/warps: " + ", ".join(timings), flush=True)
+    delta_rule.CHUNK, delta_rule.PREP_WARPS = chosen
+    print(f"  chunked {label} by chunk/prep warps: " + ", ".join(timings), flush=True)
     conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
     if new:
         window = torch.zeros(n + 1, mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)

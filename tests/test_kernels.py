@@ -298,12 +298,13 @@ def test_kernels_compiled_on_the_gpu() -> None:
     run_check(KEV_KERNEL_DEVICE="cuda")
 
 
-# Spills measured to pay, by (kernel, CONTINUE): the chunked delta rule's sequential pass on 4 warps spills ~90 bytes
-# yet ran faster on the H200 than on 8 warps without (bench/diag.py long at 994b313, 1/8/24 new 2,200-token states:
-# 0.44/2.33/6.96 ms against 0.49/3.74/11.2).
+# Spills measured to pay, by (kernel, CONTINUE, register cap): the chunked delta rule's sequential pass for many
+# states at once runs capped at 168 registers (three programs an SM) and spills ~500 bytes, yet ran faster on the H200
+# than uncapped without spills (bench/diag.py chunkvariants at 67f5081, 24 new 2,200-token states: 3.83 against 4.83
+# ms a layer).
 SPILL_ALLOWED = {
-    ("_chunked_delta_rule_kernel", True): 128,
-    ("_chunked_delta_rule_kernel", False): 128,
+    ("_chunked_delta_rule_kernel", True, 168): 640,
+    ("_chunked_delta_rule_kernel", False, 168): 640,
 }
 
 
@@ -326,7 +327,8 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         pytest.skip("this triton wheel carries no ptxas")
     bf, f32, i64 = "*bf16", "*fp32", "*i64"
     recurrent = {"q": bf, "k": bf, "v": bf, "a": bf, "b": bf, "a_log": f32, "dt_bias": f32, "pool": f32}
-    chunk_w = bf if R.CHUNK_DOTS == "bf16" else f32  # W is stored as the chain multiplies it
+    bf16_chain = R.CHUNK_DOTS == "bf16"
+    chunk_w = bf if bf16_chain else f32  # W is stored as the chain multiplies it
     recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
@@ -394,28 +396,23 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunked_delta_rule_kernel,
                 recurrent | {"u": f32, "w": chunk_w},
-                dict(
-                    H=16,
-                    HV=32,
-                    K=128,
-                    V=128,
-                    BV=R.CHUNK_BV,
-                    BT=R.CHUNK,
-                    CONTINUE=continues,
-                    BF16=R.CHUNK_DOTS == "bf16",
-                ),
-                R.CHUNK_WARPS,
+                dict(H=16, HV=32, K=128, V=128, BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain),
+                warps,
+                maxnreg,
             )
             for continues in (True, False)
+            for block_v, warps, maxnreg in (R.CHUNK_NARROW, R.CHUNK_WIDE)
         ],
         (A._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 8),
         (A._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 8),
     ]
-    for fn, types, constants, warps in cases:
+    for fn, types, constants, warps, *cap in cases:  # cap: a register cap (ptxas's .maxnreg), where one is set
         names = list(inspect.signature(fn.fn).parameters)
         signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
         source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
-        compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        maxnreg = cap[0] if cap else None
+        options = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+        compiled = compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = tmp_path / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
         result = subprocess.run(
@@ -426,7 +423,8 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         )
         assert result.returncode == 0, result.stderr[-2000:]
         spilled = re.search(r"(\d+) bytes spill stores", result.stderr)
-        assert spilled and int(spilled[1]) <= SPILL_ALLOWED.get((fn.fn.__name__, constants.get("CONTINUE")), 0), (
+        allowed = SPILL_ALLOWED.get((fn.fn.__name__, constants.get("CONTINUE"), maxnreg), 0)
+        assert spilled and int(spilled[1]) <= allowed, (
             fn.fn.__name__,
             constants,
             result.stderr[-500:],

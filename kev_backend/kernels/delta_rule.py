@@ -3,6 +3,7 @@ or in chunks (any length, graph-capturable)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -265,10 +266,6 @@ def _chunk_tokens() -> int:
 
 # (I + A)⁻¹ of a strictly lower-triangular A [CHUNK, CHUNK] is a product of log2(CHUNK) factors (I + A^(2^j)).
 CHUNK = _chunk_tokens()
-# Value columns per program of the sequential pass, on CHUNK_WARPS warps. H200, Kev-4B heads (bench/diag.py long,
-# 994b313), ms for 1/8/24 new states of 2,200 tokens: 32/4 0.44/2.33/6.96, 32/8 0.49/3.74/11.2, 64/8 0.50/2.23/6.69.
-CHUNK_BV = 32
-CHUNK_WARPS = 4
 # The chain's products: "bf16" or "tf32" operands (_dot; KEV_CHUNK_DOTS), read at each launch. H200
 # (bench/diag.py chunkvariants, 9a6af43), ms a layer, tf32 → bf16: 1 / 8 / 24 new 2,200-token states 0.432 → 0.297,
 # 2.27 → 1.64, 6.82 → 4.93; 40×100 rows 0.61 → 0.45. Kev-4B against the fp32 reference with bf16 (88ab874): max
@@ -277,10 +274,19 @@ CHUNK_WARPS = 4
 CHUNK_DOTS = os.environ.get("KEV_CHUNK_DOTS", "bf16")
 if CHUNK_DOTS not in ("tf32", "bf16"):
     raise ValueError(f"KEV_CHUNK_DOTS must be tf32 or bf16, not {CHUNK_DOTS!r}")
-# A register cap for the sequential pass (ptxas's .maxnreg; None: ptxas takes up to 255, two 4-warp programs an
-# SM), read at each launch: fewer registers let more programs share an SM when many states run at once.
-CHUNK_MAXNREG: int | None = None
-PREP_WARPS = 4
+# The sequential pass's (value columns per program, warps, register cap: ptxas's .maxnreg, None for up to 255), read
+# at each launch: NARROW while the pass has at most WIDE_ABOVE programs per SM at NARROW's value block, WIDE above.
+# A program's chain is latency-bound: one state wants short programs, one per SM; many states want programs that
+# share SMs (168 registers: three 4-warp programs an SM, spilling ~500 bytes). Each value column's arithmetic is the
+# same in both, so a state answers alike alone and in a batch (the outputs were identical on the H200). H200, Kev-4B
+# heads, bf16 products (chunkvariants, 67f5081), ms a layer for 1 / 8 / 24 new 2,200-token states and 40×100 rows:
+# 32/4/none 0.289 / 1.588 / 4.830 / 0.437; 64/4/168 0.402 / 1.484 / 3.830 / 0.344.
+CHUNK_NARROW: tuple[int, int, int | None] = (32, 4, None)
+CHUNK_WIDE: tuple[int, int, int | None] = (64, 4, 168)
+WIDE_ABOVE = 2
+# Warps per prep program (bench/diag.py chunkvariants, 67f5081: 2 warps 0.277 / 1.469 / 4.426 ms against 4 warps'
+# 0.289 / 1.588 / 4.830 for 1 / 8 / 24 states, same outputs).
+PREP_WARPS = 2
 # The prep's products but the inverse's (k·kᵀ, W and U₀): "tf32" or "bf16" operands, read at each launch. W is stored
 # in bf16 when the chain multiplies in bf16 (all it is used for), in fp32 otherwise; U₀ always in fp32.
 PREP_DOTS = "tf32"
@@ -521,10 +527,13 @@ def chunked_rows(
             BF16=PREP_DOTS == "bf16",
             num_warps=PREP_WARPS,
         )
+    narrow_programs = n * HV * triton.cdiv(V, CHUNK_NARROW[0])
+    wide = narrow_programs > WIDE_ABOVE * _sm_count(q.device)
+    block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
     return _launch_delta_rule(
         _chunked_delta_rule_kernel,
-        CHUNK_BV,
-        CHUNK_WARPS,
+        block_v,
+        warps,
         q,
         k,
         u,
@@ -540,5 +549,11 @@ def chunked_rows(
         w=w,
         BT=CHUNK,
         BF16=CHUNK_DOTS == "bf16",
-        **({} if CHUNK_MAXNREG is None else {"maxnreg": CHUNK_MAXNREG}),
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the interpreter's CPU tensors: 1)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
