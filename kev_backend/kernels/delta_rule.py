@@ -553,6 +553,12 @@ def chunked_rows(
     )
 
 
+def segments_for_wide(device: torch.device, value_heads: int, value_dim: int) -> int:
+    """The fewest segments of one pass that run the sequential pass in its CHUNK_WIDE configuration (the engine's
+    warm-up runs that many so that neither configuration compiles on a request)."""
+    return WIDE_ABOVE * _sm_count(device) // (value_heads * triton.cdiv(value_dim, CHUNK_NARROW[0])) + 1
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the interpreter's CPU tensors: 1)."""
