@@ -8,6 +8,9 @@ grid is N / BN programs, times SPLIT_K slices of K when N alone does not fill th
 fp32 workspace and are added in a fixed order by a second kernel: the answer does not depend on timing, and for a
 given configuration not on M.
 
+Outcome (H200, session 9, bench/NOTES.md): no configuration beat cuBLASLt at these shapes with the weights read past
+L2; the pass's GEMMs took 1.2-1.8x longer. Kept as the record of what was tried.
+
 `python bench/diag.py smallgemm` sweeps CONFIGS per shape and row count against F.linear (cuBLASLt, as the engine
 sets it), with the largest difference from it.
 """

@@ -173,6 +173,7 @@ class StaticInputs:
                 max_len=RECURRENT_MAX_LEN if short else tokens,
                 cu=self.view(cu, n + 1),
                 slots=self.view(slots, n),
+                padded=True,
             )
 
         states = None

@@ -53,6 +53,7 @@ class KernelGroup:
     slots: torch.Tensor  # the pool slot of each segment (its own, or the state a row continues)
     cu_cpu: torch.Tensor | None = None  # long groups: the same on the host, so fla builds its chunk maps unsynced
     cu32: torch.Tensor | None = None  # long new states: int32 for varlen attention
+    padded: bool = False  # a captured pass's group: `slots` and `cu` are its capacity, mostly empty segments
 
     @property
     def span(self) -> slice:

@@ -105,8 +105,9 @@ def silu_mul(gate_up):
 CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing checks
 
 
-def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None):
-    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it."""
+def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, wide=None):
+    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`wide`, the GPU kernel's
+    configuration, changes nothing here)."""
     CALLS["chunked_rows"] += 1
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
 

@@ -248,9 +248,9 @@ def _launch_delta_rule(
     return out
 
 
-# The chunked delta rule's products take fp32 operands rounded to TF32 on tensor cores (10-bit mantissa; fla's
-# chunked kernels round to bf16, 7 bits) and accumulate in fp32; the state stays fp32. At K = 128 and 32 value
-# columns on 8 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v); "tf32" does not.
+# The chunked delta rule's fp32 products (the prep's inverse always; the rest unless CHUNK_DOTS / PREP_DOTS are bf16)
+# take operands rounded to TF32 on tensor cores (10-bit mantissa) and accumulate in fp32; the state stays fp32. At
+# K = 128 and 32 value columns on 8 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v).
 PRECISION: tl.constexpr = tl.constexpr("tf32")
 
 
@@ -490,11 +490,13 @@ def chunked_rows(
     cu: torch.Tensor,
     new_states: bool = False,
     out: torch.Tensor | None = None,
+    wide: bool | None = None,
 ) -> torch.Tensor:
     """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
     the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
-    segment counts (kernels.segments): capturable in a CUDA graph."""
+    segment counts (kernels.segments): capturable in a CUDA graph. `wide`: the sequential pass's configuration
+    (CHUNK_WIDE or CHUNK_NARROW; both give the same outputs), by default chosen from the segment count."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
@@ -527,8 +529,8 @@ def chunked_rows(
             BF16=PREP_DOTS == "bf16",
             num_warps=PREP_WARPS,
         )
-    narrow_programs = n * HV * triton.cdiv(V, CHUNK_NARROW[0])
-    wide = narrow_programs > WIDE_ABOVE * _sm_count(q.device)
+    if wide is None:  # from the segment count (a caller whose segments are mostly empty padding says so)
+        wide = n * HV * triton.cdiv(V, CHUNK_NARROW[0]) > WIDE_ABOVE * _sm_count(q.device)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
     return _launch_delta_rule(
         _chunked_delta_rule_kernel,
