@@ -257,15 +257,27 @@ def long_segments(only_rows: bool = False) -> None:
             long_case(lengths, new)
 
 
+def segments_case(lengths: list[int]):
+    """Seeded delta-rule inputs for segments of these lengths (delta_rule_inputs), gate constants, a bank of one slot
+    per segment plus scratch, its slots and the offsets on the host and the GPU."""
+    from kev_backend.passes import offsets
+
+    _, HV, K, V = KEV4B_HEADS
+    torch.manual_seed(0)
+    mixed, q, k, v, a, b = delta_rule_inputs(sum(lengths))
+    a_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda")
+    pool = torch.randn(len(lengths) + 1, HV, K, V, device="cuda") * 0.05
+    cu_cpu = torch.tensor(offsets(lengths))
+    return mixed, q, k, v, a, b, a_log, dt_bias, pool, torch.arange(len(lengths), device="cuda"), cu_cpu, cu_cpu.cuda()
+
+
 def chunk_variants() -> None:
     """The chunked delta rule by the sequential pass's (value block, warps, product operands, register cap) and the
     prep's (warps, product operands) on Kev-4B heads: ms for new long states one at a time and many at once
     (throughput: programs sharing SMs), and rows; the largest difference from the first (the default)."""
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
-    from kev_backend.passes import offsets
 
-    _, HV, K, V = KEV4B_HEADS
     names = ("CHUNK_NARROW", "CHUNK_WIDE", "CHUNK_DOTS", "PREP_WARPS", "PREP_DOTS")
     chosen = tuple(getattr(R, name) for name in names)
     # The default (the chain's configuration chosen by program count), then: its tf32 form, and configurations forced
@@ -288,13 +300,8 @@ def chunk_variants() -> None:
         return "/".join(map(str, [chain, *rest]))
 
     for lengths, new in (([2200], True), ([2200] * 8, True), ([2200] * 24, True), ([100] * 40, False)):
-        torch.manual_seed(0)
-        _, q, k, v, a, b = delta_rule_inputs(sum(lengths))
-        a_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda")
+        _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
         n = len(lengths)
-        pool = torch.randn(n + 1, HV, K, V, device="cuda") * 0.05
-        slots = torch.arange(n, device="cuda")
-        cu = torch.tensor(offsets(lengths)).cuda()
         args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
         run = lambda args=args, new=new: kernels.chunked_rows(*args, new_states=new)  # noqa: E731
         reference, line = None, []
@@ -321,17 +328,9 @@ def long_case(lengths: list[int], new: bool) -> None:
 
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule
-    from kev_backend.passes import offsets
 
-    _, HV, K, V = KEV4B_HEADS
-    torch.manual_seed(0)
-    mixed, q, k, v, a, b = delta_rule_inputs(sum(lengths))
-    a_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda")
+    mixed, q, k, v, a, b, a_log, dt_bias, pool, slots, cu_cpu, cu = segments_case(lengths)
     n = len(lengths)
-    pool = torch.randn(n + 1, HV, K, V, device="cuda") * 0.05
-    slots = torch.arange(n, device="cuda")
-    cu_cpu = torch.tensor(offsets(lengths))
-    cu = cu_cpu.cuda()
     ours = lambda: kernels.chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)  # noqa: E731
     g = (-a_log.exp() * F.softplus(a.float() + dt_bias)).unsqueeze(0)
 
