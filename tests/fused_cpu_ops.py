@@ -109,6 +109,7 @@ def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=Fals
     """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`wide`, the GPU kernel's
     configuration, changes nothing here)."""
     CALLS["chunked_rows"] += 1
+    CALLS[f"chunked_rows wide={wide}"] += 1  # None: by segment count; False: a captured pass's padded group
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
 
 

@@ -96,6 +96,7 @@ def test_long_and_short_new_states_share_the_state_region() -> None:
     long, short = p.states.groups
     assert not long.short and short.short and (long.start, long.end) == (short.start, short.end) == (0, 2560)
     assert long.max_len == 2560 and len(long.slots) == bucket.long_states == 20
+    assert long.padded and short.padded  # capacities, not counts (the chunked delta rule's configuration reads it)
     assert long.cu.tolist() == [39, 139, 2139] + [2139] * 18
     assert long.slots.tolist() == [2, 3] + [9] * 18
     assert short.cu.tolist()[:4] == [0, 34, 39, 39] and short.slots.tolist()[:3] == [0, 1, 9]
