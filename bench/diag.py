@@ -1,12 +1,12 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
-    python3 bench/diag.py [kernels|gaps|long [rows]|recurrent|latency|startup|speed|sweep|invariance|profile|gemm]
+    python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|recurrent|latency|startup|speed|sweep|invariance|
+                           profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
 
 import cProfile
-import itertools
 import pstats
 import sys
 import tempfile
@@ -81,58 +81,6 @@ def gemm_speed() -> None:
             ms = cuda_ms(lambda x=x, w=w: F.linear(x, w), repeat=20)
             line.append(f"{m}:{ms:.3f}ms/{2 * m * n * k / ms / 1e9:.0f}TF")
         print("speed", name, " ".join(line), flush=True)
-
-
-def small_gemm_sweep() -> None:
-    """bench/small_gemm.py's configurations against F.linear (cuBLASLt, as the engine sets it) at Kev-4B's
-    projection shapes and the row counts of one request's passes: ms, the largest difference from F.linear, and the
-    whole pass's GEMM time (24 DeltaNet and 8 attention layers) with cuBLASLt and with the best configuration per
-    shape."""
-    import small_gemm
-    import triton
-
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    shapes = {
-        "gdn_in": (12352, 2560),
-        "attn_in": (10240, 2560),
-        "out": (2560, 4096),
-        "gate_up": (18432, 2560),
-        "down": (2560, 9216),
-    }
-    per_pass = {"gdn_in": 24, "attn_in": 8, "out": 32, "gate_up": 32, "down": 32}
-    torch.manual_seed(0)
-    for m in (40, 128, 192, 256, 320, 512):
-        theirs_total = ours_total = 0.0
-        for name, (n, k) in shapes.items():
-            # Copies of the weights past L2 (50 MB) in turn, as a pass reads each layer's weights once.
-            count = int(-(-256e6 // (n * k * 2)))
-            copies = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
-            turn = itertools.cycle(copies)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            reference = F.linear(x, copies[0])
-            theirs = cuda_ms(lambda x=x, turn=turn: F.linear(x, next(turn)), repeat=60)
-            line, best = [], (float("inf"), None)
-            for config in small_gemm.CONFIGS:
-                if n % config[1] or k % (config[2] * config[3]):
-                    continue
-                run = lambda x=x, config=config, turn=turn: small_gemm.small_m_linear(x, next(turn), config)  # noqa: E731
-                try:
-                    run()
-                except triton.runtime.errors.OutOfResources:
-                    line.append(f"{'/'.join(map(str, config))} out of shared memory")
-                    continue
-                diff = (small_gemm.small_m_linear(x, copies[0], config).float() - reference.float()).abs().max().item()
-                ms = cuda_ms(run, repeat=60)
-                line.append(f"{'/'.join(map(str, config))} {ms:.4f} ({diff:.0e})")
-                best = min(best, (ms, config))
-            theirs_total += per_pass[name] * theirs
-            ours_total += per_pass[name] * best[0]
-            read = n * k * 2 / theirs / 1e9
-            print(f"smallgemm M={m} {name}: cuBLASLt {theirs:.4f} ms ({read:.2f} TB/s of weights); " + ", ".join(line))
-            print(f"smallgemm M={m} {name} best {best[1]} {best[0]:.4f} ms ({n * k * 2 / best[0] / 1e9:.2f} TB/s)")
-        summary = f"cuBLASLt {theirs_total:.2f} ms, best per shape {ours_total:.2f} ms"
-        print(f"smallgemm M={m} pass GEMMs: {summary}", flush=True)
 
 
 def kernel_breakdown() -> None:
@@ -272,26 +220,26 @@ def segments_case(lengths: list[int]):
 
 
 def chunk_variants() -> None:
-    """The chunked delta rule by the sequential pass's (value block, warps, product operands, register cap) and the
-    prep's (warps, product operands) on Kev-4B heads: ms for new long states one at a time and many at once
-    (throughput: programs sharing SMs), and rows; the largest difference from the first (the default)."""
+    """The chunked delta rule by the sequential pass's (value block, warps, register cap, product operands) and the
+    prep's warps on Kev-4B heads: ms for new long states one at a time and many at once (throughput: programs sharing
+    SMs), and rows; the largest difference from the first (the default)."""
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
 
-    names = ("CHUNK_NARROW", "CHUNK_WIDE", "CHUNK_DOTS", "PREP_WARPS", "PREP_DOTS")
+    names = ("CHUNK_NARROW", "CHUNK_WIDE", "CHUNK_DOTS", "PREP_WARPS")
     chosen = tuple(getattr(R, name) for name in names)
     # The default (the chain's configuration chosen by program count), then: its tf32 form, and configurations forced
-    # on every pass: (value block, warps, register cap) twice, chain operands, prep warps, prep operands.
+    # on every pass: (value block, warps, register cap) twice, chain operands, prep warps.
     narrow, wide = chosen[:2]
     variants = [
         chosen,
-        (narrow, wide, "tf32", 2, "tf32"),
-        (narrow, narrow, "bf16", 2, "tf32"),
-        (wide, wide, "bf16", 2, "tf32"),
-        (wide, wide, "bf16", 2, "bf16"),
-        ((64, 4, 128), (64, 4, 128), "bf16", 2, "tf32"),
-        ((64, 8, 168), (64, 8, 168), "bf16", 2, "tf32"),
-        ((128, 8, 168), (128, 8, 168), "bf16", 2, "tf32"),
+        (narrow, wide, "tf32", 2),
+        (narrow, narrow, "bf16", 2),
+        (wide, wide, "bf16", 2),
+        (wide, wide, "bf16", 4),
+        ((64, 4, 128), (64, 4, 128), "bf16", 2),
+        ((64, 8, 168), (64, 8, 168), "bf16", 2),
+        ((128, 8, 168), (128, 8, 168), "bf16", 2),
     ]
 
     def describe(variant) -> str:
@@ -655,8 +603,6 @@ if __name__ == "__main__":
         gemm_speed()
     if what == "chunkvariants":
         chunk_variants()
-    if what == "smallgemm":
-        small_gemm_sweep()
     if what == "kernels":
         kernel_breakdown()
     if what == "gaps":

@@ -15,8 +15,6 @@
 #              CUDA graphs on our long kernels (~2 min)
 #   chunkvariants  bench/diag.py chunkvariants: the chunked delta rule's sequential pass by value block, warps,
 #              product operands (tf32 / bf16) and register cap, for 1 / 8 / 24 new long states and rows (~1 min)
-#   smallgemm  bench/diag.py smallgemm: bench/small_gemm.py's configurations against cuBLASLt at Kev-4B's
-#              projections and one request's row counts (~1 min)
 #   gaps       bench/diag.py gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients,
 #              from graphs on our long kernels (~1 min)
 #   startup    bench/diag.py startup: start-up phases on an empty kernel cache, the kept one (with a host profile), and
@@ -68,9 +66,6 @@ run_step() {
     chunkvariants)
       timeout 240 python3 bench/diag.py chunkvariants 2>&1 | grep -E "^chunkvariants|Error" \
         | tee "$out/diag-chunkvariants.log" || status=1
-      ;;
-    smallgemm)
-      timeout 240 python3 bench/diag.py smallgemm 2>&1 | grep -E "^smallgemm|Error" | tee "$out/diag-smallgemm.log" || status=1
       ;;
     gaps)
       KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 120 python3 bench/diag.py gaps 2>&1 | grep -E "^gaps|Error" \

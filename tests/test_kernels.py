@@ -389,7 +389,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         (
             R._chunk_prep_kernel,
             recurrent | {"w": chunk_w, "u": f32},
-            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, BF16=R.PREP_DOTS == "bf16"),
+            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4),
             R.PREP_WARPS,
         ),
         *[

@@ -248,7 +248,7 @@ def _launch_delta_rule(
     return out
 
 
-# The chunked delta rule's fp32 products (the prep's inverse always; the rest unless CHUNK_DOTS / PREP_DOTS are bf16)
+# The chunked delta rule's fp32 products (the prep's always; the chain's unless CHUNK_DOTS is bf16)
 # take operands rounded to TF32 on tensor cores (10-bit mantissa) and accumulate in fp32; the state stays fp32. At
 # K = 128 and 32 value columns on 8 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v).
 PRECISION: tl.constexpr = tl.constexpr("tf32")
@@ -287,14 +287,13 @@ WIDE_ABOVE = 2
 # Warps per prep program (bench/diag.py chunkvariants, 67f5081: 2 warps 0.277 / 1.469 / 4.426 ms against 4 warps'
 # 0.289 / 1.588 / 4.830 for 1 / 8 / 24 states, same outputs).
 PREP_WARPS = 2
-# The prep's products but the inverse's (k·kᵀ, W and U₀): "tf32" or "bf16" operands, read at each launch. W is stored
-# in bf16 when the chain multiplies in bf16 (all it is used for), in fp32 otherwise; U₀ always in fp32.
-PREP_DOTS = "tf32"
+# The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
+# 67f5081). W is stored in bf16 when the chain multiplies in bf16 (all it is used for), in fp32 otherwise; U₀ in fp32.
 
 
 @triton.jit
 def _dot(x, y, BF16: tl.constexpr):
-    """x @ y for the chunked delta rule: fp32 operands on TF32 tensor cores, or (BF16) rounded to bf16 as fla's
+    """x @ y for the chunked delta rule's chain: fp32 operands on TF32 tensor cores, or (BF16) rounded to bf16 as fla's
     chunked kernels do, which halves the registers an MMA operand takes; fp32 accumulation either way."""
     if BF16:
         return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
@@ -319,7 +318,7 @@ def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
 
 @triton.jit
 def _chunk_terms(
-    k, v, a, b, w, u, c0, eos, hk, hv, decay_rate, bias, stride_t, stride_vt, stride_at, HV, K, V, BT, LOG2_BT, BF16
+    k, v, a, b, w, u, c0, eos, hk, hv, decay_rate, bias, stride_t, stride_vt, stride_at, HV, K, V, BT, LOG2_BT
 ):
     """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment), written per token."""
     o_t = tl.arange(0, BT)
@@ -336,15 +335,15 @@ def _chunk_terms(
     strict = o_t[:, None] > o_t[None, :]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
     decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    A = tl.where(strict, beta[:, None] * decay * _dot(b_k, tl.trans(b_k), BF16), 0.0)
+    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
     # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
     T = eye - A
     P = A
     for _ in tl.static_range(LOG2_BT - 1):
         P = tl.dot(P, P, input_precision=PRECISION)
         T = tl.dot(T, eye + P, input_precision=PRECISION)
-    W = _dot(T, (beta * tl.exp(gam))[:, None] * b_k, BF16)
-    U0 = _dot(T, beta[:, None] * b_v, BF16)
+    W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
+    U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
     tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W.to(w.dtype.element_ty), mask=m[:, None])
     tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
 
@@ -372,7 +371,6 @@ def _chunk_prep_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
-    BF16: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
@@ -411,7 +409,6 @@ def _chunk_prep_kernel(
                 V,
                 BT,
                 LOG2_BT,
-                BF16,
             )
         n += 1
 
@@ -526,11 +523,10 @@ def chunked_rows(
             V=V,
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
-            BF16=PREP_DOTS == "bf16",
             num_warps=PREP_WARPS,
         )
     if wide is None:  # from the segment count (a caller whose segments are mostly empty padding says so)
-        wide = n * HV * triton.cdiv(V, CHUNK_NARROW[0]) > WIDE_ABOVE * _sm_count(q.device)
+        wide = n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
     return _launch_delta_rule(
         _chunked_delta_rule_kernel,
