@@ -1,12 +1,13 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
-    python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|recurrent|latency|startup|speed|sweep|invariance|
-                           profile|gemm]
+    python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|recurrent|latency|startup|speed|sweep|
+                           invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
 
 import cProfile
+import functools
 import pstats
 import sys
 import tempfile
@@ -268,6 +269,43 @@ def chunk_variants() -> None:
         print(f"chunkvariants {label}: " + ", ".join(line), flush=True)
     for name, value in zip(names, chosen, strict=True):
         setattr(R, name, value)
+
+
+def rows_attention_tiles() -> None:
+    """Rows' attention by (query rows per program, keys per step) on Kev-4B heads (16 query heads, 4 key/value
+    heads of 256): ms for one long5 (five rows over a 2,200-token state), a 64-client long5 batch (17 of them), one
+    short6 on its banked state (six rows over 34 tokens) and a busy short6 batch (32 of them); and each variant's
+    largest output difference from the default."""
+    from kev_backend.kernels import attention as A
+
+    HQ, HKV, D = 16, 4, 256
+    row_lengths = [44, 57, 41, 36, 47, 40]
+    cases = {"long5": (1, 2200, 5), "long5x17": (17, 2200, 5), "short6same": (1, 34, 6), "short6x32": (32, 34, 6)}
+    variants = [(16, 32), (32, 32), (64, 16), (64, 32)]
+    default = (A.TILE_ROWS, A.WIDE_HEAD_KEYS)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for label, (states, prefix_len, rows) in cases.items():
+        pool_tokens = states * prefix_len
+        kp = torch.randn(pool_tokens, HKV, D, device="cuda", generator=gen).bfloat16()
+        vp = torch.randn(pool_tokens, HKV, D, device="cuda", generator=gen).bfloat16()
+        prefix = torch.randperm(pool_tokens, device="cuda", generator=gen)
+        lengths = [row_lengths[r] for _ in range(states) for r in range(rows)]
+        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+        starts = torch.tensor([s * prefix_len for s in range(states) for _ in range(rows)], device="cuda")
+        plens = torch.full_like(starts, prefix_len)
+        T = int(cu[-1])
+        q = torch.randn(T, HQ, D, device="cuda", generator=gen).bfloat16()
+        k = torch.randn(T, HKV, D, device="cuda", generator=gen).bfloat16()
+        v = torch.randn(T, HKV, D, device="cuda", generator=gen).bfloat16()
+        outputs = {}
+        run = functools.partial(A.rows_attention, q, k, v, kp, vp, prefix, starts, plens, cu, max(lengths))
+        for tile_rows, keys in [default, *[other for other in variants if other != default]]:
+            A.TILE_ROWS, A.WIDE_HEAD_KEYS = tile_rows, keys
+            outputs[(tile_rows, keys)] = run().float()
+            ms = cuda_ms(run, repeat=20)
+            diff = (outputs[(tile_rows, keys)] - outputs[default]).abs().max().item()
+            print(f"rowsattn {label:11s} rows {tile_rows:3d} keys {keys:3d}: {ms:.4f} ms, max diff {diff:.2e}")
+        A.TILE_ROWS, A.WIDE_HEAD_KEYS = default
 
 
 def long_case(lengths: list[int], new: bool) -> None:
@@ -605,6 +643,8 @@ if __name__ == "__main__":
         chunk_variants()
     if what == "kernels":
         kernel_breakdown()
+    if what == "rowsattn":
+        rows_attention_tiles()
     if what == "gaps":
         gpu_gaps()
     if what in ("gemm", "all"):

@@ -15,6 +15,7 @@
 #              CUDA graphs on our long kernels (~2 min)
 #   chunkvariants  bench/diag.py chunkvariants: the chunked delta rule's sequential pass by value block, warps,
 #              product operands (tf32 / bf16) and register cap, for 1 / 8 / 24 new long states and rows (~1 min)
+#   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   gaps       bench/diag.py gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients,
 #              from graphs on our long kernels (~1 min)
 #   startup    bench/diag.py startup: start-up phases on an empty kernel cache, the kept one (with a host profile), and
@@ -66,6 +67,9 @@ run_step() {
     chunkvariants)
       timeout 240 python3 bench/diag.py chunkvariants 2>&1 | grep -E "^chunkvariants|Error" \
         | tee "$out/diag-chunkvariants.log" || status=1
+      ;;
+    rowsattn)
+      timeout 120 python3 bench/diag.py rowsattn 2>&1 | grep -E "^rowsattn|Error" | tee "$out/diag-rowsattn.log" || status=1
       ;;
     gaps)
       KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 120 python3 bench/diag.py gaps 2>&1 | grep -E "^gaps|Error" \

@@ -51,6 +51,11 @@ STATE_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 81
 MIN_STATE_TOKENS = 8
 MIN_ROW_TOKENS = 4
 MIN_LONG_STATE_TOKENS = 128
+# At most this many short new states in any bucket: a request brings one state, and Triton's batches hold at most
+# max_batch_size (64) requests. Every kernel of the short group runs programs for its padding segments too: without
+# the cap s2560 (long5's bucket) held 320 empty short slots, 82k token-by-token delta-rule programs per layer for
+# nothing. A pass with more short new states runs eagerly.
+MAX_PASS_STATES = 64
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,7 @@ class Bucket:
 
     @property
     def states(self) -> int:
-        return self.state_tokens // MIN_STATE_TOKENS
+        return min(self.state_tokens // MIN_STATE_TOKENS, MAX_PASS_STATES)
 
     @property
     def long_states(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kev_backend.graphs import Bucket, StaticInputs, all_buckets, smallest_bucket
+from kev_backend.graphs import MAX_PASS_STATES, Bucket, StaticInputs, all_buckets, smallest_bucket
 from kev_backend.passes import MIN_GEMM_ROWS, PassLayout
 
 
@@ -63,6 +63,11 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
     assert smallest_bucket(buckets, many_long, 1000, long_states=True) == Bucket(1536, 64)
     assert smallest_bucket(buckets, layout([], [65]), 1000, long_states=True) is None  # a long row: eager
     assert bucket_for(layout([], [10] * 2000)) is None  # beyond the largest bucket
+    # At most MAX_PASS_STATES (64) short new states in any bucket: long5's s2560 holds 64 short slots, not 320; a pass
+    # with more short new states than a batch of requests can bring runs eagerly.
+    assert Bucket(2560, 256).states == MAX_PASS_STATES == 64 and Bucket(256, 0).states == 32
+    assert bucket_for(layout([8] * 64, [])) == Bucket(512, 0)
+    assert bucket_for(layout([8] * 65, [])) is None
     too_long_prefix = layout([], [10])
     too_long_prefix.prefix.extend(range(1000))
     assert bucket_for(too_long_prefix) is None

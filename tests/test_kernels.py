@@ -103,33 +103,35 @@ for n in range(3):
     ref = torch.nn.functional.silu(torch.nn.functional.conv1d(seq[None], w[:, None, :], groups=C))[0].T
     assert (y[a:b] - ref).abs().max() < TOL, n
 assert same_in_one_segment_launches(lambda: conv_rows(x, w, pool, slots, cu))
-HQ, HKV, D = 4, 2, 32
-kp, vp = torch.randn(200, HKV, D), torch.randn(200, HKV, D)
-runs = [[3, 4, 5, 6, 100, 101], list(range(40, 77))]
-prefix = torch.tensor(runs[0] + runs[1])
-row_runs = [0, 1, 0]  # rows 0 and 2 continue the same state
-start, length = torch.tensor([0, 6, 0]), torch.tensor([6, 37, 6])
-q, k = torch.randn(T, HQ, D), torch.randn(T, HKV, D)
-v = torch.randn(T, HKV * D + 5)[:, : HKV * D].view(T, HKV, D)  # a slice of a wider projection, read in place
-o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
-for n in range(3):
-    a, b = cu[n].item(), cu[n + 1].item()
-    idx = runs[row_runs[n]]
-    K = torch.cat([kp[idx], k[a:b]]).transpose(0, 1)[None]
-    V = torch.cat([vp[idx], v[a:b]]).transpose(0, 1)[None]
-    ref = causal_attention(q[a:b].transpose(0, 1)[None], K, V, D**-0.5)[0].transpose(0, 1)
-    assert (o[a:b] - ref).abs().max() < TOL, n
-# New states: causal attention over their own tokens only, into a given output.
-dst = torch.empty_like(q)
-o = rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20, out=dst)
-assert o is dst
-for n in range(3):
-    a, b = cu[n].item(), cu[n + 1].item()
-    qq, kk, vv = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
-    ref = causal_attention(qq, kk, vv, D**-0.5)[0].transpose(0, 1)
-    assert (o[a:b] - ref).abs().max() < TOL, n
-assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
-assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20))
+# Query heads per key/value head: 2, and 3 (Qwen3.5-27B has 6: a program's tile pads the group to a power of two).
+for HQ, HKV in ((4, 2), (6, 2)):
+    D = 32
+    kp, vp = torch.randn(200, HKV, D), torch.randn(200, HKV, D)
+    runs = [[3, 4, 5, 6, 100, 101], list(range(40, 77))]
+    prefix = torch.tensor(runs[0] + runs[1])
+    row_runs = [0, 1, 0]  # rows 0 and 2 continue the same state
+    start, length = torch.tensor([0, 6, 0]), torch.tensor([6, 37, 6])
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HKV, D)
+    v = torch.randn(T, HKV * D + 5)[:, : HKV * D].view(T, HKV, D)  # a slice of a wider projection, read in place
+    o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    for n in range(3):
+        a, b = cu[n].item(), cu[n + 1].item()
+        idx = runs[row_runs[n]]
+        K = torch.cat([kp[idx], k[a:b]]).transpose(0, 1)[None]
+        V = torch.cat([vp[idx], v[a:b]]).transpose(0, 1)[None]
+        ref = causal_attention(q[a:b].transpose(0, 1)[None], K, V, D**-0.5)[0].transpose(0, 1)
+        assert (o[a:b] - ref).abs().max() < TOL, n
+    # New states: causal attention over their own tokens only, into a given output.
+    dst = torch.empty_like(q)
+    o = rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20, out=dst)
+    assert o is dst
+    for n in range(3):
+        a, b = cu[n].item(), cu[n + 1].item()
+        qq, kk, vv = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        ref = causal_attention(qq, kk, vv, D**-0.5)[0].transpose(0, 1)
+        assert (o[a:b] - ref).abs().max() < TOL, n
+    assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
+    assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20))
 
 # Rows continuing states read in place from a pool, against the fp32 chunked reference from a copied state.
 H, HV, K, V = 2, 4, 16, 32
@@ -403,8 +405,15 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             for continues in (True, False)
             for block_v, warps, maxnreg in (R.CHUNK_NARROW, R.CHUNK_WIDE)
         ],
-        (A._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=True), 8),
-        (A._rows_attention_kernel, attention, dict(HQ=16, HKV=4, D=256, BM=16, BN=32, HAS_PREFIX=False), 8),
+        *[
+            (
+                A._rows_attention_kernel,
+                attention,
+                dict(HQ=16, HKV=4, D=256, BM=A.TILE_ROWS // 4, BN=A.WIDE_HEAD_KEYS, GP=4, HAS_PREFIX=has_prefix),
+                8,
+            )
+            for has_prefix in (True, False)
+        ],
     ]
     for fn, types, constants, warps, *cap in cases:  # cap: a register cap (ptxas's .maxnreg), where one is set
         names = list(inspect.signature(fn.fn).parameters)

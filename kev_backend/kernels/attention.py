@@ -9,6 +9,23 @@ import triton.language as tl
 
 from . import grid
 
+# Query rows per program (tokens × the query heads sharing a key/value head; tl.dot wants at least 16) and keys per
+# step for heads over 128 wide (Qwen3.5's 256), both read at each launch. sm_90a, ptxas -v, D = 256 on 8 warps: 32
+# rows × 32 keys fit 227 registers; 64 × 32 spills 232 bytes and 64 × 16 24 bytes.
+TILE_ROWS = 32
+WIDE_HEAD_KEYS = 32
+
+
+@triton.jit
+def _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc):
+    """One key tile of the online softmax: queries b_q [R, D] against keys b_k and values b_v [BN, D], where `keep`
+    [R, BN] says which pairs count; returns the running max, sum and output accumulator."""
+    s = tl.where(keep, tl.dot(b_q, tl.trans(b_k)) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+
 
 @triton.jit
 def _rows_attention_kernel(
@@ -33,11 +50,16 @@ def _rows_attention_kernel(
     D: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    GP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
 ):
+    """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
+    HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
+    rows masked), so each key tile is read once for all of them. With Kev-4B's 4 query heads per key/value head a
+    row's 2,200-token prefix was read by 4 programs of 16 rows, now by 1 of 64."""
+    G: tl.constexpr = HQ // HKV
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
-    n, h = i_nh // HQ, i_nh % HQ
-    hk = h // (HQ // HKV)
+    n, hk = i_nh // HKV, i_nh % HKV
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
     if i_m * BM < L:
@@ -45,13 +67,17 @@ def _rows_attention_kernel(
             p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
         else:  # new states: their own tokens only
             p_bos, P = 0, 0
-        o_m = i_m * BM + tl.arange(0, BM)
-        m_m = o_m < L
+        o_r = tl.arange(0, GP * BM)
+        g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
+        o_m = i_m * BM + o_r % BM
+        m_r = (o_m < L) & (g < G)
+        head = hk * G + g
         o_d = tl.arange(0, D)
-        b_q = tl.load(q + (bos + o_m)[:, None] * stride_qt + h * D + o_d[None, :], mask=m_m[:, None], other=0.0)
-        m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BM], dtype=tl.float32)
-        acc = tl.zeros([BM, D], dtype=tl.float32)
+        q_rows = (bos + o_m)[:, None] * stride_qt + head[:, None] * D + o_d[None, :]
+        b_q = tl.load(q + q_rows, mask=m_r[:, None], other=0.0)
+        m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP * BM], dtype=tl.float32)
+        acc = tl.zeros([GP * BM, D], dtype=tl.float32)
         # The state's K/V, read in place from the bank pool through its token index.
         for start in range(0, P, BN):
             o_n = start + tl.arange(0, BN)
@@ -59,31 +85,20 @@ def _rows_attention_kernel(
             idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
             b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            s = tl.dot(b_q, tl.trans(b_k)) * scale
-            s = tl.where(m_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
-            m_i = m_new
-        # The row's own K/V, causal.
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc)
+        # The segment's own K/V, causal.
         for start in range(0, (i_m + 1) * BM, BN):
             o_n = start + tl.arange(0, BN)
             m_n = o_n < L
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            s = tl.dot(b_q, tl.trans(b_k)) * scale
-            s = tl.where(m_n[None, :] & (o_n[None, :] <= o_m[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
-            m_i = m_new
+            keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc)
         out = acc / l_i[:, None]
         tl.store(
-            o + (bos + o_m)[:, None] * stride_ot + h * D + o_d[None, :], out.to(o.dtype.element_ty), mask=m_m[:, None]
+            o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
+            out.to(o.dtype.element_ty),
+            mask=m_r[:, None],
         )
 
 
@@ -116,14 +131,16 @@ def rows_attention(
     o = torch.empty_like(q) if out is None else out
     assert o.shape == q.shape and o.is_contiguous()
     n = cu.shape[0] - 1
-    # D = 256 (Qwen3.5's heads): 32 keys a step on 8 warps fits the registers (sm_90a, ptxas -v); 4 warps spill.
-    BM, BN = 16, 64 if D <= 128 else 32
+    # TILE_ROWS rows a program: BM tokens × the query heads of one key/value head.
+    GP = triton.next_power_of_2(HQ // HKV)
+    BM = max(1, TILE_ROWS // GP)
+    BN = 64 if D <= 128 else WIDE_HEAD_KEYS
     warps = 4 if D <= 128 else 8
     has_prefix = prefix is not None
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
-    for first, last in grid.segment_spans(n, HQ):  # a program per (query block, segment, head), within the grid
-        _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HQ)](
+    for first, last in grid.segment_spans(n, HKV):  # a program per (query block, segment, key/value head)
+        _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV)](
             q,
             k,
             v,
@@ -145,6 +162,7 @@ def rows_attention(
             D=D,
             BM=BM,
             BN=BN,
+            GP=GP,
             HAS_PREFIX=has_prefix,
             num_warps=warps,
         )

@@ -64,8 +64,9 @@ def _delta_rule_program(
     decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
     bias = tl.load(dt_bias + hv).to(tl.float32)
     state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
-    if CONTINUE:  # a row: the state it continues, read in place from its bank slot ([K, BV] of [Hv, K, V], fp32)
-        h = tl.load(state)
+    if CONTINUE:  # a row: the state it continues, read in place from its bank slot ([K, BV] of [Hv, K, V], fp32);
+        # not for an empty segment (a captured pass's padding: most of a bucket's row slots), which reads nothing
+        h = tl.load(state, mask=eos > bos, other=0.0)
     else:  # a new state: from zero
         h = tl.zeros([K, BV], dtype=tl.float32)
     return hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h
