@@ -307,6 +307,8 @@ def test_kernels_compiled_on_the_gpu() -> None:
 SPILL_ALLOWED = {
     ("_chunked_delta_rule_kernel", True, 168): 640,
     ("_chunked_delta_rule_kernel", False, 168): 640,
+    # Rows' attention with 64-row tiles spills 232 bytes and ran fastest of its tiles (kernels/attention.py TILE_ROWS).
+    ("_rows_attention_kernel", None, None): 256,
 }
 
 

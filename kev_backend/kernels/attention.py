@@ -10,9 +10,12 @@ import triton.language as tl
 from . import grid
 
 # Query rows per program (tokens × the query heads sharing a key/value head; tl.dot wants at least 16) and keys per
-# step for heads over 128 wide (Qwen3.5's 256), both read at each launch. sm_90a, ptxas -v, D = 256 on 8 warps: 32
-# rows × 32 keys fit 227 registers; 64 × 32 spills 232 bytes and 64 × 16 24 bytes.
-TILE_ROWS = 32
+# step for heads over 128 wide (Qwen3.5's 256), both read at each launch. H200, Kev-4B heads (bench/diag.py rowsattn,
+# e4604cf), ms for one long5's rows (5 over a 2,200-token state), 17 of them, one short6 on its banked state and 32:
+# 64 rows × 32 keys 0.142 / 1.409 / 0.041 / 0.190; 32 × 32 0.222 / 1.732 / 0.044 / 0.239; 16 × 32 (the reads of the
+# kernel before, a program per query head) 0.155 / 2.273 / 0.044 / 0.322; 64 × 16 0.198 / 2.073 / 0.046 / 0.198. 64 × 32
+# spills 232 bytes on sm_90a (8 warps; tests/test_kernels.py SPILL_ALLOWED), and is fastest everywhere.
+TILE_ROWS = 64
 WIDE_HEAD_KEYS = 32
 
 
