@@ -319,41 +319,34 @@ def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
 
 @triton.jit
 def _chunk_terms(
-    k, v, a, b, w, u, c0, eos, hk, a_log, dt_bias, stride_t, stride_vt, stride_at, H, HV, K, V, BT, LOG2_BT
+    k, v, a, b, w, u, c0, eos, hk, hv, decay_rate, bias, stride_t, stride_vt, stride_at, HV, K, V, BT, LOG2_BT
 ):
-    """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment), written per token, for
-    every value head of key head hk: they share k, its norm and the Gram matrix k kᵀ, and each head's arithmetic is
-    what it would be alone."""
+    """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment), written per token."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
     t = c0 + o_t
     m = t < eos
+    gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
     b_k = _l2_normalised(
         tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     )
-    gram = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+    b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     causal = o_t[:, None] >= o_t[None, :]
     strict = o_t[:, None] > o_t[None, :]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    for j in range(HV // H):  # the key head's value heads, consecutive (as _delta_rule_program has them)
-        hv = hk * (HV // H) + j
-        decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
-        bias = tl.load(dt_bias + hv).to(tl.float32)
-        gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
-        b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        A = tl.where(strict, beta[:, None] * decay * gram, 0.0)
-        # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
-        T = eye - A
-        P = A
-        for _ in tl.static_range(LOG2_BT - 1):
-            P = tl.dot(P, P, input_precision=PRECISION)
-            T = tl.dot(T, eye + P, input_precision=PRECISION)
-        W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
-        U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
-        tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W.to(w.dtype.element_ty), mask=m[:, None])
-        tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
+    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
+    T = eye - A
+    P = A
+    for _ in tl.static_range(LOG2_BT - 1):
+        P = tl.dot(P, P, input_precision=PRECISION)
+        T = tl.dot(T, eye + P, input_precision=PRECISION)
+    W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
+    U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
+    tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W.to(w.dtype.element_ty), mask=m[:, None])
+    tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
@@ -385,9 +378,12 @@ def _chunk_prep_kernel(
     W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
     (fp32), so that the sequential pass gets U = U₀ − W S. Chunks start at their segment's first token and every
     BT tokens after; a program takes the chunks that start in its BT tokens of the input (at most one per segment,
-    found from the first segment reaching into them), for the value heads of one key head."""
-    i_t, hk = tl.program_id(0), tl.program_id(1)
+    found from the first segment reaching into them)."""
+    i_t, hv = tl.program_id(0), tl.program_id(1)
+    hk = hv // (HV // H)
     start = i_t.to(tl.int64) * BT
+    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
+    bias = tl.load(dt_bias + hv).to(tl.float32)
     n = segment_of(cu, N, start, steps)
     while (n < N) & (tl.load(cu + n).to(tl.int64) < start + BT):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
@@ -403,12 +399,12 @@ def _chunk_prep_kernel(
                 c0,
                 eos,
                 hk,
-                a_log,
-                dt_bias,
+                hv,
+                decay_rate,
+                bias,
                 stride_t,
                 stride_vt,
                 stride_at,
-                H,
                 HV,
                 K,
                 V,
@@ -507,7 +503,7 @@ def chunked_rows(
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
-        _chunk_prep_kernel[(triton.cdiv(T, CHUNK), H)](
+        _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
             k,
             v,
             a,
