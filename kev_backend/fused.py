@@ -288,7 +288,7 @@ class FusedQwen35:
             self._recurrent_rows(*args, new_states=new, out=out)
             return
         if group.short or not new or self.long_kernels == "ours":
-            # A captured pass's group counts its capacity (a 2,560-token bucket: 39 long states), not its work: a
+            # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a
             # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
             # runs fastest (kernels.delta_rule.CHUNK_NARROW).
             self._chunked_rows(*args, new_states=new, out=out, wide=False if group.padded else None)
