@@ -1,7 +1,7 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
-    python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|recurrent|latency|startup|speed|sweep|
-                           invariance|profile|gemm]
+    python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|recurrent|latency|
+                           startup|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -308,6 +308,78 @@ def rows_attention_tiles() -> None:
         A.TILE_ROWS, A.WIDE_HEAD_KEYS = default
 
 
+def long_attention_tiles() -> None:
+    """New long states' causal attention (Kev-4B heads: 16 query heads, 4 key/value heads of 256): torch's varlen
+    attention (FlashAttention 2, the pass's) against our rows' kernel without a prefix, by (query rows per program,
+    keys per step, warps); ms for one and eight 2,200-token states and the largest difference from varlen's output."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from kev_backend.kernels import attention as A
+
+    HQ, HKV, D = 16, 4, 256
+    chosen = A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for states in (1, 8):
+        lengths = [2200 - 37 * i for i in range(states)]
+        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+        cu32 = cu.to(torch.int32)
+        T = int(cu[-1])
+        q = torch.randn(T, HQ, D, device="cuda", generator=gen).bfloat16()
+        k = torch.randn(T, HKV, D, device="cuda", generator=gen).bfloat16()
+        v = torch.randn(T, HKV, D, device="cuda", generator=gen).bfloat16()
+        flops = sum(n * (n + 1) / 2 for n in lengths) * HQ * D * 4
+        fa = functools.partial(varlen_attn, q, k, v, cu32, cu32, max(lengths), max(lengths), window_size=(-1, 0))
+        reference = fa().float()
+        ms = cuda_ms(fa)
+        print(f"longattn {states}x2200 varlen: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+        ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
+        for A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS in (
+            (64, 32, 8),
+            (64, 64, 8),
+            (128, 32, 8),
+            (128, 64, 8),
+            (64, 64, 4),
+            (128, 128, 8),
+        ):
+            try:
+                diff = (ours().float() - reference).abs().max().item()
+                ms = cuda_ms(ours)
+                result = f"{ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), max diff {diff:.1e}"
+            except Exception as error:  # e.g. out of shared memory: report, go on
+                result = f"failed: {type(error).__name__}"
+            print(
+                f"longattn {states}x2200 ours rows {A.TILE_ROWS} keys {A.WIDE_HEAD_KEYS} warps "
+                f"{A.WIDE_HEAD_WARPS}: {result}",
+                flush=True,
+            )
+        A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS = chosen
+
+
+def conv_scan() -> None:
+    """The pass's conv (conv_tokens) on Kev-4B's 8,192 channels, by (tokens, channels, warps) a program: ms for new
+    states (1, 8 and 24 of 2,200 tokens) and rows (6×40, 192×39, 40×100), and the largest difference from the
+    token-by-token conv_rows."""
+    from kev_backend import kernels
+
+    C = 8192
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = {"new 1x2200": [2200], "new 8x2200": [2200] * 8, "new 24x2200": [2200] * 24}
+    cases |= {"rows 6x40": [40] * 6, "rows 192x39": [39] * 192, "rows 40x100": [100] * 40}
+    weight = torch.randn(C, 4, device="cuda", generator=gen).bfloat16()
+    for label, lengths in cases.items():
+        new = label.startswith("new")
+        n = len(lengths)
+        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+        x = torch.randn(int(cu[-1]), C, device="cuda", generator=gen).bfloat16()
+        slots = torch.arange(n, device="cuda")
+        pool = torch.randn(n, C, 4, device="cuda", generator=gen).bfloat16()
+        reference = kernels.conv_rows(x, weight, pool.clone(), slots, cu, new_states=new).float()
+        run = functools.partial(kernels.conv_tokens, x, weight, pool, slots, cu, new_states=new)
+        diff = (run().float() - reference).abs().max().item()
+        print(f"convscan {label}: {cuda_ms(run):.4f} ms, max diff from conv_rows {diff:.1e}", flush=True)
+        conv_tile_sweep(f"convscan {label}", run)
+
+
 def long_case(lengths: list[int], new: bool) -> None:
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -385,7 +457,7 @@ def long_case(lengths: list[int], new: bool) -> None:
         conv_tile_sweep(label, rows)
 
 
-SCAN_CONFIGS = ((16, 256, 2), (32, 256, 2), (64, 256, 2), (128, 256, 2), (32, 128, 1), (32, 512, 4), (32, 256, 4))
+SCAN_CONFIGS = ((8, 256, 2), (16, 256, 2), (32, 256, 2), (64, 256, 2), (128, 256, 2), (32, 128, 1), (32, 512, 4))
 
 
 def conv_tile_sweep(label: str, run) -> None:
@@ -645,6 +717,10 @@ if __name__ == "__main__":
         kernel_breakdown()
     if what == "rowsattn":
         rows_attention_tiles()
+    if what == "longattn":
+        long_attention_tiles()
+    if what == "convscan":
+        conv_scan()
     if what == "gaps":
         gpu_gaps()
     if what in ("gemm", "all"):

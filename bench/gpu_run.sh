@@ -16,6 +16,8 @@
 #   chunkvariants  bench/diag.py chunkvariants: the chunked delta rule's sequential pass by value block, warps,
 #              product operands (tf32 / bf16) and register cap, for 1 / 8 / 24 new long states and rows (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
+#   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
+#   convscan   bench/diag.py convscan: the pass's conv by tokens, channels and warps a program (~1 min)
 #   gaps       bench/diag.py gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients,
 #              from graphs on our long kernels (~1 min)
 #   startup    bench/diag.py startup: start-up phases on an empty kernel cache, the kept one (with a host profile), and
@@ -70,6 +72,12 @@ run_step() {
       ;;
     rowsattn)
       timeout 120 python3 bench/diag.py rowsattn 2>&1 | grep -E "^rowsattn|Error" | tee "$out/diag-rowsattn.log" || status=1
+      ;;
+    longattn)
+      timeout 180 python3 bench/diag.py longattn 2>&1 | grep -E "^longattn|Error" | tee "$out/diag-longattn.log" || status=1
+      ;;
+    convscan)
+      timeout 180 python3 bench/diag.py convscan 2>&1 | grep -E "convscan|Error" | tee "$out/diag-convscan.log" || status=1
       ;;
     gaps)
       KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 120 python3 bench/diag.py gaps 2>&1 | grep -E "^gaps|Error" \

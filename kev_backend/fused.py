@@ -212,6 +212,12 @@ class FusedQwen35:
         last = len(w.layers) - 1
         for i, layer in enumerate(w.layers):
             x, residual = self.norm(hidden, layer.input_norm, residual)
+            if i == last and layer.kind == FULL_ATTENTION:
+                # Qwen3.5's last layer: only the picks' outputs are read, and only the new states' K/V are kept.
+                picked = self.last_attention(layer, attn, x, rope, p)
+                if picked is None:  # a pass of new states only: their caches are in the bank now
+                    return x.new_empty(0, x.shape[-1], dtype=torch.float32)
+                return self.head_inputs(residual[p.picks] + picked.float(), layer)
             if layer.kind == FULL_ATTENTION:
                 hidden = self.attention(layer, attn, x, rope, p)
                 attn += 1
@@ -223,11 +229,15 @@ class FusedQwen35:
             x, residual = self.norm(hidden, layer.post_norm, residual)
             hidden = self.mlp(layer, x)
         if p.picks.numel() == 0:  # a pass of new states only: their caches are in the bank now
-            return hidden.new_empty(0, hidden.shape[-1], dtype=torch.float32)
-        # Only the picked tokens go through the last MLP and the final norm.
-        h = residual[p.picks] + hidden[p.picks].float()
-        x = self.rms_fp32(h, w.layers[last].post_norm)
-        h = h + self.mlp(w.layers[last], pad_rows(x.to(w.dtype)))[: h.shape[0]].float()
+            return x.new_empty(0, x.shape[-1], dtype=torch.float32)
+        return self.head_inputs(residual[p.picks] + hidden[p.picks].float(), w.layers[last])
+
+    def head_inputs(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """The picked tokens' residual stream after the last mixer (fp32) through the last MLP and the final norm:
+        what the pointer head reads."""
+        w = self.w
+        x = self.rms_fp32(h, layer.post_norm)
+        h = h + self.mlp(layer, pad_rows(x.to(w.dtype)))[: h.shape[0]].float()
         return self.rms_fp32(h, w.final_norm)
 
     def rms_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -360,3 +370,37 @@ class FusedQwen35:
                 out[r.start : r.end],
             )
         return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
+
+    def last_attention(
+        self, layer: LayerWeights, index: int, x: torch.Tensor, rope, p: PassInput
+    ) -> torch.Tensor | None:
+        """The last layer's gated attention for what is read after it: the new states' K/V into the bank, and the
+        attention output (through the gate and o_proj) at the picks alone. New states' queries, their attention and
+        every other token's output projection are skipped (on a 2,200-token state: 80 % of the layer's input
+        projection, all of its attention and its output projection). Returns [picks, hidden], or None for a pass
+        without rows."""
+        c = self.c
+        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        queries = 2 * Hq * D  # the [q+gate | k | v] projection's first rows
+        k, v = F.linear(x, layer.in_proj[queries:]).split([Hkv * D, Hkv * D], dim=-1)
+        k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
+        v = v.unflatten(-1, (Hkv, D))
+        keys, values = self.pool.keys[index], self.pool.values[index]
+        if (s := p.states) is not None:
+            keys.index_copy_(0, p.state_kv_dst, k[s.start : s.end])
+            values.index_copy_(0, p.state_kv_dst, v[s.start : s.end])
+        if (r := p.rows) is None:
+            return None
+        rows = slice(r.start, r.end)
+        n = r.end - r.start
+        qg = F.linear(pad_rows(x[rows]), layer.in_proj[:queries])[:n]
+        q, gate = qg.view(n, Hq, 2 * D).chunk(2, dim=-1)
+        q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, rope[0][rows], rope[1][rows])
+        out = torch.empty(n, Hq, D, device=x.device, dtype=x.dtype)
+        self._rows_attention(
+            q, k[rows], v[rows], keys, values, p.row_prefix, p.row_prefix_start, p.row_prefix_len, r.cu, r.max_len, out
+        )
+        # A captured pass's padding picks point before the rows: any row token will do (never read).
+        picks = (p.picks - r.start).clamp_(min=0)
+        gated = self._sigmoid_gate(out[picks], gate[picks])
+        return F.linear(pad_rows(gated), layer.out_proj)[: picks.shape[0]]

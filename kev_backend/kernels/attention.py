@@ -17,6 +17,7 @@ from . import grid
 # spills 232 bytes on sm_90a (8 warps; tests/test_kernels.py SPILL_ALLOWED), and is fastest everywhere.
 TILE_ROWS = 64
 WIDE_HEAD_KEYS = 32
+WIDE_HEAD_WARPS = 8
 
 
 @triton.jit
@@ -61,7 +62,8 @@ def _rows_attention_kernel(
     rows masked), so each key tile is read once for all of them. With Kev-4B's 4 query heads per key/value head a
     row's 2,200-token prefix was read by 4 programs of 16 rows, now by 1 of 64."""
     G: tl.constexpr = HQ // HKV
-    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
+    i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     n, hk = i_nh // HKV, i_nh % HKV
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
@@ -138,7 +140,7 @@ def rows_attention(
     GP = triton.next_power_of_2(HQ // HKV)
     BM = max(1, TILE_ROWS // GP)
     BN = 64 if D <= 128 else WIDE_HEAD_KEYS
-    warps = 4 if D <= 128 else 8
+    warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     has_prefix = prefix is not None
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read

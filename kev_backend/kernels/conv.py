@@ -97,6 +97,12 @@ SCAN_CHANNELS = 256
 SCAN_WARPS = 2
 
 
+@triton.jit
+def _store_silu(y, t, stride_yt, o_c, mask, acc):
+    """Token t's conv output through SiLU, rounded to y's dtype."""
+    tl.store(y + t * stride_yt + o_c, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=mask)
+
+
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
 @triton.jit(do_not_specialize=["N", "steps"])
 def _conv_scan_kernel(
@@ -139,33 +145,44 @@ def _conv_scan_kernel(
         base = pool + (tl.load(slots + n).to(tl.int64) * C + o_c) * W  # the window [C, W]: W - d holds x_{bos - d}
         # The window before `start`: a row's state's window when the scan starts at the row's first token, else
         # zeros (a new state's start; or a scan started inside the segment, which replaces them before lo).
-        x4 = tl.zeros([BC], dtype=tl.float32)
         x3 = tl.zeros([BC], dtype=tl.float32)
         x2 = tl.zeros([BC], dtype=tl.float32)
         x1 = tl.zeros([BC], dtype=tl.float32)
         if CONTINUE:
             if start == bos:
-                x4 = tl.load(base + 0, mask=m_c, other=0.0).to(tl.float32)
                 x3 = tl.load(base + 1, mask=m_c, other=0.0).to(tl.float32)
                 x2 = tl.load(base + 2, mask=m_c, other=0.0).to(tl.float32)
                 x1 = tl.load(base + 3, mask=m_c, other=0.0).to(tl.float32)
         for t in range(start, lo):
             x0 = tl.load(x + t * stride_xt + o_c, mask=m_c, other=0.0).to(tl.float32)
-            x4, x3, x2, x1 = x3, x2, x1, x0
-        # Token t + 1's input is loaded while token t's output is computed and stored.
-        ahead = tl.load(x + lo * stride_xt + o_c, mask=m_c & (lo < hi), other=0.0)
-        for t in range(lo, hi):
-            x0 = ahead.to(tl.float32)
-            ahead = tl.load(x + (t + 1) * stride_xt + o_c, mask=m_c & (t + 1 < hi), other=0.0)
-            acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
-            tl.store(y + t * stride_yt + o_c, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=m_c)
-            x4, x3, x2, x1 = x3, x2, x1, x0
-        if not CONTINUE:  # the program with a new state's last token writes its window: its last W inputs
-            end = m_c & (hi == eos) & (hi > lo)
-            tl.store(base + 0, x4.to(pool.dtype.element_ty), mask=end)
-            tl.store(base + 1, x3.to(pool.dtype.element_ty), mask=end)
-            tl.store(base + 2, x2.to(pool.dtype.element_ty), mask=end)
-            tl.store(base + 3, x1.to(pool.dtype.element_ty), mask=end)
+            x3, x2, x1 = x2, x1, x0
+        # Four tokens a step, their inputs loaded a step ahead: eight loads in flight per program where one token
+        # a step kept two (the scan is bound by load latency, not bandwidth). Past `hi` loads give zeros and
+        # stores are masked off.
+        n0 = tl.load(x + lo * stride_xt + o_c, mask=m_c & (lo < hi), other=0.0)
+        n1 = tl.load(x + (lo + 1) * stride_xt + o_c, mask=m_c & (lo + 1 < hi), other=0.0)
+        n2 = tl.load(x + (lo + 2) * stride_xt + o_c, mask=m_c & (lo + 2 < hi), other=0.0)
+        n3 = tl.load(x + (lo + 3) * stride_xt + o_c, mask=m_c & (lo + 3 < hi), other=0.0)
+        for t in range(lo, hi, 4):
+            c0, c1, c2, c3 = n0, n1, n2, n3
+            n0 = tl.load(x + (t + 4) * stride_xt + o_c, mask=m_c & (t + 4 < hi), other=0.0)
+            n1 = tl.load(x + (t + 5) * stride_xt + o_c, mask=m_c & (t + 5 < hi), other=0.0)
+            n2 = tl.load(x + (t + 6) * stride_xt + o_c, mask=m_c & (t + 6 < hi), other=0.0)
+            n3 = tl.load(x + (t + 7) * stride_xt + o_c, mask=m_c & (t + 7 < hi), other=0.0)
+            a0, a1, a2, a3 = c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32)
+            _store_silu(y, t, stride_yt, o_c, m_c, w0 * x3 + w1 * x2 + w2 * x1 + w3 * a0)
+            _store_silu(y, t + 1, stride_yt, o_c, m_c & (t + 1 < hi), w0 * x2 + w1 * x1 + w2 * a0 + w3 * a1)
+            _store_silu(y, t + 2, stride_yt, o_c, m_c & (t + 2 < hi), w0 * x1 + w1 * a0 + w2 * a1 + w3 * a2)
+            _store_silu(y, t + 3, stride_yt, o_c, m_c & (t + 3 < hi), w0 * a0 + w1 * a1 + w2 * a2 + w3 * a3)
+            x3, x2, x1 = a1, a2, a3
+        if not CONTINUE:  # the program with a new state's last token writes its window: its last W inputs, read
+            # again (zeros before the segment's start)
+            end = hi == eos
+            if end & (hi > lo):
+                for d in tl.static_range(W):
+                    src = eos - W + d
+                    x_d = tl.load(x + src * stride_xt + o_c, mask=m_c & (src >= bos), other=0.0)
+                    tl.store(base + d, x_d.to(pool.dtype.element_ty), mask=m_c)
         n += 1
         bos = tl.load(cu + n, mask=n < N, other=0).to(tl.int64)
 
