@@ -174,17 +174,24 @@ def recurrent_configs() -> None:
 
     _, HV, K, V = KEV4B_HEADS
     pool = torch.randn(256, HV, K, V, device="cuda") * 0.01
-    for rows, length in ((6, 39), (192, 39), (192, 31)):
+    for rows, length in ((6, 39), (40, 40), (192, 39)):
         T = rows * length
         _, q, k, v, a, b = delta_rule_inputs(T)
         a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
         slots = torch.randint(0, 256, (rows,), device="cuda")
         cu = torch.arange(0, T + 1, length, device="cuda")
         line = []
-        for bv, warps in ((32, 4), (8, 1), (16, 1), (16, 2), (32, 2), (8, 2), (4, 1)):
-            delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS = bv, warps  # read at each launch
-            args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
-            line.append(f"BV{bv}/w{warps}:{cuda_ms(lambda args=args: kernels.recurrent_rows(*args)):.3f}ms")
+        chosen = delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS, delta_rule.RECURRENT_NORMS_AHEAD
+        args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+        reference = kernels.recurrent_rows(*args).float()
+        for ahead in (False, True):
+            for bv, warps in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
+                # read at each launch
+                delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS, delta_rule.RECURRENT_NORMS_AHEAD = bv, warps, ahead
+                diff = (kernels.recurrent_rows(*args).float() - reference).abs().max().item()
+                ms = cuda_ms(lambda args=args: kernels.recurrent_rows(*args))
+                line.append(f"{'ahead ' if ahead else ''}BV{bv}/w{warps}:{ms:.3f}ms({diff:.0e})")
+        delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS, delta_rule.RECURRENT_NORMS_AHEAD = chosen
         print(f"recurrent rows={rows}x{length}:", " ".join(line), flush=True)
 
 
@@ -317,7 +324,7 @@ def long_attention_tiles() -> None:
     from kev_backend.kernels import attention as A
 
     HQ, HKV, D = 16, 4, 256
-    chosen = A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS
+    chosen = A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES
     gen = torch.Generator(device="cuda").manual_seed(0)
     for states in (1, 8):
         lengths = [2200 - 37 * i for i in range(states)]
@@ -333,13 +340,15 @@ def long_attention_tiles() -> None:
         ms = cuda_ms(fa)
         print(f"longattn {states}x2200 varlen: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
         ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
-        for A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS in (
-            (64, 32, 8),
-            (64, 64, 8),
-            (128, 32, 8),
-            (128, 64, 8),
-            (64, 64, 4),
-            (128, 128, 8),
+        for A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES in (
+            (128, 32, 8, 3),
+            (128, 32, 8, 2),
+            (128, 32, 8, 1),
+            (128, 64, 8, 2),
+            (128, 64, 8, 1),
+            (128, 32, 4, 2),
+            (256, 32, 8, 2),
+            (64, 64, 4, 3),
         ):
             try:
                 diff = (ours().float() - reference).abs().max().item()
@@ -348,11 +357,11 @@ def long_attention_tiles() -> None:
             except Exception as error:  # e.g. out of shared memory: report, go on
                 result = f"failed: {type(error).__name__}"
             print(
-                f"longattn {states}x2200 ours rows {A.TILE_ROWS} keys {A.WIDE_HEAD_KEYS} warps "
-                f"{A.WIDE_HEAD_WARPS}: {result}",
+                f"longattn {states}x2200 ours rows {A.LONG_TILE_ROWS} keys {A.WIDE_HEAD_KEYS} warps "
+                f"{A.WIDE_HEAD_WARPS} stages {A.ATTENTION_STAGES}: {result}",
                 flush=True,
             )
-        A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS = chosen
+        A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES = chosen
 
 
 def conv_scan() -> None:

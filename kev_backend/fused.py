@@ -112,8 +112,8 @@ class FusedWeights:
 
 @dataclass(frozen=True)
 class PassKernels:
-    """The GPU kernels of a pass: fla's chunked delta rule for new states over RECURRENT_MAX_LEN tokens (unless
-    long_kernels is "ours") and torch's varlen attention for them; ours (kev_backend.kernels) for everything else:
+    """The GPU kernels of a pass: fla's chunked delta rule and torch's varlen attention for new states over
+    RECURRENT_MAX_LEN tokens (unless long_kernels is "ours"); ours (kev_backend.kernels) for everything else:
     norms, the causal conv, the delta rules and the attention of short segments and rows, which read (rows) or write
     (new states) the bank in place. A CPU test substitutes torch references with the same signatures to check the
     pass's plumbing."""
@@ -177,9 +177,9 @@ class FusedQwen35:
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv = k.chunked_rows, k.conv
-        # The delta rule of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel ("fla"), or ours ("ours":
-        # chunked_rows, reading and writing the bank in place, no host chunk maps, so capturable). On an H200 (bench/
-        # NOTES.md) ours wins for one 2,200-token state (0.58 vs 0.85 ms a layer) and loses for eight (4.5 vs 1.5).
+        # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
+        # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
+        # in place, no host chunk maps, so capturable; faster on the H200 from session 9: bench/NOTES.md).
         if long_kernels not in ("fla", "ours"):
             raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
         self.long_kernels = long_kernels
@@ -330,13 +330,13 @@ class FusedQwen35:
         # Per-head norm and partial RoPE in one kernel each, reading the projection's per-head views in place.
         q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, *rope)
         k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
-        v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (long states) gets a copy
+        v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (fla's long kernels) gets a copy
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens' rows: never read
         keys, values = self.pool.keys[index], self.pool.values[index]
         if (s := p.states) is not None:
             for group in s.groups:
                 span = group.span
-                if group.short:  # ours: causal over the state's own tokens
+                if group.short or self.long_kernels == "ours":  # ours: causal over the state's own tokens
                     self._rows_attention(
                         q[span], k[span], v[span], keys, values, None, None, None, group.cu, group.max_len, out[span]
                     )

@@ -18,6 +18,15 @@ from . import grid
 TILE_ROWS = 64
 WIDE_HEAD_KEYS = 32
 WIDE_HEAD_WARPS = 8
+# Query rows per program for new states over LONG_ABOVE tokens (no prefix): every row attends to many keys, so bigger
+# tiles pay. H200 (bench/diag.py longattn, 45dfefc), Kev-4B heads, 1 / 8 new 2,200-token states: 128 rows × 32 keys
+# on 8 warps 0.172 / 0.902 ms, 64 × 32 0.246 / 1.689, 64 × 64 (4 warps) 0.197 / 1.360; torch's varlen attention
+# (FlashAttention 2) 0.201 / 0.991. 128 × 64 runs out of shared memory. A row's arithmetic does not depend on the
+# tile's rows (keys per step and warps are the same), so a state's output does not either.
+LONG_TILE_ROWS = 128
+LONG_ABOVE = 128
+# Software-pipelining stages of the key loop (Triton's default on sm_90), read at each launch.
+ATTENTION_STAGES = 3
 
 
 @triton.jit
@@ -138,7 +147,7 @@ def rows_attention(
     n = cu.shape[0] - 1
     # TILE_ROWS rows a program: BM tokens × the query heads of one key/value head.
     GP = triton.next_power_of_2(HQ // HKV)
-    BM = max(1, TILE_ROWS // GP)
+    BM = max(1, (LONG_TILE_ROWS if prefix is None and max_len > LONG_ABOVE else TILE_ROWS) // GP)
     BN = 64 if D <= 128 else WIDE_HEAD_KEYS
     warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     has_prefix = prefix is not None
@@ -170,5 +179,6 @@ def rows_attention(
             GP=GP,
             HAS_PREFIX=has_prefix,
             num_warps=warps,
+            num_stages=ATTENTION_STAGES,
         )
     return o
