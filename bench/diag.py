@@ -181,17 +181,14 @@ def recurrent_configs() -> None:
         slots = torch.randint(0, 256, (rows,), device="cuda")
         cu = torch.arange(0, T + 1, length, device="cuda")
         line = []
-        chosen = delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS, delta_rule.RECURRENT_NORMS_AHEAD
+        chosen = delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS
         args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
         reference = kernels.recurrent_rows(*args).float()
-        for ahead in (False, True):
-            for bv, warps in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
-                # read at each launch
-                delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS, delta_rule.RECURRENT_NORMS_AHEAD = bv, warps, ahead
-                diff = (kernels.recurrent_rows(*args).float() - reference).abs().max().item()
-                ms = cuda_ms(lambda args=args: kernels.recurrent_rows(*args))
-                line.append(f"{'ahead ' if ahead else ''}BV{bv}/w{warps}:{ms:.3f}ms({diff:.0e})")
-        delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS, delta_rule.RECURRENT_NORMS_AHEAD = chosen
+        for bv, warps in ((16, 1), (8, 1), (16, 2), (32, 2), (32, 4)):
+            delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS = bv, warps  # read at each launch
+            diff = (kernels.recurrent_rows(*args).float() - reference).abs().max().item()
+            line.append(f"BV{bv}/w{warps}:{cuda_ms(lambda args=args: kernels.recurrent_rows(*args)):.3f}ms({diff:.0e})")
+        delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS = chosen
         print(f"recurrent rows={rows}x{length}:", " ".join(line), flush=True)
 
 

@@ -335,7 +335,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     recurrent = {"q": bf, "k": bf, "v": bf, "a": bf, "b": bf, "a_log": f32, "dt_bias": f32, "pool": f32}
     bf16_chain = R.CHUNK_DOTS == "bf16"
     chunk_w = bf if bf16_chain else f32  # W is stored as the chain multiplies it
-    recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32", "norms": f32}
+    recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
     cases = [
@@ -383,16 +383,15 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         (
             R._recurrent_rows_kernel,
             recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=True, NORMS=R.RECURRENT_NORMS_AHEAD),
+            dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=True),
             R.RECURRENT_WARPS,
         ),
         (
             R._recurrent_rows_kernel,
             recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=False, NORMS=R.RECURRENT_NORMS_AHEAD),
+            dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=False),
             R.RECURRENT_WARPS,
         ),
-        (R._qk_norms_kernel, {"q": bf, "k": bf, "norms": f32, "scale": "fp32"}, dict(H=16, K=128, R=R.QK_NORM_ROWS), 4),
         (
             R._chunk_prep_kernel,
             recurrent | {"w": chunk_w, "u": f32},

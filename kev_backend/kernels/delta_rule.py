@@ -31,9 +31,6 @@ def _delta_rule_inputs(q, k, v, a, b, t, eos, stride_t, stride_vt, stride_at, hk
 # 192 rows of 39 tokens: 16/1 1.65 ms, 8/1 2.05, 32/2 2.08, 32/4 3.16.
 RECURRENT_BV = 16
 RECURRENT_WARPS = 1
-# The per-token norms of q and k from qk_norms (a kernel of their own) rather than summed in the loop, read at each
-# launch.
-RECURRENT_NORMS_AHEAD = True
 # The token-by-token kernel keeps its state as h_scale · h (see _recurrent_rows_kernel) with h_scale ≥ 2^-80 ≈ 8e-25:
 # h stays within 2^80 of the true state, inside fp32's range (2^128) with room for its products with unnormalised q
 # and k.
@@ -83,46 +80,15 @@ def _log_decay(b_a, decay_rate, bias):
 
 
 @triton.jit
-def _qk_terms(b_q, b_k, norms, t, eos, hk, H, scale, NORMS: tl.constexpr):
-    """Token t's scale / |q|, 1 / |k| and their normalised product (q·k) · scale / (|q| |k|): read from `norms`
-    (NORMS: _qk_norms_kernel's [T, H, 3]) or summed here from its q and k [K]."""
-    if NORMS:
-        m = t < eos
-        row = norms + (t * H + hk) * 3
-        return (
-            tl.load(row, mask=m, other=0.0),
-            tl.load(row + 1, mask=m, other=0.0),
-            tl.load(row + 2, mask=m, other=0.0),
-        )
-    inv_q = scale * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-    inv_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-    return inv_q, inv_k, tl.sum(b_k * b_q) * inv_q * inv_k
-
-
-@triton.jit(do_not_specialize=["rows"])
-def _qk_norms_kernel(q, k, norms, rows, scale, stride_t, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr):
-    """_qk_terms for R (token, key head) rows a program, into norms [T, H, 3] (fp32)."""
-    row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    m = row < rows
-    o_k = tl.arange(0, K)
-    src = ((row // H) * stride_t + (row % H) * K)[:, None] + o_k[None, :]
-    b_q = tl.load(q + src, mask=m[:, None], other=0.0).to(tl.float32)
-    b_k = tl.load(k + src, mask=m[:, None], other=0.0).to(tl.float32)
-    inv_q = scale * tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)
-    inv_k = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)
-    tl.store(norms + row * 3, inv_q, mask=m)
-    tl.store(norms + row * 3 + 1, inv_k, mask=m)
-    tl.store(norms + row * 3 + 2, tl.sum(b_k * b_q, axis=1) * inv_q * inv_k, mask=m)
-
-
-@triton.jit
-def _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, inv_q, inv_k, qk):
+def _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale):
     """One token of the gated delta rule on the decayed state h_scale · h [K, BV] (fp32): the new h and its output
     [BV]. The loop is bound by the FP32 issue rate: every thread holds 64 of the state block's entries, so each op
     on the whole state costs 64 instructions a token. This does three, all FMAs (two reductions over the key dim and
     the update), where the plain form does four: the decay multiplies the scalar h_scale rather than h, and q and k
-    stay unnormalised, their norms (_qk_terms) applied to the reductions' [BV] results. sm_90a SASS: 528 → ~420
-    instructions."""
+    stay unnormalised, their norms applied to the reductions' [BV] results. sm_90a SASS: 528 → ~420 instructions."""
+    inv_q = scale * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+    inv_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    qk = tl.sum(b_k * b_q) * inv_q * inv_k
     b_u = (b_v - tl.sum(h * b_k[:, None], axis=0) * (h_scale * inv_k)) * tl.sigmoid(b_b)
     b_o = tl.sum(h * b_q[:, None], axis=0) * (h_scale * inv_q) + qk * b_u
     h = h + b_k[:, None] * (b_u * tl.fdiv(inv_k, h_scale))[None, :]
@@ -147,14 +113,12 @@ def _recurrent_rows_kernel(
     stride_vt,
     stride_at,
     stride_ot,
-    norms,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BV: tl.constexpr,
     CONTINUE: tl.constexpr,
-    NORMS: tl.constexpr,
 ):
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h = _delta_rule_program(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
@@ -168,33 +132,28 @@ def _recurrent_rows_kernel(
     n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
         q, k, v, a, b, bos, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
     )
-    n_iq, n_ik, n_qk = _qk_terms(n_q, n_k, norms, bos, eos, hk, H, scale, NORMS)
     n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
     h_scale = tl.full([], 1.0, tl.float32)
     t = bos
     while t < eos:
         while (t < eos) & (h_scale * n_decay >= RESCALE_BELOW):
             b_q, b_k, b_v, b_b, h_scale = n_q, n_k, n_v, n_b, h_scale * n_decay
-            inv_q, inv_k, qk = n_iq, n_ik, n_qk
             n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
                 q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
             )
-            n_iq, n_ik, n_qk = _qk_terms(n_q, n_k, norms, t + 1, eos, hk, H, scale, NORMS)
             n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
-            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, inv_q, inv_k, qk)
+            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale)
             tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
             t += 1
         h = h * h_scale
         h_scale = tl.full([], 1.0, tl.float32)
         if (t < eos) & ~(n_decay >= RESCALE_BELOW):  # not `<`: a NaN decay (NaN inputs) must advance t as well
             b_q, b_k, b_v, b_b, h = n_q, n_k, n_v, n_b, h * n_decay
-            inv_q, inv_k, qk = n_iq, n_ik, n_qk
             n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
                 q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
             )
-            n_iq, n_ik, n_qk = _qk_terms(n_q, n_k, norms, t + 1, eos, hk, H, scale, NORMS)
             n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
-            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, inv_q, inv_k, qk)
+            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale)
             tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
             t += 1
     # A new state's end state goes into its (fresh) bank slot; a row writes nothing back. Empty segments (a captured
@@ -225,7 +184,6 @@ def recurrent_rows(
     [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
     does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]).
     """
-    norms = qk_norms(q, k) if RECURRENT_NORMS_AHEAD else q  # (q: not read)
     return _launch_delta_rule(
         _recurrent_rows_kernel,
         RECURRENT_BV,
@@ -242,27 +200,7 @@ def recurrent_rows(
         cu,
         new_states,
         out,
-        norms=norms,
-        NORMS=RECURRENT_NORMS_AHEAD,
     )
-
-
-# (token, key head) rows per program of qk_norms.
-QK_NORM_ROWS = 16
-
-
-def qk_norms(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Every (token, key head)'s scale / |q|, 1 / |k| and (q·k) · scale / (|q| |k|) [T, H, 3] (fp32; scale K^-0.5):
-    the token-by-token delta rule's per-token terms, computed once here instead of by each of the programs that
-    share a key head (2 value heads × 8 value blocks on Kev-4B), on the loop's FP32 issue budget."""
-    T, H, K = q.shape
-    assert k.stride() == q.stride() and q.stride(2) == 1 and q.stride(1) == K
-    norms = torch.empty(T, H, 3, device=q.device, dtype=torch.float32)
-    if T:
-        _qk_norms_kernel[(triton.cdiv(T * H, QK_NORM_ROWS),)](
-            q, k, norms, T * H, K**-0.5, q.stride(0), H=H, K=K, R=QK_NORM_ROWS
-        )
-    return norms
 
 
 def _launch_delta_rule(
