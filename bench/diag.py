@@ -1,7 +1,7 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
-    python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|recurrent|latency|
-                           startup|speed|sweep|invariance|profile|gemm]
+    python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|ncuprobe|recurrent|
+                           latency|startup|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -359,6 +359,25 @@ def long_attention_tiles() -> None:
                 flush=True,
             )
         A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES = chosen
+
+
+def ncu_probe() -> None:
+    """Three calls each (the first two warm) of the chunked delta rule on 8 new 2,200-token states and of the
+    token-by-token one on 6 rows of 40 tokens: for Nsight Compute to profile the third (bench/gpu_run.sh ncu)."""
+    from kev_backend import kernels
+
+    _, HV, K, V = KEV4B_HEADS
+    for lengths, new in (([2200] * 8, True), ([40] * 6, False)):
+        T, n = sum(lengths), len(lengths)
+        _, q, k, v, a, b = delta_rule_inputs(T)
+        a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
+        pool = torch.randn(n + 1, HV, K, V, device="cuda") * 0.01
+        slots = torch.arange(n, device="cuda")
+        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+        rule = kernels.chunked_rows if new else kernels.recurrent_rows
+        for _ in range(3):
+            rule(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)
+        torch.cuda.synchronize()
 
 
 def conv_scan() -> None:
@@ -727,6 +746,8 @@ if __name__ == "__main__":
         long_attention_tiles()
     if what == "convscan":
         conv_scan()
+    if what == "ncuprobe":
+        ncu_probe()
     if what == "gaps":
         gpu_gaps()
     if what in ("gemm", "all"):

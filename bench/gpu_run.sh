@@ -18,6 +18,8 @@
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
 #   convscan   bench/diag.py convscan: the pass's conv by tokens, channels and warps a program (~1 min)
+#   ncu        Nsight Compute (--set full, if the image has ncu) on the chunked delta rule's prep and chain (8 new
+#              2,200-token states) and the token-by-token one (6 rows of 40 tokens): bench/diag.py ncuprobe (~2 min)
 #   gaps       bench/diag.py gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients,
 #              from graphs on our long kernels (~1 min)
 #   startup    bench/diag.py startup: start-up phases on an empty kernel cache, the kept one (with a host profile), and
@@ -78,6 +80,17 @@ run_step() {
       ;;
     convscan)
       timeout 180 python3 bench/diag.py convscan 2>&1 | grep -E "convscan|Error" | tee "$out/diag-convscan.log" || status=1
+      ;;
+    ncu)
+      ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [[ -z $ncu ]]; then echo "ncu: not in this image" | tee "$out/ncu.log"; return; fi
+      for filter in "_chunk:4:2" "_recurrent:2:1"; do
+        IFS=: read -r name skip count <<< "$filter"
+        timeout 240 "$ncu" --set full -k "regex:$name" --launch-skip "$skip" --launch-count "$count" \
+          python3 bench/diag.py ncuprobe >> "$out/ncu.log" 2>&1 || status=1
+      done
+      grep -E "^  [_a-z]|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|\
+Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc A|ERR|spill" "$out/ncu.log" | cut -c1-150
       ;;
     gaps)
       KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 120 python3 bench/diag.py gaps 2>&1 | grep -E "^gaps|Error" \
