@@ -1,7 +1,7 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
     python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|ncuprobe|recurrent|
-                           latency|startup|speed|sweep|invariance|profile|gemm]
+                           timeline|latency|startup|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -380,6 +380,53 @@ def ncu_probe() -> None:
         torch.cuda.synchronize()
 
 
+def request_timeline() -> None:
+    """Where one short6 request's model time goes besides its kernels (KEV_GRAPHS=1: as the GPU config runs it),
+    new state and same state: model time (launch to probabilities on the host) against the GPU's busy time, the
+    wait from launch to its first kernel, the idle gaps between kernels, and from the last kernel to the answer;
+    then the host functions of 20 requests on new states by own time (cProfile)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from kev_backend import bench
+    from kev_backend.workloads import short6
+
+    engine = kev4b_engine()
+    for label, make in (("new", lambda: short6(next(bench.NEW_STATE))), ("same", lambda: short6(None))):
+        for _ in range(5):
+            engine.answer([make()])
+        torch.cuda.synchronize()
+        body = make()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("kev_answer"):
+                engine.answer([body])
+            model_ms = engine.last_batch.model_ms
+        events = prof.events()
+        kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+        call = next(e.time_range for e in events if e.name == "kev_answer" and e.device_type == DeviceType.CPU)
+        busy, gaps, end = 0.0, [], kernels[0][0]
+        for lo, hi in kernels:
+            if lo > end:
+                gaps.append(lo - end)
+            busy += max(0.0, hi - max(lo, end))
+            end = max(end, hi)
+        span = (kernels[-1][1] - kernels[0][0]) / 1000
+        print(
+            f"timeline short6 {label}: model {model_ms:.2f} ms, kernels {len(kernels)} over {span:.2f} ms, busy "
+            f"{busy / 1000:.2f} ms, {len(gaps)} gaps {sum(gaps) / 1000:.2f} ms (over 5 us: "
+            f"{sum(g for g in gaps if g > 5) / 1000:.2f} ms); answer call {(call.end - call.start) / 1000:.2f} ms, "
+            f"its first kernel after {(kernels[0][0] - call.start) / 1000:.2f} ms, its end "
+            f"{(call.end - kernels[-1][1]) / 1000:.2f} ms after the last",
+            flush=True,
+        )
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        engine.answer([short6(next(bench.NEW_STATE))])
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
 def conv_scan() -> None:
     """The pass's conv (conv_tokens) on Kev-4B's 8,192 channels, by (tokens, channels, warps) a program: ms for new
     states (1, 8 and 24 of 2,200 tokens) and rows (6×40, 192×39, 40×100), and the largest difference from the
@@ -748,6 +795,8 @@ if __name__ == "__main__":
         conv_scan()
     if what == "ncuprobe":
         ncu_probe()
+    if what == "timeline":
+        request_timeline()
     if what == "gaps":
         gpu_gaps()
     if what in ("gemm", "all"):

@@ -18,6 +18,8 @@
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
 #   convscan   bench/diag.py convscan: the pass's conv by tokens, channels and warps a program (~1 min)
+#   timeline   bench/diag.py timeline: one short6 request's model time against its kernels' busy time and gaps, then
+#              the host functions by own time, from graphs (~1 min)
 #   ncu        Nsight Compute (--set full, if the image has ncu) on the chunked delta rule's prep and chain (8 new
 #              2,200-token states) and the token-by-token one (6 rows of 40 tokens): bench/diag.py ncuprobe (~2 min)
 #   gaps       bench/diag.py gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients,
@@ -91,6 +93,10 @@ run_step() {
       done
       grep -E "^  [_a-z]|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|\
 Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc A|ERR|spill" "$out/ncu.log" | cut -c1-150
+      ;;
+    timeline)
+      KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 150 python3 bench/diag.py timeline 2>&1 | grep -v -i warn \
+        | tee "$out/diag-timeline.log" | head -60 || status=1
       ;;
     gaps)
       KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 120 python3 bench/diag.py gaps 2>&1 | grep -E "^gaps|Error" \
