@@ -155,13 +155,14 @@ class StaticInputs:
         # Two host buffers, used in turn: filling one waits only for the copy out of it two passes back, which has run
         # unless the model thread is two batches ahead of the GPU.
         self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.host_arrays = [host.numpy() for host in self.hosts]  # the same memory: filled from lists by numpy
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last host→device copy
         self.turn = 0
 
-    def view(self, name: str, n: int, host: bool = False) -> torch.Tensor:
+    def view(self, name: str, n: int) -> torch.Tensor:
         start, size = self.offsets[name]
         assert n <= size
-        return (self.hosts[self.turn] if host else self.flat)[start : start + n]
+        return self.flat[start : start + n]
 
     def pass_input(self, bucket: Bucket, long_states: bool = False) -> PassInput:
         """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. With `long_states` the
@@ -233,8 +234,11 @@ class StaticInputs:
         end = 0
         for name, seq in values.items():
             if seq:
-                self.view(name, len(seq), host=True).copy_(torch.tensor(seq, dtype=torch.int64))
-                start = self.offsets[name][0]
+                # numpy writes a list into the pinned buffer in place: a tensor and a copy per field cost ~10x more
+                # host time, all of it before the replay can start.
+                start, size = self.offsets[name]
+                assert len(seq) <= size
+                self.host_arrays[self.turn][start : start + len(seq)] = seq
                 end = max(end, start + len(seq))
         self.flat[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
         if self.device.type == "cuda":
