@@ -19,10 +19,11 @@ TILE_ROWS = 64
 WIDE_HEAD_KEYS = 32
 WIDE_HEAD_WARPS = 8
 # Query rows per program for new states over LONG_ABOVE tokens (no prefix): every row attends to many keys, so bigger
-# tiles pay. H200 (bench/diag.py longattn, 45dfefc), Kev-4B heads, 1 / 8 new 2,200-token states: 128 rows × 32 keys
-# on 8 warps 0.172 / 0.902 ms, 64 × 32 0.246 / 1.689, 64 × 64 (4 warps) 0.197 / 1.360; torch's varlen attention
-# (FlashAttention 2) 0.201 / 0.991. 128 × 64 runs out of shared memory. A row's arithmetic does not depend on the
-# tile's rows (keys per step and warps are the same), so a state's output does not either.
+# tiles pay. H200 (bench/diag.py longattn, 45dfefc and 6e77b20), Kev-4B heads, 1 / 8 new 2,200-token states: 128 rows ×
+# 32 keys on 8 warps, 3 stages 0.172 / 0.899-0.902 ms; 2 stages 0.221 / 1.082; 128 × 64 (2 stages; 3 run out of shared
+# memory) 0.184 / 0.920; 64 × 32 0.246 / 1.689; 64 × 64 on 4 warps 0.197 / 1.353; torch's varlen attention
+# (FlashAttention 2) 0.201 / 0.991. A row's arithmetic does not depend on the tile's rows (keys per step and warps are
+# the same), so a state's output does not either.
 LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
 # Software-pipelining stages of the key loop (Triton's default on sm_90), read at each launch.

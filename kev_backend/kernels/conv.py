@@ -86,12 +86,12 @@ def conv_rows(
     return y
 
 
-# Tokens per program of the scanning conv, and channels per program on SCAN_WARPS warps (four per thread: ~64
-# registers on sm_90a, so 32 warps per SM). H200, Kev-4B's 8,192 channels (bench/diag.py long, d19e5d8; results/logs),
-# ms for 192×39 / 40×100 rows and 1 / 8 / 24 new states of 2,200 tokens: 32×256/2 0.111 / 0.061 and 0.039 / 0.259 /
-# 0.749; 64×256/2 0.110 / 0.058, 0.042 / 0.253 / 0.732; 32×128/1 0.125 / 0.077; 32×512/4 0.127 / 0.080. The tiled
-# kernel it replaced ([tokens, channels] tiles, each token finding its segment; 220-255 registers with spills: two
-# programs per SM) took 0.389 / 0.190 and 0.059 / 0.437 / 1.308, with identical outputs.
+# Tokens per program of the scanning conv, and channels per program on SCAN_WARPS warps (four per thread). H200,
+# Kev-4B's 8,192 channels (bench/diag.py convscan, 45dfefc; results/logs), ms for 192×39 / 40×100 rows and 1 / 8 / 24
+# new states of 2,200 tokens, four tokens a step: 32×256/2 0.092 / 0.050 and 0.032 / 0.190 / 0.553; 64×256/2 0.089 /
+# 0.053 and 0.039 / 0.185 / 0.531; 16×256/2 0.101 / 0.052 and 0.036 / 0.220 / 0.654. One token a step (d19e5d8):
+# 32×256/2 0.111 / 0.061 and 0.039 / 0.259 / 0.749. The tiled kernel before it ([tokens, channels] tiles, each token
+# finding its segment; 220-255 registers with spills) took 0.389 / 0.190 and 0.059 / 0.437 / 1.308. Outputs identical.
 SCAN_TOKENS = 32
 SCAN_CHANNELS = 256
 SCAN_WARPS = 2
