@@ -238,13 +238,13 @@ def chunk_variants() -> None:
     narrow, wide = chosen[:2]
     variants = [
         chosen,
-        (narrow, wide, "tf32", 2),
-        (narrow, narrow, "bf16", 2),
-        (wide, wide, "bf16", 2),
+        (narrow, wide, "tf32", 4),
+        (narrow, wide, "bf16", 2),
+        (narrow, narrow, "bf16", 4),
         (wide, wide, "bf16", 4),
-        ((64, 4, 128), (64, 4, 128), "bf16", 2),
-        ((64, 8, 168), (64, 8, 168), "bf16", 2),
-        ((128, 8, 168), (128, 8, 168), "bf16", 2),
+        ((64, 4, None), (64, 4, None), "bf16", 4),
+        ((32, 4, 168), (32, 4, 168), "bf16", 4),
+        ((128, 8, None), (128, 8, None), "bf16", 4),
     ]
 
     def describe(variant) -> str:

@@ -285,11 +285,13 @@ if CHUNK_DOTS not in ("tf32", "bf16"):
 CHUNK_NARROW: tuple[int, int, int | None] = (32, 4, None)
 CHUNK_WIDE: tuple[int, int, int | None] = (64, 4, 168)
 WIDE_ABOVE = 2
-# Warps per prep program (bench/diag.py chunkvariants, 67f5081: 2 warps 0.277 / 1.469 / 4.426 ms against 4 warps'
-# 0.289 / 1.588 / 4.830 for 1 / 8 / 24 states, same outputs).
-PREP_WARPS = 2
+# Warps per prep program. Before the prep took over the chain's elementwise terms, 2 warps ran faster (bench/diag.py
+# chunkvariants, 67f5081: 0.277 / 1.469 / 4.426 ms against 0.289 / 1.588 / 4.830 for 1 / 8 / 24 states); with them, 2
+# warps spill 8 bytes on sm_90a and 4 none (not yet timed on the GPU).
+PREP_WARPS = 4
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
-# 67f5081). W is stored in bf16 when the chain multiplies in bf16 (all it is used for), in fp32 otherwise; U₀ in fp32.
+# 67f5081). W, Qs, Kd and QK are stored in bf16 when the chain multiplies in bf16 (all they are used for), in fp32
+# otherwise; U₀ in fp32.
 
 
 @triton.jit
@@ -297,8 +299,10 @@ def _dot(x, y, BF16: tl.constexpr):
     """x @ y for the chunked delta rule's chain: fp32 operands on TF32 tensor cores, or (BF16) rounded to bf16 as fla's
     chunked kernels do, which halves the registers an MMA operand takes; fp32 accumulation either way."""
     if BF16:
-        return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
-    return tl.dot(x, y, input_precision=PRECISION)
+        product = tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
+    else:  # (an else, not an early return: Triton would type-check the tf32 form on bf16 operands too)
+        product = tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision=PRECISION)
+    return product
 
 
 @triton.jit
@@ -319,23 +323,60 @@ def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
 
 @triton.jit
 def _chunk_terms(
-    k, v, a, b, w, u, c0, eos, hk, hv, decay_rate, bias, stride_t, stride_vt, stride_at, HV, K, V, BT, LOG2_BT
+    q,
+    k,
+    v,
+    a,
+    b,
+    w,
+    u,
+    qs,
+    kd,
+    qk,
+    dend,
+    c0,
+    eos,
+    hk,
+    hv,
+    decay_rate,
+    bias,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    HV,
+    K,
+    V,
+    BT,
+    LOG2_BT,
 ):
-    """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment), written per token."""
+    """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment), written per token: W and
+    U₀ (below), and everything else the chain multiplies by the state, so that its loop holds only the products:
+    Qs = q̂ exp(γ) scale, Kd = k̂ exp(γ_last − γ) [BT, K], QK = (q̂·k̂ᵀ ⊙ decay) scale [BT, BT] and exp(γ_last) (dend,
+    at the chunk's first token)."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
     t = c0 + o_t
     m = t < eos
     gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
-    b_k = _l2_normalised(
-        tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    )
-    b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    qk_rows = t[:, None] * stride_t + hk * K + o_k[None, :]
+    per_token = (t[:, None] * HV + hv) * K + o_k[None, :]
+    b_k = _l2_normalised(tl.load(k + qk_rows, mask=m[:, None], other=0.0).to(tl.float32))
     causal = o_t[:, None] >= o_t[None, :]
+    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    # q's terms first, stored before the inverse (fewer tiles live at once: no register spills on sm_90a). The
+    # chain's bf16 products round q̂ and k̂ after these scalings (fp32 here), as it rounded them before. γ stays at its
+    # last value past the segment's end, so γ_last is the chunk's (or the segment's) end.
+    b_q = _l2_normalised(tl.load(q + qk_rows, mask=m[:, None], other=0.0).to(tl.float32))
+    QK = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay, 0.0) * scale
+    tl.store(qk + (t[:, None] * HV + hv) * BT + o_t[None, :], QK.to(qk.dtype.element_ty), mask=m[:, None])
+    tl.store(qs + per_token, (b_q * (tl.exp(gam) * scale)[:, None]).to(qs.dtype.element_ty), mask=m[:, None])
+    last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
+    tl.store(kd + per_token, (b_k * tl.exp(last - gam)[:, None]).to(kd.dtype.element_ty), mask=m[:, None])
+    tl.store(dend + c0 * HV + hv, tl.exp(last))
     strict = o_t[:, None] > o_t[None, :]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
     A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
     # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
     T = eye - A
@@ -344,14 +385,16 @@ def _chunk_terms(
         P = tl.dot(P, P, input_precision=PRECISION)
         T = tl.dot(T, eye + P, input_precision=PRECISION)
     W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
+    tl.store(w + per_token, W.to(w.dtype.element_ty), mask=m[:, None])
+    b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
-    tl.store(w + (t[:, None] * HV + hv) * K + o_k[None, :], W.to(w.dtype.element_ty), mask=m[:, None])
     tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
 @triton.jit(do_not_specialize=["N", "steps"])
 def _chunk_prep_kernel(
+    q,
     k,
     v,
     a,
@@ -361,7 +404,12 @@ def _chunk_prep_kernel(
     cu,
     w,
     u,
+    qs,
+    kd,
+    qk,
+    dend,
     N,
+    scale,
     stride_t,
     stride_vt,
     stride_at,
@@ -376,9 +424,10 @@ def _chunk_prep_kernel(
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
     W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
-    (fp32), so that the sequential pass gets U = U₀ − W S. Chunks start at their segment's first token and every
-    BT tokens after; a program takes the chunks that start in its BT tokens of the input (at most one per segment,
-    found from the first segment reaching into them)."""
+    (fp32), so that the sequential pass gets U = U₀ − W S; and the scaled q̂ and k̂, the chunk's q̂·k̂ᵀ and its end
+    decay (_chunk_terms). Chunks start at their segment's first token and every BT tokens after; a program takes
+    the chunks that start in its BT tokens of the input (at most one per segment, found from the first segment
+    reaching into them)."""
     i_t, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
     start = i_t.to(tl.int64) * BT
@@ -390,18 +439,24 @@ def _chunk_prep_kernel(
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
         if c0 < tl.minimum(eos, start + BT):
             _chunk_terms(
+                q,
                 k,
                 v,
                 a,
                 b,
                 w,
                 u,
+                qs,
+                kd,
+                qk,
+                dend,
                 c0,
                 eos,
                 hk,
                 hv,
                 decay_rate,
                 bias,
+                scale,
                 stride_t,
                 stride_vt,
                 stride_at,
@@ -433,6 +488,10 @@ def _chunked_delta_rule_kernel(
     stride_at,
     stride_ot,
     w,
+    qs,
+    kd,
+    qk,
+    dend,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -442,35 +501,29 @@ def _chunked_delta_rule_kernel(
     CONTINUE: tl.constexpr,
     BF16: tl.constexpr,
 ):
-    """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place and W [T, HV, K] added),
-    chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
-    o = exp(γ) q S + (q·kᵀ ⊙ decay) U; S ← exp(γ_last) S + (k exp(γ_last − γ))ᵀ U. Only the products with S sit on
-    the chain from one chunk to the next; the inverse is in _chunk_prep_kernel."""
+    """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
+    added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
+    o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
+    the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
+    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs)."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
     written = eos > bos  # as in _recurrent_rows_kernel
     o_t = tl.arange(0, BT)
-    causal = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
     for c0 in range(bos, eos, BT):
         t = c0 + o_t
         m = t < eos
-        gam, _ = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
-        b_q = _l2_normalised(
-            tl.load(q + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        )
-        b_k = _l2_normalised(
-            tl.load(k + t[:, None] * stride_t + hk * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        )
-        b_w = tl.load(w + (t[:, None] * HV + hv) * K + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        per_token = (t[:, None] * HV + hv) * K + o_k[None, :]
+        b_qs = tl.load(qs + per_token, mask=m[:, None], other=0.0)
+        b_kd = tl.load(kd + per_token, mask=m[:, None], other=0.0)
+        b_w = tl.load(w + per_token, mask=m[:, None], other=0.0)
         b_u = tl.load(u + t[:, None] * stride_ut + hv * V + o_v[None, :], mask=m[:, None], other=0.0)
-        decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        qk = _dot(b_q, tl.trans(b_k), BF16) * decay * scale
+        b_qk = tl.load(qk + (t[:, None] * HV + hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
         U = b_u - _dot(b_w, S, BF16)
-        out = (tl.exp(gam) * scale)[:, None] * _dot(b_q, S, BF16) + _dot(qk, U, BF16)
+        out = _dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)
         tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
-        last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
-        S = tl.exp(last) * S + _dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, BF16)
+        S = tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_kd), U, BF16)
     if not CONTINUE:
         tl.store(state, S, mask=written)
 
@@ -498,12 +551,17 @@ def chunked_rows(
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
-    w = torch.empty(T, HV, K, device=q.device, dtype=torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32)
+    # The chain's operands (W, Qs, Kd, QK) are stored as it multiplies them: bf16, or fp32 for tf32 products.
+    operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
+    w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
+    qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
     u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
+    dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
         _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
+            q,
             k,
             v,
             a,
@@ -513,7 +571,12 @@ def chunked_rows(
             cu,
             w,
             u,
+            qs,
+            kd,
+            qk,
+            dend,
             n,
+            K**-0.5,
             q.stride(0),
             v.stride(0),
             a.stride(0),
@@ -546,6 +609,10 @@ def chunked_rows(
         new_states,
         out,
         w=w,
+        qs=qs,
+        kd=kd,
+        qk=qk,
+        dend=dend,
         BT=CHUNK,
         BF16=CHUNK_DOTS == "bf16",
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
