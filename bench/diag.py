@@ -242,7 +242,7 @@ def chunk_variants() -> None:
         (narrow, wide, "bf16", 2),
         (narrow, narrow, "bf16", 4),
         (wide, wide, "bf16", 4),
-        ((64, 4, None), (64, 4, None), "bf16", 4),
+        ((64, 4, 168), (64, 4, 168), "bf16", 4),
         ((32, 4, 168), (32, 4, 168), "bf16", 4),
         ((128, 8, None), (128, 8, None), "bf16", 4),
     ]

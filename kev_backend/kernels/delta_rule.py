@@ -277,17 +277,19 @@ if CHUNK_DOTS not in ("tf32", "bf16"):
     raise ValueError(f"KEV_CHUNK_DOTS must be tf32 or bf16, not {CHUNK_DOTS!r}")
 # The sequential pass's (value columns per program, warps, register cap: ptxas's .maxnreg, None for up to 255), read
 # at each launch: NARROW while the pass has at most WIDE_ABOVE programs per SM at NARROW's value block, WIDE above.
-# A program's chain is latency-bound: one state wants short programs, one per SM; many states want programs that
-# share SMs (168 registers: three 4-warp programs an SM, spilling ~500 bytes). Each value column's arithmetic is the
-# same in both, so a state answers alike alone and in a batch (the outputs were identical on the H200). H200, Kev-4B
-# heads, bf16 products (chunkvariants, 67f5081), ms a layer for 1 / 8 / 24 new 2,200-token states and 40×100 rows:
-# 32/4/none 0.289 / 1.588 / 4.830 / 0.437; 64/4/168 0.402 / 1.484 / 3.830 / 0.344.
+# One state wants short programs, one per SM; many states want programs that share SMs. Each value column's
+# arithmetic is the same in both, so a state answers alike alone and in a batch (identical outputs on the H200).
+# H200, Kev-4B heads, bf16 products, ms a layer (prep and chain) for 1 / 8 / 24 new 2,200-token states and 40×100
+# rows (bench/diag.py chunkvariants, 486fe6a, the prep holding the chain's elementwise terms): 32/4/none 0.219-0.336 /
+# 1.350 / 4.021 / 0.338; 64/4/none (228 registers, two programs an SM) 0.241 / 1.133 / 3.394 / 0.312; 64/4/168 (spills
+# 128 bytes) 0.331 / 1.350 / 3.553 / 0.326; 32/4/168 0.246 / 1.272 / 3.723 / 0.341; 128/8/none 0.333 / 1.253 / 3.758 /
+# 0.346. Before that change (4dd2e69, 32/4/none and 64/4/168 by the same rule): 0.276 / 1.358 / 3.404 / 0.312.
 CHUNK_NARROW: tuple[int, int, int | None] = (32, 4, None)
-CHUNK_WIDE: tuple[int, int, int | None] = (64, 4, 168)
+CHUNK_WIDE: tuple[int, int, int | None] = (64, 4, None)
 WIDE_ABOVE = 2
-# Warps per prep program. Before the prep took over the chain's elementwise terms, 2 warps ran faster (bench/diag.py
-# chunkvariants, 67f5081: 0.277 / 1.469 / 4.426 ms against 0.289 / 1.588 / 4.830 for 1 / 8 / 24 states); with them, 2
-# warps spill 8 bytes on sm_90a and 4 none (not yet timed on the GPU).
+# Warps per prep program: 4 (2 spill 8 bytes on sm_90a; chunkvariants at 486fe6a, 2 warps against 4: 0.338 / 1.313 /
+# 3.472 / 0.312 against 0.219 / 1.353 / 3.552 / 0.326, with 64/4/168 as the wide chain). Before the prep took the
+# chain's elementwise terms 2 warps ran faster (67f5081: 0.277 / 1.469 / 4.426 against 0.289 / 1.588 / 4.830).
 PREP_WARPS = 4
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd and QK are stored in bf16 when the chain multiplies in bf16 (all they are used for), in fp32
