@@ -472,6 +472,35 @@ def _chunk_prep_kernel(
 
 
 @triton.jit
+def _chain_chunk(
+    S, qs, kd, w, u, qk, dend, o, c0, hv, in_k, in_qk, in_u, in_o, stride_ut, stride_ot, HV, K, V, BT, BF16, mask
+):
+    """One chunk of the chain from c0 (its rows in `mask` [BT, 1], or all of them for None): its output stored, the
+    next state returned."""
+    at_k = (c0 * HV + hv) * K
+    at_qk = (c0 * HV + hv) * BT
+    if mask is None:
+        b_qs = tl.load(qs + at_k + in_k)
+        b_kd = tl.load(kd + at_k + in_k)
+        b_w = tl.load(w + at_k + in_k)
+        b_u = tl.load(u + c0 * stride_ut + hv * V + in_u)
+        b_qk = tl.load(qk + at_qk + in_qk)
+    else:
+        b_qs = tl.load(qs + at_k + in_k, mask=mask, other=0.0)
+        b_kd = tl.load(kd + at_k + in_k, mask=mask, other=0.0)
+        b_w = tl.load(w + at_k + in_k, mask=mask, other=0.0)
+        b_u = tl.load(u + c0 * stride_ut + hv * V + in_u, mask=mask, other=0.0)
+        b_qk = tl.load(qk + at_qk + in_qk, mask=mask, other=0.0)
+    U = b_u - _dot(b_w, S, BF16)
+    out = (_dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)).to(o.dtype.element_ty)
+    if mask is None:
+        tl.store(o + c0 * stride_ot + hv * V + in_o, out)
+    else:
+        tl.store(o + c0 * stride_ot + hv * V + in_o, out, mask=mask)
+    return tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_kd), U, BF16)
+
+
+@triton.jit
 def _chunked_delta_rule_kernel(
     q,
     k,
@@ -507,25 +536,70 @@ def _chunked_delta_rule_kernel(
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
     o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
     the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
-    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs)."""
+    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 358 with
+    unmasked full chunks)."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
     written = eos > bos  # as in _recurrent_rows_kernel
     o_t = tl.arange(0, BT)
-    for c0 in range(bos, eos, BT):
-        t = c0 + o_t
-        m = t < eos
-        per_token = (t[:, None] * HV + hv) * K + o_k[None, :]
-        b_qs = tl.load(qs + per_token, mask=m[:, None], other=0.0)
-        b_kd = tl.load(kd + per_token, mask=m[:, None], other=0.0)
-        b_w = tl.load(w + per_token, mask=m[:, None], other=0.0)
-        b_u = tl.load(u + t[:, None] * stride_ut + hv * V + o_v[None, :], mask=m[:, None], other=0.0)
-        b_qk = tl.load(qk + (t[:, None] * HV + hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
-        U = b_u - _dot(b_w, S, BF16)
-        out = _dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)
-        tl.store(o + t[:, None] * stride_ot + hv * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m[:, None])
-        S = tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_kd), U, BF16)
+    # Offsets within a chunk (the same for every chunk) and the chunk's base: only a segment's last chunk can be
+    # partial, so the others load and store without per-element masks.
+    in_k = (o_t[:, None] * HV) * K + o_k[None, :]
+    in_qk = (o_t[:, None] * HV) * BT + o_t[None, :]
+    in_u = o_t[:, None] * stride_ut + o_v[None, :]
+    in_o = o_t[:, None] * stride_ot + o_v[None, :]
+    full_end = bos + (eos - bos) // BT * BT
+    for c0 in range(bos, full_end, BT):
+        S = _chain_chunk(
+            S,
+            qs,
+            kd,
+            w,
+            u,
+            qk,
+            dend,
+            o,
+            c0,
+            hv,
+            in_k,
+            in_qk,
+            in_u,
+            in_o,
+            stride_ut,
+            stride_ot,
+            HV,
+            K,
+            V,
+            BT,
+            BF16,
+            None,
+        )
+    if full_end < eos:
+        S = _chain_chunk(
+            S,
+            qs,
+            kd,
+            w,
+            u,
+            qk,
+            dend,
+            o,
+            full_end,
+            hv,
+            in_k,
+            in_qk,
+            in_u,
+            in_o,
+            stride_ut,
+            stride_ot,
+            HV,
+            K,
+            V,
+            BT,
+            BF16,
+            (o_t < eos - full_end)[:, None],
+        )
     if not CONTINUE:
         tl.store(state, S, mask=written)
 
