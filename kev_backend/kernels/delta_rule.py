@@ -324,6 +324,26 @@ def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
 
 
 @triton.jit
+def _load_rows(ptrs, m, MASKED: tl.constexpr):
+    """A [BT, n] tile, its rows past a segment's end (~m) read as zeros when MASKED (a segment's last chunk), all
+    read otherwise: only a partial chunk pays for per-element masks."""
+    if MASKED:
+        x = tl.load(ptrs, mask=m[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_rows(ptrs, x, m, MASKED: tl.constexpr):
+    """_load_rows' store: rows past a segment's end are left alone when MASKED."""
+    if MASKED:
+        tl.store(ptrs, x, mask=m[:, None])
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
 def _chunk_terms(
     q,
     k,
@@ -351,31 +371,35 @@ def _chunk_terms(
     V,
     BT,
     LOG2_BT,
+    MASKED,
 ):
-    """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment), written per token: W and
-    U₀ (below), and everything else the chain multiplies by the state, so that its loop holds only the products:
-    Qs = q̂ exp(γ) scale, Kd = k̂ exp(γ_last − γ) [BT, K], QK = (q̂·k̂ᵀ ⊙ decay) scale [BT, BT] and exp(γ_last) (dend,
-    at the chunk's first token)."""
+    """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment; MASKED unless the chunk
+    is whole), written per token: W and U₀ (below), and everything else the chain multiplies by the state, so that
+    its loop holds only the products: Qs = q̂ exp(γ) scale, Kd = k̂ exp(γ_last − γ) [BT, K], QK = (q̂·k̂ᵀ ⊙ decay)
+    scale [BT, BT] and exp(γ_last) (dend, at the chunk's first token). Addresses are the chunk's scalar base plus
+    in-chunk offsets (int32)."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
     t = c0 + o_t
     m = t < eos
     gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
-    qk_rows = t[:, None] * stride_t + hk * K + o_k[None, :]
-    per_token = (t[:, None] * HV + hv) * K + o_k[None, :]
-    b_k = _l2_normalised(tl.load(k + qk_rows, mask=m[:, None], other=0.0).to(tl.float32))
+    in_qk = o_t[:, None] * stride_t + o_k[None, :]  # q and k rows: [T, H, K] with token stride stride_t
+    in_k = o_t[:, None] * (HV * K) + o_k[None, :]  # the per-(token, value head) terms: [T, HV, K]
+    at_k = (c0 * HV + hv) * K
+    b_k = _l2_normalised(_load_rows(k + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
     causal = o_t[:, None] >= o_t[None, :]
     decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
     # q's terms first, stored before the inverse (fewer tiles live at once: no register spills on sm_90a). The
     # chain's bf16 products round q̂ and k̂ after these scalings (fp32 here), as it rounded them before. γ stays at its
     # last value past the segment's end, so γ_last is the chunk's (or the segment's) end.
-    b_q = _l2_normalised(tl.load(q + qk_rows, mask=m[:, None], other=0.0).to(tl.float32))
+    b_q = _l2_normalised(_load_rows(q + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
     QK = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay, 0.0) * scale
-    tl.store(qk + (t[:, None] * HV + hv) * BT + o_t[None, :], QK.to(qk.dtype.element_ty), mask=m[:, None])
-    tl.store(qs + per_token, (b_q * (tl.exp(gam) * scale)[:, None]).to(qs.dtype.element_ty), mask=m[:, None])
+    in_tt = o_t[:, None] * (HV * BT) + o_t[None, :]
+    _store_rows(qk + (c0 * HV + hv) * BT + in_tt, QK.to(qk.dtype.element_ty), m, MASKED)
+    _store_rows(qs + at_k + in_k, (b_q * (tl.exp(gam) * scale)[:, None]).to(qs.dtype.element_ty), m, MASKED)
     last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
-    tl.store(kd + per_token, (b_k * tl.exp(last - gam)[:, None]).to(kd.dtype.element_ty), mask=m[:, None])
+    _store_rows(kd + at_k + in_k, (b_k * tl.exp(last - gam)[:, None]).to(kd.dtype.element_ty), m, MASKED)
     tl.store(dend + c0 * HV + hv, tl.exp(last))
     strict = o_t[:, None] > o_t[None, :]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
@@ -387,10 +411,10 @@ def _chunk_terms(
         P = tl.dot(P, P, input_precision=PRECISION)
         T = tl.dot(T, eye + P, input_precision=PRECISION)
     W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
-    tl.store(w + per_token, W.to(w.dtype.element_ty), mask=m[:, None])
-    b_v = tl.load(v + t[:, None] * stride_vt + hv * V + o_v[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    U0 = tl.dot(T, beta[:, None] * b_v, input_precision=PRECISION)
-    tl.store(u + (t[:, None] * HV + hv) * V + o_v[None, :], U0, mask=m[:, None])
+    _store_rows(w + at_k + in_k, W.to(w.dtype.element_ty), m, MASKED)
+    b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
+    U0 = tl.dot(T, beta[:, None] * b_v.to(tl.float32), input_precision=PRECISION)
+    _store_rows(u + (c0 * HV + hv) * V + o_t[:, None] * (HV * V) + o_v[None, :], U0, m, MASKED)
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
@@ -440,63 +464,84 @@ def _chunk_prep_kernel(
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
         if c0 < tl.minimum(eos, start + BT):
-            _chunk_terms(
-                q,
-                k,
-                v,
-                a,
-                b,
-                w,
-                u,
-                qs,
-                kd,
-                qk,
-                dend,
-                c0,
-                eos,
-                hk,
-                hv,
-                decay_rate,
-                bias,
-                scale,
-                stride_t,
-                stride_vt,
-                stride_at,
-                HV,
-                K,
-                V,
-                BT,
-                LOG2_BT,
-            )
+            if c0 + BT <= eos:  # a whole chunk
+                _chunk_terms(
+                    q,
+                    k,
+                    v,
+                    a,
+                    b,
+                    w,
+                    u,
+                    qs,
+                    kd,
+                    qk,
+                    dend,
+                    c0,
+                    eos,
+                    hk,
+                    hv,
+                    decay_rate,
+                    bias,
+                    scale,
+                    stride_t,
+                    stride_vt,
+                    stride_at,
+                    HV,
+                    K,
+                    V,
+                    BT,
+                    LOG2_BT,
+                    False,
+                )
+            else:  # a segment's last, partial chunk
+                _chunk_terms(
+                    q,
+                    k,
+                    v,
+                    a,
+                    b,
+                    w,
+                    u,
+                    qs,
+                    kd,
+                    qk,
+                    dend,
+                    c0,
+                    eos,
+                    hk,
+                    hv,
+                    decay_rate,
+                    bias,
+                    scale,
+                    stride_t,
+                    stride_vt,
+                    stride_at,
+                    HV,
+                    K,
+                    V,
+                    BT,
+                    LOG2_BT,
+                    True,
+                )
         n += 1
 
 
 @triton.jit
 def _chain_chunk(
-    S, qs, kd, w, u, qk, dend, o, c0, hv, in_k, in_qk, in_u, in_o, stride_ut, stride_ot, HV, K, V, BT, BF16, mask
+    S, qs, kd, w, u, qk, dend, o, c0, hv, in_k, in_qk, in_u, in_o, stride_ut, stride_ot, HV, K, V, BT, BF16, m, MASKED
 ):
-    """One chunk of the chain from c0 (its rows in `mask` [BT, 1], or all of them for None): its output stored, the
-    next state returned."""
+    """One chunk of the chain from c0 (its rows m, read and written only where m holds when MASKED): its output
+    stored, the next state returned."""
     at_k = (c0 * HV + hv) * K
-    at_qk = (c0 * HV + hv) * BT
-    if mask is None:
-        b_qs = tl.load(qs + at_k + in_k)
-        b_kd = tl.load(kd + at_k + in_k)
-        b_w = tl.load(w + at_k + in_k)
-        b_u = tl.load(u + c0 * stride_ut + hv * V + in_u)
-        b_qk = tl.load(qk + at_qk + in_qk)
-    else:
-        b_qs = tl.load(qs + at_k + in_k, mask=mask, other=0.0)
-        b_kd = tl.load(kd + at_k + in_k, mask=mask, other=0.0)
-        b_w = tl.load(w + at_k + in_k, mask=mask, other=0.0)
-        b_u = tl.load(u + c0 * stride_ut + hv * V + in_u, mask=mask, other=0.0)
-        b_qk = tl.load(qk + at_qk + in_qk, mask=mask, other=0.0)
+    b_qs = _load_rows(qs + at_k + in_k, m, MASKED)
+    b_kd = _load_rows(kd + at_k + in_k, m, MASKED)
+    b_w = _load_rows(w + at_k + in_k, m, MASKED)
+    b_u = _load_rows(u + c0 * stride_ut + hv * V + in_u, m, MASKED)
+    b_qk = _load_rows(qk + (c0 * HV + hv) * BT + in_qk, m, MASKED)
     U = b_u - _dot(b_w, S, BF16)
-    out = (_dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)).to(o.dtype.element_ty)
-    if mask is None:
-        tl.store(o + c0 * stride_ot + hv * V + in_o, out)
-    else:
-        tl.store(o + c0 * stride_ot + hv * V + in_o, out, mask=mask)
+    out = _dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)
+    _store_rows(o + c0 * stride_ot + hv * V + in_o, out.to(o.dtype.element_ty), m, MASKED)
     return tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_kd), U, BF16)
 
 
@@ -573,7 +618,8 @@ def _chunked_delta_rule_kernel(
             V,
             BT,
             BF16,
-            None,
+            o_t < BT,
+            False,
         )
     if full_end < eos:
         S = _chain_chunk(
@@ -598,7 +644,8 @@ def _chunked_delta_rule_kernel(
             V,
             BT,
             BF16,
-            (o_t < eos - full_end)[:, None],
+            o_t < eos - full_end,
+            True,
         )
     if not CONTINUE:
         tl.store(state, S, mask=written)
