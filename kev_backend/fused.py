@@ -215,8 +215,8 @@ class FusedQwen35:
             if i == last and layer.kind == FULL_ATTENTION:
                 # Qwen3.5's last layer: only the picks' outputs are read, and only the new states' K/V are kept.
                 picked = self.last_attention(layer, attn, x, rope, p)
-                if picked is None:  # a pass of new states only: their caches are in the bank now
-                    return x.new_empty(0, x.shape[-1], dtype=torch.float32)
+                if picked is None:  # no rows, so no picks (below)
+                    break
                 return self.head_inputs(residual[p.picks] + picked.float(), layer)
             if layer.kind == FULL_ATTENTION:
                 hidden = self.attention(layer, attn, x, rope, p)
@@ -400,7 +400,6 @@ class FusedQwen35:
         self._rows_attention(
             q, k[rows], v[rows], keys, values, p.row_prefix, p.row_prefix_start, p.row_prefix_len, r.cu, r.max_len, out
         )
-        # A captured pass's padding picks point before the rows: any row token will do (never read).
-        picks = (p.picks - r.start).clamp_(min=0)
+        picks = p.picks - r.start  # a captured pass pads its picks with the rows' first token (never read)
         gated = self._sigmoid_gate(out[picks], gate[picks])
         return F.linear(pad_rows(gated), layer.out_proj)[: picks.shape[0]]

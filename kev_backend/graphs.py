@@ -155,7 +155,6 @@ class StaticInputs:
         # Two host buffers, used in turn: filling one waits only for the copy out of it two passes back, which has run
         # unless the model thread is two batches ahead of the GPU.
         self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
-        self.host_arrays = [host.numpy() for host in self.hosts]  # the same memory: filled from lists by numpy
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last host→device copy
         self.turn = 0
 
@@ -228,17 +227,19 @@ class StaticInputs:
             "row_slots": _padded(layout.row_slots, bucket.rows, pool.scratch_slot),
             "prefix_start": _padded(layout.prefix_start, bucket.rows, 0),
             "prefix_len": _padded(layout.prefix_len, bucket.rows, 0),
-            "picks": _padded([s + i for i in layout.row_picks], bucket.picks, 0),
+            # Padding picks name the rows' first token: a valid index counted from the pass or from the rows.
+            "picks": _padded([s + i for i in layout.row_picks], bucket.picks, s),
             "prefix": layout.prefix,
         }
         end = 0
+        host = self.hosts[self.turn].numpy()  # the same memory
         for name, seq in values.items():
             if seq:
                 # numpy writes a list into the pinned buffer in place: a tensor and a copy per field cost ~10x more
                 # host time, all of it before the replay can start.
                 start, size = self.offsets[name]
                 assert len(seq) <= size
-                self.host_arrays[self.turn][start : start + len(seq)] = seq
+                host[start : start + len(seq)] = seq
                 end = max(end, start + len(seq))
         self.flat[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
         if self.device.type == "cuda":

@@ -561,64 +561,39 @@ def _chunked_delta_rule_kernel(
     written = eos > bos  # as in _recurrent_rows_kernel
     o_t = tl.arange(0, BT)
     # Offsets within a chunk (the same for every chunk) and the chunk's base: only a segment's last chunk can be
-    # partial, so the others load and store without per-element masks.
+    # partial, so the others (a first pass over the whole chunks) load and store without per-element masks.
     in_k = (o_t[:, None] * HV) * K + o_k[None, :]
     in_qk = (o_t[:, None] * HV) * BT + o_t[None, :]
     in_u = o_t[:, None] * stride_ut + o_v[None, :]
     in_o = o_t[:, None] * stride_ot + o_v[None, :]
     full_end = bos + (eos - bos) // BT * BT
-    for c0 in range(bos, full_end, BT):
-        S = _chain_chunk(
-            S,
-            qs,
-            kd,
-            w,
-            u,
-            qk,
-            dend,
-            o,
-            c0,
-            hv,
-            in_k,
-            in_qk,
-            in_u,
-            in_o,
-            stride_ut,
-            stride_ot,
-            HV,
-            K,
-            V,
-            BT,
-            BF16,
-            o_t < BT,
-            False,
-        )
-    if full_end < eos:
-        S = _chain_chunk(
-            S,
-            qs,
-            kd,
-            w,
-            u,
-            qk,
-            dend,
-            o,
-            full_end,
-            hv,
-            in_k,
-            in_qk,
-            in_u,
-            in_o,
-            stride_ut,
-            stride_ot,
-            HV,
-            K,
-            V,
-            BT,
-            BF16,
-            o_t < eos - full_end,
-            True,
-        )
+    for partial in tl.static_range(2):
+        for c0 in range(full_end if partial == 1 else bos, eos if partial == 1 else full_end, BT):
+            S = _chain_chunk(
+                S,
+                qs,
+                kd,
+                w,
+                u,
+                qk,
+                dend,
+                o,
+                c0,
+                hv,
+                in_k,
+                in_qk,
+                in_u,
+                in_o,
+                stride_ut,
+                stride_ot,
+                HV,
+                K,
+                V,
+                BT,
+                BF16,
+                o_t < eos - c0,
+                partial == 1,
+            )
     if not CONTINUE:
         tl.store(state, S, mask=written)
 
