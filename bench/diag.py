@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import cProfile
 import functools
+import os
 import pstats
 import sys
 import tempfile
@@ -174,22 +175,24 @@ def recurrent_configs() -> None:
 
     _, HV, K, V = KEV4B_HEADS
     pool = torch.randn(256, HV, K, V, device="cuda") * 0.01
-    for rows, length in ((6, 39), (40, 40), (192, 39)):
+    # (segments, tokens each, new states): one short6 request's rows, a busy batch's, one short6's new state, 32.
+    for rows, length, new in ((6, 39, False), (40, 40, False), (192, 39, False), (1, 40, True), (32, 40, True)):
         T = rows * length
         _, q, k, v, a, b = delta_rule_inputs(T)
         a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
-        slots = torch.randint(0, 256, (rows,), device="cuda")
+        slots = torch.randperm(256, device="cuda")[:rows]  # distinct: new states write their slots
         cu = torch.arange(0, T + 1, length, device="cuda")
         line = []
         chosen = delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS
         args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
-        reference = kernels.recurrent_rows(*args).float()
-        for bv, warps in ((16, 1), (8, 1), (16, 2), (32, 2), (32, 4)):
+        run = lambda args=args, new=new: kernels.recurrent_rows(*args, new_states=new)  # noqa: E731
+        reference = run().float()
+        for bv, warps in ((16, 1), (8, 1), (4, 1), (16, 2), (32, 2)):
             delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS = bv, warps  # read at each launch
-            diff = (kernels.recurrent_rows(*args).float() - reference).abs().max().item()
-            line.append(f"BV{bv}/w{warps}:{cuda_ms(lambda args=args: kernels.recurrent_rows(*args)):.3f}ms({diff:.0e})")
+            diff = (run().float() - reference).abs().max().item()
+            line.append(f"BV{bv}/w{warps}:{cuda_ms(run):.3f}ms({diff:.0e})")
         delta_rule.RECURRENT_BV, delta_rule.RECURRENT_WARPS = chosen
-        print(f"recurrent rows={rows}x{length}:", " ".join(line), flush=True)
+        print(f"recurrent {'new' if new else 'rows'}={rows}x{length}:", " ".join(line), flush=True)
 
 
 def long_segments(only_rows: bool = False) -> None:
@@ -238,13 +241,14 @@ def chunk_variants() -> None:
     narrow, wide = chosen[:2]
     variants = [
         chosen,
-        (narrow, wide, "tf32", 4),
-        (narrow, wide, "bf16", 2),
-        (narrow, narrow, "bf16", 4),
-        (wide, wide, "bf16", 4),
-        ((64, 4, 168), (64, 4, 168), "bf16", 4),
-        ((32, 4, 168), (32, 4, 168), "bf16", 4),
-        ((128, 8, None), (128, 8, None), "bf16", 4),
+        (narrow, wide, "tf32", chosen[3]),
+        (narrow, wide, "bf16", 4),
+        (narrow, narrow, "bf16", chosen[3]),
+        (wide, wide, "bf16", chosen[3]),
+        ((16, 1, None), (16, 1, None), "bf16", 2),
+        ((16, 2, None), (16, 2, None), "bf16", 2),
+        ((32, 2, None), (32, 2, None), "bf16", 2),
+        ((64, 8, None), (64, 8, None), "bf16", 2),
     ]
 
     def describe(variant) -> str:
@@ -677,18 +681,23 @@ def batch_invariance() -> None:
 
 
 def gpu_gaps() -> None:
-    """short6 at 64 closed-loop clients through the pipeline (KEV_GRAPHS=1: as the GPU config runs it): the model
-    thread's time per batch by phase of its launch (collect, on the delivery thread, waits for the GPU), its waits
-    for the next batch, Python's garbage collections, how busy the GPU is and its idle gaps by length: whether the
-    idle time lies between batches or inside passes, and what the long gaps coincide with."""
+    """short6 (or long5: KEV_GAPS_WORKLOAD) at 64 closed-loop clients through the pipeline (KEV_GRAPHS=1: as the
+    GPU config runs it): the model thread's time per batch by phase of its launch (collect, on the delivery thread,
+    waits for the GPU), its waits for the next batch, Python's garbage collections, how busy the GPU is and its idle
+    gaps by length: whether the idle time lies between batches or inside passes, and what the long gaps coincide
+    with."""
     import gc
     from collections import defaultdict
 
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kev_backend import bench, fused_scorer
-    from kev_backend.workloads import short6
+    from kev_backend import bench, fused_scorer, workloads
+
+    # KEV_GAPS_WORKLOAD: short6 (default) or long5, with seconds for warm-up and measurement to match its batches.
+    workload = os.environ.get("KEV_GAPS_WORKLOAD", "short6")
+    warm_s, measure_s = {"short6": (1.0, 2.0), "long5": (3.0, 6.0)}[workload]
+    make = getattr(workloads, workload)
 
     engine = kev4b_engine()
     scorer = engine.scorer
@@ -718,12 +727,12 @@ def gpu_gaps() -> None:
         else:
             collections.append((info["generation"], time.perf_counter() - collecting[0]))
 
-    bench.throughput(engine, short6, 64, 1.0, True)
+    bench.throughput(engine, make, 64, warm_s, True)
     spans.clear()
     gc.callbacks.append(on_gc)
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
-        measured = bench.throughput(engine, short6, 64, 2.0, True)
+        measured = bench.throughput(engine, make, 64, measure_s, True)
     gc.callbacks.remove(on_gc)
     launches = spans["launch"]  # the model thread's batches
     batches = len(launches)
@@ -731,7 +740,7 @@ def gpu_gaps() -> None:
         f"{name} {sum(end - start for start, end in calls) * 1000 / max(batches, 1):.2f}"
         for name, calls in spans.items()
     )
-    print(f"gaps: {measured}; model thread per batch ({batches} batches), ms: {phases}", flush=True)
+    print(f"gaps {workload}: {measured}; model thread per batch ({batches} batches), ms: {phases}", flush=True)
     waits = [(b[0] - a[1]) * 1000 for a, b in zip(launches, launches[1:])]  # one launch's end to the next's start
     print(
         f"gaps: model thread waiting for the next batch, ms: total {sum(waits):.1f}, "
