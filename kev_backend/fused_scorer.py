@@ -16,7 +16,7 @@ from .gpu_bank import GpuBank, Slot, StatePool
 from .head import PendingProbabilities, Picked, launch_batch_probabilities
 from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
 from .qwen35 import Qwen35TextModel
-from .transfer import device_ints
+from .transfer import device_int_fields
 
 
 @dataclass
@@ -216,13 +216,13 @@ class FusedScorer:
             out.state_ids.extend(state)
             out.state_lengths.append(len(state))
             out.state_slots.append(slots[state].slot)
-            out.state_kv_dst.extend(slots[state].kv_index(page))
+            out.state_kv_dst.extend(slots[state].kv_index(page).tolist())
         # Each state's pool K/V index once; every row points at its state's run.
         runs: dict[tuple[int, ...], int] = {}
         for row in rows:
             if row.state not in runs:
                 runs[row.state] = len(out.prefix)
-                out.prefix.extend(slots[row.state].kv_index(page))
+                out.prefix.extend(slots[row.state].kv_index(page).tolist())
             out.prefix_start.append(runs[row.state])
             out.prefix_len.append(len(row.state))
             start = len(out.row_ids)
@@ -240,18 +240,26 @@ class FusedScorer:
         n_state = len(layout.state_ids)
         padding = max(0, MIN_GEMM_ROWS - n_state - len(layout.row_ids))
         device = self.device
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return device_ints(values, device)
-
+        ids, positions, state_kv_dst, prefix, prefix_start, prefix_len, picks = device_int_fields(
+            [
+                layout.state_ids + layout.row_ids + [self.pad_id] * padding,
+                layout.state_positions() + layout.row_positions + [0] * padding,
+                layout.state_kv_dst,
+                layout.prefix,
+                layout.prefix_start,
+                layout.prefix_len,
+                [n_state + i for i in layout.row_picks],
+            ],
+            device,
+        )
         return PassInput(
-            ids=tensor(layout.state_ids + layout.row_ids + [self.pad_id] * padding),
-            positions=tensor(layout.state_positions() + layout.row_positions + [0] * padding),
+            ids=ids,
+            positions=positions,
             states=Segments.build(0, layout.state_lengths, layout.state_slots, device) if n_state else None,
-            state_kv_dst=tensor(layout.state_kv_dst) if n_state else None,
+            state_kv_dst=state_kv_dst if n_state else None,
             rows=Segments.build(n_state, layout.row_lengths, layout.row_slots, device) if layout.row_ids else None,
-            row_prefix=tensor(layout.prefix),
-            row_prefix_start=tensor(layout.prefix_start),
-            row_prefix_len=tensor(layout.prefix_len),
-            picks=tensor([n_state + i for i in layout.row_picks]),
+            row_prefix=prefix,
+            row_prefix_start=prefix_start,
+            row_prefix_len=prefix_len,
+            picks=picks,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .bank import LruIndex
@@ -21,8 +22,10 @@ class Slot:
     length: int
     nbytes: int
 
-    def kv_index(self, page_size: int) -> list[int]:
-        return [self.pages[j // page_size] * page_size + j % page_size for j in range(self.length)]
+    def kv_index(self, page_size: int) -> np.ndarray:
+        """The pool K/V index of each of the state's tokens (int64; numpy: a long state's is thousands)."""
+        pages = np.asarray(self.pages, dtype=np.int64)
+        return (pages[:, None] * page_size + np.arange(page_size)).ravel()[: self.length]
 
 
 class StatePool:

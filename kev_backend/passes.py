@@ -131,7 +131,10 @@ class PassLayout:
     row_picks: list[int] = field(default_factory=list)
 
     def state_positions(self) -> list[int]:
-        return [i for n in self.state_lengths for i in range(n)]
+        positions: list[int] = []
+        for n in self.state_lengths:
+            positions.extend(range(n))
+        return positions
 
     @property
     def all_short(self) -> bool:

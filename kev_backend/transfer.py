@@ -6,16 +6,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
 def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """int64 `values` on `device`; on CUDA through pinned memory, copied without waiting for the stream (torch's
     pinned-memory cache keeps the buffer until the copy has read it)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda" or not values:
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return device_int_fields([values], device)[0]
+
+
+def device_int_fields(fields: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """Each of `fields` as an int64 tensor on `device`: views of one tensor, filled through one pinned host buffer and
+    one copy that does not wait for the stream (torch's pinned-memory cache keeps the buffer until the copy has read
+    it). numpy converts a list of ints ~3x faster than torch.tensor, and one pinned buffer and copy a pass, not one a
+    field, keeps the model thread's share of a busy batch small (a batch of 22 long states has ~58k tokens)."""
+    sizes = [len(field) for field in fields]
+    pinned = device.type == "cuda" and sum(sizes) > 0
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=pinned)
+    array = host.numpy()  # the same memory
+    start = 0
+    for field, size in zip(fields, sizes, strict=True):
+        array[start : start + size] = np.asarray(field, dtype=np.int64)
+        start += size
+    flat = host.to(device, non_blocking=True) if pinned else host.to(device)
+    return list(flat.split(sizes))
 
 
 class HostCopy:

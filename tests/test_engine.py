@@ -162,7 +162,7 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     bank = GpuBank(pool)
     a, b, c = (1,) * 5, (2,) * 3, (3,) * 4  # 2, 1 and 1 pages
     slot_a = bank.allocate(a, pinned={a})
-    assert slot_a.kv_index(4) == [slot_a.pages[0] * 4 + i for i in range(4)] + [slot_a.pages[1] * 4]
+    assert slot_a.kv_index(4).tolist() == [slot_a.pages[0] * 4 + i for i in range(4)] + [slot_a.pages[1] * 4]
     bank.allocate(b, pinned={b})
     bank.allocate(c, pinned={c})
     assert len(bank) == 3 and not pool.free_slots and not pool.free_pages
