@@ -14,10 +14,12 @@ the model thread takes a batch splits the clients into three groups (scoring, pr
 at 64 short6 clients batches of ~21 instead of ~32 lost more than the overlap gained (H200, 228 against 236
 req/s in process). So `submit` returns when the next batch, formed and prepared from then on, should reach the
 model thread just as this one is done (`lead_s` earlier, KEV_PIPELINE_LEAD_MS, default 0): this one is expected
-done a service time after it was taken or after the batch before it is done, whichever is later (recent medians),
-and the next batch's arrival takes the recent time from a return to the next batch being prepared (Triton's
-batching, its IPC, decoding and preparing). Requests keep waiting where they arrived (Triton's queue, with its size
-limit and timeouts) meanwhile.
+done its service time after it was taken or after the batch before it is done, whichever is later, and the next
+batch's arrival takes the recent time from a return to the next batch being prepared (Triton's batching, its IPC,
+decoding and preparing). The service time is the recent median seconds a token times the batch's input tokens:
+batches of long states vary in size (14 to 30 long5 requests at 64 clients), and a median a batch left the GPU idle
+~7 % of the time there (H200, bench/diag.py gaps, 824faec). Requests keep waiting where they arrived (Triton's
+queue, with its size limit and timeouts) meanwhile.
 
 A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
@@ -53,6 +55,7 @@ class Job:
     deliver: Callable[[Results | Exception, PreparedBatch], None]
     # Called on the model thread just before scoring: the indices of requests to drop (cancelled meanwhile).
     cancelled: Callable[[], set[int]] | None = None
+    tokens: int = 1  # its requests' input tokens, at least 1 (the unit of its expected service time)
     queued: float = field(default_factory=time.perf_counter)
     taken: float = 0.0  # when the model thread took it
     expected_done: float = 0.0  # when submit expects its answers on the host
@@ -87,9 +90,9 @@ class Pipeline:
         self.engine = engine
         self.recheck_after_s = recheck_after_s
         self.lead_s = float(os.environ.get("KEV_PIPELINE_LEAD_MS", "0")) / 1000 if lead_s is None else lead_s
-        # A batch's service time: from when it was taken, or when the batch before it was done if later, to its
-        # answers on the host.
-        self.service_s = Recent()
+        # A batch's service time a token: from when it was taken, or when the batch before it was done if later, to
+        # its answers on the host, over its input tokens.
+        self.service_s_per_token = Recent()
         self.arrival_s = Recent()  # from submit returning to the next batch being prepared
         self._returned: float | None = None
         self._previous: Job | None = None  # the last batch submitted
@@ -111,19 +114,20 @@ class Pipeline:
     ) -> None:
         """Prepares the batch on this thread, hands it to the model thread, and returns once the next batch, formed
         from now on, would arrive about when this one is scored (or once it is, or at once without a history)."""
-        job = Job(self.engine.prepare_batch(bodies), deliver, cancelled)
+        batch = self.engine.prepare_batch(bodies)
+        job = Job(batch, deliver, cancelled, tokens=max(1, batch.input_tokens))
         if self._returned is not None:
             self.arrival_s.add(time.perf_counter() - self._returned)
         self._to_model.put(job)
         self._to_model.join()  # taken: the model thread is on it
-        service, arrival = self.service_s.median(), self.arrival_s.median()
+        per_token, arrival = self.service_s_per_token.median(), self.arrival_s.median()
         previous, self._previous = self._previous, job
-        if service is not None:
+        if per_token is not None:
             # It starts once taken and once the batch before it is done (its work is queued behind that one's).
             before = 0.0
             if previous is not None:
                 before = previous.done if previous.scored.is_set() else previous.expected_done
-            job.expected_done = max(job.taken, before) + service
+            job.expected_done = max(job.taken, before) + per_token * job.tokens
             job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - self.lead_s - time.perf_counter()))
         self._returned = time.perf_counter()
 
@@ -159,7 +163,7 @@ class Pipeline:
                     log.exception("kev: batch failed")
                     job.error = error
             job.done = time.perf_counter()
-            self.service_s.add(job.done - max(job.taken, self._last_done))
+            self.service_s_per_token.add((job.done - max(job.taken, self._last_done)) / job.tokens)
             self._last_done = job.done
             job.scored.set()
             try:
