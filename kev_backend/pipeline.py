@@ -13,7 +13,8 @@ execute; the bench's batching thread) forms the next batch from the requests wai
 the model thread takes a batch splits the clients into three groups (scoring, prepared and waiting, arriving), and
 at 64 short6 clients batches of ~21 instead of ~32 lost more than the overlap gained (H200, 228 against 236
 req/s in process). So `submit` returns when the next batch, formed and prepared from then on, should reach the
-model thread just as this one is done (`lead_s` earlier, KEV_PIPELINE_LEAD_MS, default 0): this one is expected
+model thread just as this one is done, or earlier by `lead_s` (KEV_PIPELINE_LEAD_MS, default 0) plus a share of
+this batch's expected service time (`lead_share`, KEV_PIPELINE_LEAD_SHARE, default 0): this one is expected
 done its service time after it was taken or after the batch before it is done, whichever is later, and the next
 batch's arrival takes the recent time from a return to the next batch being prepared (Triton's batching, its IPC,
 decoding and preparing). The service time is the recent median seconds a token times the batch's input tokens:
@@ -86,10 +87,19 @@ class Recent:
 
 
 class Pipeline:
-    def __init__(self, engine: Engine, recheck_after_s: float = 0.005, lead_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        recheck_after_s: float = 0.005,
+        lead_s: float | None = None,
+        lead_share: float | None = None,
+    ) -> None:
         self.engine = engine
         self.recheck_after_s = recheck_after_s
         self.lead_s = float(os.environ.get("KEV_PIPELINE_LEAD_MS", "0")) / 1000 if lead_s is None else lead_s
+        if lead_share is None:
+            lead_share = float(os.environ.get("KEV_PIPELINE_LEAD_SHARE", "0"))
+        self.lead_share = lead_share
         # A batch's service time a token: from when it was taken, or when the batch before it was done if later, to
         # its answers on the host, over its input tokens.
         self.service_s_per_token = Recent()
@@ -127,8 +137,10 @@ class Pipeline:
             before = 0.0
             if previous is not None:
                 before = previous.done if previous.scored.is_set() else previous.expected_done
-            job.expected_done = max(job.taken, before) + per_token * job.tokens
-            job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - self.lead_s - time.perf_counter()))
+            service = per_token * job.tokens
+            job.expected_done = max(job.taken, before) + service
+            lead = (arrival or 0.0) + self.lead_s + self.lead_share * service
+            job.scored.wait(timeout=max(0.0, job.expected_done - lead - time.perf_counter()))
         self._returned = time.perf_counter()
 
     def close(self) -> None:
