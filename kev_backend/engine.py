@@ -108,11 +108,6 @@ class PreparedBatch:
     def refused(self) -> int:
         return sum(isinstance(r, RequestError) for r in self.results)
 
-    @property
-    def input_tokens(self) -> int:
-        """The accepted requests' input tokens (each state once per request, plus every branch)."""
-        return sum(encoded.input_tokens for _, _, encoded in self.accepted)
-
     def drop(self, indices: set[int]) -> None:
         """Takes the requests at `indices` out before scoring: their places stay None and they cost no model work."""
         self.accepted = [a for a in self.accepted if a[0] not in indices]

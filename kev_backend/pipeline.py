@@ -13,14 +13,11 @@ execute; the bench's batching thread) forms the next batch from the requests wai
 the model thread takes a batch splits the clients into three groups (scoring, prepared and waiting, arriving), and
 at 64 short6 clients batches of ~21 instead of ~32 lost more than the overlap gained (H200, 228 against 236
 req/s in process). So `submit` returns when the next batch, formed and prepared from then on, should reach the
-model thread just as this one is done, or earlier by `lead_s` (KEV_PIPELINE_LEAD_MS, default 0) plus a share of
-this batch's expected service time (`lead_share`, KEV_PIPELINE_LEAD_SHARE, default 0): this one is expected
-done its service time after it was taken or after the batch before it is done, whichever is later, and the next
-batch's arrival takes the recent time from a return to the next batch being prepared (Triton's batching, its IPC,
-decoding and preparing). The service time is the recent median seconds a token times the batch's input tokens:
-batches of long states vary in size (14 to 30 long5 requests at 64 clients), and a median a batch left the GPU idle
-~7 % of the time there (H200, bench/diag.py gaps, 824faec). Requests keep waiting where they arrived (Triton's
-queue, with its size limit and timeouts) meanwhile.
+model thread just as this one is done (`lead_s` earlier, KEV_PIPELINE_LEAD_MS, default 0): this one is expected
+done a service time after it was taken or after the batch before it is done, whichever is later (recent medians),
+and the next batch's arrival takes the recent time from a return to the next batch being prepared (Triton's
+batching, its IPC, decoding and preparing). Requests keep waiting where they arrived (Triton's queue, with its size
+limit and timeouts) meanwhile.
 
 A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
@@ -56,7 +53,6 @@ class Job:
     deliver: Callable[[Results | Exception, PreparedBatch], None]
     # Called on the model thread just before scoring: the indices of requests to drop (cancelled meanwhile).
     cancelled: Callable[[], set[int]] | None = None
-    tokens: int = 1  # its requests' input tokens, at least 1 (the unit of its expected service time)
     queued: float = field(default_factory=time.perf_counter)
     taken: float = 0.0  # when the model thread took it
     expected_done: float = 0.0  # when submit expects its answers on the host
@@ -87,22 +83,13 @@ class Recent:
 
 
 class Pipeline:
-    def __init__(
-        self,
-        engine: Engine,
-        recheck_after_s: float = 0.005,
-        lead_s: float | None = None,
-        lead_share: float | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine, recheck_after_s: float = 0.005, lead_s: float | None = None) -> None:
         self.engine = engine
         self.recheck_after_s = recheck_after_s
         self.lead_s = float(os.environ.get("KEV_PIPELINE_LEAD_MS", "0")) / 1000 if lead_s is None else lead_s
-        if lead_share is None:
-            lead_share = float(os.environ.get("KEV_PIPELINE_LEAD_SHARE", "0"))
-        self.lead_share = lead_share
-        # A batch's service time a token: from when it was taken, or when the batch before it was done if later, to
-        # its answers on the host, over its input tokens.
-        self.service_s_per_token = Recent()
+        # A batch's service time: from when it was taken, or when the batch before it was done if later, to its
+        # answers on the host.
+        self.service_s = Recent()
         self.arrival_s = Recent()  # from submit returning to the next batch being prepared
         self._returned: float | None = None
         self._previous: Job | None = None  # the last batch submitted
@@ -124,23 +111,20 @@ class Pipeline:
     ) -> None:
         """Prepares the batch on this thread, hands it to the model thread, and returns once the next batch, formed
         from now on, would arrive about when this one is scored (or once it is, or at once without a history)."""
-        batch = self.engine.prepare_batch(bodies)
-        job = Job(batch, deliver, cancelled, tokens=max(1, batch.input_tokens))
+        job = Job(self.engine.prepare_batch(bodies), deliver, cancelled)
         if self._returned is not None:
             self.arrival_s.add(time.perf_counter() - self._returned)
         self._to_model.put(job)
         self._to_model.join()  # taken: the model thread is on it
-        per_token, arrival = self.service_s_per_token.median(), self.arrival_s.median()
+        service, arrival = self.service_s.median(), self.arrival_s.median()
         previous, self._previous = self._previous, job
-        if per_token is not None:
+        if service is not None:
             # It starts once taken and once the batch before it is done (its work is queued behind that one's).
             before = 0.0
             if previous is not None:
                 before = previous.done if previous.scored.is_set() else previous.expected_done
-            service = per_token * job.tokens
             job.expected_done = max(job.taken, before) + service
-            lead = (arrival or 0.0) + self.lead_s + self.lead_share * service
-            job.scored.wait(timeout=max(0.0, job.expected_done - lead - time.perf_counter()))
+            job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - self.lead_s - time.perf_counter()))
         self._returned = time.perf_counter()
 
     def close(self) -> None:
@@ -175,7 +159,7 @@ class Pipeline:
                     log.exception("kev: batch failed")
                     job.error = error
             job.done = time.perf_counter()
-            self.service_s_per_token.add((job.done - max(job.taken, self._last_done)) / job.tokens)
+            self.service_s.add(job.done - max(job.taken, self._last_done))
             self._last_done = job.done
             job.scored.set()
             try:
