@@ -728,12 +728,37 @@ def gpu_gaps() -> None:
             collections.append((info["generation"], time.perf_counter() - collecting[0]))
 
     bench.throughput(engine, make, 64, warm_s, True)
+    # Each measured batch's pipeline job (kev_backend/pipeline.py): its size, when submit was called and returned,
+    # and the job (taken, expected and actual done): whether the next batch reached the model thread in time.
+    from kev_backend.pipeline import Pipeline
+
+    jobs: list[tuple[int, float, float, object]] = []
+    submit = Pipeline.submit
+
+    def recording_submit(self, bodies, *args, **kwargs):
+        called = time.perf_counter()
+        submit(self, bodies, *args, **kwargs)
+        jobs.append((len(bodies), called, time.perf_counter(), self._previous))
+
+    Pipeline.submit = recording_submit
     spans.clear()
     gc.callbacks.append(on_gc)
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         measured = bench.throughput(engine, make, 64, measure_s, True)
     gc.callbacks.remove(on_gc)
+    Pipeline.submit = submit
+    # Per batch, ms: from submit to the model thread taking it (preparing included); taken after the batch before was
+    # done (> 0: the GPU had nothing of this pipeline queued meanwhile); submit's return before this batch was done;
+    # the expected done's error (> 0: expected later than it was).
+    for (size, called, returned, job), (_, _, _, before) in zip(jobs[1:], jobs, strict=False):
+        print(
+            f"gaps batch {size:3d}: submit to taken {(job.taken - called) * 1000:7.1f}, "
+            f"taken after previous done {(job.taken - before.done) * 1000:7.1f}, "
+            f"returned before done {(job.done - returned) * 1000:7.1f}, "
+            f"expected done error {(job.expected_done - job.done) * 1000 if job.expected_done else float('nan'):7.1f}",
+            flush=True,
+        )
     launches = spans["launch"]  # the model thread's batches
     batches = len(launches)
     phases = ", ".join(

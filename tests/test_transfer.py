@@ -1,0 +1,19 @@
+"""Host-to-device copies of a pass's index fields (kev_backend.transfer)."""
+
+from __future__ import annotations
+
+import torch
+
+from kev_backend.transfer import device_int_fields, device_ints
+
+
+def test_device_int_fields_keep_each_field_in_order() -> None:
+    """Fields of any length, empty ones included, come back as int64 tensors with their own values in order: views
+    of one tensor, so a wrong offset would show as one field's values in another's place."""
+    fields = [[3, 1, 2], [], list(range(1000, 1005)), [-7], []]
+    tensors = device_int_fields(fields, torch.device("cpu"))
+    assert [t.dtype for t in tensors] == [torch.int64] * len(fields)
+    assert [t.tolist() for t in tensors] == fields
+    assert all(t.is_contiguous() for t in tensors)
+    assert device_ints((5, 4, 2**40), torch.device("cpu")).tolist() == [5, 4, 2**40]
+    assert device_ints([], torch.device("cpu")).shape == (0,)
