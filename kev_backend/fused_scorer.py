@@ -217,20 +217,27 @@ class FusedScorer:
             out.state_lengths.append(len(state))
             out.state_slots.append(slots[state].slot)
             out.state_kv_dst.extend(slots[state].kv_index(page).tolist())
-        # Each state's pool K/V index once; every row points at its state's run.
+        # Each state's pool K/V index once; every row points at its state's run. A request's rows share its state's
+        # tuple, so the run and slot are found by the tuple's identity first: hashing a 2,400-token tuple takes ~4 µs,
+        # and four lookups a row cost ~1.6 ms of a batch of 22 long5 requests (CPU host).
         runs: dict[tuple[int, ...], int] = {}
+        by_identity: dict[int, tuple[int, Slot]] = {}  # the tuples stay alive (in `rows`) while this runs
         for row in rows:
-            if row.state not in runs:
-                runs[row.state] = len(out.prefix)
-                out.prefix.extend(slots[row.state].kv_index(page).tolist())
-            out.prefix_start.append(runs[row.state])
+            if (found := by_identity.get(id(row.state))) is None:
+                slot = slots[row.state]
+                if (run := runs.get(row.state)) is None:
+                    run = runs[row.state] = len(out.prefix)
+                    out.prefix.extend(slot.kv_index(page).tolist())
+                found = by_identity[id(row.state)] = (run, slot)
+            run, slot = found
+            out.prefix_start.append(run)
             out.prefix_len.append(len(row.state))
             start = len(out.row_ids)
             tokens = row.tokens.tokens
             out.row_ids.extend(tokens)
             out.row_positions.extend(range(len(row.state), len(row.state) + len(tokens)))
             out.row_lengths.append(len(tokens))
-            out.row_slots.append(slots[row.state].slot)
+            out.row_slots.append(slot.slot)
             out.row_picks.append(start + row.tokens.decide)
             out.row_picks.extend(start + i for i in row.tokens.option_ends)
         return out
