@@ -7,7 +7,8 @@
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
 #   long       bench/diag.py long: our kernels against fla's, block, warps and chunk sweeps (~2 min)
-#   latency    the engine's latency and 64-client throughput from graphs, short rows token by token or chunked (~2 min)
+#   latency    the engine's latency and 64-client throughput from graphs, short segments token by token, chunked, or
+#              chunked for new states only (~3 min)
 #   recurrent  bench/diag.py recurrent: the token-by-token delta rule's value block and warps on short6 rows (~20 s)
 #   rowsconv   long's row cases alone: the delta rule and the rows' conv tiles (~40 s)
 #   diag       long, then latency (~6 min)
@@ -58,8 +59,9 @@ run_step() {
     recurrent) timeout 120 python3 bench/diag.py recurrent 2>&1 | grep -v -i warn | tee "$out/diag-recurrent.log" || status=1 ;;
     latency)
       # The engine replaying CUDA graphs (as the GPU config does) with each kernel choice: latency and 64-client
-      # throughput, pipelined and serial (which to make the default). LATENCY_CHOICES: the choices (default both).
-      for choice in ${LATENCY_CHOICES:-KEV_SHORT_DELTA_RULE=recurrent KEV_SHORT_DELTA_RULE=chunked}; do
+      # throughput, pipelined and serial (which to make the default). LATENCY_CHOICES: the choices (default all three).
+      for choice in ${LATENCY_CHOICES:-KEV_SHORT_DELTA_RULE=recurrent KEV_SHORT_DELTA_RULE=chunked \
+        KEV_SHORT_DELTA_RULE=chunked-states}; do
         echo "choice $choice" | tee -a "$out/diag-latency.log"
         # shellcheck disable=SC2086
         env KEV_GRAPHS=1 KEV_LONG_KERNELS=ours $choice timeout 120 python3 bench/diag.py latency 2>&1 \

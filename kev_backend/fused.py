@@ -152,6 +152,10 @@ class PassKernels:
         )
 
 
+# The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE).
+SHORT_DELTA_RULES = ("recurrent", "chunked", "chunked-states")
+
+
 class FusedQwen35:
     """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
 
@@ -183,11 +187,15 @@ class FusedQwen35:
         if long_kernels not in ("fla", "ours"):
             raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
         self.long_kernels = long_kernels
-        # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule or our chunked one (both read and
-        # write the bank in place; a global choice, so an answer never depends on its batch).
-        if short_delta_rule not in ("recurrent", "chunked"):
-            raise ValueError(f"short_delta_rule must be recurrent or chunked, not {short_delta_rule!r}")
-        self.short_recurrent = short_delta_rule == "recurrent"
+        # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule ("recurrent"), our chunked one
+        # ("chunked"), or the chunked one for new states and token by token for rows ("chunked-states": a new state's
+        # chain is a few chunk steps where token by token is one step a token, while rows start from a banked state).
+        # Both read and write the bank in place; the choice is global and by segment kind, so an answer never
+        # depends on its batch.
+        if short_delta_rule not in SHORT_DELTA_RULES:
+            raise ValueError(f"short_delta_rule must be one of {SHORT_DELTA_RULES}, not {short_delta_rule!r}")
+        self.short_rows_recurrent = short_delta_rule == "recurrent" or short_delta_rule == "chunked-states"
+        self.short_states_recurrent = short_delta_rule == "recurrent"
         self._recurrent_rows, self._rows_attention = k.recurrent_rows, k.rows_attention
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
@@ -284,7 +292,7 @@ class FusedQwen35:
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
         zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
-        on our token-by-token kernel (or the chunked one: `short_delta_rule`); rows over 64 tokens on our chunked
+        on our token-by-token kernel (or the chunked one, by `short_delta_rule`); rows over 64 tokens on our chunked
         kernel (reading their states in place, no gathered copy; fla's answers for a row moved with the other rows of
         its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`)."""
         c = self.c
@@ -294,7 +302,7 @@ class FusedQwen35:
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
         args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
-        if group.short and self.short_recurrent:
+        if group.short and (self.short_states_recurrent if new else self.short_rows_recurrent):
             self._recurrent_rows(*args, new_states=new, out=out)
             return
         if group.short or not new or self.long_kernels == "ours":

@@ -115,6 +115,7 @@ def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=Fals
 
 def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None):
     CALLS["recurrent_rows"] += 1
+    CALLS[f"recurrent_rows new_states={new_states}"] += 1
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
 
 

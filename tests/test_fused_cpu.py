@@ -43,6 +43,7 @@ def engines(tiny_dir: Path, bank_bytes: int = 1 << 26, **options) -> tuple[Engin
         (True, True, "fla", "recurrent"),
         (False, False, "ours", "recurrent"),
         (False, True, "ours", "chunked"),
+        (False, True, "ours", "chunked-states"),
     ],
 )
 def test_fused_pass_answers_like_the_reference(
@@ -76,9 +77,12 @@ def test_fused_pass_answers_like_the_reference(
     for result in (first, again, alone):
         report = compare(expected, result)
         assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
-    # Segments up to 64 tokens on the token-by-token kernel unless short_delta_rule says chunked; longer rows always
-    # on the chunked one.
-    assert (CALLS["recurrent_rows"] > 0) == (short_delta_rule == "recurrent") and CALLS["chunked_rows"] > 0, CALLS
+    # Segments up to 64 tokens on the token-by-token kernel unless short_delta_rule says chunked (for every short
+    # segment, or for new states alone: "chunked-states"); longer rows always on the chunked one.
+    rows_recurrent = short_delta_rule != "chunked"
+    assert (CALLS["recurrent_rows new_states=False"] > 0) == rows_recurrent, CALLS
+    assert (CALLS["recurrent_rows new_states=True"] > 0) == (short_delta_rule == "recurrent"), CALLS
+    assert CALLS["chunked_rows"] > 0, CALLS
     if graphs:
         stats = fused.graphs.stats
         assert stats.captures == 0 and stats.replays == 0  # nothing to capture without CUDA
