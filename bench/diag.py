@@ -280,23 +280,37 @@ def chunk_variants() -> None:
 
 
 def rows_attention_tiles() -> None:
-    """Rows' attention by (query rows per program, keys per step) on Kev-4B heads (16 query heads, 4 key/value
-    heads of 256): ms for one long5 (five rows over a 2,200-token state), a 64-client long5 batch (17 of them), one
+    """Rows' attention by (query rows per program, keys per step, pipeline stages) on Kev-4B heads (16 query heads,
+    4 key/value heads of 256): ms for one long5 (five rows over a 2,200-token state), the same with its K/V in one
+    contiguous run (whether the pool's page gather bounds the key loop), a 64-client long5 batch (17 of them), one
     short6 on its banked state (six rows over 34 tokens) and a busy short6 batch (32 of them); and each variant's
     largest output difference from the default."""
     from kev_backend.kernels import attention as A
 
-    HQ, HKV, D = 16, 4, 256
+    HQ, HKV, D, PAGE = 16, 4, 256, 64
     row_lengths = [44, 57, 41, 36, 47, 40]
-    cases = {"long5": (1, 2200, 5), "long5x17": (17, 2200, 5), "short6same": (1, 34, 6), "short6x32": (32, 34, 6)}
-    variants = [(16, 32), (32, 32), (64, 16), (64, 32)]
-    default = (A.TILE_ROWS, A.WIDE_HEAD_KEYS)
+    cases = {
+        "long5": (1, 2200, 5, False),
+        "long5contig": (1, 2200, 5, True),
+        "long5x17": (17, 2200, 5, False),
+        "short6same": (1, 34, 6, False),
+        "short6x32": (32, 34, 6, False),
+    }
+    default = (A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES)
+    variants = [(64, 32, 2), (64, 32, 4), (64, 64, 2), (64, 64, 1), (32, 32, 3), (64, 16, 3)]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for label, (states, prefix_len, rows) in cases.items():
-        pool_tokens = states * prefix_len
+    for label, (states, prefix_len, rows, contiguous) in cases.items():
+        pages = -(-prefix_len // PAGE)
+        pool_tokens = states * pages * PAGE
         kp = torch.randn(pool_tokens, HKV, D, device="cuda", generator=gen).bfloat16()
         vp = torch.randn(pool_tokens, HKV, D, device="cuda", generator=gen).bfloat16()
-        prefix = torch.randperm(pool_tokens, device="cuda", generator=gen)
+        # Each state's tokens in whole 64-token pages (as the bank keeps them), pages in random order; or one run.
+        order = torch.arange(states * pages, device="cuda")
+        if not contiguous:
+            order = order[torch.randperm(states * pages, device="cuda", generator=gen)]
+        within = torch.arange(PAGE, device="cuda")
+        runs = (order.view(states, pages, 1) * PAGE + within).view(states, pages * PAGE)[:, :prefix_len]
+        prefix = runs.reshape(-1)
         lengths = [row_lengths[r] for _ in range(states) for r in range(rows)]
         cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
         starts = torch.tensor([s * prefix_len for s in range(states) for _ in range(rows)], device="cuda")
@@ -307,13 +321,22 @@ def rows_attention_tiles() -> None:
         v = torch.randn(T, HKV, D, device="cuda", generator=gen).bfloat16()
         outputs = {}
         run = functools.partial(A.rows_attention, q, k, v, kp, vp, prefix, starts, plens, cu, max(lengths))
-        for tile_rows, keys in [default, *[other for other in variants if other != default]]:
-            A.TILE_ROWS, A.WIDE_HEAD_KEYS = tile_rows, keys
-            outputs[(tile_rows, keys)] = run().float()
+        for variant in [default, *[other for other in variants if other != default]]:
+            A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES = variant
+            try:
+                outputs[variant] = run().float()
+            except Exception as error:  # noqa: BLE001 (a variant that does not fit shared memory: reported)
+                print(f"rowsattn {label:11s} {variant}: failed {type(error).__name__}", flush=True)
+                continue
             ms = cuda_ms(run, repeat=20)
-            diff = (outputs[(tile_rows, keys)] - outputs[default]).abs().max().item()
-            print(f"rowsattn {label:11s} rows {tile_rows:3d} keys {keys:3d}: {ms:.4f} ms, max diff {diff:.2e}")
-        A.TILE_ROWS, A.WIDE_HEAD_KEYS = default
+            diff = (outputs[variant] - outputs[default]).abs().max().item()
+            tile_rows, keys, stages = variant
+            print(
+                f"rowsattn {label:11s} rows {tile_rows:3d} keys {keys:3d} stages {stages}: {ms:.4f} ms, "
+                f"max diff {diff:.2e}",
+                flush=True,
+            )
+        A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES = default
 
 
 def long_attention_tiles() -> None:
