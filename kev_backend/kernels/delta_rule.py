@@ -287,11 +287,11 @@ if CHUNK_DOTS not in ("tf32", "bf16"):
 CHUNK_NARROW: tuple[int, int, int | None] = (32, 4, None)
 CHUNK_WIDE: tuple[int, int, int | None] = (64, 4, None)
 WIDE_ABOVE = 2
-# Warps per prep program: 2. With whole chunks unmasked (ca82b56) it compiles to 255 registers without spills on 2
-# warps as on 4 (two 4-warp or four 2-warp programs an SM), and 2 run faster: chunkvariants at f45a0ba, prep and
+# Warps per prep program: 2. With whole chunks unmasked (ca82b56) it compiles without spills on 2 warps (230 registers
+# as launched: tests/test_kernels.py), and 2 run faster than 4: chunkvariants at f45a0ba, prep and
 # chain for 1 / 8 / 24 new 2,200-token states and 40×100 rows, 0.211 / 1.062 / 3.205 / 0.303 ms a layer against
-# 0.218 / 1.129 / 3.397 / 0.322 on 4, identical outputs. (At 486fe6a, masks everywhere, 2 warps spilled 8 bytes
-# and lost at one state: 0.338 against 0.219.)
+# 0.218 / 1.129 / 3.397 / 0.322 on 4, identical outputs. (At 486fe6a, masks everywhere, 2 warps lost at one state:
+# 0.338 against 0.219.)
 PREP_WARPS = 2
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd and QK are stored in bf16 when the chain multiplies in bf16 (all they are used for), in fp32
