@@ -30,8 +30,9 @@
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
-# Environment: KEV_COMMIT (the commit the results name), PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS,
-# KEV_SHORT_DELTA_RULE, KEV_CHUNK (kernel choices).
+# Environment: KEV_COMMIT (the commit the results name; pass it: the device's checkout may name an older HEAD),
+# PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE, KEV_CHUNK (kernel choices),
+# LATENCY_CHOICES (latency's settings), KEV_GAPS_WORKLOAD (gaps: short6 or long5).
 set -uo pipefail
 steps=("${@:-all}")
 out=${OUT:-/tmp/out}
