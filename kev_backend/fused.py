@@ -194,7 +194,7 @@ class FusedQwen35:
         # depends on its batch.
         if short_delta_rule not in SHORT_DELTA_RULES:
             raise ValueError(f"short_delta_rule must be one of {SHORT_DELTA_RULES}, not {short_delta_rule!r}")
-        self.short_rows_recurrent = short_delta_rule == "recurrent" or short_delta_rule == "chunked-states"
+        self.short_rows_recurrent = short_delta_rule in ("recurrent", "chunked-states")
         self.short_states_recurrent = short_delta_rule == "recurrent"
         self._recurrent_rows, self._rows_attention = k.recurrent_rows, k.rows_attention
         c = self.c
