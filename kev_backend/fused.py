@@ -360,24 +360,37 @@ class FusedQwen35:
                         group.max_len,
                         window_size=(-1, 0),
                     )
+        self._bank_states_kv(p, keys, values, k, v)
+        if (r := p.rows) is not None:
+            rows = slice(r.start, r.end)
+            self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
+        return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
+
+    @staticmethod
+    def _bank_states_kv(
+        p: PassInput, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """The new states' K and V (of the pass's tokens) into their pages of the layer's bank pool."""
+        if (s := p.states) is not None:
             keys.index_copy_(0, p.state_kv_dst, k[s.start : s.end])
             values.index_copy_(0, p.state_kv_dst, v[s.start : s.end])
-        # Each row attends to [its state's K/V, read in place from the bank | its own K/V], bottom-right causal.
-        if (r := p.rows) is not None:
-            self._rows_attention(
-                q[r.start : r.end],
-                k[r.start : r.end],
-                v[r.start : r.end],
-                keys,
-                values,
-                p.row_prefix,
-                p.row_prefix_start,
-                p.row_prefix_len,
-                r.cu,
-                r.max_len,
-                out[r.start : r.end],
-            )
-        return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
+
+    def _attend_rows(
+        self,
+        p: PassInput,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Each row (q, k, v and out: the rows' tokens) attends to [its state's K/V, read in place from the bank |
+        its own K/V], bottom-right causal."""
+        r = p.rows
+        self._rows_attention(
+            q, k, v, keys, values, p.row_prefix, p.row_prefix_start, p.row_prefix_len, r.cu, r.max_len, out
+        )
 
     def last_attention(
         self, layer: LayerWeights, index: int, x: torch.Tensor, rope, p: PassInput
@@ -394,9 +407,7 @@ class FusedQwen35:
         k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
         v = v.unflatten(-1, (Hkv, D))
         keys, values = self.pool.keys[index], self.pool.values[index]
-        if (s := p.states) is not None:
-            keys.index_copy_(0, p.state_kv_dst, k[s.start : s.end])
-            values.index_copy_(0, p.state_kv_dst, v[s.start : s.end])
+        self._bank_states_kv(p, keys, values, k, v)
         if (r := p.rows) is None:
             return None
         rows = slice(r.start, r.end)
@@ -405,9 +416,7 @@ class FusedQwen35:
         q, gate = qg.view(n, Hq, 2 * D).chunk(2, dim=-1)
         q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, rope[0][rows], rope[1][rows])
         out = torch.empty(n, Hq, D, device=x.device, dtype=x.dtype)
-        self._rows_attention(
-            q, k[rows], v[rows], keys, values, p.row_prefix, p.row_prefix_start, p.row_prefix_len, r.cu, r.max_len, out
-        )
+        self._attend_rows(p, q, k[rows], v[rows], keys, values, out)
         picks = p.picks - r.start  # a captured pass pads its picks with the rows' first token (never read)
         gated = self._sigmoid_gate(out[picks], gate[picks])
         return F.linear(pad_rows(gated), layer.out_proj)[: picks.shape[0]]

@@ -555,8 +555,8 @@ def _chunked_delta_rule_kernel(
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
     o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
     the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
-    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 358 with
-    unmasked full chunks)."""
+    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
+    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
         a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
