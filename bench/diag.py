@@ -279,6 +279,53 @@ def chunk_variants() -> None:
         setattr(R, name, value)
 
 
+def padded_groups() -> None:
+    """The delta rule on a captured pass's groups, whose segments count the bucket's capacity and end in empty padding
+    segments on a scratch slot: a program per item against programs taking items in turn (`padded`,
+    kernels.delta_rule.LAUNCH_ROUNDS; the token-by-token kernel with RECURRENT_LOOP), and the same segments unpadded.
+    ms a layer on Kev-4B heads; outputs must be identical."""
+    from kev_backend import kernels
+    from kev_backend.kernels import delta_rule as R
+
+    # (label, segment lengths, capacity, new states): one short6 request's rows in r192 (48 row slots) and its state
+    # in s64 (8), 32 short6 requests' rows in r6144 (1,536), one long5 state in s2560's long group (20).
+    for label, lengths, capacity, new in (
+        ("short6 rows r192", [31] * 6, 48, False),
+        ("short6 state s64", [33], 8, True),
+        ("32 short6 rows r6144", [31] * 192, 1536, False),
+        ("long5 state s2560", [2200], 20, True),
+        ("long5 rows r768", [100] * 5, 192, False),
+    ):
+        _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
+        n = len(lengths)
+        scratch = torch.full((capacity - n,), n, device="cuda", dtype=slots.dtype)  # segments_case's spare slot
+        padded_slots = torch.cat([slots, scratch])
+        padded_cu = torch.cat([cu, cu[-1:].repeat(capacity - n)])
+        kernel_names = ["chunked"] + (["recurrent"] if max(lengths) <= 64 else [])
+        for name in kernel_names:
+            kernel = kernels.chunked_rows if name == "chunked" else kernels.recurrent_rows
+            line, reference = [], None
+            wide = R.CHUNK_WIDE
+            for setting, (use_slots, use_cu, padded, loop) in {
+                "unpadded": (slots, cu, False, False),
+                "per item": (padded_slots, padded_cu, False, False),
+                "in turn": (padded_slots, padded_cu, True, True),
+            }.items():
+                # per item: narrow, as a padded group ran before LAUNCH_ROUNDS
+                R.RECURRENT_LOOP, R.CHUNK_WIDE = loop, R.CHUNK_NARROW if setting == "per item" else wide
+                args = (q, k, v, a, b, a_log, dt_bias, pool, use_slots, use_cu)
+                run = lambda kernel=kernel, args=args, new=new, padded=padded: kernel(  # noqa: E731
+                    *args, new_states=new, padded=padded
+                )
+                out = run().float()
+                reference = out if reference is None else reference
+                same = torch.equal(out, reference)
+                line.append(f"{setting} {cuda_ms(run):.4f}{'' if same else ' DIFFERS'}")
+            R.CHUNK_WIDE = wide
+            R.RECURRENT_LOOP = False
+            print(f"padded {label} {name}: " + ", ".join(line), flush=True)
+
+
 def rows_attention_tiles() -> None:
     """Rows' attention by (query rows per program, keys per step, pipeline stages) on Kev-4B heads (16 query heads,
     4 key/value heads of 256): ms for one long5 (five rows over a 2,200-token state), the same with its K/V in one
@@ -844,6 +891,8 @@ if __name__ == "__main__":
         chunk_variants()
     if what == "kernels":
         kernel_breakdown()
+    if what == "padded":
+        padded_groups()
     if what == "rowsattn":
         rows_attention_tiles()
     if what == "longattn":

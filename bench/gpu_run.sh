@@ -10,6 +10,8 @@
 #   latency    the engine's latency and 64-client throughput from graphs, short segments token by token, chunked, or
 #              chunked for new states only (~3 min)
 #   recurrent  bench/diag.py recurrent: the token-by-token delta rule's value block and warps on short6 rows (~20 s)
+#   padded     bench/diag.py padded: the delta rule on captured passes' groups (capacity ending in padding segments), a
+#              program per item against programs taking items in turn, and unpadded (~30 s)
 #   rowsconv   long's row cases alone: the delta rule and the rows' conv tiles (~40 s)
 #   diag       long, then latency (~6 min)
 #   profile    bench/diag.py kernels: GPU time by kernel for busy and single short6 and long5 passes, replayed from
@@ -55,6 +57,7 @@ run_step() {
     parity) gpu_pytest gpu-parity.log "${PARITY_SELECT:-parity and not graph}" "^(tiny|small|kev4b) |passed|failed|Error|error" ;;
     graphtest) gpu_pytest gpu-graphs.log "graph_replay" "^graphs |passed|failed|Error" ;;
     long) timeout 240 python3 bench/diag.py long 2>&1 | grep -v -i warn | tee "$out/diag-long.log" || status=1 ;;
+    padded) timeout 120 python3 bench/diag.py padded 2>&1 | grep -v -i warn | tee "$out/diag-padded.log" || status=1 ;;
     rowsconv) timeout 120 python3 bench/diag.py long rows 2>&1 | grep -v -i warn | tee "$out/diag-rows.log" || status=1 ;;
     diag) run_step long; run_step latency ;;
     recurrent) timeout 120 python3 bench/diag.py recurrent 2>&1 | grep -v -i warn | tee "$out/diag-recurrent.log" || status=1 ;;

@@ -303,13 +303,13 @@ class FusedQwen35:
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
         args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
         if group.short and (self.short_states_recurrent if new else self.short_rows_recurrent):
-            self._recurrent_rows(*args, new_states=new, out=out)
+            self._recurrent_rows(*args, new_states=new, out=out, padded=group.padded)
             return
         if group.short or not new or self.long_kernels == "ours":
             # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a
             # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
-            # runs fastest (kernels.delta_rule.CHUNK_NARROW).
-            self._chunked_rows(*args, new_states=new, out=out, wide=False if group.padded else None)
+            # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments.
+            self._chunked_rows(*args, new_states=new, out=out, padded=group.padded)
             return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(

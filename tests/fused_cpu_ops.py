@@ -105,15 +105,15 @@ def silu_mul(gate_up):
 CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing checks
 
 
-def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, wide=None):
-    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`wide`, the GPU kernel's
-    configuration, changes nothing here)."""
+def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False):
+    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`padded`, how the GPU
+    kernel launches, changes nothing here)."""
     CALLS["chunked_rows"] += 1
-    CALLS[f"chunked_rows wide={wide}"] += 1  # None: by segment count; False: a captured pass's padded group
+    CALLS[f"chunked_rows padded={padded}"] += 1  # True: a captured pass's group
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
 
 
-def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None):
+def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False):
     CALLS["recurrent_rows"] += 1
     CALLS[f"recurrent_rows new_states={new_states}"] += 1
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)

@@ -89,9 +89,9 @@ def test_fused_pass_answers_like_the_reference(
         assert stats.runs > 0 and len(fused.graphs.seen) >= 2, (stats, fused.graphs.seen)
         # Padded passes with a long new state: the long group shares the state region with the short one.
         assert (long_kernels == "ours") == (stats.long_runs > 0)
-        # A padded group counts its capacity, not its work: the chunked kernel is told to run narrow there.
-        assert (long_kernels == "ours") <= (CALLS["chunked_rows wide=False"] > 0), CALLS
-    assert CALLS["chunked_rows wide=None"] > 0, CALLS  # eager passes (the long rows at least): by segment count
+        # A padded group counts its capacity, not its work: the chunked kernel is told so there.
+        assert (long_kernels == "ours") <= (CALLS["chunked_rows padded=True"] > 0), CALLS
+    assert CALLS["chunked_rows padded=False"] > 0, CALLS  # eager passes (the long rows at least)
 
 
 def test_a_batch_with_more_states_than_the_bank_holds_runs_in_passes_it_can_hold(tiny_dir: Path) -> None:

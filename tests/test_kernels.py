@@ -26,7 +26,7 @@ from kev_backend.kernels import (
     chunked_rows, conv_rows, conv_tokens, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention,
     sigmoid_gate, silu_mul,
 )
-from kev_backend.kernels import grid
+from kev_backend.kernels import delta_rule as R, grid
 from kev_backend.qwen35 import gated_delta_rule, l2_normalize
 
 
@@ -235,16 +235,24 @@ o2 = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states_2, torch.ara
 written = [0, 1, 2, 3, 5, 6]  # the empty segment's slot (4) is left alone
 assert (o1[5:77] - o2[5:77]).abs().max() < 10 * TOL and (states_1[written] - states_2[written]).abs().max() < 10 * TOL
 assert states_1[4].isnan().all() and states_2[4].isnan().all()
+# A captured pass's group ends in padding: empty segments on a scratch slot. With `padded` a few programs take the
+# items in turn (here, on the CPU's one "SM", 4 or 18 programs for all of them) and answer exactly as a program per
+# item does.
+R.RECURRENT_LOOP = True
+padded_cu = torch.cat([inner_cu, inner_cu[-1:].repeat(9)])
 for kernel in (chunked_rows, recurrent_rows):
-    rows = lambda: kernel(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
-    assert same_in_one_segment_launches(lambda: rows()[5:77])
+    slots = torch.tensor([0, 1, 2, 3, 4, 5, 0] + [5] * 9)
+    rows = lambda padded: kernel(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, padded_cu, padded=padded)
+    assert torch.equal(rows(False)[5:77], rows(True)[5:77])  # tokens in no segment: not written
 
-    def new_states():
-        states = torch.zeros(8, HV, K, V)
-        o = kernel(q, k, v, gate_a, gate_b, a_log, dt_bias, states, torch.arange(7), inner_cu, new_states=True)
-        return torch.cat([o[5:77].flatten(), states.flatten()])
+    def new_states(padded: bool):
+        states = torch.full((9, HV, K, V), float("nan"))
+        o = kernel(q, k, v, gate_a, gate_b, a_log, dt_bias, states, torch.tensor([*range(7)] + [8] * 9), padded_cu,
+                   new_states=True, padded=padded)
+        assert states[[4, 7, 8]].isnan().all()  # the empty segments' slots (the padding's and one inside) untouched
+        return torch.cat([o[5:77].flatten(), states[[0, 1, 2, 3, 5, 6]].flatten()])
 
-    assert same_in_one_segment_launches(new_states)
+    assert torch.equal(new_states(False), new_states(True))
 
 # The pass's conv (token slices in parallel, each finding its first segment) answers as the token-by-token one: rows
 # from their windows, new states writing theirs; segments that start after the input's first token and end before its
@@ -373,18 +381,16 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             )
             for continues in (True, False)
         ],
-        (
-            R._recurrent_rows_kernel,
-            recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=True),
-            R.RECURRENT_WARPS,
-        ),
-        (
-            R._recurrent_rows_kernel,
-            recurrent,
-            dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=False),
-            R.RECURRENT_WARPS,
-        ),
+        *[
+            (
+                R._recurrent_rows_kernel,
+                recurrent,
+                dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=continues, LOOP=loop),
+                R.RECURRENT_WARPS,
+            )
+            for continues in (True, False)
+            for loop in sorted({False, R.RECURRENT_LOOP})
+        ],
         (
             R._chunk_prep_kernel,
             chunk_terms,
@@ -395,12 +401,17 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunked_delta_rule_kernel,
                 chunk_terms,
-                dict(H=16, HV=32, K=128, V=128, BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain),
+                dict(H=16, HV=32, K=128, V=128, BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop),
                 warps,
                 maxnreg,
             )
             for continues in (True, False)
-            for block_v, warps, maxnreg in (R.CHUNK_NARROW, R.CHUNK_WIDE)
+            # padded groups (LOOP: programs taking items in turn) run narrow
+            for (block_v, warps, maxnreg), loop in (
+                (R.CHUNK_NARROW, False),
+                (R.CHUNK_NARROW, True),
+                (R.CHUNK_WIDE, False),
+            )
         ],
         *[
             (

@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import grid
 from .segments import search_steps, segment_of
 
 
@@ -39,6 +38,7 @@ RESCALE_BELOW: tl.constexpr = tl.constexpr(2.0**-80)
 
 @triton.jit
 def _delta_rule_program(
+    item,
     a_log,
     dt_bias,
     pool,
@@ -51,9 +51,10 @@ def _delta_rule_program(
     BV: tl.constexpr,
     CONTINUE: tl.constexpr,
 ):
-    """What a delta-rule program works on: its key and value heads, its segment [bos, eos), its key and value
-    offsets, the head's gate constants, where its state block lives in the pool and that block's start value."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """What a delta-rule item (segment n, value head hv, value block i_v) works on: its key and value heads, its
+    segment [bos, eos), its key and value offsets, the head's gate constants, where its state block lives in the
+    pool and that block's start value."""
+    i_nh, i_v = item // (V // BV), item % (V // BV)
     n, hv = i_nh // HV, i_nh % HV
     hk = hv // (HV // H)  # each key head serves HV // H consecutive value heads
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
@@ -70,6 +71,14 @@ def _delta_rule_program(
     else:  # a new state: from zero
         h = tl.zeros([K, BV], dtype=tl.float32)
     return hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h
+
+
+@triton.jit
+def _next_item(item, bos, end, items):
+    """A program's item after `item` (whose segment starts at bos): tl.num_programs(0) items on, or none (`items`)
+    once a segment starts where the segments' tokens end. Offsets only grow, so every later segment is empty there:
+    the padding of a captured pass's group (most of its capacity), which needs no program of its own."""
+    return tl.where(bos < end, item + tl.num_programs(0), items)
 
 
 @triton.jit
@@ -96,7 +105,8 @@ def _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale):
 
 
 @triton.jit
-def _recurrent_rows_kernel(
+def _recurrent_item(
+    item,
     q,
     k,
     v,
@@ -120,8 +130,9 @@ def _recurrent_rows_kernel(
     BV: tl.constexpr,
     CONTINUE: tl.constexpr,
 ):
+    """One item of _recurrent_rows_kernel; returns its segment's start."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h = _delta_rule_program(
-        a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
+        item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
     written = eos > bos  # empty segments (a captured pass's padding, on the scratch slot) store no end state
     # Token t+1's inputs (and its decay) are loaded while token t is computed (they do not depend on the state), so
@@ -160,6 +171,92 @@ def _recurrent_rows_kernel(
     # pass's padding, hundreds in a large bucket) write nothing either.
     if not CONTINUE:
         tl.store(state, h, mask=written)
+    return bos
+
+
+@triton.jit(do_not_specialize=["N"])
+def _recurrent_rows_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    stride_ot,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    CONTINUE: tl.constexpr,
+    LOOP: tl.constexpr,
+    N,
+):
+    if LOOP:  # items in turn until the segments' tokens end (_next_item)
+        end = tl.load(cu + N).to(tl.int64)
+        item = tl.program_id(0)
+        while item < N * HV * (V // BV):
+            bos = _recurrent_item(
+                item,
+                q,
+                k,
+                v,
+                a,
+                b,
+                a_log,
+                dt_bias,
+                pool,
+                slots,
+                cu,
+                o,
+                scale,
+                stride_t,
+                stride_vt,
+                stride_at,
+                stride_ot,
+                H,
+                HV,
+                K,
+                V,
+                BV,
+                CONTINUE,
+            )
+            item = _next_item(item, bos, end, N * HV * (V // BV))
+    else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
+        _recurrent_item(
+            tl.program_id(0),
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            pool,
+            slots,
+            cu,
+            o,
+            scale,
+            stride_t,
+            stride_vt,
+            stride_at,
+            stride_ot,
+            H,
+            HV,
+            K,
+            V,
+            BV,
+            CONTINUE,
+        )
 
 
 def recurrent_rows(
@@ -175,6 +272,7 @@ def recurrent_rows(
     cu: torch.Tensor,
     new_states: bool = False,
     out: torch.Tensor | None = None,
+    padded: bool = False,
 ) -> torch.Tensor:
     """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it; or,
     with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]`.
@@ -182,12 +280,14 @@ def recurrent_rows(
     q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); a, b: [T, HV] raw
     gate inputs (same token stride), with A_log and dt_bias [HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu:
     [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
-    does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]).
+    does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]). `padded`: the
+    segments may end in empty ones, a captured pass's padding (LAUNCH_ROUNDS); outputs do not depend on it.
     """
     return _launch_delta_rule(
         _recurrent_rows_kernel,
         RECURRENT_BV,
         RECURRENT_WARPS,
+        RECURRENT_PER_SM if padded and RECURRENT_LOOP else None,
         q,
         k,
         v,
@@ -203,12 +303,42 @@ def recurrent_rows(
     )
 
 
+# A captured pass's group counts its capacity, not its work: r192's 48 row slots hold one short6 request's 6 rows, and
+# a program per item (segment, value head, value block) ran 6,144 chain programs for 768 items of work, the empty
+# ones in waves after the real ones (H200: 44 µs a layer for two 16-token chunks a row). For such `padded` groups a
+# launch runs about LAUNCH_ROUNDS times the programs the GPU holds at once (per_sm: a kernel's programs an SM holds),
+# each taking items in turn (_next_item). The loop costs registers (sm_90a as launched: the chain at 32 columns
+# 202 → 250, still two programs an SM; at 64 it spills, and padded groups run narrow anyway; the token-by-token
+# kernel 166 → 214, nine one-warp programs an SM instead of twelve), so the token-by-token kernel takes it only
+# with RECURRENT_LOOP.
+LAUNCH_ROUNDS = 2
+RECURRENT_PER_SM = 9
+CHUNK_PER_SM = 2
+RECURRENT_LOOP = False
+
+
 def _launch_delta_rule(
-    kernel, block_v: int, warps: int, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, **extra
+    kernel,
+    block_v: int,
+    warps: int,
+    per_sm: int | None,
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    new_states,
+    out,
+    **extra,
 ) -> torch.Tensor:
-    """Checks the layouts both delta-rule kernels assume and launches one: a program per (value block, segment,
-    value head), in spans of segments that fit the grid (kernels.grid). `extra`: further arguments of the kernel,
-    by name (per token, never per segment)."""
+    """Checks the layouts both delta-rule kernels assume and launches one: a program per item (segment, value head,
+    value block), or with `per_sm` programs taking items in turn (LAUNCH_ROUNDS). `extra`: further arguments of the
+    kernel, by name (per token, never per segment)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
@@ -219,8 +349,11 @@ def _launch_delta_rule(
     assert out.shape == (T, HV, V) and out.is_contiguous()
     BV = min(block_v, V)
     n = slots.shape[0]
-    for first, last in grid.segment_spans(n, HV):
-        kernel[(triton.cdiv(V, BV), (last - first) * HV)](
+    if n:
+        assert V % BV == 0
+        items = n * HV * (V // BV)
+        programs = items if per_sm is None else min(items, LAUNCH_ROUNDS * per_sm * _sm_count(q.device))
+        kernel[(programs,)](
             q,
             k,
             v,
@@ -229,8 +362,8 @@ def _launch_delta_rule(
             a_log,
             dt_bias,
             pool,
-            slots[first:last],
-            cu[first : last + 1],
+            slots,
+            cu,
             out,
             K**-0.5,
             q.stride(0),
@@ -243,6 +376,8 @@ def _launch_delta_rule(
             V=V,
             BV=BV,
             CONTINUE=not new_states,
+            LOOP=per_sm is not None,
+            N=n,
             num_warps=warps,
             **extra,
         )
@@ -520,22 +655,16 @@ def _chain_chunk(
 
 
 @triton.jit
-def _chunked_delta_rule_kernel(
-    q,
-    k,
+def _chain_item(
+    item,
     u,
-    a,
-    b,
     a_log,
     dt_bias,
     pool,
     slots,
     cu,
     o,
-    scale,
-    stride_t,
     stride_ut,
-    stride_at,
     stride_ot,
     w,
     qs,
@@ -551,14 +680,9 @@ def _chunked_delta_rule_kernel(
     CONTINUE: tl.constexpr,
     BF16: tl.constexpr,
 ):
-    """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
-    added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
-    o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
-    the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
-    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
-    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
+    """One item of _chunked_delta_rule_kernel; returns its segment's start."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
-        a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
+        item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
     written = eos > bos  # as in _recurrent_rows_kernel
     o_t = tl.arange(0, BT)
@@ -598,6 +722,105 @@ def _chunked_delta_rule_kernel(
             )
     if not CONTINUE:
         tl.store(state, S, mask=written)
+    return bos
+
+
+@triton.jit(do_not_specialize=["N"])
+def _chunked_delta_rule_kernel(
+    q,
+    k,
+    u,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_ut,
+    stride_at,
+    stride_ot,
+    w,
+    qs,
+    kd,
+    qk,
+    dend,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    CONTINUE: tl.constexpr,
+    BF16: tl.constexpr,
+    LOOP: tl.constexpr,
+    N,
+):
+    """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
+    added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
+    o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
+    the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
+    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
+    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
+    if LOOP:  # items in turn until the segments' tokens end (_next_item)
+        end = tl.load(cu + N).to(tl.int64)
+        item = tl.program_id(0)
+        while item < N * HV * (V // BV):
+            bos = _chain_item(
+                item,
+                u,
+                a_log,
+                dt_bias,
+                pool,
+                slots,
+                cu,
+                o,
+                stride_ut,
+                stride_ot,
+                w,
+                qs,
+                kd,
+                qk,
+                dend,
+                H,
+                HV,
+                K,
+                V,
+                BV,
+                BT,
+                CONTINUE,
+                BF16,
+            )
+            item = _next_item(item, bos, end, N * HV * (V // BV))
+    else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
+        _chain_item(
+            tl.program_id(0),
+            u,
+            a_log,
+            dt_bias,
+            pool,
+            slots,
+            cu,
+            o,
+            stride_ut,
+            stride_ot,
+            w,
+            qs,
+            kd,
+            qk,
+            dend,
+            H,
+            HV,
+            K,
+            V,
+            BV,
+            BT,
+            CONTINUE,
+            BF16,
+        )
 
 
 def chunked_rows(
@@ -613,13 +836,14 @@ def chunked_rows(
     cu: torch.Tensor,
     new_states: bool = False,
     out: torch.Tensor | None = None,
-    wide: bool | None = None,
+    padded: bool = False,
 ) -> torch.Tensor:
     """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
     the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
-    segment counts (kernels.segments): capturable in a CUDA graph. `wide`: the sequential pass's configuration
-    (CHUNK_WIDE or CHUNK_NARROW; both give the same outputs), by default chosen from the segment count."""
+    segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass runs CHUNK_WIDE or
+    CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
+    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
@@ -661,13 +885,13 @@ def chunked_rows(
             LOG2_BT=CHUNK.bit_length() - 1,
             num_warps=PREP_WARPS,
         )
-    if wide is None:  # from the segment count (a caller whose segments are mostly empty padding says so)
-        wide = n >= segments_for_wide(q.device, HV, V)
+    wide = not padded and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
     return _launch_delta_rule(
         _chunked_delta_rule_kernel,
         block_v,
         warps,
+        CHUNK_PER_SM if padded else None,
         q,
         k,
         u,
