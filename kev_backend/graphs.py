@@ -36,6 +36,7 @@ from .passes import (
     is_short,
     offsets,
 )
+from .transfer import aligned_size
 
 # Row tokens by powers of two, with 1.5x steps where rows fill most of the pass (ROW_STEPS, only with a state
 # region no larger than the rows); state tokens finer above 1,024, where one long state fills a pass and padding it
@@ -146,9 +147,9 @@ class StaticInputs:
         }
         self.offsets: dict[str, tuple[int, int]] = {}
         total = 0
-        for name, n in sizes.items():
+        for name, n in sizes.items():  # each starting on 16 bytes (transfer.ALIGNED_INTS)
             self.offsets[name] = (total, max(n, 1))
-            total += max(n, 1)
+            total += aligned_size(max(n, 1))
         self.device = device
         self.prefix_tokens = prefix_tokens
         self.flat = torch.zeros(total, dtype=torch.int64, device=device)

@@ -16,21 +16,34 @@ def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return device_int_fields([values], device)[0]
 
 
+# int64s per 16 bytes. Triton specialises a kernel on whether each pointer argument is 16-byte aligned (and compiles
+# it again when that changes): fields that are views of one buffer start on 16 bytes, as torch's own allocations do,
+# or a pass's field lengths would decide which variant runs, compiling new ones on requests (H200, 824faec: the
+# rows' attention, found by tests/test_fused_gpu.py's no-compile check).
+ALIGNED_INTS = 2
+
+
+def aligned_size(n: int) -> int:
+    """n int64s rounded up to whole 16 bytes."""
+    return -(-n // ALIGNED_INTS) * ALIGNED_INTS
+
+
 def device_int_fields(fields: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
-    """Each of `fields` as an int64 tensor on `device`: views of one tensor, filled through one pinned host buffer and
-    one copy that does not wait for the stream (torch's pinned-memory cache keeps the buffer until the copy has read
-    it). numpy converts a list of ints ~3x faster than torch.tensor, and one pinned buffer and copy a pass, not one a
-    field, keeps the model thread's share of a busy batch small (a batch of 22 long states has ~58k tokens)."""
-    sizes = [len(field) for field in fields]
-    pinned = device.type == "cuda" and sum(sizes) > 0
-    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=pinned)
+    """Each of `fields` as an int64 tensor on `device`: views of one tensor, each starting on 16 bytes, filled through
+    one pinned host buffer and one copy that does not wait for the stream (torch's pinned-memory cache keeps the
+    buffer until the copy has read it). numpy converts a list of ints ~3x faster than torch.tensor, and one pinned
+    buffer and copy a pass, not one a field, keeps the model thread's share of a busy batch small (a batch of 22 long
+    states has ~58k tokens)."""
+    starts = [0]
+    for field in fields:
+        starts.append(starts[-1] + aligned_size(len(field)))
+    pinned = device.type == "cuda" and starts[-1] > 0
+    host = torch.empty(starts[-1], dtype=torch.int64, pin_memory=pinned)
     array = host.numpy()  # the same memory
-    start = 0
-    for field, size in zip(fields, sizes, strict=True):
-        array[start : start + size] = np.asarray(field, dtype=np.int64)
-        start += size
+    for field, start in zip(fields, starts, strict=False):
+        array[start : start + len(field)] = np.asarray(field, dtype=np.int64)
     flat = host.to(device, non_blocking=True) if pinned else host.to(device)
-    return list(flat.split(sizes))
+    return [flat[start : start + len(field)] for field, start in zip(fields, starts, strict=False)]
 
 
 class HostCopy:
