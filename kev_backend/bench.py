@@ -311,7 +311,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = result["gpu"].replace(" ", "-").lower()
     variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
-    variant += "" if options.short_delta_rule == "recurrent" else f"-{options.short_delta_rule}"
+    variant += "" if options.short_delta_rule == "chunked" else f"-{options.short_delta_rule}"
     variant += f"-chunk{delta_rule.CHUNK}" if delta_rule.CHUNK != 16 else ""
     path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
 

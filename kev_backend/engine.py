@@ -62,7 +62,7 @@ class EngineOptions:
     long_kernels: str = field(default_factory=lambda: os.environ.get("KEV_LONG_KERNELS", "fla"))
     # fused path: segments of up to 64 tokens on our token-by-token delta rule ("recurrent") or our chunked one
     # ("chunked": three steps instead of 39 for a short6 row; which is faster is measured by bench/diag.py long)
-    short_delta_rule: str = field(default_factory=lambda: os.environ.get("KEV_SHORT_DELTA_RULE", "recurrent"))
+    short_delta_rule: str = field(default_factory=lambda: os.environ.get("KEV_SHORT_DELTA_RULE", "chunked"))
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)
 

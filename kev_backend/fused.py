@@ -152,7 +152,9 @@ class PassKernels:
         )
 
 
-# The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE).
+# The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE):
+# token by token, chunked, or chunked for new states only. H200, Kev-4B from graphs (bench/diag.py latency, c748b82):
+# short6 new / same / 64 clients 6.28 ms / 5.23 ms / 262 req/s, 5.94 / 5.15 / 289, 6.13 / 5.30 / 269: chunked.
 SHORT_DELTA_RULES = ("recurrent", "chunked", "chunked-states")
 
 
@@ -165,7 +167,7 @@ class FusedQwen35:
         pool: StatePool,
         kernels: PassKernels | None = None,
         long_kernels: str = "fla",
-        short_delta_rule: str = "recurrent",
+        short_delta_rule: str = "chunked",
     ) -> None:
         # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
         # would then move with the batch they ride in.
