@@ -60,8 +60,9 @@ class EngineOptions:
     warm: bool = True
     # fused path: new states over 64 tokens on fla's delta rule ("fla") or ours ("ours"); KEV_LONG_KERNELS overrides
     long_kernels: str = field(default_factory=lambda: os.environ.get("KEV_LONG_KERNELS", "fla"))
-    # fused path: segments of up to 64 tokens on our token-by-token delta rule ("recurrent") or our chunked one
-    # ("chunked": three steps instead of 39 for a short6 row; which is faster is measured by bench/diag.py long)
+    # fused path: segments of up to 64 tokens on our chunked delta rule ("chunked", the default: two or three chunk
+    # steps instead of ~31 token steps for a short6 row), our token-by-token one ("recurrent"), or chunked for new
+    # states only ("chunked-states"): fused.SHORT_DELTA_RULES has the measurements
     short_delta_rule: str = field(default_factory=lambda: os.environ.get("KEV_SHORT_DELTA_RULE", "chunked"))
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)

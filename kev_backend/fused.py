@@ -294,7 +294,7 @@ class FusedQwen35:
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
         zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
-        on our token-by-token kernel (or the chunked one, by `short_delta_rule`); rows over 64 tokens on our chunked
+        on our chunked kernel or the token-by-token one (by `short_delta_rule`); rows over 64 tokens on our chunked
         kernel (reading their states in place, no gathered copy; fla's answers for a row moved with the other rows of
         its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`)."""
         c = self.c

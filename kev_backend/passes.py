@@ -41,9 +41,9 @@ def is_short(length: int) -> bool:
 @dataclass
 class KernelGroup:
     """Segments of one kind and one length class, contiguous in the pass: tokens [start, end). Short ones (up to
-    RECURRENT_MAX_LEN tokens) run our token-by-token kernels, which read or write the bank in place; longer ones
-    chunked kernels (fla's or ours, FusedQwen35.long_kernels) and torch's varlen attention. The class depends on a
-    segment's own length, never on its company."""
+    RECURRENT_MAX_LEN tokens) run our kernels (the delta rule chunked or token by token: short_delta_rule), which read
+    or write the bank in place; longer ones chunked kernels (fla's or ours, FusedQwen35.long_kernels) and torch's
+    varlen attention. The class depends on a segment's own length, never on its company."""
 
     short: bool
     start: int
