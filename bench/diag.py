@@ -283,7 +283,8 @@ def padded_groups() -> None:
     """The delta rule on a captured pass's groups, whose segments count the bucket's capacity and end in empty padding
     segments on a scratch slot: a program per item against programs taking items in turn (`padded`,
     kernels.delta_rule.LAUNCH_ROUNDS; the token-by-token kernel with RECURRENT_LOOP), and the same segments unpadded.
-    ms a layer on Kev-4B heads; outputs must be identical."""
+    ms a layer on Kev-4B heads, from eager calls: one request's groups are bound by host launches there (H200: ~0.14
+    ms a call whatever the setting), busy ones by the GPU. Outputs must be identical."""
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
 
