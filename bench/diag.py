@@ -305,7 +305,6 @@ def padded_groups() -> None:
     identical."""
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
-    from kev_backend.kernels.segments import window_segments
 
     # (label, segment lengths, capacity, new states): one short6 request's rows in r192 (48 row slots) and its state
     # in s64 (8), 32 short6 requests' rows in r6144 (1,536), one long5 state in s2560's long group (20).
@@ -334,10 +333,8 @@ def padded_groups() -> None:
                 # per item: narrow, as a padded group ran before LAUNCH_ROUNDS
                 R.RECURRENT_LOOP, R.CHUNK_WIDE = loop, R.CHUNK_NARROW if setting == "per item" else wide
                 args = (q, k, v, a, b, a_log, dt_bias, pool, use_slots, use_cu)
-                # the prep's window map, found once a pass as the engine does (KernelGroup.window_segments)
-                extra = {} if name != "chunked" else {"first_segments": window_segments(use_cu, q.shape[0], R.CHUNK)}
-                run = lambda kernel=kernel, args=args, new=new, padded=padded, extra=extra: kernel(  # noqa: E731
-                    *args, new_states=new, padded=padded, **extra
+                run = lambda kernel=kernel, args=args, new=new, padded=padded: kernel(  # noqa: E731
+                    *args, new_states=new, padded=padded
                 )
                 out = run().float()
                 reference = out if reference is None else reference

@@ -12,7 +12,6 @@ The pass's inputs are described in passes.py; the scorer that plans passes and r
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,7 +129,6 @@ class PassKernels:
     chunked_rows: Callable
     conv: Callable
     rows_attention: Callable
-    chunk_windows: Callable  # (cu, tokens) → chunked_rows' first_segments for a group
 
     @classmethod
     def gpu(cls) -> PassKernels:
@@ -138,7 +136,6 @@ class PassKernels:
         from torch.nn.attention.varlen import varlen_attn
 
         from . import kernels
-        from .kernels.segments import window_segments
 
         return cls(
             chunk_gated_delta_rule,
@@ -152,7 +149,6 @@ class PassKernels:
             kernels.chunked_rows,
             kernels.conv_tokens,
             kernels.rows_attention,
-            functools.partial(window_segments, size=kernels.delta_rule.CHUNK),
         )
 
 
@@ -186,7 +182,7 @@ class FusedQwen35:
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
-        self._chunked_rows, self._conv, self._chunk_windows = k.chunked_rows, k.conv, k.chunk_windows
+        self._chunked_rows, self._conv = k.chunked_rows, k.conv
         # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
         # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
         # in place, no host chunk maps, so capturable; faster on the H200 from session 9: bench/NOTES.md).
@@ -222,9 +218,6 @@ class FusedQwen35:
         rope = (emb.cos(), emb.sin())  # fp32, [T, rotary dims]
         hidden = F.embedding(p.ids, w.embed)
         residual = None
-        # Each chunked group's window map (chunked_rows' first_segments), found by the first DeltaNet layer and read
-        # by the others; per call, so that a captured graph finds it from its own buffers (not a warm-up pass's).
-        windows: dict[int, torch.Tensor] = {}
         gdn = attn = 0
         last = len(w.layers) - 1
         for i, layer in enumerate(w.layers):
@@ -239,7 +232,7 @@ class FusedQwen35:
                 hidden = self.attention(layer, attn, x, rope, p)
                 attn += 1
             else:
-                hidden = self.gated_deltanet(layer, gdn, x, p, windows)
+                hidden = self.gated_deltanet(layer, gdn, x, p)
                 gdn += 1
             if i == last:
                 break
@@ -265,9 +258,7 @@ class FusedQwen35:
 
     # -- Gated DeltaNet ------------------------------------------------------------------------------------------
 
-    def gated_deltanet(
-        self, layer: LayerWeights, index: int, x: torch.Tensor, p: PassInput, windows: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
+    def gated_deltanet(self, layer: LayerWeights, index: int, x: torch.Tensor, p: PassInput) -> torch.Tensor:
         c = self.c
         proj = F.linear(x, layer.in_proj)
         qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
@@ -281,7 +272,7 @@ class FusedQwen35:
                 span = group.span
                 # Tokens in parallel, each finding its segment; windows read or written in place.
                 mixed = self._conv(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
-                self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span], windows)
+                self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
             z.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)),  # read in place
@@ -300,14 +291,12 @@ class FusedQwen35:
         state_pool: torch.Tensor,
         new: bool,
         out: torch.Tensor,
-        windows: dict[int, torch.Tensor],
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
         zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
         on our chunked kernel or the token-by-token one (by `short_delta_rule`); rows over 64 tokens on our chunked
         kernel (reading their states in place, no gathered copy; fla's answers for a row moved with the other rows of
-        its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`).
-        `windows`: the pass's chunked window maps by group (forward)."""
+        its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`)."""
         c = self.c
         T = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -322,10 +311,7 @@ class FusedQwen35:
             # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a
             # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
             # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments.
-            if id(group) not in windows:
-                windows[id(group)] = self._chunk_windows(group.cu, T)
-            first = windows[id(group)]
-            self._chunked_rows(*args, new_states=new, out=out, padded=group.padded, first_segments=first)
+            self._chunked_rows(*args, new_states=new, out=out, padded=group.padded)
             return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(

@@ -7,14 +7,12 @@ and varlen_attn on the GPU.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import torch
 import torch.nn.functional as F
 
 from kev_backend.fused import PassKernels
-from kev_backend.kernels.segments import window_segments  # torch only (its module needs triton installed)
 from kev_backend.qwen35 import apply_rope, causal_attention, gated_delta_rule, l2_normalize
 
 
@@ -104,22 +102,12 @@ def silu_mul(gate_up):
 # segment (outputs left as zeros here) and empty segments (a new one writes an empty state into its slot).
 
 
-CALLS: Counter[str] = Counter()
-CHUNK_TOKENS = (
-    16  # the GPU kernels' chunk (kernels.delta_rule.CHUNK)  # delta-rule launches by kernel, for routing checks
-)
+CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing checks
 
 
-def chunked_rows(
-    q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False, first_segments=None
-):
+def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False):
     """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`padded`, how the GPU
-    kernel launches, changes nothing here). `first_segments`, the GPU prep's window → first segment map, is checked
-    against a walk of the offsets."""
-    if first_segments is not None:
-        ends = cu[1:].tolist()
-        walked = [sum(end <= start for end in ends) for start in range(0, q.shape[0], CHUNK_TOKENS)]
-        assert first_segments.tolist() == walked, (first_segments.tolist(), walked)
+    kernel launches, changes nothing here)."""
     CALLS["chunked_rows"] += 1
     CALLS[f"chunked_rows padded={padded}"] += 1  # True: a captured pass's group
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
@@ -184,5 +172,4 @@ TORCH_KERNELS = PassKernels(
     chunked_rows=chunked_rows,
     conv=conv_rows,  # conv_tokens' job, segment by segment
     rows_attention=rows_attention,
-    chunk_windows=functools.partial(window_segments, size=CHUNK_TOKENS),
 )

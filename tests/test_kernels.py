@@ -336,9 +336,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     bf16_chain = R.CHUNK_DOTS == "bf16"
     chunk_w = bf if bf16_chain else f32  # W, Qs, Kd and QK are stored as the chain multiplies them
     recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
-    chunk_terms = (
-        recurrent | {"u": f32, "dend": f32, "first": i64} | {name: chunk_w for name in ("w", "qs", "kd", "qk")}
-    )
+    chunk_terms = recurrent | {"u": f32, "dend": f32} | {name: chunk_w for name in ("w", "qs", "kd", "qk")}
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
     cases = [

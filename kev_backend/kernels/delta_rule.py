@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import window_segments
+from .segments import search_steps, segment_of
 
 
 @triton.jit
@@ -555,7 +555,7 @@ def _chunk_terms(
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "steps"])
 def _chunk_prep_kernel(
     q,
     k,
@@ -565,7 +565,6 @@ def _chunk_prep_kernel(
     a_log,
     dt_bias,
     cu,
-    first,
     w,
     u,
     qs,
@@ -577,6 +576,7 @@ def _chunk_prep_kernel(
     stride_t,
     stride_vt,
     stride_at,
+    steps,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -589,14 +589,14 @@ def _chunk_prep_kernel(
     W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
     (fp32), so that the sequential pass gets U = U₀ − W S; and the scaled q̂ and k̂, the chunk's q̂·k̂ᵀ and its end
     decay (_chunk_terms). Chunks start at their segment's first token and every BT tokens after; a program takes
-    the chunks that start in its BT tokens of the input (at most one per segment, from the first segment reaching
-    into them: first[i_t], from segments.window_segments)."""
+    the chunks that start in its BT tokens of the input (at most one per segment, found from the first segment
+    reaching into them)."""
     i_t, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
     start = i_t.to(tl.int64) * BT
     decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
     bias = tl.load(dt_bias + hv).to(tl.float32)
-    n = tl.load(first + i_t)
+    n = segment_of(cu, N, start, steps)
     while (n < N) & (tl.load(cu + n).to(tl.int64) < start + BT):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
@@ -837,18 +837,13 @@ def chunked_rows(
     new_states: bool = False,
     out: torch.Tensor | None = None,
     padded: bool = False,
-    first_segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
     the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
     segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass runs CHUNK_WIDE or
     CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
-    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS).
-    `first_segments`: window_segments(cu, T, CHUNK), when the caller has it. The prep reads it where each of its
-    programs searched before, and a layer's programs repeated the same searches, log2(N) dependent loads each (H200,
-    a captured long5 pass's long group of 20 slots for one state: prep and chain 0.238 ms a layer, 0.210 unpadded
-    with one search step; bench/diag.py padded); a pass computes it once for its layers (KernelGroup)."""
+    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
@@ -861,9 +856,6 @@ def chunked_rows(
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
-        if first_segments is None:
-            first_segments = window_segments(cu, T, CHUNK)
-        assert first_segments.shape == (triton.cdiv(T, CHUNK),)
         _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
             q,
             k,
@@ -873,7 +865,6 @@ def chunked_rows(
             a_log,
             dt_bias,
             cu,
-            first_segments,
             w,
             u,
             qs,
@@ -885,6 +876,7 @@ def chunked_rows(
             q.stride(0),
             v.stride(0),
             a.stride(0),
+            search_steps(n),
             H=H,
             HV=HV,
             K=K,

@@ -5,7 +5,6 @@ host-side maps, capturable in a CUDA graph for any lengths."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -19,14 +18,6 @@ def search_steps(n: int) -> int:
     is the segments tensor's length, a shape, hence fixed inside a captured graph."""
     assert n < MAX_SEGMENTS
     return max(1, n.bit_length())
-
-
-def window_segments(cu: torch.Tensor, tokens: int, size: int) -> torch.Tensor:
-    """For each `size`-token window of `tokens` tokens, segment_of its first token, found once by torch (int64 on
-    cu's device, [cdiv(tokens, size)]): for a kernel whose programs each take a window and would otherwise all
-    search, layer after layer, for the same answers."""
-    starts = torch.arange(0, tokens, size, device=cu.device, dtype=cu.dtype)
-    return torch.searchsorted(cu[1:], starts, right=True)
 
 
 @triton.jit
