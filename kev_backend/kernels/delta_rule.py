@@ -599,7 +599,8 @@ def _chunk_prep_kernel(
     n = segment_of(cu, N, start, steps)
     # Segments in turn while they start in this window and before the tokens end: a captured pass's padding
     # segments all start at the end, and the window holding it walked every one of them (a long5 pass's long group:
-    # 19 in series in the prep's last programs, ~0.03 ms a layer on the H200).
+    # 19 in series in the prep's last programs). Predicted to be the 0.027 ms a layer one long5 state loses in
+    # s2560's long group against unpadded (bench/diag.py padded, H200); not yet timed.
     end = tl.load(cu + N).to(tl.int64)
     while (n < N) & (tl.load(cu + n).to(tl.int64) < tl.minimum(start + BT, end)):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
