@@ -40,10 +40,10 @@ def device_int_fields(fields: Sequence[Sequence[int]], device: torch.device) -> 
     pinned = device.type == "cuda" and starts[-1] > 0
     host = torch.empty(starts[-1], dtype=torch.int64, pin_memory=pinned)
     array = host.numpy()  # the same memory
-    for field, start in zip(fields, starts, strict=False):
+    for field, start in zip(fields, starts[:-1], strict=True):
         array[start : start + len(field)] = np.asarray(field, dtype=np.int64)
     flat = host.to(device, non_blocking=True) if pinned else host.to(device)
-    return [flat[start : start + len(field)] for field, start in zip(fields, starts, strict=False)]
+    return [flat[start : start + len(field)] for field, start in zip(fields, starts[:-1], strict=True)]
 
 
 class HostCopy:
