@@ -139,6 +139,26 @@ def kernel_breakdown() -> None:
         print(f"== {label}: wall {wall:.1f} ms, {count} kernels, GPU {busy:.2f} ms", flush=True)
         for name, (n, ms) in sorted(by_name.items(), key=lambda item: -item[1][1])[:22]:
             print(f"  {ms:7.3f} ms {n:4d}x  {name[:90]}", flush=True)
+        # One layer's calls in launch order (µs): which of a pass's kernel groups (long states, short states, rows)
+        # the segment kernels' time goes to, padding groups included.
+        calls: dict[str, list[float]] = defaultdict(list)
+        for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+            if event.device_type == DeviceType.CUDA and event.name in LAYER_KERNELS:
+                calls[event.name].append(event.device_time_total)
+        for name in LAYER_KERNELS:
+            per_layer = len(calls[name]) // max(1, LAYER_KERNELS[name])
+            first = " ".join(f"{us:.1f}" for us in calls[name][:per_layer])
+            print(f"  first layer {name}: {first} µs", flush=True)
+
+
+# The segment kernels and how many layers call them (Kev-4B: 24 DeltaNet layers, 8 attention layers).
+LAYER_KERNELS = {
+    "_conv_scan_kernel": 24,
+    "_chunk_prep_kernel": 24,
+    "_chunked_delta_rule_kernel": 24,
+    "_recurrent_rows_kernel": 24,
+    "_rows_attention_kernel": 8,
+}
 
 
 def invariance_sweep() -> None:
