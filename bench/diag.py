@@ -316,6 +316,34 @@ def chunk_variants() -> None:
         setattr(R, name, value)
 
 
+def prep_registers() -> None:
+    """The chunked delta rule (prep and chain) by the prep's warps and register cap (PREP_WARPS, PREP_MAXNREG): ms a
+    layer, replayed from a CUDA graph, for 1 / 8 / 24 new long5-sized states (2,465 tokens) and one short6's rows; the
+    largest difference from the default. A cap that fits more programs an SM may hide more of the prep's latency
+    (230 registers on 2 warps: four an SM) or spill."""
+    from kev_backend import kernels
+    from kev_backend.kernels import delta_rule as R
+
+    chosen = R.PREP_WARPS, R.PREP_MAXNREG
+    settings = [chosen, (2, 192), (2, 168), (2, 128), (4, None), (4, 128), (4, 96)]
+    for lengths, new in (([2465], True), ([2465] * 8, True), ([2465] * 24, True), ([31] * 6, False)):
+        _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
+        args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+        run = lambda args=args, new=new: kernels.chunked_rows(*args, new_states=new)  # noqa: E731
+        line, reference = [], None
+        for R.PREP_WARPS, R.PREP_MAXNREG in settings:
+            try:
+                out = run().float()
+            except Exception as error:  # noqa: BLE001 (a setting that does not compile: reported, skipped)
+                line.append(f"{R.PREP_WARPS}/{R.PREP_MAXNREG} failed {type(error).__name__}")
+                continue
+            reference = out if reference is None else reference
+            diff = (out - reference).abs().max().item()
+            line.append(f"{R.PREP_WARPS}/{R.PREP_MAXNREG} {graph_ms(run):.4f} ({diff:.1e})")
+        R.PREP_WARPS, R.PREP_MAXNREG = chosen
+        print(f"prepregs {len(lengths)}x{lengths[0]} {'new' if new else 'rows'}: " + ", ".join(line), flush=True)
+
+
 def padded_groups() -> None:
     """The delta rule on a captured pass's groups, whose segments count the bucket's capacity and end in empty padding
     segments on a scratch slot: a program per item against programs taking items in turn (`padded`,
@@ -494,18 +522,29 @@ def ncu_probe() -> None:
 
 
 def request_timeline() -> None:
-    """Where one short6 request's model time goes besides its kernels (KEV_GRAPHS=1: as the GPU config runs it),
-    new state and same state: model time (launch to probabilities on the host) against the GPU's busy time, the
-    wait from launch to its first kernel, the idle gaps between kernels, and from the last kernel to the answer;
-    then the host functions of 20 requests on new states by own time (cProfile)."""
+    """Where one request's model time goes besides its kernels (KEV_GRAPHS=1: as the GPU config runs it), new state
+    and same state, for each workload of KEV_TIMELINE_SHAPES (default short6): model time (launch to probabilities
+    on the host) against the GPU's busy time, the wait from launch to its first kernel, the idle gaps between
+    kernels, and from the last kernel to the answer; then the host functions of 20 requests on new states of the
+    first workload by own time (cProfile)."""
+    import os
+
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from kev_backend import bench
-    from kev_backend.workloads import short6
+    from kev_backend import bench, workloads
 
     engine = kev4b_engine()
-    for label, make in (("new", lambda: short6(next(bench.NEW_STATE))), ("same", lambda: short6(None))):
+    shapes = os.environ.get("KEV_TIMELINE_SHAPES", "short6").split(",")
+    cases = [
+        (f"{shape} {label}", make)
+        for shape in shapes
+        for label, make in (
+            ("new", lambda shape=shape: getattr(workloads, shape)(next(bench.NEW_STATE))),
+            ("same", lambda shape=shape: getattr(workloads, shape)(None)),
+        )
+    ]
+    for label, make in cases:
         for _ in range(5):
             engine.answer([make()])
         torch.cuda.synchronize()
@@ -525,7 +564,7 @@ def request_timeline() -> None:
             end = max(end, hi)
         span = (kernels[-1][1] - kernels[0][0]) / 1000
         print(
-            f"timeline short6 {label}: model {model_ms:.2f} ms, kernels {len(kernels)} over {span:.2f} ms, busy "
+            f"timeline {label}: model {model_ms:.2f} ms, kernels {len(kernels)} over {span:.2f} ms, busy "
             f"{busy / 1000:.2f} ms, {len(gaps)} gaps {sum(gaps) / 1000:.2f} ms (over 5 us: "
             f"{sum(g for g in gaps if g > 5) / 1000:.2f} ms); answer call {(call.end - call.start) / 1000:.2f} ms, "
             f"its first kernel after {(kernels[0][0] - call.start) / 1000:.2f} ms, its end "
@@ -535,7 +574,7 @@ def request_timeline() -> None:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(20):
-        engine.answer([short6(next(bench.NEW_STATE))])
+        engine.answer([getattr(workloads, shapes[0])(next(bench.NEW_STATE))])
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
@@ -928,6 +967,8 @@ if __name__ == "__main__":
         gemm_speed()
     if what == "chunkvariants":
         chunk_variants()
+    if what == "prepregs":
+        prep_registers()
     if what == "kernels":
         kernel_breakdown()
     if what == "padded":

@@ -18,6 +18,7 @@
 #              CUDA graphs on our long kernels (~2 min)
 #   chunkvariants  bench/diag.py chunkvariants: the chunked delta rule's sequential pass by value block, warps,
 #              product operands (tf32 / bf16) and register cap, for 1 / 8 / 24 new long states and rows (~1 min)
+#   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
 #   convscan   bench/diag.py convscan: the pass's conv by tokens, channels and warps a program (~1 min)
@@ -34,7 +35,8 @@
 #   all        tests parity bench
 # Environment: KEV_COMMIT (the commit the results name; pass it: the device's checkout may name an older HEAD),
 # PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE, KEV_CHUNK (kernel choices),
-# LATENCY_CHOICES (latency's settings), KEV_GAPS_WORKLOAD (gaps: short6 or long5).
+# LATENCY_CHOICES (latency's settings), KEV_GAPS_WORKLOAD (gaps: short6 or long5), KEV_TIMELINE_SHAPES (timeline:
+# short6,long5).
 set -uo pipefail
 steps=("${@:-all}")
 out=${OUT:-/tmp/out}
@@ -79,6 +81,9 @@ run_step() {
     chunkvariants)
       timeout 240 python3 bench/diag.py chunkvariants 2>&1 | grep -E "^chunkvariants|Error" \
         | tee "$out/diag-chunkvariants.log" || status=1
+      ;;
+    prepregs)
+      timeout 180 python3 bench/diag.py prepregs 2>&1 | grep -E "^prepregs|Error" | tee "$out/diag-prepregs.log" || status=1
       ;;
     rowsattn)
       timeout 120 python3 bench/diag.py rowsattn 2>&1 | grep -E "^rowsattn|Error" | tee "$out/diag-rowsattn.log" || status=1

@@ -428,6 +428,9 @@ WIDE_ABOVE = 2
 # 0.218 / 1.129 / 3.397 / 0.322 on 4, identical outputs. (At 486fe6a, masks everywhere, 2 warps lost at one state:
 # 0.338 against 0.219.)
 PREP_WARPS = 2
+# A register cap on the prep (None: none): at 230 registers on 2 warps four programs share an SM (12.5 % occupancy,
+# no eligible warp 70 % of cycles: ncu at 9e908a1); bench/diag.py prepregs times caps that fit more.
+PREP_MAXNREG: int | None = None
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd and QK are stored in bf16 when the chain multiplies in bf16 (all they are used for), in fp32
 # otherwise; U₀ in fp32.
@@ -596,12 +599,16 @@ def _chunk_prep_kernel(
     start = i_t.to(tl.int64) * BT
     decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
     bias = tl.load(dt_bias + hv).to(tl.float32)
-    n = segment_of(cu, N, start, steps)
-    # Segments in turn while they start in this window and before the tokens end: a captured pass's padding
-    # segments all start at the end, and the window holding it walked every one of them (a long5 pass's long group:
-    # 19 in series in the prep's last programs). Predicted to be the 0.027 ms a layer one long5 state loses in
-    # s2560's long group against unpadded (bench/diag.py padded, H200); not yet timed.
+    # A window at or past the tokens' end has nothing to do, and returns before the segment search: a captured
+    # pass's padding windows, and every window of an empty group (a long5 pass's empty short group: 11 µs a layer
+    # for 5,120 such programs, H200 at 4db113d).
     end = tl.load(cu + N).to(tl.int64)
+    n = start * 0 + N
+    if start < end:
+        n = segment_of(cu, N, start, steps)
+    # Segments in turn while they start in this window and before the tokens end: a captured pass's padding
+    # segments all start at the end, and the window holding it would otherwise walk every one of them (a long5
+    # pass's long group: 19 in series; not what its 0.027 ms a layer against unpadded was, H200 at 4db113d).
     while (n < N) & (tl.load(cu + n).to(tl.int64) < tl.minimum(start + BT, end)):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
@@ -889,6 +896,7 @@ def chunked_rows(
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
             num_warps=PREP_WARPS,
+            **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
         )
     wide = not padded and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
