@@ -325,7 +325,7 @@ def prep_registers() -> None:
     from kev_backend.kernels import delta_rule as R
 
     chosen = R.PREP_WARPS, R.PREP_MAXNREG
-    settings = [chosen, (2, 192), (2, 168), (2, 128), (4, None), (4, 128), (4, 96)]
+    settings = [chosen, (2, None), (2, 144), (2, 192)]
     for lengths, new in (([2465], True), ([2465] * 8, True), ([2465] * 24, True), ([31] * 6, False)):
         _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
         args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
@@ -577,6 +577,42 @@ def request_timeline() -> None:
         engine.answer([getattr(workloads, shapes[0])(next(bench.NEW_STATE))])
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
+def launch_path() -> None:
+    """Whether a graph's launch delays its first kernel (KEV_GRAPHS=1): a short6 on its banked state and a new long5
+    are answered once, then their buckets' graphs replayed with those inputs, plainly and behind a ~2 ms sleep kernel
+    (the launch done while the GPU sleeps): the host time of replay(), the GPU time from before the replay to after
+    it, and from the sleep's end. The plain figure less the one behind the sleep is what the launch adds."""
+    from kev_backend import bench
+    from kev_backend.workloads import long5, short6
+
+    engine = kev4b_engine(graphs=True, long_kernels="ours")
+    graphs = engine.scorer.graphs
+    timer = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    for label, make in (("short6 same", lambda: short6(None)), ("long5 new", lambda: long5(next(bench.NEW_STATE)))):
+        for _ in range(3):
+            engine.answer([make()])
+        bucket = next(reversed(graphs.graphs))  # the last replayed moves to the end
+        graph = graphs.graphs[bucket][0]
+        torch.cuda.synchronize()
+        for behind_sleep in (False, True, False, True):
+            start, slept, end = timer(), timer(), timer()
+            start.record()
+            if behind_sleep:
+                torch.cuda._sleep(4_000_000)
+            slept.record()
+            t = time.perf_counter()
+            graph.replay()
+            host_ms = (time.perf_counter() - t) * 1000
+            end.record()
+            torch.cuda.synchronize()
+            print(
+                f"launch {label} {bucket.name} {'behind sleep' if behind_sleep else 'plain'}: replay() {host_ms:.3f} "
+                f"ms on the host, GPU {start.elapsed_time(end):.3f} ms, from the sleep's end "
+                f"{slept.elapsed_time(end):.3f} ms",
+                flush=True,
+            )
 
 
 def conv_scan() -> None:
@@ -969,6 +1005,8 @@ if __name__ == "__main__":
         chunk_variants()
     if what == "prepregs":
         prep_registers()
+    if what == "launch":
+        launch_path()
     if what == "kernels":
         kernel_breakdown()
     if what == "padded":

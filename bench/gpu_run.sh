@@ -18,6 +18,7 @@
 #              CUDA graphs on our long kernels (~2 min)
 #   chunkvariants  bench/diag.py chunkvariants: the chunked delta rule's sequential pass by value block, warps,
 #              product operands (tf32 / bf16) and register cap, for 1 / 8 / 24 new long states and rows (~1 min)
+#   launch     bench/diag.py launch: whether a graph's launch delays its first kernel (~1 min)
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
@@ -81,6 +82,9 @@ run_step() {
     chunkvariants)
       timeout 240 python3 bench/diag.py chunkvariants 2>&1 | grep -E "^chunkvariants|Error" \
         | tee "$out/diag-chunkvariants.log" || status=1
+      ;;
+    launch)
+      timeout 150 python3 bench/diag.py launch 2>&1 | grep -E "^launch|Error" | tee "$out/diag-launch.log" || status=1
       ;;
     prepregs)
       timeout 180 python3 bench/diag.py prepregs 2>&1 | grep -E "^prepregs|Error" | tee "$out/diag-prepregs.log" || status=1

@@ -308,10 +308,13 @@ def test_kernels_compiled_on_the_gpu() -> None:
     run_check(KEV_KERNEL_DEVICE="cuda")
 
 
-# Spills measured to pay, by (kernel, CONTINUE, register cap, BM): none at present. Compiled as a launch specialises
-# them (aligned pointers and strides), no kernel spills; compiled without that, as this test did before session 12,
-# rows' attention spilled 232 bytes with 64-row tiles and 848 with 128-row ones, and no loop loaded by async copies.
-SPILL_ALLOWED: dict[tuple[str, bool | None, int | None, int | None], int] = {}
+# Spills measured to pay, by (kernel, CONTINUE, register cap, BM): the prep capped at 168 registers (six programs an
+# SM, not four: faster on the H200, kernels.delta_rule.PREP_MAXNREG). Compiled as a launch specialises them (aligned
+# pointers and strides), no other kernel spills; compiled without that, as this test did before session 12, rows'
+# attention spilled 232 bytes with 64-row tiles and 848 with 128-row ones, and no loop loaded by async copies.
+SPILL_ALLOWED: dict[tuple[str, bool | None, int | None, int | None], int] = {
+    ("_chunk_prep_kernel", None, 168, None): 60,
+}
 
 
 def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
@@ -396,6 +399,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             chunk_terms,
             dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4),
             R.PREP_WARPS,
+            R.PREP_MAXNREG,
         ),
         *[
             (

@@ -428,9 +428,13 @@ WIDE_ABOVE = 2
 # 0.218 / 1.129 / 3.397 / 0.322 on 4, identical outputs. (At 486fe6a, masks everywhere, 2 warps lost at one state:
 # 0.338 against 0.219.)
 PREP_WARPS = 2
-# A register cap on the prep (None: none): at 230 registers on 2 warps four programs share an SM (12.5 % occupancy,
-# no eligible warp 70 % of cycles: ncu at 9e908a1); bench/diag.py prepregs times caps that fit more.
-PREP_MAXNREG: int | None = None
+# A register cap on the prep (None: none). Uncapped it takes 230 registers on 2 warps, four programs an SM (12.5 %
+# occupancy, no eligible warp 70 % of cycles: ncu at 9e908a1); at 168 six fit, for 60 bytes of spill stores.
+# bench/diag.py prepregs at 4db113d (H200, prep and chain, ms a layer, 1 / 8 / 24 new 2,465-token states and one
+# short6's rows): uncapped 0.229 / 1.211 / 3.620 / 0.0280, 168 0.221 / 1.112 / 3.314 / 0.0287, 192 (five an SM)
+# 0.230 / 1.217 / 3.641 / 0.0284, 128 0.236 / 1.214 / 3.614 / 0.0328; 4 warps lose (uncapped 0.242 / 1.313 / 3.958).
+# Identical outputs (a cap moves values between registers and memory, never changes the arithmetic).
+PREP_MAXNREG: int | None = 168
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd and QK are stored in bf16 when the chain multiplies in bf16 (all they are used for), in fp32
 # otherwise; U₀ in fp32.
