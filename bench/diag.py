@@ -344,6 +344,42 @@ def prep_registers() -> None:
         print(f"prepregs {len(lengths)}x{lengths[0]} {'new' if new else 'rows'}: " + ", ".join(line), flush=True)
 
 
+def launch_rounds() -> None:
+    """Captured groups' chain (programs taking items in turn) by LAUNCH_ROUNDS and the narrow configuration (value
+    block, warps): prep and chain, ms a layer from a CUDA graph, for one short6's rows in r192 (48 slots), long5's
+    five rows in r256 (64), 32 short6 requests' rows in r6144 (1,536) and one long5 state in s2560's long group (20);
+    the largest difference from the default."""
+    from kev_backend import kernels
+    from kev_backend.kernels import delta_rule as R
+
+    chosen = R.LAUNCH_ROUNDS, R.CHUNK_NARROW
+    settings = [chosen, (1, chosen[1]), (4, chosen[1]), (2, (16, 2, None)), (4, (16, 2, None)), (2, (16, 1, None))]
+    for label, lengths, capacity, new in (
+        ("short6 rows r192", [31] * 6, 48, False),
+        ("long5 rows r256", [38, 52, 26, 30, 20], 64, False),
+        ("32 short6 rows r6144", [31] * 192, 1536, False),
+        ("long5 state s2560", [2465], 20, True),
+    ):
+        _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
+        n = len(lengths)
+        slots = torch.cat([slots, torch.full((capacity - n,), n, device="cuda", dtype=slots.dtype)])
+        cu = torch.cat([cu, cu[-1:].repeat(capacity - n)])
+        args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+        run = lambda args=args, new=new: kernels.chunked_rows(*args, new_states=new, padded=True)  # noqa: E731
+        line, reference = [], None
+        for R.LAUNCH_ROUNDS, R.CHUNK_NARROW in settings:
+            name = f"{R.LAUNCH_ROUNDS}x{'/'.join(map(str, R.CHUNK_NARROW[:2]))}"
+            try:
+                out = run().float()
+            except Exception as error:  # noqa: BLE001 (a setting that does not compile: reported, skipped)
+                line.append(f"{name} failed {type(error).__name__}")
+                continue
+            reference = out if reference is None else reference
+            line.append(f"{name} {graph_ms(run):.4f} ({(out - reference).abs().max().item():.1e})")
+        R.LAUNCH_ROUNDS, R.CHUNK_NARROW = chosen
+        print(f"rounds {label}: " + ", ".join(line), flush=True)
+
+
 def padded_groups() -> None:
     """The delta rule on a captured pass's groups, whose segments count the bucket's capacity and end in empty padding
     segments on a scratch slot: a program per item against programs taking items in turn (`padded`,
@@ -1007,6 +1043,8 @@ if __name__ == "__main__":
         prep_registers()
     if what == "launch":
         launch_path()
+    if what == "rounds":
+        launch_rounds()
     if what == "kernels":
         kernel_breakdown()
     if what == "padded":

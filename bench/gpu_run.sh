@@ -18,6 +18,7 @@
 #              CUDA graphs on our long kernels (~2 min)
 #   chunkvariants  bench/diag.py chunkvariants: the chunked delta rule's sequential pass by value block, warps,
 #              product operands (tf32 / bf16) and register cap, for 1 / 8 / 24 new long states and rows (~1 min)
+#   rounds     bench/diag.py rounds: captured groups' chain by LAUNCH_ROUNDS and narrow configuration (~1 min)
 #   launch     bench/diag.py launch: whether a graph's launch delays its first kernel (~1 min)
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
@@ -82,6 +83,9 @@ run_step() {
     chunkvariants)
       timeout 240 python3 bench/diag.py chunkvariants 2>&1 | grep -E "^chunkvariants|Error" \
         | tee "$out/diag-chunkvariants.log" || status=1
+      ;;
+    rounds)
+      timeout 150 python3 bench/diag.py rounds 2>&1 | grep -E "^rounds|Error" | tee "$out/diag-rounds.log" || status=1
       ;;
     launch)
       timeout 150 python3 bench/diag.py launch 2>&1 | grep -E "^launch|Error" | tee "$out/diag-launch.log" || status=1
