@@ -30,9 +30,9 @@ import torch
 
 from . import tiny
 from .checkpoint import load_checkpoint
-from .engine import Engine, EngineOptions
+from .engine import Engine, EngineOptions, dumps
 from .kernels import delta_rule
-from .pipeline import Pipeline
+from .pipeline import Pipeline, parts_by_size
 from .workloads import long5, short6
 
 CLIENTS = (1, 8, 32, 64)
@@ -141,12 +141,15 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
                 except queue.Empty:
                     break
             bodies, events = [body for body, _ in batch], [event for _, event in batch]
-            batches.append(len(batch))
             if pipeline is None:
+                batches.append(len(batch))
                 engine.answer(bodies)
                 answered(events)
-            else:
-                pipeline.submit(bodies, lambda results, prepared, events=events: answered(events))
+                continue
+            for part in parts_by_size([len(dumps(body)) for body in bodies]):  # as model.py parts Triton's batches
+                batches.append(len(part))
+                part_events = [events[i] for i in part]
+                pipeline.submit([bodies[i] for i in part], lambda _, __, part_events=part_events: answered(part_events))
 
     def client() -> None:
         while time.perf_counter() < stop:

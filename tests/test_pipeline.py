@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kev_backend.engine import Engine, EngineOptions
-from kev_backend.pipeline import Pipeline
+from kev_backend.pipeline import Pipeline, parts_by_size
 from kev_backend.systemone import RequestError
 
 from .test_engine import request
@@ -91,3 +91,21 @@ def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytes
         pipeline.close()
     assert isinstance(first, RuntimeError) and "device fault" in str(first)
     assert isinstance(second, list) and "answers" in second[0]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "budget", "lengths"),
+    [
+        ([16] * 64, 256, [16, 16, 16, 16]),  # 64 long5-sized bodies: even parts, not 16 + 16 + 16 + 15 + 1
+        ([16] * 63, 256, [16, 16, 16, 15]),
+        ([2] * 64, 256, [64]),  # within the budget: one part
+        ([300, 1, 1], 256, [1, 2]),  # a body over the budget is a part of its own
+        ([1, 300, 1], 256, [1, 1, 1]),
+        ([], 256, []),
+    ],
+)
+def test_parts_by_size(sizes: list[int], budget: int, lengths: list[int]) -> None:
+    parts = parts_by_size(sizes, budget)
+    assert [len(part) for part in parts] == lengths
+    assert [i for part in parts for i in part] == list(range(len(sizes)))  # every item once, in order
+    assert all(sum(sizes[i] for i in part) <= budget or len(part) == 1 for part in parts)

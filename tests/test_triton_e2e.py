@@ -286,6 +286,31 @@ def test_warmup_requests_run_before_ready(tiny_dir, tmp_path) -> None:
         stop_triton(server)
 
 
+def test_large_batches_are_scored_in_parts(tiny_dir, tmp_path, expected: list[dict]) -> None:
+    """A batch over KEV_SUBMIT_BYTES of JSON is scored and answered in parts (kev_backend.pipeline.parts_by_size):
+    here a budget of one request and a half, so Triton's batches of several requests run as several engine batches,
+    and every answer is still the engine's."""
+    from .conftest import start_triton, stop_triton
+
+    budget = len(json.dumps(make_request(0)).encode()) * 3 // 2
+    server = start_triton(tiny_dir / "kev", tmp_path / "triton.log", KEV_SUBMIT_BYTES=str(budget))
+    try:
+        before_values, before_sizes = metric_values(server), batch_sizes(server)
+        results = http_all(server, [make_request(i) for i in range(24)])
+        for result, want in zip(results, expected[:24], strict=True):
+            assert isinstance(result, dict), result
+            assert_same_answer(result, want)
+        values, sizes = metric_values(server), batch_sizes(server)
+    finally:
+        stop_triton(server)
+    ran = {size: n - before_sizes.get(size, 0) for size, n in sizes.items() if n > before_sizes.get(size, 0)}
+    assert any(size > 1 for size in ran), f"no batch larger than 1 ran: {ran}"
+    engine_batches = values["kev_engine_ms_count"] - before_values.get("kev_engine_ms_count", 0.0)
+    # Each Triton batch of n requests ran as n engine batches of one.
+    assert engine_batches == sum(size * n for size, n in ran.items()) == 24
+    assert values["kev_batch_requests_sum"] - before_values.get("kev_batch_requests_sum", 0.0) == 24
+
+
 def test_gpu_config_differs_only_in_its_gpu_settings() -> None:
     """configs/gpu.pbtxt (`--model-config-name=gpu`) is config.pbtxt plus its header and the lines marked
     `# GPU setting`: a change to one that misses the other fails here."""

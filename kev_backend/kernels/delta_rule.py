@@ -310,8 +310,11 @@ def recurrent_rows(
 # each taking items in turn (_next_item). The loop costs registers (sm_90a as launched: the chain at 32 columns
 # 202 → 250, still two programs an SM; at 64 it spills, and padded groups run narrow anyway; the token-by-token
 # kernel 166 → 214, nine one-warp programs an SM instead of twelve), so the token-by-token kernel takes it only
-# with RECURRENT_LOOP.
-LAUNCH_ROUNDS = 2
+# with RECURRENT_LOOP. One round, not two (bench/diag.py rounds at cfdcf9a, H200, prep and chain ms a layer, one
+# short6's rows in r192 / long5's rows in r256 / 32 short6's rows in r6144 / one long5 state in s2560): 1 round
+# 0.0314 / 0.0319 / 0.683 / 0.2535, 2 rounds 0.0332 / 0.0331 / 0.696 / 0.2536, 4 rounds 0.0357 / 0.0357 / 0.704 /
+# 0.2538; 16 columns on 2 or 1 warps lose (0.0349 / 0.0403 for one short6). Identical outputs.
+LAUNCH_ROUNDS = 1
 RECURRENT_PER_SM = 9
 CHUNK_PER_SM = 2
 RECURRENT_LOOP = False

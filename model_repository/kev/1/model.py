@@ -1,6 +1,6 @@
 """Triton Python-backend adapter for Kev: one System One JSON request per REQUEST element, Kev 1.0's response JSON
-per RESPONSE element. Each batch goes to the engine in one call, through a pipeline that overlaps batches' host and
-GPU work (kev_backend/pipeline.py); a bad request fails alone (INVALID_ARG)."""
+per RESPONSE element. Each batch (in parts when large) goes to the engine through a pipeline that overlaps batches'
+host and GPU work (kev_backend/pipeline.py); a bad request fails alone (INVALID_ARG)."""
 
 import json
 import time
@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from kev_backend.engine import Engine, dumps
 from kev_backend.metrics import KevMetrics
-from kev_backend.pipeline import Pipeline
+from kev_backend.pipeline import Pipeline, parts_by_size
 from kev_backend.systemone import RequestError
 from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
 
@@ -52,13 +52,20 @@ class TritonPythonModel:
                 live.append((request, sender))
         if not live:
             return None
-        # A request may carry several JSON strings (batch dim n > 1); all are scored in one engine call.
+        # A request may carry several JSON strings (batch dim n > 1); all are scored together. A large batch goes to
+        # the pipeline in parts (whole requests each), each answered once scored (pipeline.parts_by_size).
         bodies = [pb_utils.get_input_tensor_by_name(r, "REQUEST").as_numpy().reshape(-1) for r, _ in live]
+        senders = [sender for _, sender in live]
+        for part in parts_by_size([sum(len(body) for body in items) for items in bodies]):
+            self._submit([bodies[i] for i in part], [senders[i] for i in part])
+        return None
+
+    def _submit(self, bodies, senders):
+        """Scores the requests' bodies (one list per request) in one pipeline batch; answers through their senders."""
         spans, start = [], 0
         for items in bodies:
             spans.append(range(start, start + len(items)))
             start += len(items)
-        senders = [sender for _, sender in live]
 
         def cancelled():
             return {j for sender, span in zip(senders, spans) if sender.is_cancelled() for j in span}
@@ -81,7 +88,6 @@ class TritonPythonModel:
             self.pipeline.submit([body for items in bodies for body in items], deliver, cancelled)
         except Exception as error:  # preparing the batch failed (not a bad request: those are refused one by one)
             fail(error)
-        return None
 
     def finalize(self):
         self.pipeline.close()
