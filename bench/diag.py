@@ -264,6 +264,17 @@ def segments_case(lengths: list[int]):
     return mixed, q, k, v, a, b, a_log, dt_bias, pool, torch.arange(len(lengths), device="cuda"), cu_cpu, cu_cpu.cuda()
 
 
+def sweep_entry(name: str, run, reference: torch.Tensor | None, timer=None) -> tuple[str, torch.Tensor | None]:
+    """One setting of a kernel sweep: "NAME ms (largest difference from the reference)", or why it did not run; and
+    the reference (the sweep's first output)."""
+    try:
+        out = run().float()
+    except Exception as error:  # noqa: BLE001 (a setting that does not compile: reported, skipped)
+        return f"{name} failed {type(error).__name__}", reference
+    reference = out if reference is None else reference
+    return f"{name} {(timer or graph_ms)(run):.4f} ({(out - reference).abs().max().item():.1e})", reference
+
+
 def chunk_variants() -> None:
     """The chunked delta rule by the sequential pass's (value block, warps, register cap, product operands) and the
     prep's warps on Kev-4B heads: ms for new long states one at a time and many at once (throughput: programs sharing
@@ -302,14 +313,8 @@ def chunk_variants() -> None:
         for variant in variants:
             for name, value in zip(names, variant, strict=True):
                 setattr(R, name, value)
-            try:
-                out = run().float()
-            except Exception as error:  # noqa: BLE001 (a configuration that does not compile: reported, skipped)
-                line.append(f"{describe(variant)} failed {type(error).__name__}")
-                continue
-            reference = out if reference is None else reference
-            diff = (out - reference).abs().max().item()
-            line.append(f"{describe(variant)} {cuda_ms(run):.3f} ({diff:.1e})")
+            entry, reference = sweep_entry(describe(variant), run, reference, cuda_ms)
+            line.append(entry)
         label = f"{n}x{lengths[0]} {'new' if new else 'rows'}"
         print(f"chunkvariants {label}: " + ", ".join(line), flush=True)
     for name, value in zip(names, chosen, strict=True):
@@ -332,14 +337,8 @@ def prep_registers() -> None:
         run = lambda args=args, new=new: kernels.chunked_rows(*args, new_states=new)  # noqa: E731
         line, reference = [], None
         for R.PREP_WARPS, R.PREP_MAXNREG in settings:
-            try:
-                out = run().float()
-            except Exception as error:  # noqa: BLE001 (a setting that does not compile: reported, skipped)
-                line.append(f"{R.PREP_WARPS}/{R.PREP_MAXNREG} failed {type(error).__name__}")
-                continue
-            reference = out if reference is None else reference
-            diff = (out - reference).abs().max().item()
-            line.append(f"{R.PREP_WARPS}/{R.PREP_MAXNREG} {graph_ms(run):.4f} ({diff:.1e})")
+            entry, reference = sweep_entry(f"{R.PREP_WARPS}/{R.PREP_MAXNREG}", run, reference)
+            line.append(entry)
         R.PREP_WARPS, R.PREP_MAXNREG = chosen
         print(f"prepregs {len(lengths)}x{lengths[0]} {'new' if new else 'rows'}: " + ", ".join(line), flush=True)
 
@@ -369,13 +368,8 @@ def launch_rounds() -> None:
         line, reference = [], None
         for R.LAUNCH_ROUNDS, R.CHUNK_NARROW in settings:
             name = f"{R.LAUNCH_ROUNDS}x{'/'.join(map(str, R.CHUNK_NARROW[:2]))}"
-            try:
-                out = run().float()
-            except Exception as error:  # noqa: BLE001 (a setting that does not compile: reported, skipped)
-                line.append(f"{name} failed {type(error).__name__}")
-                continue
-            reference = out if reference is None else reference
-            line.append(f"{name} {graph_ms(run):.4f} ({(out - reference).abs().max().item():.1e})")
+            entry, reference = sweep_entry(name, run, reference)
+            line.append(entry)
         R.LAUNCH_ROUNDS, R.CHUNK_NARROW = chosen
         print(f"rounds {label}: " + ", ".join(line), flush=True)
 

@@ -55,6 +55,9 @@ gpu_pytest() {  # LOG -k EXPRESSION: the GPU tests matching it, the log's tail t
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_kernels.py tests/test_fused_gpu.py \
     -k "$expression" 2>&1 | tee "$out/$log" | grep -E "$filter" | cut -c1-1500 || status=1
 }
+diag_sweep() {  # NAME SECONDS: bench/diag.py NAME's own lines (they start with NAME) and errors, into diag-NAME.log
+  timeout "$2" python3 bench/diag.py "$1" 2>&1 | grep -E "^$1|Error" | tee "$out/diag-$1.log" || status=1
+}
 run_step() {
   case $1 in
     tests) gpu_pytest gpu-tests.log "not parity and not graph" "passed|failed|Error|assert" ;;
@@ -80,25 +83,12 @@ run_step() {
       KEV_GRAPHS=1 KEV_LONG_KERNELS=ours timeout 180 python3 bench/diag.py kernels 2>&1 | grep -v -i warn \
         | tee "$out/diag-kernels.log" | grep -E "^==" || status=1
       ;;
-    chunkvariants)
-      timeout 240 python3 bench/diag.py chunkvariants 2>&1 | grep -E "^chunkvariants|Error" \
-        | tee "$out/diag-chunkvariants.log" || status=1
-      ;;
-    rounds)
-      timeout 150 python3 bench/diag.py rounds 2>&1 | grep -E "^rounds|Error" | tee "$out/diag-rounds.log" || status=1
-      ;;
-    launch)
-      timeout 150 python3 bench/diag.py launch 2>&1 | grep -E "^launch|Error" | tee "$out/diag-launch.log" || status=1
-      ;;
-    prepregs)
-      timeout 180 python3 bench/diag.py prepregs 2>&1 | grep -E "^prepregs|Error" | tee "$out/diag-prepregs.log" || status=1
-      ;;
-    rowsattn)
-      timeout 120 python3 bench/diag.py rowsattn 2>&1 | grep -E "^rowsattn|Error" | tee "$out/diag-rowsattn.log" || status=1
-      ;;
-    longattn)
-      timeout 180 python3 bench/diag.py longattn 2>&1 | grep -E "^longattn|Error" | tee "$out/diag-longattn.log" || status=1
-      ;;
+    chunkvariants) diag_sweep chunkvariants 240 ;;
+    rounds) diag_sweep rounds 150 ;;
+    launch) diag_sweep launch 150 ;;
+    prepregs) diag_sweep prepregs 180 ;;
+    rowsattn) diag_sweep rowsattn 120 ;;
+    longattn) diag_sweep longattn 180 ;;
     convscan)
       timeout 180 python3 bench/diag.py convscan 2>&1 | grep -E "convscan|Error" | tee "$out/diag-convscan.log" || status=1
       ;;
