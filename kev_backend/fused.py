@@ -268,7 +268,7 @@ class FusedQwen35:
         # New states start from zero and leave their conv window and DeltaNet state in their (fresh) bank slots;
         # rows continue theirs, read in place by slot, and write nothing back.
         for seg, new in ((p.states, True), (p.rows, False)):
-            for group in seg.deltanet_groups if seg is not None else ():
+            for group in seg.groups if seg is not None else ():
                 span = group.span
                 # Tokens in parallel, each finding its segment; windows read or written in place.
                 mixed = self._conv(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)

@@ -36,7 +36,7 @@ from .passes import (
     is_short,
     offsets,
 )
-from .transfer import ALIGNED_INTS, aligned_size
+from .transfer import aligned_size
 
 # Row tokens by powers of two, with 1.5x steps where rows fill most of the pass (ROW_STEPS, only with a state
 # region no larger than the rows); state tokens finer above 1,024, where one long state fills a pass and padding it
@@ -133,10 +133,10 @@ class StaticInputs:
         sizes = {
             "ids": largest.tokens,
             "positions": largest.tokens,
-            # A bucket's short new states' offsets and slots, then its long ones' (from index bucket.states on): the
-            # two groups' fields end to end, so that both together are one group's too (pass_input's `merged`).
-            "state_cu": largest.states + largest.long_states + 1,
-            "state_slots": largest.states + largest.long_states,
+            "state_cu": largest.states + 1,
+            "state_slots": largest.states,
+            "long_cu": largest.long_states + 1,
+            "long_slots": largest.long_states,
             "state_kv_dst": largest.state_tokens,
             "row_cu": largest.rows + 1,
             "row_slots": largest.rows,
@@ -159,42 +159,35 @@ class StaticInputs:
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last host→device copy
         self.turn = 0
 
-    def view(self, name: str, n: int, at: int = 0) -> torch.Tensor:
+    def view(self, name: str, n: int) -> torch.Tensor:
         start, size = self.offsets[name]
-        assert at + n <= size
-        return self.flat[start + at : start + at + n]
+        assert n <= size
+        return self.flat[start : start + n]
 
-    def pass_input(self, bucket: Bucket, long_states: bool = False, merge: bool = False) -> PassInput:
+    def pass_input(self, bucket: Bucket, long_states: bool = False) -> PassInput:
         """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. With `long_states` the
         state region holds a second kernel group, the long new states (capacity bucket.long_states, each up to the
         whole region), listed first: their varlen attention writes the whole region, the short group's after it
-        only its own tokens. With `merge` too (both groups on the same DeltaNet kernels), the DeltaNet layers take
-        both as one group (Segments.merged)."""
+        only its own tokens."""
         s, r = bucket.state_tokens, bucket.row_tokens
 
-        def group(start: int, tokens: int, cu: str, slots: str, n: int, short: bool, at: int = 0) -> KernelGroup:
+        def group(start: int, tokens: int, cu: str, slots: str, n: int, short: bool) -> KernelGroup:
             return KernelGroup(
                 short=short,
                 start=start,
                 end=start + tokens,
                 max_len=RECURRENT_MAX_LEN if short else tokens,
-                cu=self.view(cu, n + 1, at),
-                slots=self.view(slots, n, at),
+                cu=self.view(cu, n + 1),
+                slots=self.view(slots, n),
                 padded=True,
             )
 
         states = None
         if s:
             groups = [group(0, s, "state_cu", "state_slots", bucket.states, short=True)]
-            merged = None
             if long_states and bucket.long_states:
-                # The long group's fields follow the short group's, their views starting on 16 bytes as Triton's
-                # kernels are specialised for (bucket.states is a multiple of 8).
-                assert bucket.states % ALIGNED_INTS == 0
-                groups.insert(0, group(0, s, "state_cu", "state_slots", bucket.long_states, False, bucket.states))
-                if merge:
-                    merged = group(0, s, "state_cu", "state_slots", bucket.states + bucket.long_states, short=False)
-            states = Segments(0, s, s, groups[-1].cu, groups, merged)  # `cu` of a region is read for rows only
+                groups.insert(0, group(0, s, "long_cu", "long_slots", bucket.long_states, short=False))
+            states = Segments(0, s, s, groups[-1].cu, groups)  # `cu` of a region is read for rows only
         rows = None
         if r:
             row_group = group(s, r, "row_cu", "row_slots", bucket.rows, short=True)
@@ -226,11 +219,10 @@ class StaticInputs:
         values = {
             "ids": _padded(ids, bucket.tokens, pad_id),
             "positions": _padded(positions, bucket.tokens, 0),
-            # The short group's offsets (its last: where the long group starts) and the long group's after them.
-            "state_cu": _padded_offsets(short, bucket.states + 1)
-            + _padded_offsets(long, bucket.long_states + 1, start=sum(short))[1:],
-            "state_slots": _padded(layout.state_slots[:n_short], bucket.states, pool.scratch_slot)
-            + _padded(layout.state_slots[n_short:], bucket.long_states, pool.scratch_slot),
+            "state_cu": _padded_offsets(short, bucket.states + 1),
+            "state_slots": _padded(layout.state_slots[:n_short], bucket.states, pool.scratch_slot),
+            "long_cu": _padded_offsets(long, bucket.long_states + 1, start=sum(short)),
+            "long_slots": _padded(layout.state_slots[n_short:], bucket.long_states, pool.scratch_slot),
             "state_kv_dst": _padded(layout.state_kv_dst, s, pool.scratch_token),
             "row_cu": _padded_offsets(layout.row_lengths, bucket.rows + 1),
             "row_slots": _padded(layout.row_slots, bucket.rows, pool.scratch_slot),
@@ -303,9 +295,6 @@ class PassGraphs:
         # cache, none failed; graphs phase 3.5 s against 9.0 on the kept one).
         self.warm_passes = warm_passes
         self.long_states = long_states  # passes with long new states too (their kernels are capturable)
-        # Short and long new states as one group in the DeltaNet layers, where both take the same kernels (our chunked
-        # delta rule and conv): every captured pass with long new states, unless short ones go token by token.
-        self.merge = long_states and model.long_kernels == "ours" and not model.short_states_recurrent
         self.pool = pool
         self.pad_id = pad_id
         self.buckets = all_buckets(max_tokens)
@@ -339,7 +328,7 @@ class PassGraphs:
         self.stats.long_runs += not all(is_short(n) for n in layout.state_lengths)
         self.seen.add(bucket)
         if entry is None:  # no CUDA, or the capture failed: the padded pass, eagerly
-            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states, self.merge))
+            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states))
         else:
             self.graphs.move_to_end(bucket)
             graph, out = entry
@@ -381,7 +370,7 @@ class PassGraphs:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats.evictions += 1
-        inputs = self.inputs.pass_input(bucket, self.long_states, self.merge)
+        inputs = self.inputs.pass_input(bucket, self.long_states)
         # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
         self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
         stream = self.stream

@@ -95,15 +95,6 @@ class Segments:
     max_len: int
     cu: torch.Tensor  # int64 offsets from `start` of every segment
     groups: list[KernelGroup]
-    # A captured pass's new states, short and long, as one group for the DeltaNet kernels (conv and delta rule), where
-    # both groups take the same ones (graphs.StaticInputs.pass_input): one launch each a layer, not two, one of them
-    # often over an empty group (a long5 pass's short group: ~16 µs a layer, H200 at 5248392). Attention keeps the
-    # groups apart (their tiles differ).
-    merged: KernelGroup | None = None
-
-    @property
-    def deltanet_groups(self) -> list[KernelGroup]:
-        return [self.merged] if self.merged is not None else self.groups
 
     @classmethod
     def build(cls, start: int, lengths: list[int], slots: list[int], device: torch.device) -> Segments:

@@ -108,13 +108,3 @@ def test_long_and_short_new_states_share_the_state_region() -> None:
     assert p.positions[39:139].tolist() == list(range(100)) and p.positions[2139:2560].eq(0).all()
     assert p.state_kv_dst.tolist()[139:141] == [300, 301] and p.state_kv_dst[2139:].eq(640).all()
     assert len(inputs.pass_input(bucket).states.groups) == 1  # without long states: the short group alone
-    # Where both groups take the same DeltaNet kernels, those layers see them as one group over the same buffers:
-    # the short group's offsets and slots, then the long group's.
-    assert p.states.merged is None and p.states.deltanet_groups == p.states.groups
-    merged = inputs.pass_input(bucket, long_states=True, merge=True).states.merged
-    assert merged is not None and not merged.short and merged.padded and (merged.start, merged.end) == (0, 2560)
-    assert merged.cu.tolist() == short.cu.tolist() + long.cu.tolist()[1:]
-    assert merged.slots.tolist() == short.slots.tolist() + long.slots.tolist()
-    assert merged.cu.tolist()[bucket.states :][:4] == [39, 139, 2139, 2139]  # the short padding: empty, inside
-    assert all(t.data_ptr() % 16 == 0 for t in (long.cu, long.slots, merged.cu, merged.slots))
-    assert inputs.pass_input(bucket, merge=True).states.merged is None  # no long states, nothing to merge
