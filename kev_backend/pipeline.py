@@ -68,14 +68,15 @@ _STOP = object()
 # and answered on its own. Why: at 64 closed-loop long5 clients a batch of 63 (~2.2 s of GPU work) alternated with a
 # batch of one, and the 63 came back together: the GPU idled while they were tokenized and planned (H200, cfdcf9a:
 # 92.7 % busy, four idle gaps of 10 ms or more, 496 ms in 7.5 s). In parts, the first part's clients are back and
-# prepared while the later parts run. 256 KiB: ~16 long5 requests (~16 KB each) a part; 64 short6 (~1.7 KB) stay one.
+# prepared while the later parts run. 256 KiB: up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each)
+# stay one batch.
 SUBMIT_BYTES = int(os.environ.get("KEV_SUBMIT_BYTES", str(256 << 10)))
 
 
 def parts_by_size(sizes: Sequence[int], budget: int = SUBMIT_BYTES) -> list[range]:
     """Consecutive ranges of the items (by their sizes, in order) each holding at most `budget` (an item larger
-    than that: a part of its own), as evenly as that many parts allow: 64 items of 16 KB under 256 KiB make four parts
-    of 16, not 16 + 16 + 16 + 16 by luck or 16 + 16 + 16 + 15 + 1."""
+    than that: a part of its own), as even as the fewest parts allow: 20 items of 16 under a budget of 256 make two
+    parts of 10, not 16 and 4."""
     total = sum(sizes)
     if total <= budget or len(sizes) <= 1:
         return [range(len(sizes))] if sizes else []

@@ -96,7 +96,8 @@ def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytes
 @pytest.mark.parametrize(
     ("sizes", "budget", "lengths"),
     [
-        ([16] * 64, 256, [16, 16, 16, 16]),  # 64 long5-sized bodies: even parts, not 16 + 16 + 16 + 15 + 1
+        ([16] * 20, 256, [10, 10]),  # as even as two parts allow, not 16 + 4
+        ([16] * 64, 256, [16, 16, 16, 16]),
         ([16] * 63, 256, [16, 16, 16, 15]),
         ([2] * 64, 256, [64]),  # within the budget: one part
         ([300, 1, 1], 256, [1, 2]),  # a body over the budget is a part of its own
