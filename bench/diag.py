@@ -49,6 +49,31 @@ def graph_ms(fn, repeat: int = 20) -> float:
     return start.elapsed_time(end) / repeat
 
 
+def graph_kernel_us(fn, repeat: int = 20) -> dict[str, float]:
+    """µs a call of each kernel `fn` launches, replayed from a CUDA graph of `repeat` calls (torch's profiler sees a
+    graph's kernels): which of several kernels a graph_ms difference is in."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            total[event.name] += event.device_time_total / repeat
+    return dict(total)
+
+
 def kev4b_engine(**options):
     """An engine on random Kev-4B weights (8 GiB bank); KEV_GRAPHS=1 replays CUDA graphs as the GPU config does,
     KEV_GRAPH_MAX_TOKENS sets their largest bucket."""
@@ -417,7 +442,13 @@ def padded_groups() -> None:
                 out = run().float()
                 reference = out if reference is None else reference
                 same = torch.equal(out, reference)
-                line.append(f"{setting} {graph_ms(run):.4f}{'' if same else ' DIFFERS'}")
+                # Each kernel's share (the chunked rule's prep and chain), from a profiled replay.
+                parts = " ".join(
+                    f"{kernel_name.strip('_').split('_kernel')[0]} {us:.1f}"
+                    for kernel_name, us in graph_kernel_us(run).items()
+                    if "delta_rule" in kernel_name or "prep" in kernel_name or "recurrent" in kernel_name
+                )
+                line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{'' if same else ' DIFFERS'}")
             R.CHUNK_WIDE = wide
             R.RECURRENT_LOOP = False
             print(f"padded {label} {name}: " + ", ".join(line), flush=True)
