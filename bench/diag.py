@@ -346,6 +346,32 @@ def chunk_variants() -> None:
         setattr(R, name, value)
 
 
+def chain_waves() -> None:
+    """The chained pass's value block by new long-state count: a program per (state, value head, value block), each
+    carrying its state through all of its chunks, so a launch whose programs fill part of a last wave of resident
+    programs waits a whole program's time for it (64 columns: 64 programs a state, two an SM: 264 slots on the H200;
+    13 states make 3.15 waves, run in 4). Prep and chain ms a layer, from a CUDA graph, for 1-24 new 2,465-token states,
+    narrow (CHUNK_NARROW) and wide (CHUNK_WIDE) forced, and the choice by count; the outputs must not differ."""
+    from kev_backend import kernels
+    from kev_backend.kernels import delta_rule as R
+
+    narrow, wide = R.CHUNK_NARROW, R.CHUNK_WIDE
+    for n in (1, 2, 4, 6, 8, 10, 12, 13, 14, 16, 17, 18, 20, 24):
+        _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case([2465] * n)
+        args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
+        run = lambda args=args: kernels.chunked_rows(*args, new_states=True)  # noqa: E731
+        line, reference = [], None
+        for name, (R.CHUNK_NARROW, R.CHUNK_WIDE) in {
+            "by count": (narrow, wide),
+            "narrow": (narrow, narrow),
+            "wide": (wide, wide),
+        }.items():
+            entry, reference = sweep_entry(name, run, reference)
+            line.append(entry)
+        R.CHUNK_NARROW, R.CHUNK_WIDE = narrow, wide
+        print(f"chainwaves {n}x2465: " + ", ".join(line), flush=True)
+
+
 def prep_registers() -> None:
     """The chunked delta rule (prep and chain) by the prep's warps and register cap (PREP_WARPS, PREP_MAXNREG): ms a
     layer, replayed from a CUDA graph, for 1 / 8 / 24 new long5-sized states (2,465 tokens) and one short6's rows; the
@@ -1070,6 +1096,8 @@ if __name__ == "__main__":
         launch_path()
     if what == "rounds":
         launch_rounds()
+    if what == "chainwaves":
+        chain_waves()
     if what == "kernels":
         kernel_breakdown()
     if what == "padded":

@@ -18,6 +18,7 @@
 #              CUDA graphs on our long kernels (~2 min)
 #   chunkvariants  bench/diag.py chunkvariants: the chunked delta rule's sequential pass by value block, warps,
 #              product operands (tf32 / bf16) and register cap, for 1 / 8 / 24 new long states and rows (~1 min)
+#   chainwaves bench/diag.py chainwaves: the chained pass's value block by new long-state count (waves) (~2 min)
 #   rounds     bench/diag.py rounds: captured groups' chain by LAUNCH_ROUNDS and narrow configuration (~1 min)
 #   launch     bench/diag.py launch: whether a graph's launch delays its first kernel (~1 min)
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
@@ -85,6 +86,7 @@ run_step() {
       ;;
     chunkvariants) diag_sweep chunkvariants 240 ;;
     rounds) diag_sweep rounds 150 ;;
+    chainwaves) diag_sweep chainwaves 240 ;;
     launch) diag_sweep launch 150 ;;
     prepregs) diag_sweep prepregs 180 ;;
     rowsattn) diag_sweep rowsattn 120 ;;
