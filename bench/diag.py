@@ -403,7 +403,8 @@ def launch_rounds() -> None:
     from kev_backend.kernels import delta_rule as R
 
     chosen = R.LAUNCH_ROUNDS, R.CHUNK_NARROW
-    settings = [chosen, (1, chosen[1]), (4, chosen[1]), (2, (16, 2, None)), (4, (16, 2, None)), (2, (16, 1, None))]
+    rounds = [r for r in (1, 2, 4) if r != chosen[0]]
+    settings = [chosen, *((r, chosen[1]) for r in rounds), (2, (16, 2, None)), (4, (16, 2, None)), (2, (16, 1, None))]
     for label, lengths, capacity, new in (
         ("short6 rows r192", [31] * 6, 48, False),
         ("long5 rows r256", [38, 52, 26, 30, 20], 64, False),
