@@ -1,7 +1,7 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
     python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|ncuprobe|recurrent|
-                           timeline|latency|startup|speed|sweep|invariance|profile|gemm]
+                           timeline|hostsplit|latency|startup|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -703,6 +703,85 @@ def launch_path() -> None:
             )
 
 
+def host_split() -> None:
+    """Where one request's model time (launch to probabilities on the host) goes, from graphs (KEV_GRAPHS=1), for
+    short6 and long5 on new and banked states: the host's phases before the replay (bank, layout, bucket, fill), the
+    replay() call and the head's launches, each timed on the host, against the GPU's spans from the launch to the
+    graph's start, the graph, and the head and copy after it; the rest is the wait for the copy and the lists.
+    Medians of 30 requests."""
+    import statistics
+
+    from kev_backend import bench, fused_scorer
+    from kev_backend.workloads import long5, short6
+
+    engine = kev4b_engine(graphs=True, long_kernels="ours")
+    scorer = engine.scorer
+    graphs = scorer.graphs
+    host: dict[str, float] = {}
+    marks: dict[str, torch.cuda.Event] = {}
+
+    def timed(name: str, fn, mark: str | None = None):
+        def wrapper(*args, **kwargs):
+            if mark is not None:
+                marks[f"{mark} start"] = event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            started = time.perf_counter()
+            out = fn(*args, **kwargs)
+            host[name] = host.get(name, 0.0) + (time.perf_counter() - started) * 1000
+            if mark is not None:
+                marks[f"{mark} end"] = event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            return out
+
+        return wrapper
+
+    scorer.layout = timed("layout", scorer.layout)
+    graphs.bucket_for = timed("bucket", graphs.bucket_for)
+    graphs.inputs.fill = timed("fill", graphs.inputs.fill)
+    graphs.run = timed("run", graphs.run, mark="graph")  # the fill, then the replay (run's host time less fill's)
+    fused_scorer.launch_batch_probabilities = timed("head", fused_scorer.launch_batch_probabilities, mark="head")
+    scorer._launch = timed("launch", scorer._launch, mark="launch")
+    cases = (
+        ("short6 same", lambda: short6(None)),
+        ("short6 new", lambda: short6(next(bench.NEW_STATE))),
+        ("long5 same", lambda: long5(None)),
+        ("long5 new", lambda: long5(next(bench.NEW_STATE))),
+    )
+    for label, make in cases:
+        rows: list[dict[str, float]] = []
+        for i in range(35):
+            batch = engine.prepare_batch([make()])
+            torch.cuda.synchronize()
+            host.clear()
+            marks.clear()
+            engine.score(batch)
+            torch.cuda.synchronize()
+            if i < 5:
+                continue
+
+            def gpu(a: str, b: str) -> float:
+                return marks[a].elapsed_time(marks[b])
+
+            rows.append(
+                {
+                    "model": engine.last_batch.model_ms,
+                    "host launch": host["launch"],
+                    "layout": host["layout"],
+                    "bucket": host["bucket"],
+                    "fill": host["fill"],
+                    "replay": host["run"] - host["fill"],
+                    "head launch": host["head"],
+                    "other host": host["launch"] - host["layout"] - host["bucket"] - host["run"] - host["head"],
+                    "gpu to graph": gpu("launch start", "graph start"),
+                    "gpu graph": gpu("graph start", "graph end"),
+                    "gpu head": gpu("graph end", "head end"),
+                    "after gpu": engine.last_batch.model_ms - gpu("launch start", "head end"),
+                }
+            )
+        medians = {name: statistics.median(row[name] for row in rows) for name in rows[0]}
+        print(f"hostsplit {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
+
+
 def conv_scan() -> None:
     """The pass's conv (conv_tokens) on Kev-4B's 8,192 channels, by (tokens, channels, warps) a program: ms for new
     states (1, 8 and 24 of 2,200 tokens) and rows (6×40, 192×39, 40×100), and the largest difference from the
@@ -1095,6 +1174,8 @@ if __name__ == "__main__":
         prep_registers()
     if what == "launch":
         launch_path()
+    if what == "hostsplit":
+        host_split()
     if what == "rounds":
         launch_rounds()
     if what == "chainwaves":

@@ -21,6 +21,7 @@
 #   chainwaves bench/diag.py chainwaves: the chained pass's value block by new long-state count (waves) (~2 min)
 #   rounds     bench/diag.py rounds: captured groups' chain by LAUNCH_ROUNDS and narrow configuration (~1 min)
 #   launch     bench/diag.py launch: whether a graph's launch delays its first kernel (~1 min)
+#   hostsplit  bench/diag.py hostsplit: one request's model time by host phase and GPU span, from graphs (~1 min)
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
@@ -88,6 +89,7 @@ run_step() {
     rounds) diag_sweep rounds 150 ;;
     chainwaves) diag_sweep chainwaves 240 ;;
     launch) diag_sweep launch 150 ;;
+    hostsplit) diag_sweep hostsplit 150 ;;
     prepregs) diag_sweep prepregs 180 ;;
     rowsattn) diag_sweep rowsattn 120 ;;
     longattn) diag_sweep longattn 180 ;;
