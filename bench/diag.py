@@ -1,7 +1,7 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
     python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|ncuprobe|recurrent|
-                           timeline|hostsplit|latency|startup|speed|sweep|invariance|profile|gemm]
+                           timeline|hostsplit|hostops|latency|startup|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -782,6 +782,71 @@ def host_split() -> None:
         print(f"hostsplit {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
 
 
+def host_ops() -> None:
+    """What the host's primitive steps cost on this machine, µs a call (median of 5 runs of 200): a Python loop, a
+    small kernel launch, CUDA events, a pinned copy, numpy writing a list into pinned memory; then short6's layout and
+    fill alone (a banked state's rows, from graphs): whether hostsplit's phases are this CPU or something in them."""
+    import statistics
+
+    from kev_backend.workloads import short6
+
+    def us(fn, n: int = 200) -> float:
+        runs = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(n):
+                fn()
+            runs.append((time.perf_counter() - started) / n * 1e6)
+        return statistics.median(runs)
+
+    x = torch.zeros(256, device="cuda")
+    pinned = torch.zeros(4096, dtype=torch.int64, pin_memory=True)
+    flat = torch.zeros(4096, dtype=torch.int64, device="cuda")
+    values = list(range(192))
+    done = torch.cuda.Event()
+    done.record()
+    torch.cuda.synchronize()
+
+    def loop() -> None:
+        total = 0
+        for i in range(1000):
+            total += i
+
+    def numpy_write() -> None:
+        pinned.numpy()[:192] = values
+
+    cases = {
+        "python 1000 adds": loop,
+        "add_ launch": lambda: x.add_(1),
+        "empty cuda": lambda: torch.empty(256, device="cuda"),
+        "event create+record": lambda: torch.cuda.Event().record(),
+        "done event synchronize": done.synchronize,
+        "pinned copy 4 KB": lambda: flat[:512].copy_(pinned[:512], non_blocking=True),
+        "numpy list into pinned": numpy_write,
+    }
+    for name, fn in cases.items():
+        print(f"hostops {name}: {us(fn):.2f} us", flush=True)
+        torch.cuda.synchronize()
+    engine = kev4b_engine(graphs=True, long_kernels="ours")
+    scorer, graphs = engine.scorer, engine.scorer.graphs
+    engine.answer([short6(None)])
+    batch = engine.prepare_batch([short6(None)])
+    rows = [row for r, (_, _, encoded) in enumerate(batch.accepted) for row in scorer_rows(r, encoded)]
+    slots = {rows[0].state: scorer.bank.get(rows[0].state)}
+    layout = scorer.layout(rows, [], slots)
+    bucket = graphs.bucket_for(layout)
+    print(f"hostops short6 same layout: {us(lambda: scorer.layout(rows, [], slots)):.2f} us", flush=True)
+    print(f"hostops short6 same bucket: {us(lambda: graphs.bucket_for(layout)):.2f} us", flush=True)
+    fill = lambda: graphs.inputs.fill(bucket, layout, scorer.bank.pool, scorer.pad_id)  # noqa: E731
+    print(f"hostops short6 same fill: {us(fill):.2f} us", flush=True)
+
+
+def scorer_rows(request: int, encoded):
+    from kev_backend.fused_scorer import Row
+
+    return [Row(request, q, tokens, encoded.state) for q, tokens in enumerate(encoded.questions)]
+
+
 def conv_scan() -> None:
     """The pass's conv (conv_tokens) on Kev-4B's 8,192 channels, by (tokens, channels, warps) a program: ms for new
     states (1, 8 and 24 of 2,200 tokens) and rows (6×40, 192×39, 40×100), and the largest difference from the
@@ -1176,6 +1241,8 @@ if __name__ == "__main__":
         launch_path()
     if what == "hostsplit":
         host_split()
+    if what == "hostops":
+        host_ops()
     if what == "rounds":
         launch_rounds()
     if what == "chainwaves":
