@@ -1,7 +1,7 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
     python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|ncuprobe|recurrent|
-                           timeline|hostsplit|hostops|convprep|latency|startup|speed|sweep|invariance|profile|gemm]
+                           timeline|hostsplit|hostops|latency|startup|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -392,43 +392,6 @@ def prep_registers() -> None:
             line.append(entry)
         R.PREP_WARPS, R.PREP_MAXNREG = chosen
         print(f"prepregs {len(lengths)}x{lengths[0]} {'new' if new else 'rows'}: " + ", ".join(line), flush=True)
-
-
-def conv_prep() -> None:
-    """The causal conv inside the chunked delta rule's prep (conv_chunked_rows) against the conv kernel, then the
-    delta rule (conv_tokens + chunked_rows), by the prep's (warps, register cap) with the conv (PREP_CONV): ms a
-    layer from a CUDA graph, for 1 / 8 / 16 new long5-sized states, a short6 state, one and 32 short6's rows; the
-    largest difference of the delta rule's output from the unfused pair's."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule as R
-
-    chosen = R.PREP_CONV
-    settings = [chosen, (2, 168), (2, None), (4, None), (4, 128)]
-    cases = (([2465], True), ([2465] * 8, True), ([2465] * 16, True), ([33], True), ([31] * 6, False))
-    for lengths, new in (*cases, ([31] * 192, False)):  # the last: 32 short6 requests' rows
-        x, _, _, _, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
-        C = x.shape[1]
-        weight = torch.randn(C, 4, device="cuda", dtype=torch.bfloat16) * 0.5
-        conv_pool = torch.randn(len(lengths) + 1, C, 4, device="cuda", dtype=torch.bfloat16)
-        gates = (a, b, a_log, dt_bias, pool, slots, cu)
-
-        def unfused(gates=gates, x=x, weight=weight, conv_pool=conv_pool, slots=slots, cu=cu, new=new):
-            H, HV, K, V = KEV4B_HEADS
-            y = kernels.conv_tokens(x, weight, conv_pool, slots, cu, new_states=new)
-            q, k = y[:, : H * K].unflatten(-1, (H, K)), y[:, H * K : 2 * H * K].unflatten(-1, (H, K))
-            v = y[:, 2 * H * K :].unflatten(-1, (HV, V))
-            return kernels.chunked_rows(q, k, v, *gates, new_states=new)
-
-        fused = lambda gates=gates, x=x, w=weight, p=conv_pool, new=new: kernels.conv_chunked_rows(  # noqa: E731
-            x, w, p, *gates, new_states=new
-        )
-        entry, reference = sweep_entry("conv kernel", unfused, None)
-        line = [entry]
-        for R.PREP_CONV in settings:
-            entry, reference = sweep_entry(f"in prep {R.PREP_CONV[0]}/{R.PREP_CONV[1]}", fused, reference)
-            line.append(entry)
-        R.PREP_CONV = chosen
-        print(f"convprep {len(lengths)}x{lengths[0]} {'new' if new else 'rows'}: " + ", ".join(line), flush=True)
 
 
 def launch_rounds() -> None:
@@ -1280,8 +1243,6 @@ if __name__ == "__main__":
         host_split()
     if what == "hostops":
         host_ops()
-    if what == "convprep":
-        conv_prep()
     if what == "rounds":
         launch_rounds()
     if what == "chainwaves":

@@ -22,7 +22,6 @@
 #   rounds     bench/diag.py rounds: captured groups' chain by LAUNCH_ROUNDS and narrow configuration (~1 min)
 #   launch     bench/diag.py launch: whether a graph's launch delays its first kernel (~1 min)
 #   hostsplit  bench/diag.py hostsplit: one request's model time by host phase and GPU span, from graphs (~1 min)
-#   convprep   bench/diag.py convprep: the conv inside the chunked delta rule's prep against its own kernel (~1 min)
 #   hostops    bench/diag.py hostops: the host's primitive steps (launch, events, pinned copy), short6's layout and fill
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
@@ -93,7 +92,6 @@ run_step() {
     launch) diag_sweep launch 150 ;;
     hostsplit) diag_sweep hostsplit 150 ;;
     hostops) diag_sweep hostops 150 ;;
-    convprep) diag_sweep convprep 240 ;;
     prepregs) diag_sweep prepregs 180 ;;
     rowsattn) diag_sweep rowsattn 120 ;;
     longattn) diag_sweep longattn 180 ;;

@@ -127,7 +127,6 @@ class PassKernels:
     sigmoid_gate: Callable
     recurrent_rows: Callable
     chunked_rows: Callable
-    conv_chunked_rows: Callable  # the conv and chunked_rows in chunked_rows' launches
     conv: Callable
     rows_attention: Callable
 
@@ -148,7 +147,6 @@ class PassKernels:
             kernels.sigmoid_gate,
             kernels.recurrent_rows,
             kernels.chunked_rows,
-            kernels.conv_chunked_rows,
             kernels.conv_tokens,
             kernels.rows_attention,
         )
@@ -184,7 +182,7 @@ class FusedQwen35:
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
-        self._chunked_rows, self._conv_chunked_rows, self._conv = k.chunked_rows, k.conv_chunked_rows, k.conv
+        self._chunked_rows, self._conv = k.chunked_rows, k.conv
         # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
         # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
         # in place, no host chunk maps, so capturable; faster on the H200 from session 9: bench/NOTES.md).
@@ -272,7 +270,9 @@ class FusedQwen35:
         for seg, new in ((p.states, True), (p.rows, False)):
             for group in seg.groups if seg is not None else ():
                 span = group.span
-                self.conv_delta_rule(layer, group, qkv[span], conv_pool, a[span], b[span], state_pool, new, out[span])
+                # Tokens in parallel, each finding its segment; windows read or written in place.
+                mixed = self._conv(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
+                self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
             z.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)),  # read in place
@@ -280,34 +280,6 @@ class FusedQwen35:
             c.rms_norm_eps,
         )
         return F.linear(normed.view(x.shape[0], self.value_dim), layer.out_proj)
-
-    def conv_delta_rule(
-        self,
-        layer: LayerWeights,
-        group: KernelGroup,
-        x: torch.Tensor,
-        conv_pool: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        state_pool: torch.Tensor,
-        new: bool,
-        out: torch.Tensor,
-    ) -> None:
-        """The causal conv of a group's projection x [T, conv_dim] (windows read, or for new states written, in the
-        bank in place), then its delta rule into `out`. On our chunked kernel the conv runs inside the delta rule's
-        prep (conv_chunked_rows: its output never goes to memory); otherwise its own kernel, tokens in parallel."""
-        if self.runs_chunked(group, new):
-            args = (a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
-            self._conv_chunked_rows(x, layer.conv, conv_pool, *args, new_states=new, out=out, padded=group.padded)
-            return
-        mixed = self._conv(x, layer.conv, conv_pool, group.slots, group.cu, new_states=new)
-        self.delta_rule(layer, group, mixed, a, b, state_pool, new, out)
-
-    def runs_chunked(self, group: KernelGroup, new: bool) -> bool:
-        """Whether the group's delta rule runs on our chunked kernel (else token by token, or on fla's)."""
-        if group.short and (self.short_states_recurrent if new else self.short_rows_recurrent):
-            return False
-        return group.short or not new or self.long_kernels == "ours"
 
     def delta_rule(
         self,
@@ -335,7 +307,7 @@ class FusedQwen35:
         if group.short and (self.short_states_recurrent if new else self.short_rows_recurrent):
             self._recurrent_rows(*args, new_states=new, out=out, padded=group.padded)
             return
-        if self.runs_chunked(group, new):
+        if group.short or not new or self.long_kernels == "ours":
             # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a
             # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
             # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments.

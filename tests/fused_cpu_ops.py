@@ -113,19 +113,6 @@ def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=Fals
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
 
 
-def conv_chunked_rows(
-    x, weight, conv_pool, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False
-):
-    """The conv (windows read or written), then chunked_rows on its output, as the GPU kernel fuses them."""
-    CALLS["conv_chunked_rows"] += 1
-    mixed = conv_rows(x, weight, conv_pool, slots, cu, new_states)
-    T, (HV, K, V) = x.shape[0], pool.shape[1:]
-    H = (x.shape[1] - HV * V) // (2 * K)
-    q, k, v = mixed.split([H * K, H * K, HV * V], dim=-1)
-    q, k, v = q.view(T, H, K), k.view(T, H, K), v.reshape(T, HV, V)
-    return chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, padded)
-
-
 def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False):
     CALLS["recurrent_rows"] += 1
     CALLS[f"recurrent_rows new_states={new_states}"] += 1
@@ -183,7 +170,6 @@ TORCH_KERNELS = PassKernels(
     sigmoid_gate=sigmoid_gate,
     recurrent_rows=recurrent_rows,
     chunked_rows=chunked_rows,
-    conv_chunked_rows=conv_chunked_rows,
     conv=conv_rows,  # conv_tokens' job, segment by segment
     rows_attention=rows_attention,
 )

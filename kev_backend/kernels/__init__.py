@@ -4,12 +4,11 @@ writing their segments' states in the bank pool in place."""
 
 from .attention import rows_attention
 from .conv import conv_rows, conv_tokens
-from .delta_rule import chunked_rows, conv_chunked_rows, recurrent_rows
+from .delta_rule import chunked_rows, recurrent_rows
 from .norms import gated_rms_norm, rms_norm, rms_norm_rope, sigmoid_gate, silu_mul
 
 __all__ = [
     "chunked_rows",
-    "conv_chunked_rows",
     "conv_rows",
     "conv_tokens",
     "gated_rms_norm",

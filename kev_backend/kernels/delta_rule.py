@@ -438,9 +438,6 @@ PREP_WARPS = 2
 # 0.230 / 1.217 / 3.641 / 0.0284, 128 0.236 / 1.214 / 3.614 / 0.0328; 4 warps lose (uncapped 0.242 / 1.313 / 3.958).
 # Identical outputs (a cap moves values between registers and memory, never changes the arithmetic).
 PREP_MAXNREG: int | None = 168
-# The prep applying the causal conv to its inputs (conv_chunked_rows): (warps, register cap). Its conv tiles push it
-# to 255 registers on 2 warps (sm_90a, ptxas); measured on the H200 by bench/diag.py convprep.
-PREP_CONV: tuple[int, int | None] = (4, 168)
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd and QK are stored in bf16 when the chain multiplies in bf16 (all they are used for), in fp32
 # otherwise; U₀ in fp32.
@@ -494,52 +491,6 @@ def _store_rows(ptrs, x, m, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _conv_tap(xc, o_t, o_c, d, first, m, stride_t):
-    """Conv inputs x_{t−d} [BT, n] for the chunk's tokens t = c0 + o_t (xc: the input at c0, channel 0 of the block)
-    from the pass's input, zeros before the segment's start (`first`: its index in the chunk). In-chunk offsets in
-    int32 off the chunk's scalar base, as everywhere here (64-bit address tiles spilled thousands of bytes)."""
-    keep = m & (o_t - d >= first)
-    return tl.load(xc + (o_t - d)[:, None] * stride_t + o_c[None, :], mask=keep[:, None], other=0.0)
-
-
-@triton.jit
-def _conv_silu(xp, window, weight, ch, o_c, c0, bos, m, stride_t, o_t, CONTINUE: tl.constexpr):
-    """The causal conv (kernel 4) and SiLU of tokens c0 + o_t at channels o_c of xp (conv channels ch), rounded to
-    xp's dtype as kernels.conv stores them, returned in fp32 [BT, n]: what the prep would load from conv_tokens'
-    output. Before the segment's start the inputs are a row's window (its state's last 4, [C, 4] right-aligned;
-    only a first chunk reaches it: added to the zeros loaded there, so exact) or zeros (a new state)."""
-    xc = xp + c0 * stride_t
-    first = (bos - c0).to(tl.int32)  # 0 in a segment's first chunk, negative after
-    x3 = _conv_tap(xc, o_t, o_c, 3, first, m, stride_t)
-    x2 = _conv_tap(xc, o_t, o_c, 2, first, m, stride_t)
-    x1 = _conv_tap(xc, o_t, o_c, 1, first, m, stride_t)
-    if CONTINUE:
-        at_start = first == 0
-        v1 = tl.load(window + ch * 4 + 1, mask=(ch >= 0) & at_start, other=0.0).to(tl.float32)[None, :]
-        v2 = tl.load(window + ch * 4 + 2, mask=(ch >= 0) & at_start, other=0.0).to(tl.float32)[None, :]
-        v3 = tl.load(window + ch * 4 + 3, mask=(ch >= 0) & at_start, other=0.0).to(tl.float32)[None, :]
-        j = o_t[:, None]
-        x3 = x3.to(tl.float32) + tl.where(j == 0, v1, tl.where(j == 1, v2, tl.where(j == 2, v3, 0.0)))
-        x2 = x2.to(tl.float32) + tl.where(j == 0, v2, tl.where(j == 1, v3, 0.0))
-        x1 = x1.to(tl.float32) + tl.where(j == 0, v3, 0.0)
-    acc = tl.load(weight + ch * 4 + 0).to(tl.float32)[None, :] * x3.to(tl.float32)
-    acc += tl.load(weight + ch * 4 + 1).to(tl.float32)[None, :] * x2.to(tl.float32)
-    acc += tl.load(weight + ch * 4 + 2).to(tl.float32)[None, :] * x1.to(tl.float32)
-    x0 = _conv_tap(xc, o_t, o_c, 0, first, m, stride_t)
-    acc += tl.load(weight + ch * 4 + 3).to(tl.float32)[None, :] * x0.to(tl.float32)
-    return (acc * tl.sigmoid(acc)).to(xp.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _store_window(xp, window, ch, o_c, bos, eos, stride_t):
-    """A new state's conv window: its last 4 inputs at channels o_c of xp (zeros before its start) into its slot."""
-    for d in tl.static_range(4):
-        src = eos - 4 + d
-        x = tl.load(xp + src * stride_t + o_c, mask=(o_c >= 0) & (src >= bos), other=0.0)
-        tl.store(window + ch * 4 + d, x.to(window.dtype.element_ty))
-
-
-@triton.jit
 def _chunk_terms(
     q,
     k,
@@ -562,18 +513,12 @@ def _chunk_terms(
     stride_t,
     stride_vt,
     stride_at,
-    H,
     HV,
     K,
     V,
     BT,
     LOG2_BT,
     MASKED,
-    weight,
-    window,
-    bos,
-    CONV,
-    CONTINUE,
 ):
     """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment; MASKED unless the chunk
     is whole), written per token: W and U₀ (below), and everything else the chain multiplies by the state, so that
@@ -589,21 +534,13 @@ def _chunk_terms(
     in_qk = o_t[:, None] * stride_t + o_k[None, :]  # q and k rows: [T, H, K] with token stride stride_t
     in_k = o_t[:, None] * (HV * K) + o_k[None, :]  # the per-(token, value head) terms: [T, HV, K]
     at_k = (c0 * HV + hv) * K
-    if CONV:  # q, k and v are the conv's inputs (kernels.conv's job done here: its output never goes to memory)
-        b_k = _conv_silu(k + hk * K, window, weight, H * K + hk * K + o_k, o_k, c0, bos, m, stride_t, o_t, CONTINUE)
-    else:
-        b_k = _load_rows(k + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32)
-    b_k = _l2_normalised(b_k)
+    b_k = _l2_normalised(_load_rows(k + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
     causal = o_t[:, None] >= o_t[None, :]
     decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
     # q's terms first, stored before the inverse (fewer tiles live at once: no register spills on sm_90a). The
     # chain's bf16 products round q̂ and k̂ after these scalings (fp32 here), as it rounded them before. γ stays at its
     # last value past the segment's end, so γ_last is the chunk's (or the segment's) end.
-    if CONV:
-        b_q = _conv_silu(q + hk * K, window, weight, hk * K + o_k, o_k, c0, bos, m, stride_t, o_t, CONTINUE)
-    else:
-        b_q = _load_rows(q + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32)
-    b_q = _l2_normalised(b_q)
+    b_q = _l2_normalised(_load_rows(q + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
     QK = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay, 0.0) * scale
     in_tt = o_t[:, None] * (HV * BT) + o_t[None, :]
     _store_rows(qk + (c0 * HV + hv) * BT + in_tt, QK.to(qk.dtype.element_ty), m, MASKED)
@@ -622,11 +559,7 @@ def _chunk_terms(
         T = tl.dot(T, eye + P, input_precision=PRECISION)
     W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
     _store_rows(w + at_k + in_k, W.to(w.dtype.element_ty), m, MASKED)
-    if CONV:
-        ch_v = 2 * H * K + hv * V + o_v
-        b_v = _conv_silu(v + hv * V, window, weight, ch_v, o_v, c0, bos, m, stride_vt, o_t, CONTINUE)
-    else:
-        b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
+    b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
     U0 = tl.dot(T, beta[:, None] * b_v.to(tl.float32), input_precision=PRECISION)
     _store_rows(u + (c0 * HV + hv) * V + o_t[:, None] * (HV * V) + o_v[None, :], U0, m, MASKED)
 
@@ -648,9 +581,6 @@ def _chunk_prep_kernel(
     kd,
     qk,
     dend,
-    weight,
-    conv_pool,
-    slots,
     N,
     scale,
     stride_t,
@@ -663,8 +593,6 @@ def _chunk_prep_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
-    CONV: tl.constexpr,
-    CONTINUE: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
@@ -672,10 +600,7 @@ def _chunk_prep_kernel(
     (fp32), so that the sequential pass gets U = U₀ − W S; and the scaled q̂ and k̂, the chunk's q̂·k̂ᵀ and its end
     decay (_chunk_terms). Chunks start at their segment's first token and every BT tokens after; a program takes
     the chunks that start in its BT tokens of the input (at most one per segment, found from the first segment
-    reaching into them). With CONV, q, k and v are the causal conv's inputs, and the prep applies the conv (and
-    SiLU) as it loads them: each segment continues its slot's window in `conv_pool` (CONTINUE: rows), or starts from
-    zeros and writes its last 4 inputs there (new states; by the program of its last chunk, each value head's
-    programs writing their key head's channels alike)."""
+    reaching into them)."""
     i_t, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
     start = i_t.to(tl.int64) * BT
@@ -694,9 +619,6 @@ def _chunk_prep_kernel(
     while (n < N) & (tl.load(cu + n).to(tl.int64) < tl.minimum(start + BT, end)):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
-        window = conv_pool
-        if CONV:
-            window = conv_pool + tl.load(slots + n).to(tl.int64) * ((2 * H * K + HV * V) * 4)
         if c0 < tl.minimum(eos, start + BT):
             # Two compiled bodies, one run: masks only for a segment's last, partial chunk.
             for partial in tl.static_range(2):
@@ -723,26 +645,13 @@ def _chunk_prep_kernel(
                         stride_t,
                         stride_vt,
                         stride_at,
-                        H,
                         HV,
                         K,
                         V,
                         BT,
                         LOG2_BT,
                         partial == 1,
-                        weight,
-                        window,
-                        bos,
-                        CONV,
-                        CONTINUE,
                     )
-            if CONV:
-                if not CONTINUE:
-                    if c0 + BT >= eos:  # the segment's last chunk: its window goes into the slot
-                        o_k, o_v = tl.arange(0, K), tl.arange(0, V)
-                        _store_window(q + hk * K, window, hk * K + o_k, o_k, bos, eos, stride_t)
-                        _store_window(k + hk * K, window, H * K + hk * K + o_k, o_k, bos, eos, stride_t)
-                        _store_window(v + hv * V, window, 2 * H * K + hv * V + o_v, o_v, bos, eos, stride_vt)
         n += 1
 
 
@@ -947,33 +856,22 @@ def chunked_rows(
     new_states: bool = False,
     out: torch.Tensor | None = None,
     padded: bool = False,
-    conv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
     the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
     segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass runs CHUNK_WIDE or
     CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
-    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS).
-    `conv` (weight [C, 4], the bank's windows [slots, C, 4]): q, k and v are views of one [T, C] input, [q | k | v]
-    in its channels, before the causal conv, which the prep applies (conv_chunked_rows)."""
+    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
-    weight, conv_pool = conv if conv is not None else (q, q)  # (unread without a conv)
-    if conv is not None:
-        C = 2 * H * K + HV * V
-        assert weight.shape == (C, 4) and weight.is_contiguous() and conv_pool.is_contiguous()
-        assert conv_pool.shape[1:] == (C, 4) and v.stride(0) == q.stride(0)
-        assert k.data_ptr() == q.data_ptr() + H * K * q.element_size()
-        assert v.data_ptr() == k.data_ptr() + H * K * q.element_size()
     # The chain's operands (W, Qs, Kd, QK) are stored as it multiplies them: bf16, or fp32 for tf32 products.
     operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
     w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
     qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
     u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
     dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
-    prep_warps, prep_maxnreg = PREP_CONV if conv is not None else (PREP_WARPS, PREP_MAXNREG)
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
@@ -992,9 +890,6 @@ def chunked_rows(
             kd,
             qk,
             dend,
-            weight,
-            conv_pool,
-            slots,
             n,
             K**-0.5,
             q.stride(0),
@@ -1007,10 +902,8 @@ def chunked_rows(
             V=V,
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
-            CONV=conv is not None,
-            CONTINUE=conv is not None and not new_states,  # (read only with a conv: one variant without)
-            num_warps=prep_warps,
-            **({} if prep_maxnreg is None else {"maxnreg": prep_maxnreg}),
+            num_warps=PREP_WARPS,
+            **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
         )
     wide = not padded and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
@@ -1039,36 +932,6 @@ def chunked_rows(
         BT=CHUNK,
         BF16=CHUNK_DOTS == "bf16",
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
-    )
-
-
-def conv_chunked_rows(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_pool: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-    cu: torch.Tensor,
-    new_states: bool = False,
-    out: torch.Tensor | None = None,
-    padded: bool = False,
-) -> torch.Tensor:
-    """conv_tokens (x [T, C] before the conv, weight [C, 4], the bank's windows conv_pool [slots, C, 4]) then
-    chunked_rows on its output, in chunked_rows' launches: the prep applies the conv to the inputs it loads, so the
-    conv's output is never written (nor read back); new states' windows are written as conv_tokens writes them.
-    pool [slots, HV, K, V] gives the heads: x's channels are [q (H×K) | k (H×K) | v (HV×V)]."""
-    T, C = x.shape
-    HV, K, V = pool.shape[1:]
-    H = (C - HV * V) // (2 * K)
-    q = x[:, : H * K].unflatten(-1, (H, K))
-    k = x[:, H * K : 2 * H * K].unflatten(-1, (H, K))
-    v = x[:, 2 * H * K :].unflatten(-1, (HV, V))
-    return chunked_rows(
-        q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, padded, conv=(weight, conv_pool)
     )
 
 
