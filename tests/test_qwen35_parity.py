@@ -110,10 +110,12 @@ def test_hidden_states_match_transformers(name: str, tmp_path: Path) -> None:
     relative = ((hidden - reference).abs().max() / reference.abs().max()).item()
     assert relative <= 1e-5, relative
 
-    # Continuing a cached prefix equals the single pass (what the state bank relies on).
+    # Continuing a cached prefix equals the single pass (what the state bank relies on), to fp32 rounding relative to
+    # the hidden states' scale, as above (an absolute 1e-5 failed by 1.4e-5 on another CPU, torch 2.13's kernels).
     _, prefix = ours(ids[:, :97])
     continued, _ = ours(ids[:, 97:], prefix)
-    assert (continued - hidden[:, 97:]).abs().max().item() <= 1e-5
+    relative = ((continued - hidden[:, 97:]).abs().max() / hidden[:, 97:].abs().max()).item()
+    assert relative <= 1e-5, relative
 
 
 def test_multimodal_names_skip_vision_and_mtp(tmp_path: Path) -> None:
