@@ -711,7 +711,7 @@ def host_split() -> None:
     Medians of 30 requests."""
     import statistics
 
-    from kev_backend import bench, fused_scorer
+    from kev_backend import bench
     from kev_backend.workloads import long5, short6
 
     engine = kev4b_engine(graphs=True, long_kernels="ours")
@@ -739,7 +739,8 @@ def host_split() -> None:
     graphs.bucket_for = timed("bucket", graphs.bucket_for)
     graphs.inputs.fill = timed("fill", graphs.inputs.fill)
     graphs.run = timed("run", graphs.run, mark="graph")  # the fill, then the replay (run's host time less fill's)
-    fused_scorer.launch_batch_probabilities = timed("head", fused_scorer.launch_batch_probabilities, mark="head")
+    scorer.pointer.project = timed("project", scorer.pointer.project)  # the head: its projection, then softmax
+    scorer.pointer.softmax = timed("head", scorer.pointer.softmax, mark="head")
     scorer._launch = timed("launch", scorer._launch, mark="launch")
     cases = (
         ("short6 same", lambda: short6(None)),
@@ -770,8 +771,13 @@ def host_split() -> None:
                     "bucket": host["bucket"],
                     "fill": host["fill"],
                     "replay": host["run"] - host["fill"],
-                    "head launch": host["head"],
-                    "other host": host["launch"] - host["layout"] - host["bucket"] - host["run"] - host["head"],
+                    "head launch": host["head"] + host["project"],
+                    "other host": host["launch"]
+                    - host["layout"]
+                    - host["bucket"]
+                    - host["run"]
+                    - host["head"]
+                    - host["project"],
                     "gpu to graph": gpu("launch start", "graph start"),
                     "gpu graph": gpu("graph start", "graph end"),
                     "gpu head": gpu("graph end", "head end"),
@@ -1059,13 +1065,16 @@ def batch_invariance() -> None:
     tiny.write_tokenizer(directory)
     checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
     captured: list = []
-    original = fused_scorer.launch_batch_probabilities
+    original = fused_scorer.FusedScorer.run_group
 
-    def capturing(head, temperature, batch, picked):
-        captured.append({key: (d.float().cpu(), o.float().cpu()) for key, (d, o) in picked.items()})
-        return original(head, temperature, batch, picked)
+    def capturing(self, rows):  # each pass's picked hidden states, by (request, question): (<decide>, options)
+        picked, decides = original(self, rows)
+        widths = {(row.request, row.question): len(row.tokens.option_ends) for row in rows}
+        host = picked.float().cpu()
+        captured.append({key: (host[at], host[at + 1 : at + 1 + widths[key]]) for key, at in decides.items()})
+        return picked, decides
 
-    fused_scorer.launch_batch_probabilities = capturing
+    fused_scorer.FusedScorer.run_group = capturing
     for long_kernels in ("fla", "ours"):
         engine = Engine(
             checkpoint,
@@ -1108,7 +1117,7 @@ def gpu_gaps() -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kev_backend import bench, fused_scorer, workloads
+    from kev_backend import bench, workloads
 
     # KEV_GAPS_WORKLOAD: short6 (default) or long5, with seconds for warm-up and measurement to match its batches.
     workload = os.environ.get("KEV_GAPS_WORKLOAD", "short6")
@@ -1131,7 +1140,7 @@ def gpu_gaps() -> None:
 
     for name in ("plan", "layout", "pass_input", "forward", "run_group"):
         setattr(scorer, name, timed(name, getattr(scorer, name)))
-    fused_scorer.launch_batch_probabilities = timed("head", fused_scorer.launch_batch_probabilities)
+    scorer.pointer.softmax = timed("head", scorer.pointer.softmax)
     engine.launch = timed("launch", engine.launch)
     engine.collect = timed("collect", engine.collect)
     collections: list[tuple[int, float]] = []  # (generation, seconds) of each collection by Python's GC

@@ -208,7 +208,10 @@ class Engine:
             ]
         )
         self.answer([{"state": f"{words} {i}", "questions": {"r": long_question}} for i in range(self._wide_states())])
-        warm_pointer_head(self.scorer.head)
+        if (pointer := getattr(self.scorer, "pointer", None)) is not None:
+            pointer.warm()  # the fused path's head
+        else:
+            warm_pointer_head(self.scorer.head)
         self.startup["warm_batch"] = time.perf_counter() - started
 
     @classmethod

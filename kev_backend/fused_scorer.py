@@ -13,10 +13,10 @@ import torch
 from .encoding import Encoded, EncodedQuestion
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .gpu_bank import GpuBank, Slot, StatePool
-from .head import PendingProbabilities, Picked, launch_batch_probabilities
+from .head import PendingProbabilities, PointerHead
 from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
 from .qwen35 import Qwen35TextModel
-from .transfer import device_int_fields
+from .transfer import HostCopy, device_int_fields
 
 
 @dataclass
@@ -55,6 +55,7 @@ class FusedScorer:
         self.weights = FusedWeights(model, dtype)
         self.head = head
         self.temperature = temperature
+        self.pointer = PointerHead(head, temperature)
         self.pad_id = pad_id
         self.pass_tokens = pass_tokens
         self.max_state_tokens = max_state_tokens
@@ -137,10 +138,23 @@ class FusedScorer:
 
     def _launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
         rows = [Row(r, q, tokens, e.state) for r, e in enumerate(batch) for q, tokens in enumerate(e.questions)]
-        picked: dict[tuple[int, int], Picked] = {}
+        if not rows:
+            return PendingProbabilities(len(batch))
+        projected: list[torch.Tensor] = []
+        decide_at: dict[tuple[int, int], int] = {}  # each question's <decide> row in the projections
+        base = 0
         for group in self.plan(rows):
-            picked.update(self.run_group(group))
-        return launch_batch_probabilities(self.head, self.temperature, batch, picked)
+            picked, decides = self.run_group(group)
+            # Projected now: a replayed pass's picks live in its graph's output until the next replay.
+            projected.append(self.pointer.project(picked))
+            decide_at.update((key, base + row) for key, row in decides.items())
+            base += picked.shape[0]
+        order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
+        widths = [len(batch[r].questions[q].option_ends) for r, q in order]
+        probs = self.pointer.softmax(
+            projected[0] if len(projected) == 1 else torch.cat(projected), [decide_at[key] for key in order], widths
+        )
+        return PendingProbabilities(len(batch), [r for r, _ in order], widths, HostCopy(probs))
 
     def plan(self, rows: list[Row]) -> list[list[Row]]:
         """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted
@@ -166,7 +180,9 @@ class FusedScorer:
             groups.append(current)
         return groups
 
-    def run_group(self, rows: list[Row]) -> dict[tuple[int, int], Picked]:
+    def run_group(self, rows: list[Row]) -> tuple[torch.Tensor, dict[tuple[int, int], int]]:
+        """One pass: the hidden states it picked [picks, d] (a replayed pass's: its graph's output, read before the
+        next pass), and where each (request, question)'s <decide> is among them (its options follow it)."""
         states = list(OrderedDict.fromkeys(row.state for row in rows))
         pinned = set(states)
         slots: dict[tuple[int, ...], Slot] = {}
@@ -195,13 +211,12 @@ class FusedScorer:
             for state in new:
                 self.bank.forget(state)
             raise
-        out = {}
+        decides = {}
         offset = 0
-        for row in rows:
-            n = len(row.tokens.option_ends)
-            out[(row.request, row.question)] = (picked[offset], picked[offset + 1 : offset + 1 + n])
-            offset += 1 + n
-        return out
+        for row in rows:  # in the layout's order: each row's <decide>, then its options' </opt> (PassLayout.row_picks)
+            decides[(row.request, row.question)] = offset
+            offset += 1 + len(row.tokens.option_ends)
+        return picked, decides
 
     def forward(self, layout: PassLayout) -> torch.Tensor:
         """One pass: replayed from its bucket's CUDA graph when it has one, else eagerly."""

@@ -156,7 +156,12 @@ class StaticInputs:
         # Two host buffers, used in turn: filling one waits only for the copy out of it two passes back, which has run
         # unless the model thread is two batches ahead of the GPU.
         self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
-        self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last host→device copy
+        self.arrays = [host.numpy() for host in self.hosts]  # the same memory
+        # Each buffer's last host→device copy (events made once: creating one costs ~13 µs of host time on the H200's
+        # machine, bench/diag.py hostops), and whether it has been recorded.
+        cuda = device.type == "cuda"
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.recorded = [False, False]
         self.turn = 0
 
     def view(self, name: str, n: int) -> torch.Tensor:
@@ -205,57 +210,54 @@ class StaticInputs:
         )
 
     def fill(self, bucket: Bucket, layout: PassLayout, pool: StatePool, pad_id: int) -> None:
-        """Writes the layout, padded to the bucket, into the buffers: one copy to the device."""
+        """Writes the layout, padded to the bucket, into the buffers: one copy to the device. numpy writes each list
+        into the pinned buffer in place and each run of padding as one value (a tensor and a copy per field cost
+        ~10x more host time, and padded lists ~2x: all of it before the replay can start)."""
         self.turn ^= 1
-        if (copied := self.copied[self.turn]) is not None:
-            copied.synchronize()  # the copy out of this host buffer has read it
+        if self.recorded[self.turn]:
+            self.copied[self.turn].synchronize()  # the copy out of this host buffer has read it
+        host = self.arrays[self.turn]
+        end = 0
+
+        def put(name: str, values, n: int, pad: int, at: int = 0) -> None:
+            """values at the field's position `at`, then `pad` up to its n-th place (nothing past n)."""
+            nonlocal end
+            start, size = self.offsets[name]
+            filled = at + len(values)
+            assert filled <= n <= size
+            host[start + at : start + filled] = values
+            host[start + filled : start + n] = pad
+            if n:
+                end = max(end, start + n)
+
         s = bucket.state_tokens
-        ids = layout.state_ids + [pad_id] * (s - len(layout.state_ids)) + layout.row_ids
-        positions = layout.state_positions() + [0] * (s - len(layout.state_ids)) + layout.row_positions
+        put("ids", layout.state_ids, s, pad_id)
+        put("ids", layout.row_ids, bucket.tokens, pad_id, at=s)
+        put("positions", layout.state_positions(), s, 0)
+        put("positions", layout.row_positions, bucket.tokens, 0, at=s)
         # Short new states first, then long ones (as the scorer orders them); both groups count from the region's start.
         n_short = sum(is_short(n) for n in layout.state_lengths)
         short, long = layout.state_lengths[:n_short], layout.state_lengths[n_short:]
         assert all(is_short(n) for n in short) and not any(is_short(n) for n in long)
-        values = {
-            "ids": _padded(ids, bucket.tokens, pad_id),
-            "positions": _padded(positions, bucket.tokens, 0),
-            "state_cu": _padded_offsets(short, bucket.states + 1),
-            "state_slots": _padded(layout.state_slots[:n_short], bucket.states, pool.scratch_slot),
-            "long_cu": _padded_offsets(long, bucket.long_states + 1, start=sum(short)),
-            "long_slots": _padded(layout.state_slots[n_short:], bucket.long_states, pool.scratch_slot),
-            "state_kv_dst": _padded(layout.state_kv_dst, s, pool.scratch_token),
-            "row_cu": _padded_offsets(layout.row_lengths, bucket.rows + 1),
-            "row_slots": _padded(layout.row_slots, bucket.rows, pool.scratch_slot),
-            "prefix_start": _padded(layout.prefix_start, bucket.rows, 0),
-            "prefix_len": _padded(layout.prefix_len, bucket.rows, 0),
-            # Padding picks name the rows' first token: a valid index counted from the pass or from the rows.
-            "picks": _padded([s + i for i in layout.row_picks], bucket.picks, s),
-            "prefix": layout.prefix,
-        }
-        end = 0
-        host = self.hosts[self.turn].numpy()  # the same memory
-        for name, seq in values.items():
-            if seq:
-                # numpy writes a list into the pinned buffer in place: a tensor and a copy per field cost ~10x more
-                # host time, all of it before the replay can start.
-                start, size = self.offsets[name]
-                assert len(seq) <= size
-                host[start : start + len(seq)] = seq
-                end = max(end, start + len(seq))
+        cu = offsets(short)
+        put("state_cu", cu, bucket.states + 1, cu[-1])  # empty segments at the end
+        put("state_slots", layout.state_slots[:n_short], bucket.states, pool.scratch_slot)
+        cu = offsets(long, start=cu[-1])
+        put("long_cu", cu, bucket.long_states + 1, cu[-1])
+        put("long_slots", layout.state_slots[n_short:], bucket.long_states, pool.scratch_slot)
+        put("state_kv_dst", layout.state_kv_dst, s, pool.scratch_token)
+        cu = offsets(layout.row_lengths)
+        put("row_cu", cu, bucket.rows + 1, cu[-1])
+        put("row_slots", layout.row_slots, bucket.rows, pool.scratch_slot)
+        put("prefix_start", layout.prefix_start, bucket.rows, 0)
+        put("prefix_len", layout.prefix_len, bucket.rows, 0)
+        # Padding picks name the rows' first token: a valid index counted from the pass or from the rows.
+        put("picks", [s + i for i in layout.row_picks] if s else layout.row_picks, bucket.picks, s)
+        put("prefix", layout.prefix, len(layout.prefix), 0)
         self.flat[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
-        if self.device.type == "cuda":
-            self.copied[self.turn] = torch.cuda.Event()
+        if self.copied[self.turn] is not None:
             self.copied[self.turn].record()
-
-
-def _padded(values: list[int], n: int, pad: int) -> list[int]:
-    assert len(values) <= n
-    return values + [pad] * (n - len(values))
-
-
-def _padded_offsets(lengths: list[int], n: int, start: int = 0) -> list[int]:
-    cu = [start + offset for offset in offsets(lengths)]
-    return _padded(cu, n, cu[-1])  # empty segments at the end
+            self.recorded[self.turn] = True
 
 
 @dataclass
@@ -309,8 +311,8 @@ class PassGraphs:
         self.seen: set[Bucket] = set()  # buckets passes have used (what a warm-up list could name)
         self.failed: dict[Bucket, str] = {}  # buckets whose capture failed, and why
         # One pool and one capture stream for every graph. A graph may reuse memory that an earlier capture freed,
-        # including where another graph's output lives; replays never overlap and `run` copies a graph's output
-        # before anything else replays, so any replay order is safe.
+        # including where another graph's output lives; replays never overlap and the caller of `run` reads a graph's
+        # output (enqueues the head's projection of it) before anything else replays, so any replay order is safe.
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.stream = torch.cuda.Stream(device) if capture else None
         self.stats = GraphStats()
@@ -319,7 +321,8 @@ class PassGraphs:
         return smallest_bucket(self.buckets, layout, self.inputs.prefix_tokens, self.long_states)
 
     def run(self, bucket: Bucket, layout: PassLayout) -> torch.Tensor:
-        """The pass's picked hidden states [picks, hidden] (fp32), replaying (or first capturing) its bucket."""
+        """The pass's picked hidden states [picks, hidden] (fp32), replaying (or first capturing) its bucket: a view of
+        the graph's output, which the caller reads (enqueues its reads) before anything else replays."""
         entry = self.graphs.get(bucket)
         if entry is None and self.capture and bucket not in self.failed:
             entry = self._try_capture(bucket)
@@ -334,7 +337,7 @@ class PassGraphs:
             graph, out = entry
             graph.replay()  # type: ignore[attr-defined]
             self.stats.replays += 1
-        return out[: len(layout.row_picks)].clone()
+        return out[: len(layout.row_picks)]
 
     def warm(self, buckets: list[Bucket] | None = None) -> None:
         """Captures the given buckets (all of them by default) before traffic arrives."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .encoding import Encoded
-from .transfer import HostCopy, device_ints
+from .transfer import HostCopy, device_int_fields, device_ints
 
 # The final-norm hidden states a question's answer is read from: (<decide> [d], each option's </opt> [K, d]).
 Picked = tuple[torch.Tensor, torch.Tensor]
@@ -95,6 +95,51 @@ def launch_batch_probabilities(
         widths,
     )
     return PendingProbabilities(len(batch), [r for r, _ in order], widths, HostCopy(probs))
+
+
+class PointerHead:
+    """The fused path's pointer head: one fp32 projection of each pass's picked tokens, [q | k] at once (a <decide>
+    row's k and an option row's q are never read), read as soon as the pass is enqueued; then every question's
+    pointer softmax in one kernel on a GPU (kernels.pointer; torch ops on a CPU). After a captured pass only these
+    two and the copy to the host run: the head took ~14 kernels there, ~80 µs on the H200 (bench/diag.py hostsplit)."""
+
+    def __init__(self, head: dict[str, torch.Tensor], temperature: float) -> None:
+        self.dim = head["q.weight"].shape[0]
+        self.weight_t = torch.cat([head["q.weight"], head["k.weight"]]).T.contiguous()  # [d, 2·dp]
+        self.bias = torch.cat([head["q.bias"], head["k.bias"]])
+        self.temperature = temperature
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, d] picked hidden states → [n, 2·dp] fp32: each row's q (first dp) and k (last dp)."""
+        return torch.addmm(self.bias, hidden.float(), self.weight_t)
+
+    def softmax(self, projected: torch.Tensor, decides: Sequence[int], widths: Sequence[int]) -> torch.Tensor:
+        """Each question's option probabilities [Q, max width] on the device (zeros past its options): its <decide>
+        row of `projected`, and its options the widths[i] rows after it."""
+        device = projected.device
+        if device.type == "cuda":
+            from .kernels.pointer import pointer_softmax as kernel
+
+            rows, counts = device_int_fields([decides, widths], device)
+            return kernel(projected, rows, counts, int(max(widths)), self.temperature)
+        owner = [i for i, n in enumerate(widths) for _ in range(n)]
+        options = [d + 1 + j for d, n in zip(decides, widths) for j in range(n)]
+        column = [j for n in widths for j in range(n)]
+        q = projected[list(decides), : self.dim][owner]
+        k = projected[options, self.dim :]
+        logits = (k * q).sum(-1) / (self.dim**0.5) / self.temperature
+        padded = torch.full((len(widths), int(max(widths))), float("-inf"), device=device)
+        padded[owner, column] = logits
+        return torch.softmax(padded, dim=-1)
+
+    def warm(self, rows: int = 512) -> None:
+        """The projection at every row count up to `rows` and the softmax kernel at each of its compiled variants
+        (a width of one, a multiple of 16, any other), at start-up, not on a request (warm_pointer_head's reason)."""
+        for n in range(1, rows + 1):
+            self.project(torch.zeros(n, self.weight_t.shape[0], device=self.weight_t.device))
+        for width in (1, 2, 16, 255):
+            projected = torch.zeros(2 * (width + 1), 2 * self.dim, device=self.weight_t.device)
+            self.softmax(projected, [0, width + 1], [width, width])
 
 
 def warm_pointer_head(head: dict[str, torch.Tensor], rows: int = 512) -> None:

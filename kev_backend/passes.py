@@ -77,9 +77,9 @@ class KernelGroup:
         )
 
 
-def offsets(lengths: list[int]) -> list[int]:
-    """Cumulative offsets [0, n0, n0 + n1, ...] of consecutive segments (cu_seqlens)."""
-    out = [0]
+def offsets(lengths: list[int], start: int = 0) -> list[int]:
+    """Cumulative offsets [start, start + n0, start + n0 + n1, ...] of consecutive segments (cu_seqlens)."""
+    out = [start]
     for n in lengths:
         out.append(out[-1] + n)
     return out

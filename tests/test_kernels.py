@@ -254,6 +254,19 @@ for kernel in (chunked_rows, recurrent_rows):
 
     assert torch.equal(new_states(False), new_states(True))
 
+# The pointer softmax: questions of 1 to 40 options (several of the kernel's 16-option steps), a head width that is no
+# power of two, a temperature; each row zero past its question's options.
+from kev_backend.kernels.pointer import pointer_softmax
+
+dp, widths = 24, [2, 1, 40, 5, 17]
+decides = [sum(1 + n for n in widths[:i]) for i in range(len(widths))]
+projected = torch.randn(sum(1 + n for n in widths), 2 * dp)
+got = pointer_softmax(projected, torch.tensor(decides), torch.tensor(widths), 40, 2.0)
+for i, (d, n) in enumerate(zip(decides, widths)):
+    z = projected[d + 1 : d + 1 + n, dp:] @ projected[d, :dp] / dp**0.5 / 2.0
+    assert (got[i, :n] - torch.softmax(z, 0)).abs().max() < 1e-6, i
+    assert torch.equal(got[i, n:], torch.zeros(40 - n)), i
+
 # The pass's conv (token slices in parallel, each finding its first segment) answers as the token-by-token one: rows
 # from their windows, new states writing theirs; segments that start after the input's first token and end before its
 # last (a captured pass's long group) leave the other tokens alone.
@@ -330,6 +343,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     from kev_backend.kernels import conv as C
     from kev_backend.kernels import delta_rule as R
     from kev_backend.kernels import norms as N
+    from kev_backend.kernels import pointer as P
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
@@ -365,6 +379,12 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             4,
         ),
         (N._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),
+        (
+            P._pointer_softmax_kernel,
+            {"p": f32, "decides": i64, "widths": i64, "out": f32, "root_dp": "fp32", "temperature": "fp32"},
+            dict(BD=256, BW=P.OPTIONS_PER_STEP),
+            4,
+        ),
         (N._sigmoid_gate_kernel, {"x": bf, "gate": bf, "y": bf}, dict(BLOCK=256, R=N.NORM_ROPE_ROWS), 4),
         *[
             (
