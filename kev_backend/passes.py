@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -120,21 +121,22 @@ class PassLayout:
     state_ids: list[int] = field(default_factory=list)
     state_lengths: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)
-    state_kv_dst: list[int] = field(default_factory=list)  # pool K/V index of each state token
+    # Pool K/V index of each state token (a long state's are thousands: numpy, as the bank gives them, or a list).
+    state_kv_dst: list[int] | np.ndarray = field(default_factory=list)
     row_ids: list[int] = field(default_factory=list)
     row_positions: list[int] = field(default_factory=list)
     row_lengths: list[int] = field(default_factory=list)
     row_slots: list[int] = field(default_factory=list)
-    prefix: list[int] = field(default_factory=list)  # pool K/V index of each continued state's tokens, one run each
+    prefix: list[int] | np.ndarray = field(default_factory=list)  # each continued state's tokens' pool K/V index
     prefix_start: list[int] = field(default_factory=list)
     prefix_len: list[int] = field(default_factory=list)
     row_picks: list[int] = field(default_factory=list)
 
-    def state_positions(self) -> list[int]:
-        positions: list[int] = []
-        for n in self.state_lengths:
-            positions.extend(range(n))
-        return positions
+    def state_positions(self) -> np.ndarray:
+        """Each new state's token positions, 0 … n − 1, one state after another (int64)."""
+        if not self.state_lengths:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(n, dtype=np.int64) for n in self.state_lengths])
 
     @property
     def all_short(self) -> bool:
