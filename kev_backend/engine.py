@@ -48,10 +48,10 @@ class EngineOptions:
     bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
     # fused path: CUDA graphs (kev_backend/graphs.py) for passes of short rows and short new states (long new states
-    # too with long_kernels "ours"), buckets up to graph_max_tokens tokens (94 up to 4,096), at most max_graphs kept.
+    # too with long_kernels "ours"), buckets up to graph_max_tokens tokens (105 up to 4,096), at most max_graphs kept.
     graphs: bool = False
     graph_max_tokens: int = 4096
-    max_graphs: int = 96
+    max_graphs: int = 112
     # fused path: an eager pass before every graph capture (True), or only before the first (False, graphs.py: H200,
     # kept kernel cache, 94 buckets: graphs phase 3.5 s against 9.0, the same answers); KEV_GRAPH_WARM_PASSES=1: True
     graph_warm_passes: bool = field(default_factory=lambda: os.environ.get("KEV_GRAPH_WARM_PASSES") == "1")

@@ -45,7 +45,7 @@ class FusedScorer:
         split_passes: bool = False,
         graphs: bool = False,
         graph_max_tokens: int = 4096,
-        max_graphs: int = 96,
+        max_graphs: int = 112,
         long_kernels: str = "fla",
         short_delta_rule: str = "recurrent",
         graph_warm_passes: bool = False,

@@ -57,6 +57,13 @@ MIN_LONG_STATE_TOKENS = 128
 # the cap s2560 (long5's bucket) held 320 empty short slots, 82k token-by-token delta-rule programs per layer for
 # nothing. A pass with more short new states runs eagerly.
 MAX_PASS_STATES = 64
+# Trimmed buckets: a long-state bucket of 128 or more row tokens also comes TRIM tokens shorter, its rows ending at
+# the pass's end (right after the new states' tokens when the two regions' paddings add up to TRIM or more). Why:
+# cuBLASLt's kernels at these sizes tile the tokens by 128 (nvjet 256x128, 144x128, 320x128 on the H200), and the two
+# regions' paddings can hold a whole tile: long5 (2,465 + 166 tokens) padded to s2560r256 is 2,816 tokens, 22 tiles,
+# where its 2,631 need 21 (GEMMs ~24.7 ms a pass).
+TRIM = 128
+TRIMMED_FROM_STATES = 1024
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +72,18 @@ log = logging.getLogger(__name__)
 class Bucket:
     state_tokens: int  # 0: a pass of rows only
     row_tokens: int  # 0: a pass of new states only
+    # Tokens cut from the pass's end (TRIM, or 0): the rows' region [tokens − row_tokens, tokens) then overlaps the
+    # states' [0, state_tokens), and the rows sit at its end, after the new states' tokens (`fits` checks the total).
+    trim: int = 0
 
     @property
     def tokens(self) -> int:
-        return self.state_tokens + self.row_tokens
+        return self.state_tokens + self.row_tokens - self.trim
+
+    @property
+    def row_start(self) -> int:
+        """Where the rows' region starts in the pass."""
+        return self.tokens - self.row_tokens
 
     @property
     def states(self) -> int:
@@ -95,19 +110,28 @@ class Bucket:
             and len(layout.row_ids) <= self.row_tokens
             and len(layout.row_lengths) <= self.rows
             and len(layout.row_picks) <= self.picks
+            and len(layout.state_ids) + len(layout.row_ids) <= self.tokens
         )
+
+    def rows_at(self, row_tokens: int) -> int:
+        """Where a pass's rows (row_tokens of them) start: the rows' region's start, or in a trimmed bucket at the
+        pass's end (the region then starts inside the states' padding)."""
+        return self.tokens - row_tokens if self.trim else self.state_tokens
 
     @property
     def name(self) -> str:
-        return f"s{self.state_tokens}r{self.row_tokens}"
+        return f"s{self.state_tokens}r{self.row_tokens}" + (f"t{self.tokens}" if self.trim else "")
 
 
 def all_buckets(max_tokens: int) -> list[Bucket]:
-    """Every bucket up to `max_tokens` tokens, smallest first (94 up to 4,096, 133 up to 8,192). Each has at least
-    MIN_GEMM_ROWS tokens."""
+    """Every bucket up to `max_tokens` tokens, smallest first (105 up to 4,096, 148 up to 8,192), a trimmed one
+    (TRIM) before its untrimmed twin. Each has at least MIN_GEMM_ROWS tokens."""
     shapes = [(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS)]
     shapes += [(s, r) for s in (0, *STATE_BUCKETS) for r in ROW_STEPS if s <= r]
-    buckets = sorted(Bucket(s, r) for s, r in shapes if 0 < s + r <= max_tokens)
+    buckets = [Bucket(s, r) for s, r in shapes if 0 < s + r <= max_tokens]
+    trimmed = [Bucket(s, r, TRIM) for s, r in shapes if s >= TRIMMED_FROM_STATES and TRIM <= r <= 2 * TRIM]
+    buckets += [b for b in trimmed if b.tokens <= max_tokens]  # (at the top, without its twin)
+    buckets.sort(key=lambda b: (b.state_tokens, b.row_tokens, -b.trim))
     assert all(b.tokens >= MIN_GEMM_ROWS for b in buckets)
     return buckets
 
@@ -195,8 +219,8 @@ class StaticInputs:
             states = Segments(0, s, s, groups[-1].cu, groups)  # `cu` of a region is read for rows only
         rows = None
         if r:
-            row_group = group(s, r, "row_cu", "row_slots", bucket.rows, short=True)
-            rows = Segments(s, s + r, RECURRENT_MAX_LEN, row_group.cu, [row_group])
+            row_group = group(bucket.row_start, r, "row_cu", "row_slots", bucket.rows, short=True)
+            rows = Segments(bucket.row_start, bucket.tokens, RECURRENT_MAX_LEN, row_group.cu, [row_group])
         return PassInput(
             ids=self.view("ids", bucket.tokens),
             positions=self.view("positions", bucket.tokens),
@@ -231,10 +255,11 @@ class StaticInputs:
                 end = max(end, start + n)
 
         s = bucket.state_tokens
-        put("ids", layout.state_ids, s, pad_id)
-        put("ids", layout.row_ids, bucket.tokens, pad_id, at=s)
-        put("positions", layout.state_positions(), s, 0)
-        put("positions", layout.row_positions, bucket.tokens, 0, at=s)
+        at = bucket.rows_at(len(layout.row_ids))  # the rows' first token in the pass
+        put("ids", layout.state_ids, at, pad_id)
+        put("ids", layout.row_ids, bucket.tokens, pad_id, at=at)
+        put("positions", layout.state_positions(), at, 0)
+        put("positions", layout.row_positions, bucket.tokens, 0, at=at)
         # Short new states first, then long ones (as the scorer orders them); both groups count from the region's start.
         n_short = sum(is_short(n) for n in layout.state_lengths)
         short, long = layout.state_lengths[:n_short], layout.state_lengths[n_short:]
@@ -246,13 +271,13 @@ class StaticInputs:
         put("long_cu", cu, bucket.long_states + 1, cu[-1])
         put("long_slots", layout.state_slots[n_short:], bucket.long_states, pool.scratch_slot)
         put("state_kv_dst", layout.state_kv_dst, s, pool.scratch_token)
-        cu = offsets(layout.row_lengths)
+        cu = offsets(layout.row_lengths, start=at - bucket.row_start)  # from the rows' region's start
         put("row_cu", cu, bucket.rows + 1, cu[-1])
         put("row_slots", layout.row_slots, bucket.rows, pool.scratch_slot)
         put("prefix_start", layout.prefix_start, bucket.rows, 0)
         put("prefix_len", layout.prefix_len, bucket.rows, 0)
-        # Padding picks name the rows' first token: a valid index counted from the pass or from the rows.
-        put("picks", [s + i for i in layout.row_picks] if s else layout.row_picks, bucket.picks, s)
+        # Padding picks name the rows' region's first token: a valid index counted from the pass or from the rows.
+        put("picks", [at + i for i in layout.row_picks] if at else layout.row_picks, bucket.picks, bucket.row_start)
         put("prefix", layout.prefix, len(layout.prefix), 0)
         self.flat[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
         if self.copied[self.turn] is not None:
@@ -286,7 +311,7 @@ class PassGraphs:
         pad_id: int,
         max_tokens: int = 4096,
         prefix_tokens: int = 32_768,
-        max_graphs: int = 96,
+        max_graphs: int = 112,
         capture: bool = True,
         long_states: bool = False,
         warm_passes: bool = False,

@@ -124,3 +124,20 @@ def test_a_failed_capture_leaves_its_bucket_eager(tiny_dir: Path) -> None:
         assert report["max_abs"] < 2e-5, report
     assert graphs.stats.capture_failures == len(attempts) == len(graphs.failed) == 1
     assert graphs.stats.runs >= 2 and graphs.stats.replays == 0
+
+
+@pytest.mark.parametrize("state_words", [700, 940])
+def test_a_trimmed_bucket_answers_like_the_reference(tiny_dir: Path, state_words: int) -> None:
+    """A long new state whose padding and its rows' hold a whole 128-token tile runs padded to a trimmed bucket (the
+    rows right after the state, at the pass's end; torch stand-ins on the CPU), answering as the reference does; with
+    940 words the state's own last tokens lie inside the rows' region (s1024r128t1024's starts at 896)."""
+    from kev_backend.graphs import Bucket
+
+    reference, fused = engines(tiny_dir, graphs=True, long_kernels="ours", short_delta_rule="chunked")
+    question = {"type": "noul", "instructions": " ".join(["order"] * 30)}
+    request = {"state": " ".join(["order"] * state_words), "questions": {"a": question, "b": question}}
+    encoded = [reference.prepare(request)[1]]
+    assert 512 < len(encoded[0].state) and 64 < sum(len(q.tokens) for q in encoded[0].questions) <= 128
+    report = compare(reference.scorer.probabilities(encoded), fused.probabilities(encoded))
+    assert report["max_abs"] < 2e-5, report
+    assert fused.graphs.seen == {Bucket(1024, 128, 128)}, fused.graphs.seen

@@ -37,10 +37,16 @@ def layout(state_lengths: list[int], row_lengths: list[int], picks_per_row: int 
 
 def test_buckets_cover_every_size_with_enough_gemm_rows() -> None:
     buckets = all_buckets(4096)
-    assert len(buckets) == len(set(buckets)) == 94
+    assert len(buckets) == len(set(buckets)) == 105
     assert all(MIN_GEMM_ROWS <= b.tokens <= 4096 for b in buckets)
     assert Bucket(0, 64) in buckets and Bucket(64, 0) in buckets and Bucket(4096, 0) in buckets
     assert Bucket(64, 192) in buckets and Bucket(1024, 192) not in buckets
+    # Long-state buckets of 128 or 256 row tokens come trimmed by a 128-token GEMM tile too, each before its twin.
+    trimmed = [b for b in buckets if b.trim]
+    assert len(trimmed) == 11 and all(b.state_tokens >= 1024 and b.row_tokens in (128, 256) for b in trimmed)
+    t2688 = Bucket(2560, 256, 128)
+    assert t2688.tokens == 2688 and t2688.row_start == 2432 and t2688.name == "s2560r256t2688"
+    assert buckets.index(t2688) + 1 == buckets.index(Bucket(2560, 256))
 
 
 def test_the_smallest_bucket_that_holds_the_pass() -> None:
@@ -57,8 +63,10 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
     assert bucket_for(layout([34] * 9, [10])) == Bucket(512, 64)  # nine states: more than 64 // 8 segments
     assert bucket_for(layout([65], [10])) is None  # a long state: eager (fla's long kernels)
     assert smallest_bucket(buckets, layout([65], [10]), 1000, long_states=True) == Bucket(128, 64)
-    long5 = layout([2200], [40] * 5)  # one padded to 2,560 state tokens, not 4,096
-    assert smallest_bucket(buckets, long5, 1000, long_states=True) == Bucket(2560, 256)
+    long5 = layout([2200], [40] * 5)  # one padded to 2,560 state tokens, not 4,096, and trimmed: 2,688 in all
+    assert smallest_bucket(buckets, long5, 1000, long_states=True) == Bucket(2560, 256, 128)
+    fuller = layout([2500], [40] * 5)  # 2,700 tokens: one tile more
+    assert smallest_bucket(buckets, fuller, 1000, long_states=True) == Bucket(2560, 256)
     many_long = layout([70] * 9, [10])  # nine long states need 9 × 128 tokens of capacity
     assert smallest_bucket(buckets, many_long, 1000, long_states=True) == Bucket(1536, 64)
     assert smallest_bucket(buckets, layout([], [65]), 1000, long_states=True) is None  # a long row: eager
@@ -108,3 +116,21 @@ def test_long_and_short_new_states_share_the_state_region() -> None:
     assert p.positions[39:139].tolist() == list(range(100)) and p.positions[2139:2560].eq(0).all()
     assert p.state_kv_dst.tolist()[139:141] == [300, 301] and p.state_kv_dst[2139:].eq(640).all()
     assert len(inputs.pass_input(bucket).states.groups) == 1  # without long states: the short group alone
+
+
+def test_a_trimmed_bucket_puts_the_rows_at_the_pass_end() -> None:
+    """In a trimmed bucket the rows' region overlaps the states' padding, and the rows sit at the pass's end: their
+    offsets count from the region's start, their picks from the pass's; the states' region keeps its capacity."""
+    bucket = Bucket(2560, 256, 128)
+    inputs = StaticInputs(Bucket(4096, 4096), prefix_tokens=1000, device=torch.device("cpu"))
+    inputs.fill(bucket, layout([2400], [39, 12]), ScratchPool(), pad_id=1)
+    p = inputs.pass_input(bucket, long_states=True)
+    at = 2688 - 51  # the rows' first token
+    assert p.ids.shape == (2688,) and p.ids[:2400].eq(10).all() and p.ids[2400:at].eq(1).all()
+    assert p.ids[at : at + 39].eq(20).all() and p.ids[at + 39 :].eq(21).all()
+    assert p.positions[at : at + 39].tolist() == list(range(50, 89)) and p.positions[2400:at].eq(0).all()
+    assert (p.rows.start, p.rows.end) == (2432, 2688) and p.rows.cu.tolist()[:3] == [at - 2432, at - 2393, 256]
+    assert p.rows.cu.tolist()[3:] == [256] * (bucket.rows - 2)
+    assert p.picks.tolist()[:6] == [at + i for i in (38, 37, 36, 50, 49, 48)] and p.picks[6:].eq(2432).all()
+    assert (p.states.start, p.states.end) == (0, 2560) and p.state_kv_dst.shape == (2560,)
+    assert p.states.groups[0].cu.tolist()[:2] == [0, 2400]
