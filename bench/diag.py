@@ -707,8 +707,8 @@ def host_split() -> None:
     """Where one request's model time (launch to probabilities on the host) goes, from graphs (KEV_GRAPHS=1), for
     short6 and long5 on new and banked states: the host's phases before the replay (bank, layout, bucket, fill), the
     replay() call and the head's launches, each timed on the host, against the GPU's spans from the launch to the
-    graph's start, the graph, and the head and copy after it; the rest is the wait for the copy and the lists.
-    Medians of 30 requests."""
+    graph's start, the graph (which starts with the fill and replay() on the host), and the head's projection and
+    softmax after it; the rest ("after gpu") is the copy to the host, the wait and the lists. Medians of 30."""
     import statistics
 
     from kev_backend import bench
