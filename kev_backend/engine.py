@@ -19,7 +19,6 @@ import torch
 from .bank import BankStats, StateBank
 from .checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from .encoding import Encoded, KevTokenizer, Limits, encode
-from .head import warm_pointer_head
 from .reference import ReferenceScorer
 from .systemone import Record, RequestError, answers_from_probabilities, answers_json, parse_request, response_body
 
@@ -36,6 +35,8 @@ class Scorer(Protocol):
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]: ...
 
     def launch(self, batch: Sequence[Encoded]) -> Pending: ...
+
+    def warm_head(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -208,10 +209,7 @@ class Engine:
             ]
         )
         self.answer([{"state": f"{words} {i}", "questions": {"r": long_question}} for i in range(self._wide_states())])
-        if (pointer := getattr(self.scorer, "pointer", None)) is not None:
-            pointer.warm()  # the fused path's head
-        else:
-            warm_pointer_head(self.scorer.head)
+        self.scorer.warm_head()
         self.startup["warm_batch"] = time.perf_counter() - started
 
     @classmethod

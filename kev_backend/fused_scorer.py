@@ -116,6 +116,9 @@ class FusedScorer:
     def graph_captures(self) -> int:
         return self.graphs.stats.captures if self.graphs is not None else 0
 
+    def warm_head(self) -> None:
+        self.pointer.warm()
+
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         return self.launch(batch).result()
 

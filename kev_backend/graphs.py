@@ -181,11 +181,12 @@ class StaticInputs:
         # unless the model thread is two batches ahead of the GPU.
         self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
         self.arrays = [host.numpy() for host in self.hosts]  # the same memory
-        # Each buffer's last host→device copy (events made once: creating one costs ~13 µs of host time on the H200's
-        # machine, bench/diag.py hostops), and whether it has been recorded.
-        cuda = device.type == "cuda"
-        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.recorded = [False, False]
+        # Each buffer's last host→device copy (events made once, recorded once here so that waiting on them is valid
+        # from the start: creating one costs ~13 µs of host time on the H200's machine, bench/diag.py hostops).
+        self.copied = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else [None, None]
+        for event in self.copied:
+            if event is not None:
+                event.record()
         self.turn = 0
 
     def view(self, name: str, n: int) -> torch.Tensor:
@@ -238,8 +239,8 @@ class StaticInputs:
         into the pinned buffer in place and each run of padding as one value (a tensor and a copy per field cost
         ~10x more host time, and padded lists ~2x: all of it before the replay can start)."""
         self.turn ^= 1
-        if self.recorded[self.turn]:
-            self.copied[self.turn].synchronize()  # the copy out of this host buffer has read it
+        if (copied := self.copied[self.turn]) is not None:
+            copied.synchronize()  # the copy out of this host buffer has read it
         host = self.arrays[self.turn]
         end = 0
 
@@ -280,9 +281,8 @@ class StaticInputs:
         put("picks", [at + i for i in layout.row_picks] if at else layout.row_picks, bucket.picks, bucket.row_start)
         put("prefix", layout.prefix, len(layout.prefix), 0)
         self.flat[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
-        if self.copied[self.turn] is not None:
-            self.copied[self.turn].record()
-            self.recorded[self.turn] = True
+        if copied is not None:
+            copied.record()
 
 
 @dataclass

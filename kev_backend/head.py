@@ -28,20 +28,35 @@ def pointer_softmax(
     """decide_hidden [Q, d] and option_hidden [sum K_i, d] (questions' options in order) → p [Q, max K_i] on their
     device, each question's row zero past its options. A fixed number of kernels for every question, and nothing
     that waits for the GPU: the option indices are built on the host."""
-    device = decide_hidden.device
     q = torch.nn.functional.linear(decide_hidden.float(), head["q.weight"], head["q.bias"])
     k = torch.nn.functional.linear(option_hidden.float(), head["k.weight"], head["k.bias"])
-    # Each option's question and its place among that question's options (one upload).
+    owner, column = option_indices(options_per_question, q.device)
+    return option_softmax(q, k, owner, column, options_per_question, temperature)
+
+
+def option_indices(widths: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each option's question and its place among that question's options (one upload)."""
     owner, column = device_ints(
-        [i for i, n in enumerate(options_per_question) for _ in range(n)]
-        + [j for n in options_per_question for j in range(n)],
-        device,
+        [i for i, n in enumerate(widths) for _ in range(n)] + [j for n in widths for j in range(n)], device
     ).view(2, -1)
+    return owner, column
+
+
+def option_softmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    owner: torch.Tensor,
+    column: torch.Tensor,
+    widths: Sequence[int],
+    temperature: float,
+) -> torch.Tensor:
+    """q [Q, dp] per question, k [sum K_i, dp] per option (option_indices: owner, column) → p [Q, max K_i]:
+    z = (k · q) / √dp / T, softmax over each question's options, zero past them."""
     logits = (k * q[owner]).sum(-1) / (q.shape[-1] ** 0.5)
     if temperature != 1.0:
         logits = logits / temperature
     # Scatter into [Q, Kmax] padded with -inf so one softmax serves every question.
-    padded = torch.full((len(options_per_question), int(max(options_per_question))), float("-inf"), device=device)
+    padded = torch.full((len(widths), int(max(widths))), float("-inf"), device=q.device)
     padded[owner, column] = logits
     return torch.softmax(padded, dim=-1)
 
@@ -122,15 +137,11 @@ class PointerHead:
 
             rows, counts = device_int_fields([decides, widths], device)
             return kernel(projected, rows, counts, int(max(widths)), self.temperature)
-        owner = [i for i, n in enumerate(widths) for _ in range(n)]
-        options = [d + 1 + j for d, n in zip(decides, widths) for j in range(n)]
-        column = [j for n in widths for j in range(n)]
-        q = projected[list(decides), : self.dim][owner]
-        k = projected[options, self.dim :]
-        logits = (k * q).sum(-1) / (self.dim**0.5) / self.temperature
-        padded = torch.full((len(widths), int(max(widths))), float("-inf"), device=device)
-        padded[owner, column] = logits
-        return torch.softmax(padded, dim=-1)
+        owner, column = option_indices(widths, device)
+        rows = torch.tensor(list(decides), device=device)
+        q = projected[rows, : self.dim]
+        k = projected[rows[owner] + 1 + column, self.dim :]
+        return option_softmax(q, k, owner, column, widths, self.temperature)
 
     def warm(self, rows: int = 512) -> None:
         """The projection at every row count up to `rows` and the softmax kernel at each of its compiled variants

@@ -13,7 +13,7 @@ import torch
 
 from .bank import StateBank
 from .encoding import Encoded, EncodedQuestion
-from .head import PendingProbabilities, Picked, launch_batch_probabilities, pointer_probabilities
+from .head import PendingProbabilities, Picked, launch_batch_probabilities, pointer_probabilities, warm_pointer_head
 from .qwen35 import Qwen35TextModel, SequenceCache
 
 
@@ -41,6 +41,9 @@ class ReferenceScorer:
             _, cache = self.model(torch.tensor([state], device=self.device))
             self.bank.put(state, cache)
         return cache
+
+    def warm_head(self) -> None:
+        warm_pointer_head(self.head)
 
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         """Per request, per question, the option probabilities."""
