@@ -321,12 +321,6 @@ def test_kernels_compiled_on_the_gpu() -> None:
     run_check(KEV_KERNEL_DEVICE="cuda")
 
 
-@pytest.mark.gpu
-def test_kernels_compiled_on_the_gpu_with_programmatic_dependent_launch() -> None:
-    """The same checks with every launch of our kernels overlapping the one before (KEV_PDL=1, kernels.pdl)."""
-    run_check(KEV_KERNEL_DEVICE="cuda", KEV_PDL="1")
-
-
 # Spills measured to pay, by (kernel, CONTINUE, register cap, BM): the prep capped at 168 registers (six programs an
 # SM, not four: faster on the H200, kernels.delta_rule.PREP_MAXNREG). Compiled as a launch specialises them (aligned
 # pointers and strides), no other kernel spills; compiled without that, as this test did before session 12, rows'
@@ -338,9 +332,7 @@ SPILL_ALLOWED: dict[tuple[str, bool | None, int | None, int | None], int] = {
 
 def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     """Our kernels at Kev-4B's shapes compile for sm_90a (Triton to PTX, then the wheel's ptxas) with no register
-    spills but those measured to pay (SPILL_ALLOWED): the GPU run then only measures them. Needs no GPU. Compiled
-    for programmatic dependent launch (kernels.pdl), as KEV_PDL=1 runs them: each waits for the kernel before it
-    ahead of its first global load or store."""
+    spills but those measured to pay (SPILL_ALLOWED): the GPU run then only measures them. Needs no GPU."""
     import inspect
 
     import triton
@@ -457,8 +449,6 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     ]
     for fn, types, constants, warps, *cap in cases:  # cap: a register cap (ptxas's .maxnreg), where one is set
         names = list(inspect.signature(fn.fn).parameters)
-        pdl = "PDL" in names  # the head's softmax runs after the graph, on its own
-        constants = constants | ({"PDL": True} if pdl else {})
         signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
         # As a launch specialises them: pointers (torch's allocations and Kev-4B's views) and strides (multiples of 16
         # elements at Kev-4B's shapes) divisible by 16. Without it Triton neither vectorises nor pipelines the loads
@@ -475,10 +465,6 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         compiled = compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = tmp_path / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
-        if pdl:
-            memory = re.search(r"\b(ld|st|cp\.async|atom|red)\.global", compiled.asm["ptx"])
-            waits = compiled.asm["ptx"].find("griddepcontrol.wait")
-            assert memory and 0 <= waits < memory.start(), (fn.fn.__name__, "loads before griddepcontrol.wait")
         result = subprocess.run(
             [ptxas, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "kernel.cubin")],
             capture_output=True,
@@ -493,24 +479,3 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             constants,
             result.stderr[-500:],
         )
-
-
-def test_programmatic_dependent_launch_setting(monkeypatch) -> None:
-    """KEV_PDL: 0 or 1, never under Triton's interpreter (which has no such instructions), and only for CUDA devices
-    of compute capability 9.0 and later (none here: a CPU tensor's launch gets no PDL arguments)."""
-    import torch
-
-    from kev_backend.kernels import pdl
-
-    monkeypatch.setenv("KEV_PDL", "yes")
-    with pytest.raises(ValueError, match="KEV_PDL"):
-        pdl._setting()
-    monkeypatch.setenv("KEV_PDL", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not pdl._setting()
-    monkeypatch.delenv("TRITON_INTERPRET")
-    assert pdl._setting()
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    pdl.launch_options.cache_clear()
-    assert pdl.launch_options(torch.device("cpu")) == {}
-    pdl.launch_options.cache_clear()

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import grid, pdl
+from . import grid
 
 # Query rows per program (tokens × the query heads sharing a key/value head; tl.dot wants at least 16) and keys per
 # step for heads over 128 wide (Qwen3.5's 256), both read at each launch. H200, Kev-4B heads (bench/diag.py rowsattn,
@@ -66,13 +66,11 @@ def _rows_attention_kernel(
     BN: tl.constexpr,
     GP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
     rows masked), so each key tile is read once for all of them. With Kev-4B's 4 query heads per key/value head a
     row's 2,200-token prefix was read by 4 programs of 16 rows, now by 1 of 64."""
-    pdl.wait_for_previous(PDL)
     G: tl.constexpr = HQ // HKV
     # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
     i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -183,6 +181,5 @@ def rows_attention(
             HAS_PREFIX=has_prefix,
             num_warps=warps,
             num_stages=ATTENTION_STAGES,
-            **pdl.launch_options(q.device),
         )
     return o

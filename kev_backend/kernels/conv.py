@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import grid, pdl
+from . import grid
 from .segments import search_steps, segment_of
 
 
@@ -121,13 +121,11 @@ def _conv_scan_kernel(
     BT: tl.constexpr,
     BC: tl.constexpr,
     CONTINUE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """conv_tokens in BT-token slices of the input, each scanned token by token by one program per BC channels: the
     window lives in registers, so each input is loaded once, and a program holds a few [BC] vectors (no [BT, BC]
     tiles of pointers and masks). The scan of a segment that starts before the slice begins W tokens early
     (outputs not stored) to fill the window."""
-    pdl.wait_for_previous(PDL)
     i_c, i_t = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -225,6 +223,5 @@ def conv_tokens(
             BC=SCAN_CHANNELS,
             CONTINUE=not new_states,
             num_warps=SCAN_WARPS,
-            **pdl.launch_options(x.device),
         )
     return y

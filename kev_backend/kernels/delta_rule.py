@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
 from .segments import search_steps, segment_of
 
 
@@ -201,9 +200,7 @@ def _recurrent_rows_kernel(
     CONTINUE: tl.constexpr,
     LOOP: tl.constexpr,
     N,
-    PDL: tl.constexpr = False,
 ):
-    pdl.wait_for_previous(PDL)
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)
@@ -386,7 +383,6 @@ def _launch_delta_rule(
             N=n,
             num_warps=warps,
             **extra,
-            **pdl.launch_options(q.device),
         )
     return out
 
@@ -597,7 +593,6 @@ def _chunk_prep_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
@@ -606,7 +601,6 @@ def _chunk_prep_kernel(
     decay (_chunk_terms). Chunks start at their segment's first token and every BT tokens after; a program takes
     the chunks that start in its BT tokens of the input (at most one per segment, found from the first segment
     reaching into them)."""
-    pdl.wait_for_previous(PDL)
     i_t, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
     start = i_t.to(tl.int64) * BT
@@ -783,7 +777,6 @@ def _chunked_delta_rule_kernel(
     BF16: tl.constexpr,
     LOOP: tl.constexpr,
     N,
-    PDL: tl.constexpr = False,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
@@ -791,7 +784,6 @@ def _chunked_delta_rule_kernel(
     the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
     instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
     unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
-    pdl.wait_for_previous(PDL)
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)
@@ -912,7 +904,6 @@ def chunked_rows(
             LOG2_BT=CHUNK.bit_length() - 1,
             num_warps=PREP_WARPS,
             **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
-            **pdl.launch_options(q.device),
         )
     wide = not padded and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW

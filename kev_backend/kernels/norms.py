@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-
 
 def _token_heads(x: torch.Tensor) -> torch.Tensor:
     """x as [tokens, heads, D] with a unit last stride (a view when possible)."""
@@ -40,9 +38,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -91,7 +87,6 @@ def rms_norm(
             HAS_RESIDUAL=res is not None,
             STORE_RESIDUAL=store_residual,
             BLOCK=triton.next_power_of_2(D),
-            **pdl.launch_options(x.device),
         )
     return y.view(x.shape), (res_out.view(x.shape) if res_out is not None else None)
 
@@ -120,9 +115,7 @@ def _rms_norm_rope_kernel(
     ROT: tl.constexpr,
     BLOCK: tl.constexpr,
     R: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     m_r = row < rows
     token = row // heads
@@ -173,30 +166,14 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
             ROT=rot,
             BLOCK=triton.next_power_of_2(D),
             R=NORM_ROPE_ROWS,
-            **pdl.launch_options(x.device),
         )
     return y
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _gated_rms_norm_kernel(
-    x,
-    z,
-    weight,
-    y,
-    rows,
-    D,
-    eps,
-    heads,
-    stride_x,
-    stride_z,
-    stride_zh,
-    stride_y,
-    BLOCK: tl.constexpr,
-    R: tl.constexpr,
-    PDL: tl.constexpr = False,
+    x, z, weight, y, rows, D, eps, heads, stride_x, stride_z, stride_zh, stride_y, BLOCK: tl.constexpr, R: tl.constexpr
 ):
-    pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.arange(0, BLOCK)
     mask = (row < rows)[:, None] & (cols < D)[None, :]
@@ -237,14 +214,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
             y.stride(0),
             BLOCK=triton.next_power_of_2(D),
             R=GATED_NORM_ROWS,
-            **pdl.launch_options(x.device),
         )
     return y.view(x.shape)
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, y, width, stride_g, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl.wait_for_previous(PDL)
+def _silu_mul_kernel(gate_up, y, width, stride_g, stride_y, BLOCK: tl.constexpr):
     row, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = i_c * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -261,16 +236,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, width, device=gate_up.device, dtype=gate_up.dtype)
     if rows:
         _silu_mul_kernel[(rows, triton.cdiv(width, 1024))](
-            gate_up, y, width, gate_up.stride(0), y.stride(0), BLOCK=1024, **pdl.launch_options(gate_up.device)
+            gate_up, y, width, gate_up.stride(0), y.stride(0), BLOCK=1024
         )
     return y
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _sigmoid_gate_kernel(
-    x, gate, y, rows, D, heads, stride_g, stride_gh, BLOCK: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False
-):
-    pdl.wait_for_previous(PDL)
+def _sigmoid_gate_kernel(x, gate, y, rows, D, heads, stride_g, stride_gh, BLOCK: tl.constexpr, R: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.arange(0, BLOCK)
     mask = (row < rows)[:, None] & (cols < D)[None, :]
@@ -299,6 +271,5 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             gate.stride(1),
             BLOCK=triton.next_power_of_2(D),
             R=NORM_ROPE_ROWS,
-            **pdl.launch_options(x.device),
         )
     return y
