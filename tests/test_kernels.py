@@ -417,7 +417,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         (
             R._chunk_prep_kernel,
             chunk_terms,
-            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, V_FIRST=R.PREP_V_FIRST),
+            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4),
             R.PREP_WARPS,
             R.PREP_MAXNREG,
         ),

@@ -438,12 +438,6 @@ PREP_WARPS = 2
 # 0.230 / 1.217 / 3.641 / 0.0284, 128 0.236 / 1.214 / 3.614 / 0.0328; 4 warps lose (uncapped 0.242 / 1.313 / 3.958).
 # Identical outputs (a cap moves values between registers and memory, never changes the arithmetic).
 PREP_MAXNREG: int | None = 168
-# Whether the prep loads a chunk's v with its q and k (bf16, held through the inverse) rather than after W: its load
-# latency then overlaps the inverse's products instead of following them. Read at each launch (bench/diag.py prepregs).
-PREP_V_FIRST = False
-# Whether U₀ is stored in bf16 (as fla stores its u) rather than fp32: half its bytes written and read again by the
-# chain, one more rounding before U = U₀ − W S. Read at each launch (bench/diag.py prepregs).
-U0_BF16 = False
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd and QK are stored in bf16 when the chain multiplies in bf16 (all they are used for), in fp32
 # otherwise; U₀ in fp32.
@@ -525,7 +519,6 @@ def _chunk_terms(
     BT,
     LOG2_BT,
     MASKED,
-    V_FIRST,
 ):
     """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment; MASKED unless the chunk
     is whole), written per token: W and U₀ (below), and everything else the chain multiplies by the state, so that
@@ -537,9 +530,6 @@ def _chunk_terms(
     o_v = tl.arange(0, V)
     t = c0 + o_t
     m = t < eos
-    v_rows = v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :]
-    if V_FIRST:
-        b_v = _load_rows(v_rows, m, MASKED)
     gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
     in_qk = o_t[:, None] * stride_t + o_k[None, :]  # q and k rows: [T, H, K] with token stride stride_t
     in_k = o_t[:, None] * (HV * K) + o_k[None, :]  # the per-(token, value head) terms: [T, HV, K]
@@ -569,10 +559,9 @@ def _chunk_terms(
         T = tl.dot(T, eye + P, input_precision=PRECISION)
     W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
     _store_rows(w + at_k + in_k, W.to(w.dtype.element_ty), m, MASKED)
-    if not V_FIRST:
-        b_v = _load_rows(v_rows, m, MASKED)
+    b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
     U0 = tl.dot(T, beta[:, None] * b_v.to(tl.float32), input_precision=PRECISION)
-    _store_rows(u + (c0 * HV + hv) * V + o_t[:, None] * (HV * V) + o_v[None, :], U0.to(u.dtype.element_ty), m, MASKED)
+    _store_rows(u + (c0 * HV + hv) * V + o_t[:, None] * (HV * V) + o_v[None, :], U0, m, MASKED)
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
@@ -604,7 +593,6 @@ def _chunk_prep_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
-    V_FIRST: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
@@ -663,7 +651,6 @@ def _chunk_prep_kernel(
                         BT,
                         LOG2_BT,
                         partial == 1,
-                        V_FIRST,
                     )
         n += 1
 
@@ -883,7 +870,7 @@ def chunked_rows(
     operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
     w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
     qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
-    u = torch.empty(T, HV, V, device=q.device, dtype=torch.bfloat16 if U0_BF16 else torch.float32)
+    u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
     dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
@@ -915,7 +902,6 @@ def chunked_rows(
             V=V,
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
-            V_FIRST=PREP_V_FIRST,
             num_warps=PREP_WARPS,
             **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
         )
