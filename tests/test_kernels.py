@@ -351,9 +351,9 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     bf, f32, i64 = "*bf16", "*fp32", "*i64"
     recurrent = {"q": bf, "k": bf, "v": bf, "a": bf, "b": bf, "a_log": f32, "dt_bias": f32, "pool": f32}
     bf16_chain = R.CHUNK_DOTS == "bf16"
-    chunk_w = bf if bf16_chain else f32  # W, Qs, Kd and QK are stored as the chain multiplies them
+    chunk_w = bf if bf16_chain else f32  # W, Qs, Kd, QK and U₀ are stored as the chain multiplies them
     recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
-    chunk_terms = recurrent | {"u": f32, "dend": f32} | {name: chunk_w for name in ("w", "qs", "kd", "qk")}
+    chunk_terms = recurrent | {"dend": f32} | {name: chunk_w for name in ("w", "qs", "kd", "qk", "u")}
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
     cases = [

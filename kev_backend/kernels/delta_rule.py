@@ -439,8 +439,12 @@ PREP_WARPS = 2
 # Identical outputs (a cap moves values between registers and memory, never changes the arithmetic).
 PREP_MAXNREG: int | None = 168
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
-# 67f5081). W, Qs, Kd and QK are stored in bf16 when the chain multiplies in bf16 (all they are used for), in fp32
-# otherwise; U₀ in fp32.
+# 67f5081). W, Qs, Kd, QK and U₀ are stored in bf16 when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16
+# (as fla stores its u) adds a rounding before U = U₀ − W S, which the chain's products round to bf16 anyway; it
+# halves U₀'s bytes, written here and read there. H200 (bench/diag.py prepregs, d3620c5), prep and chain, ms a layer,
+# 1 / 8 / 24 new 2,465-token states and one short6's rows: fp32 0.2195 / 1.1042 / 3.3015 / 0.0291, bf16 0.2171 /
+# 1.0371 / 3.1100 / 0.0277; outputs within 4.9e-4. (v loaded with q and k, its latency under the inverse's products,
+# lost: 0.2226 / 1.1349 / 3.4201 / 0.0287, 104 bytes spilled at the cap.)
 
 
 @triton.jit
@@ -561,7 +565,7 @@ def _chunk_terms(
     _store_rows(w + at_k + in_k, W.to(w.dtype.element_ty), m, MASKED)
     b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
     U0 = tl.dot(T, beta[:, None] * b_v.to(tl.float32), input_precision=PRECISION)
-    _store_rows(u + (c0 * HV + hv) * V + o_t[:, None] * (HV * V) + o_v[None, :], U0, m, MASKED)
+    _store_rows(u + (c0 * HV + hv) * V + o_t[:, None] * (HV * V) + o_v[None, :], U0.to(u.dtype.element_ty), m, MASKED)
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
@@ -597,10 +601,10 @@ def _chunk_prep_kernel(
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
     W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
-    (fp32), so that the sequential pass gets U = U₀ − W S; and the scaled q̂ and k̂, the chunk's q̂·k̂ᵀ and its end
-    decay (_chunk_terms). Chunks start at their segment's first token and every BT tokens after; a program takes
-    the chunks that start in its BT tokens of the input (at most one per segment, found from the first segment
-    reaching into them)."""
+    (as the chain multiplies them: CHUNK_DOTS), so that the sequential pass gets U = U₀ − W S; and the scaled q̂
+    and k̂, the chunk's q̂·k̂ᵀ and its end decay (_chunk_terms). Chunks start at their segment's first token and
+    every BT tokens after; a program takes the chunks that start in its BT tokens of the input (at most one per
+    segment, found from the first segment reaching into them)."""
     i_t, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
     start = i_t.to(tl.int64) * BT
@@ -866,11 +870,11 @@ def chunked_rows(
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
-    # The chain's operands (W, Qs, Kd, QK) are stored as it multiplies them: bf16, or fp32 for tf32 products.
+    # The chain's operands (W, Qs, Kd, QK, U₀) are stored as it multiplies them: bf16, or fp32 for tf32 products.
     operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
     w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
     qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
-    u = torch.empty(T, HV, V, device=q.device, dtype=torch.float32)
+    u = torch.empty(T, HV, V, device=q.device, dtype=operands)
     dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
