@@ -316,6 +316,11 @@ def test_chunked_delta_rule_with_32_token_chunks_in_the_interpreter() -> None:
     run_check(**INTERPRETER, KEV_CHUNK="32")
 
 
+def test_chunked_delta_rule_on_raw_q_and_k_in_the_interpreter() -> None:
+    """The chain multiplying the raw q and k with the prep's row scales (KEV_RAW_QK): the same checks hold."""
+    run_check(**INTERPRETER, KEV_RAW_QK="1")
+
+
 @pytest.mark.gpu
 def test_kernels_compiled_on_the_gpu() -> None:
     run_check(KEV_KERNEL_DEVICE="cuda")
@@ -354,6 +359,8 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     chunk_w = bf if bf16_chain else f32  # W, Qs, Kd, QK and U₀ are stored as the chain multiplies them
     recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
     chunk_terms = recurrent | {"dend": f32} | {name: chunk_w for name in ("w", "qs", "kd", "qk", "u")}
+    if R.RAW_QK:  # qs and kd hold the raw q and k's row scales
+        chunk_terms |= {"qs": f32, "kd": f32}
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
     cases = [
@@ -417,7 +424,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
         (
             R._chunk_prep_kernel,
             chunk_terms,
-            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4),
+            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, RAW=R.RAW_QK),
             R.PREP_WARPS,
             R.PREP_MAXNREG,
         ),
@@ -425,7 +432,18 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunked_delta_rule_kernel,
                 chunk_terms,
-                dict(H=16, HV=32, K=128, V=128, BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop),
+                dict(
+                    H=16,
+                    HV=32,
+                    K=128,
+                    V=128,
+                    BV=block_v,
+                    BT=R.CHUNK,
+                    CONTINUE=continues,
+                    BF16=bf16_chain,
+                    LOOP=loop,
+                    RAW=R.RAW_QK,
+                ),
                 warps,
                 maxnreg,
             )
