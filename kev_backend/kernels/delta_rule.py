@@ -856,11 +856,11 @@ def _chunked_delta_rule_kernel(
     RAW: tl.constexpr,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
-    added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
-    o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
-    the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
-    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
-    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
+    added; a and b are not read, q and k only with RAW), chunk by chunk from the state S [K, BV] (fp32, in
+    registers): U = U₀ − W S; o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from
+    one chunk to the next: the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took
+    ~3/4 of this loop's instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626
+    without them, 318 with unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)
