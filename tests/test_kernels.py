@@ -359,8 +359,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     chunk_w = bf if bf16_chain else f32  # W, Qs, Kd, QK and U₀ are stored as the chain multiplies them
     recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
     chunk_terms = recurrent | {"dend": f32} | {name: chunk_w for name in ("w", "qs", "kd", "qk", "u")}
-    if R.RAW_QK:  # qs and kd hold the raw q and k's row scales
-        chunk_terms |= {"qs": f32, "kd": f32}
+    raw_terms = chunk_terms | {"qs": f32, "kd": f32}  # RAW: qs and kd hold the raw q and k's row scales
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
     cases = [
@@ -421,17 +420,20 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             for continues in (True, False)
             for loop in sorted({False, R.RECURRENT_LOOP})
         ],
-        (
-            R._chunk_prep_kernel,
-            chunk_terms,
-            dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, RAW=R.RAW_QK),
-            R.PREP_WARPS,
-            R.PREP_MAXNREG,
-        ),
+        *[
+            (
+                R._chunk_prep_kernel,
+                raw_terms if raw else chunk_terms,
+                dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, RAW=raw),
+                R.PREP_WARPS,
+                R.PREP_MAXNREG,
+            )
+            for raw in (False, True)  # KEV_RAW_QK
+        ],
         *[
             (
                 R._chunked_delta_rule_kernel,
-                chunk_terms,
+                raw_terms if raw else chunk_terms,
                 dict(
                     H=16,
                     HV=32,
@@ -442,11 +444,12 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
                     CONTINUE=continues,
                     BF16=bf16_chain,
                     LOOP=loop,
-                    RAW=R.RAW_QK,
+                    RAW=raw,
                 ),
                 warps,
                 maxnreg,
             )
+            for raw in (False, True)  # KEV_RAW_QK
             for continues in (True, False)
             # padded groups (LOOP: programs taking items in turn) run narrow
             for (block_v, warps, maxnreg), loop in (
