@@ -360,6 +360,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
     chunk_terms = recurrent | {"dend": f32} | {name: chunk_w for name in ("w", "qs", "kd", "qk", "u")}
     raw_terms = chunk_terms | {"qs": f32, "kd": f32}  # RAW: qs and kd hold the raw q and k's row scales
+    deltanet_heads = dict(H=16, HV=32, K=128, V=128)  # Kev-4B's DeltaNet heads
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
     cases = [
@@ -414,7 +415,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._recurrent_rows_kernel,
                 recurrent,
-                dict(H=16, HV=32, K=128, V=128, BV=R.RECURRENT_BV, CONTINUE=continues, LOOP=loop),
+                deltanet_heads | dict(BV=R.RECURRENT_BV, CONTINUE=continues, LOOP=loop),
                 R.RECURRENT_WARPS,
             )
             for continues in (True, False)
@@ -424,7 +425,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunk_prep_kernel,
                 raw_terms if raw else chunk_terms,
-                dict(H=16, HV=32, K=128, V=128, BT=R.CHUNK, LOG2_BT=4, RAW=raw),
+                deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=4, RAW=raw),
                 R.PREP_WARPS,
                 R.PREP_MAXNREG,
             )
@@ -434,18 +435,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunked_delta_rule_kernel,
                 raw_terms if raw else chunk_terms,
-                dict(
-                    H=16,
-                    HV=32,
-                    K=128,
-                    V=128,
-                    BV=block_v,
-                    BT=R.CHUNK,
-                    CONTINUE=continues,
-                    BF16=bf16_chain,
-                    LOOP=loop,
-                    RAW=raw,
-                ),
+                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop, RAW=raw),
                 warps,
                 maxnreg,
             )

@@ -954,11 +954,9 @@ def chunked_rows(
     # The chain's operands (W, Qs, Kd, QK, U₀) are stored as it multiplies them: bf16, or fp32 for tf32 products.
     operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
     w = torch.empty(T, HV, K, device=q.device, dtype=operands)
-    # Qs and Kd, or (RAW_QK) the raw q and k's row scales
-    qs, kd = (
-        torch.empty((T, HV) if RAW_QK else (T, HV, K), device=q.device, dtype=torch.float32 if RAW_QK else operands)
-        for _ in range(2)
-    )
+    # Qs and Kd [T, HV, K], or (RAW_QK) the raw q and k's row scales [T, HV] in fp32
+    shape, dtype = ((T, HV), torch.float32) if RAW_QK else ((T, HV, K), operands)
+    qs, kd = (torch.empty(shape, device=q.device, dtype=dtype) for _ in range(2))
     qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
     u = torch.empty(T, HV, V, device=q.device, dtype=operands)
     dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
