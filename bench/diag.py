@@ -572,6 +572,14 @@ def long_attention_tiles() -> None:
         reference = fa().float()
         ms = cuda_ms(fa)
         print(f"longattn {states}x2200 varlen: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+        for name, run in sdpa_variants(q, k, v, lengths).items():
+            try:
+                diff = (run().float() - reference).abs().max().item()
+                ms = cuda_ms(run)
+                result = f"{ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), max diff {diff:.1e}"
+            except Exception as error:  # a backend that refuses these shapes: report, go on
+                result = f"failed: {type(error).__name__}: {str(error)[:80]}"
+            print(f"longattn {states}x2200 sdpa {name}: {result}", flush=True)
         ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
         for A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES in (
             (128, 32, 8, 3),
@@ -595,6 +603,39 @@ def long_attention_tiles() -> None:
                 flush=True,
             )
         A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES = chosen
+
+
+def sdpa_variants(q, k, v, lengths: list[int]) -> dict:
+    """torch's scaled_dot_product_attention by backend, a call per state ([1, heads, n, D] views of the packed
+    [T, heads, D] tensors), key/value heads shared (enable_gqa) or repeated: each a function writing the packed
+    [T, HQ, D] output."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    groups = q.shape[1] // k.shape[1]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+
+    def run(backend, gqa: bool):
+        out = torch.empty_like(q)
+        with sdpa_kernel(backend):
+            for start, n in zip(starts, lengths):
+                qq, kk, vv = (x[start : start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+                if not gqa:
+                    kk, vv = kk.repeat_interleave(groups, dim=1), vv.repeat_interleave(groups, dim=1)
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
+                out[start : start + n] = o[0].transpose(0, 1)
+        return out
+
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    return {
+        f"{name}{' gqa' if gqa else ' repeated'}": functools.partial(run, backend, gqa)
+        for name, backend in backends.items()
+        for gqa in (True, False)
+    }
 
 
 def ncu_probe() -> None:
