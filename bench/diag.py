@@ -457,18 +457,17 @@ def padded_groups() -> None:
             kernel = kernels.chunked_rows if name == "chunked" else kernels.recurrent_rows
             line, reference = [], None
             wide = R.CHUNK_WIDE
-            per_sm, spread = R.CHUNK_PER_SM, R.CHUNK_SPREAD
+            per_sm = R.CHUNK_PER_SM
             for setting, (use_slots, use_cu, padded, loop, chunk_per_sm) in {
                 "unpadded": (slots, cu, False, False, per_sm),
                 "per item": (padded_slots, padded_cu, False, False, per_sm),
                 "in turn": (padded_slots, padded_cu, True, True, per_sm),
                 "in turn 1/SM": (padded_slots, padded_cu, True, True, 1),
-                "in turn spread": (padded_slots, padded_cu, True, True, per_sm),
             }.items():
                 # per item: narrow, as a padded group ran before LAUNCH_ROUNDS. 1/SM: the chain's programs one an SM
                 # (does a second program on an SM, or co-resident empty ones, slow a long state's chain?)
                 R.RECURRENT_LOOP, R.CHUNK_WIDE = loop, R.CHUNK_NARROW if setting == "per item" else wide
-                R.CHUNK_PER_SM, R.CHUNK_SPREAD = chunk_per_sm, 2 if setting == "in turn spread" else 1
+                R.CHUNK_PER_SM = chunk_per_sm
                 args = (q, k, v, a, b, a_log, dt_bias, pool, use_slots, use_cu)
                 run = lambda kernel=kernel, args=args, new=new, padded=padded: kernel(  # noqa: E731
                     *args, new_states=new, padded=padded
@@ -483,7 +482,7 @@ def padded_groups() -> None:
                     if "delta_rule" in kernel_name or "prep" in kernel_name or "recurrent" in kernel_name
                 )
                 line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{'' if same else ' DIFFERS'}")
-            R.CHUNK_WIDE, R.CHUNK_PER_SM, R.CHUNK_SPREAD = wide, per_sm, spread
+            R.CHUNK_WIDE, R.CHUNK_PER_SM = wide, per_sm
             R.RECURRENT_LOOP = False
             print(f"padded {label} {name}: " + ", ".join(line), flush=True)
 

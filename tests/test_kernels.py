@@ -236,11 +236,11 @@ written = [0, 1, 2, 3, 5, 6]  # the empty segment's slot (4) is left alone
 assert (o1[5:77] - o2[5:77]).abs().max() < 10 * TOL and (states_1[written] - states_2[written]).abs().max() < 10 * TOL
 assert states_1[4].isnan().all() and states_2[4].isnan().all()
 # A captured pass's group ends in padding: empty segments on a scratch slot. With `padded` a few programs take the
-# items in turn (here, on the CPU's one "SM", 4 or 9 programs for all of them, the chain's first items spread or not)
-# and answer exactly as a program per item does.
-R.RECURRENT_LOOP, R.CHUNK_PER_SM = True, 4
+# items in turn (here, on the CPU's one "SM", 4 or 18 programs for all of them) and answer exactly as a program per
+# item does.
+R.RECURRENT_LOOP = True
 padded_cu = torch.cat([inner_cu, inner_cu[-1:].repeat(9)])
-for kernel, R.CHUNK_SPREAD in ((chunked_rows, 1), (chunked_rows, 2), (recurrent_rows, 1)):
+for kernel in (chunked_rows, recurrent_rows):
     slots = torch.tensor([0, 1, 2, 3, 4, 5, 0] + [5] * 9)
     rows = lambda padded: kernel(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, slots, padded_cu, padded=padded)
     assert torch.equal(rows(False)[5:77], rows(True)[5:77])  # tokens in no segment: not written
@@ -435,8 +435,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunked_delta_rule_kernel,
                 raw_terms if raw else chunk_terms,
-                deltanet_heads
-                | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop, RAW=raw, SPREAD=2),
+                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop, RAW=raw),
                 warps,
                 maxnreg,
             )

@@ -82,19 +82,6 @@ def _next_item(item, bos, end, items):
 
 
 @triton.jit
-def _first_item(SPREAD: tl.constexpr):
-    """A looping program's first item: its id, or with SPREAD > 1 (and a grid of a multiple of SPREAD programs)
-    program p takes item (p % SPREAD) · grid / SPREAD + p // SPREAD, so that the first grid / SPREAD items (a lone
-    long state's) go to programs SPREAD apart, which the GPU places on different SMs (CHUNK_SPREAD)."""
-    item = tl.program_id(0)
-    if SPREAD > 1:
-        grid = tl.num_programs(0)
-        if grid % SPREAD == 0:
-            item = (item % SPREAD) * (grid // SPREAD) + item // SPREAD
-    return item
-
-
-@triton.jit
 def _log_decay(b_a, decay_rate, bias):
     """g = -exp(A_log) · softplus(a + dt_bias), the log decay (fp32), as Qwen3.5 has it."""
     b_a = b_a + bias
@@ -330,11 +317,6 @@ def recurrent_rows(
 LAUNCH_ROUNDS = 1
 RECURRENT_PER_SM = 9
 CHUNK_PER_SM = 2
-# A padded group's chain programs: program p's first item is p (1), or spread (2, _first_item). With p, a lone long
-# state's 128 items ran on programs 0-127, which the GPU placed two an SM: 152 µs a layer for a 2,200-token state in
-# s2560's long group, against 128 with one program an SM (CHUNK_PER_SM 1, which loses for rows: bench/diag.py padded
-# at b708540, H200).
-CHUNK_SPREAD = 2
 RECURRENT_LOOP = False
 
 
@@ -872,7 +854,6 @@ def _chunked_delta_rule_kernel(
     LOOP: tl.constexpr,
     N,
     RAW: tl.constexpr,
-    SPREAD: tl.constexpr,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
     added; a and b are not read, q and k only with RAW), chunk by chunk from the state S [K, BV] (fp32, in
@@ -882,7 +863,7 @@ def _chunked_delta_rule_kernel(
     without them, 318 with unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
-        item = _first_item(SPREAD)
+        item = tl.program_id(0)
         while item < N * HV * (V // BV):
             bos = _chain_item(
                 item,
@@ -1040,7 +1021,6 @@ def chunked_rows(
         BT=CHUNK,
         BF16=CHUNK_DOTS == "bf16",
         RAW=RAW_QK,
-        SPREAD=CHUNK_SPREAD if padded else 1,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
