@@ -376,23 +376,21 @@ def prep_registers() -> None:
     """The chunked delta rule (prep and chain) by the prep's warps and register cap (PREP_WARPS, PREP_MAXNREG): ms a
     layer, replayed from a CUDA graph, for 1 / 8 / 24 new long5-sized states (2,465 tokens) and one short6's rows; the
     largest difference from the default. A cap that fits more programs an SM may hide more of the prep's latency
-    (230 registers on 2 warps: four an SM) or spill; the chain multiplying the raw q and k (RAW_QK) halves the
-    prep's stores."""
+    (230 registers on 2 warps: four an SM) or spill."""
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
 
-    chosen = R.PREP_WARPS, R.PREP_MAXNREG, R.RAW_QK
-    settings = [chosen, (2, 168, not R.RAW_QK), (2, None, not R.RAW_QK), (2, 192, not R.RAW_QK)]
+    chosen = R.PREP_WARPS, R.PREP_MAXNREG
+    settings = [chosen, (2, None), (2, 144), (2, 192)]
     for lengths, new in (([2465], True), ([2465] * 8, True), ([2465] * 24, True), ([31] * 6, False)):
         _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
         args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
         run = lambda args=args, new=new: kernels.chunked_rows(*args, new_states=new)  # noqa: E731
         line, reference = [], None
-        for R.PREP_WARPS, R.PREP_MAXNREG, R.RAW_QK in settings:
-            label = f"{R.PREP_WARPS}/{R.PREP_MAXNREG}" + ("/raw q k" if R.RAW_QK else "")
-            entry, reference = sweep_entry(label, run, reference)
+        for R.PREP_WARPS, R.PREP_MAXNREG in settings:
+            entry, reference = sweep_entry(f"{R.PREP_WARPS}/{R.PREP_MAXNREG}", run, reference)
             line.append(entry)
-        R.PREP_WARPS, R.PREP_MAXNREG, R.RAW_QK = chosen
+        R.PREP_WARPS, R.PREP_MAXNREG = chosen
         print(f"prepregs {len(lengths)}x{lengths[0]} {'new' if new else 'rows'}: " + ", ".join(line), flush=True)
 
 

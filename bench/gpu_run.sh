@@ -39,7 +39,7 @@
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
 # Environment: KEV_COMMIT (the commit the results name; pass it: the device's checkout may name an older HEAD),
-# PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE, KEV_CHUNK, KEV_RAW_QK (kernel choices),
+# PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE, KEV_CHUNK (kernel choices),
 # LATENCY_CHOICES (latency's settings), KEV_GAPS_WORKLOAD (gaps: short6 or long5), KEV_TIMELINE_SHAPES (timeline:
 # short6,long5).
 set -uo pipefail

@@ -304,7 +304,6 @@ def main() -> None:
         "long_kernels": options.long_kernels,
         "short_delta_rule": options.short_delta_rule,
         "chunk_tokens": delta_rule.CHUNK,
-        "raw_qk": delta_rule.RAW_QK,  # KEV_RAW_QK: the chain multiplies the raw q and k
         "pipelined": True,  # throughput through kev_backend/pipeline.py; serial_rps_64 without it
         "engine_start_s": engine_s,
         "torch": torch.__version__,
@@ -317,7 +316,6 @@ def main() -> None:
     variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
     variant += "" if options.short_delta_rule == "chunked" else f"-{options.short_delta_rule}"
     variant += f"-chunk{delta_rule.CHUNK}" if delta_rule.CHUNK != 16 else ""
-    variant += "-rawqk" if delta_rule.RAW_QK else ""
     path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
 
     def write() -> None:

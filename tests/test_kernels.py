@@ -316,11 +316,6 @@ def test_chunked_delta_rule_with_32_token_chunks_in_the_interpreter() -> None:
     run_check(**INTERPRETER, KEV_CHUNK="32")
 
 
-def test_chunked_delta_rule_on_raw_q_and_k_in_the_interpreter() -> None:
-    """The chain multiplying the raw q and k with the prep's row scales (KEV_RAW_QK): the same checks hold."""
-    run_check(**INTERPRETER, KEV_RAW_QK="1")
-
-
 @pytest.mark.gpu
 def test_kernels_compiled_on_the_gpu() -> None:
     run_check(KEV_KERNEL_DEVICE="cuda")
@@ -359,7 +354,6 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     chunk_w = bf if bf16_chain else f32  # W, Qs, Kd, QK and U₀ are stored as the chain multiplies them
     recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
     chunk_terms = recurrent | {"dend": f32} | {name: chunk_w for name in ("w", "qs", "kd", "qk", "u")}
-    raw_terms = chunk_terms | {"qs": f32, "kd": f32}  # RAW: qs and kd hold the raw q and k's row scales
     deltanet_heads = dict(H=16, HV=32, K=128, V=128)  # Kev-4B's DeltaNet heads
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
@@ -421,25 +415,21 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             for continues in (True, False)
             for loop in sorted({False, R.RECURRENT_LOOP})
         ],
-        *[
-            (
-                R._chunk_prep_kernel,
-                raw_terms if raw else chunk_terms,
-                deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=4, RAW=raw),
-                R.PREP_WARPS,
-                R.PREP_MAXNREG,
-            )
-            for raw in (False, True)  # KEV_RAW_QK
-        ],
+        (
+            R._chunk_prep_kernel,
+            chunk_terms,
+            deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=4),
+            R.PREP_WARPS,
+            R.PREP_MAXNREG,
+        ),
         *[
             (
                 R._chunked_delta_rule_kernel,
-                raw_terms if raw else chunk_terms,
-                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop, RAW=raw),
+                chunk_terms,
+                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop),
                 warps,
                 maxnreg,
             )
-            for raw in (False, True)  # KEV_RAW_QK
             for continues in (True, False)
             # padded groups (LOOP: programs taking items in turn) run narrow
             for (block_v, warps, maxnreg), loop in (

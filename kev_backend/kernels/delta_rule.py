@@ -437,13 +437,11 @@ PREP_WARPS = 2
 # short6's rows): uncapped 0.229 / 1.211 / 3.620 / 0.0280, 168 0.221 / 1.112 / 3.314 / 0.0287, 192 (five an SM)
 # 0.230 / 1.217 / 3.641 / 0.0284, 128 0.236 / 1.214 / 3.614 / 0.0328; 4 warps lose (uncapped 0.242 / 1.313 / 3.958).
 # Identical outputs (a cap moves values between registers and memory, never changes the arithmetic).
+# Tried and removed (26898c8): the chain multiplying the raw q and k and scaling its products' rows, the prep storing
+# two [T, HV] row scales in place of Qs and Kd (half its bytes): prepregs at eba3ad0, 0.2455 / 1.0099 / 3.0545 / 0.0264
+# against 0.2171 / 1.0337 / 3.0803 / 0.0283, so 13 % slower for one state (the scaling sits on the chain) and 1-2 %
+# faster for many.
 PREP_MAXNREG: int | None = 168
-# Whether the chain multiplies the raw q and k (bf16, as the conv wrote them, shared by a key head's value heads) and
-# scales its products' rows, rather than loading Qs and Kd [T, HV, K] from the prep: the prep then stores two [T, HV]
-# row scales (exp(γ) scale / ‖q‖ and exp(γ_last − γ) / ‖k‖) for those two tiles, half its bytes written; on sm_90a
-# the prep then needs no spill at its cap (52 bytes before), the chain 228-254 registers (236-252 before). KEV_RAW_QK=1;
-# read at each launch (bench/diag.py prepregs). Not yet measured on the GPU: off.
-RAW_QK = os.environ.get("KEV_RAW_QK", "0") == "1"
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd, QK and U₀ are stored in bf16 when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16
 # (as fla stores its u) adds a rounding before U = U₀ − W S, which the chain's products round to bf16 anyway; it
@@ -465,9 +463,9 @@ def _dot(x, y, BF16: tl.constexpr):
 
 
 @triton.jit
-def _l2_norms(x):
-    """The L2 norm of each row of x [BT, K] (fp32), as use_qk_l2norm_in_kernel takes it (x over it: q̂, k̂)."""
-    return tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)
+def _l2_normalised(x):
+    """Rows of x [BT, K] (fp32) over their L2 norm, as use_qk_l2norm_in_kernel does."""
+    return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
 @triton.jit
@@ -529,7 +527,6 @@ def _chunk_terms(
     BT,
     LOG2_BT,
     MASKED,
-    RAW: tl.constexpr,
 ):
     """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment; MASKED unless the chunk
     is whole), written per token: W and U₀ (below), and everything else the chain multiplies by the state, so that
@@ -545,28 +542,19 @@ def _chunk_terms(
     in_qk = o_t[:, None] * stride_t + o_k[None, :]  # q and k rows: [T, H, K] with token stride stride_t
     in_k = o_t[:, None] * (HV * K) + o_k[None, :]  # the per-(token, value head) terms: [T, HV, K]
     at_k = (c0 * HV + hv) * K
-    raw_k = _load_rows(k + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32)
-    k_norm = _l2_norms(raw_k)
-    b_k = raw_k / k_norm[:, None]
+    b_k = _l2_normalised(_load_rows(k + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
     causal = o_t[:, None] >= o_t[None, :]
     decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
     # q's terms first, stored before the inverse (fewer tiles live at once: no register spills on sm_90a). The
     # chain's bf16 products round q̂ and k̂ after these scalings (fp32 here), as it rounded them before. γ stays at its
     # last value past the segment's end, so γ_last is the chunk's (or the segment's) end.
-    raw_q = _load_rows(q + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32)
-    q_norm = _l2_norms(raw_q)
-    b_q = raw_q / q_norm[:, None]
+    b_q = _l2_normalised(_load_rows(q + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
     QK = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay, 0.0) * scale
     in_tt = o_t[:, None] * (HV * BT) + o_t[None, :]
     _store_rows(qk + (c0 * HV + hv) * BT + in_tt, QK.to(qk.dtype.element_ty), m, MASKED)
-    if RAW:  # the rows' scales of the raw q and k, which the chain multiplies itself
-        last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
-        tl.store(qs + t * HV + hv, tl.exp(gam) * scale / q_norm, mask=m)
-        tl.store(kd + t * HV + hv, tl.exp(last - gam) / k_norm, mask=m)
-    else:
-        _store_rows(qs + at_k + in_k, (b_q * (tl.exp(gam) * scale)[:, None]).to(qs.dtype.element_ty), m, MASKED)
-        last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
-        _store_rows(kd + at_k + in_k, (b_k * tl.exp(last - gam)[:, None]).to(kd.dtype.element_ty), m, MASKED)
+    _store_rows(qs + at_k + in_k, (b_q * (tl.exp(gam) * scale)[:, None]).to(qs.dtype.element_ty), m, MASKED)
+    last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
+    _store_rows(kd + at_k + in_k, (b_k * tl.exp(last - gam)[:, None]).to(kd.dtype.element_ty), m, MASKED)
     tl.store(dend + c0 * HV + hv, tl.exp(last))
     strict = o_t[:, None] > o_t[None, :]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
@@ -613,7 +601,6 @@ def _chunk_prep_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
-    RAW: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
@@ -672,77 +659,31 @@ def _chunk_prep_kernel(
                         BT,
                         LOG2_BT,
                         partial == 1,
-                        RAW,
                     )
         n += 1
 
 
 @triton.jit
 def _chain_chunk(
-    S,
-    q,
-    k,
-    qs,
-    kd,
-    w,
-    u,
-    qk,
-    dend,
-    o,
-    c0,
-    hk,
-    hv,
-    in_k,
-    in_raw,
-    in_qk,
-    in_u,
-    in_o,
-    stride_t,
-    stride_ut,
-    stride_ot,
-    HV,
-    K,
-    V,
-    BT,
-    BF16,
-    RAW,
-    m,
-    MASKED,
+    S, qs, kd, w, u, qk, dend, o, c0, hv, in_k, in_qk, in_u, in_o, stride_ut, stride_ot, HV, K, V, BT, BF16, m, MASKED
 ):
     """One chunk of the chain from c0 (its rows m, read and written only where m holds when MASKED): its output
-    stored, the next state returned. RAW: Qs and Kd are the raw q and k with row scales qs and kd [T, HV]."""
+    stored, the next state returned."""
     at_k = (c0 * HV + hv) * K
-    if RAW:
-        t = c0 + tl.arange(0, BT)
-        b_q = _load_rows(q + c0 * stride_t + hk * K + in_raw, m, MASKED)
-        b_k = _load_rows(k + c0 * stride_t + hk * K + in_raw, m, MASKED)
-        q_scale = tl.load(qs + t * HV + hv, mask=m, other=0.0)
-        k_scale = tl.load(kd + t * HV + hv, mask=m, other=0.0)
-        b_w = _load_rows(w + at_k + in_k, m, MASKED)
-        b_u = _load_rows(u + c0 * stride_ut + hv * V + in_u, m, MASKED)
-        b_qk = _load_rows(qk + (c0 * HV + hv) * BT + in_qk, m, MASKED)
-        U = b_u - _dot(b_w, S, BF16)
-        out = q_scale[:, None] * _dot(b_q, S, BF16) + _dot(b_qk, U, BF16)
-        _store_rows(o + c0 * stride_ot + hv * V + in_o, out.to(o.dtype.element_ty), m, MASKED)
-        S_next = tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_k), k_scale[:, None] * U, BF16)
-    else:
-        b_qs = _load_rows(qs + at_k + in_k, m, MASKED)
-        b_kd = _load_rows(kd + at_k + in_k, m, MASKED)
-        b_w = _load_rows(w + at_k + in_k, m, MASKED)
-        b_u = _load_rows(u + c0 * stride_ut + hv * V + in_u, m, MASKED)
-        b_qk = _load_rows(qk + (c0 * HV + hv) * BT + in_qk, m, MASKED)
-        U = b_u - _dot(b_w, S, BF16)
-        out = _dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)
-        _store_rows(o + c0 * stride_ot + hv * V + in_o, out.to(o.dtype.element_ty), m, MASKED)
-        S_next = tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_kd), U, BF16)
-    return S_next
+    b_qs = _load_rows(qs + at_k + in_k, m, MASKED)
+    b_kd = _load_rows(kd + at_k + in_k, m, MASKED)
+    b_w = _load_rows(w + at_k + in_k, m, MASKED)
+    b_u = _load_rows(u + c0 * stride_ut + hv * V + in_u, m, MASKED)
+    b_qk = _load_rows(qk + (c0 * HV + hv) * BT + in_qk, m, MASKED)
+    U = b_u - _dot(b_w, S, BF16)
+    out = _dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)
+    _store_rows(o + c0 * stride_ot + hv * V + in_o, out.to(o.dtype.element_ty), m, MASKED)
+    return tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_kd), U, BF16)
 
 
 @triton.jit
 def _chain_item(
     item,
-    q,
-    k,
     u,
     a_log,
     dt_bias,
@@ -750,7 +691,6 @@ def _chain_item(
     slots,
     cu,
     o,
-    stride_t,
     stride_ut,
     stride_ot,
     w,
@@ -766,7 +706,6 @@ def _chain_item(
     BT: tl.constexpr,
     CONTINUE: tl.constexpr,
     BF16: tl.constexpr,
-    RAW: tl.constexpr,
 ):
     """One item of _chunked_delta_rule_kernel; returns its segment's start."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
@@ -777,7 +716,6 @@ def _chain_item(
     # Offsets within a chunk (the same for every chunk) and the chunk's base: only a segment's last chunk can be
     # partial, so the others (a first pass over the whole chunks) load and store without per-element masks.
     in_k = (o_t[:, None] * HV) * K + o_k[None, :]
-    in_raw = o_t[:, None] * stride_t + o_k[None, :]
     in_qk = (o_t[:, None] * HV) * BT + o_t[None, :]
     in_u = o_t[:, None] * stride_ut + o_v[None, :]
     in_o = o_t[:, None] * stride_ot + o_v[None, :]
@@ -786,8 +724,6 @@ def _chain_item(
         for c0 in range(full_end if partial == 1 else bos, eos if partial == 1 else full_end, BT):
             S = _chain_chunk(
                 S,
-                q,
-                k,
                 qs,
                 kd,
                 w,
@@ -796,14 +732,11 @@ def _chain_item(
                 dend,
                 o,
                 c0,
-                hk,
                 hv,
                 in_k,
-                in_raw,
                 in_qk,
                 in_u,
                 in_o,
-                stride_t,
                 stride_ut,
                 stride_ot,
                 HV,
@@ -811,7 +744,6 @@ def _chain_item(
                 V,
                 BT,
                 BF16,
-                RAW,
                 o_t < eos - c0,
                 partial == 1,
             )
@@ -853,22 +785,19 @@ def _chunked_delta_rule_kernel(
     BF16: tl.constexpr,
     LOOP: tl.constexpr,
     N,
-    RAW: tl.constexpr,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
-    added; a and b are not read, q and k only with RAW), chunk by chunk from the state S [K, BV] (fp32, in
-    registers): U = U₀ − W S; o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from
-    one chunk to the next: the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took
-    ~3/4 of this loop's instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626
-    without them, 318 with unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
+    added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
+    o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
+    the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
+    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
+    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)
         while item < N * HV * (V // BV):
             bos = _chain_item(
                 item,
-                q,
-                k,
                 u,
                 a_log,
                 dt_bias,
@@ -876,7 +805,6 @@ def _chunked_delta_rule_kernel(
                 slots,
                 cu,
                 o,
-                stride_t,
                 stride_ut,
                 stride_ot,
                 w,
@@ -892,14 +820,11 @@ def _chunked_delta_rule_kernel(
                 BT,
                 CONTINUE,
                 BF16,
-                RAW,
             )
             item = _next_item(item, bos, end, N * HV * (V // BV))
     else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
         _chain_item(
             tl.program_id(0),
-            q,
-            k,
             u,
             a_log,
             dt_bias,
@@ -907,7 +832,6 @@ def _chunked_delta_rule_kernel(
             slots,
             cu,
             o,
-            stride_t,
             stride_ut,
             stride_ot,
             w,
@@ -923,7 +847,6 @@ def _chunked_delta_rule_kernel(
             BT,
             CONTINUE,
             BF16,
-            RAW,
         )
 
 
@@ -953,10 +876,7 @@ def chunked_rows(
     n = slots.shape[0]
     # The chain's operands (W, Qs, Kd, QK, U₀) are stored as it multiplies them: bf16, or fp32 for tf32 products.
     operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
-    w = torch.empty(T, HV, K, device=q.device, dtype=operands)
-    # Qs and Kd [T, HV, K], or (RAW_QK) the raw q and k's row scales [T, HV] in fp32
-    shape, dtype = ((T, HV), torch.float32) if RAW_QK else ((T, HV, K), operands)
-    qs, kd = (torch.empty(shape, device=q.device, dtype=dtype) for _ in range(2))
+    w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
     qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
     u = torch.empty(T, HV, V, device=q.device, dtype=operands)
     dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
@@ -990,7 +910,6 @@ def chunked_rows(
             V=V,
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
-            RAW=RAW_QK,
             num_warps=PREP_WARPS,
             **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
         )
@@ -1020,7 +939,6 @@ def chunked_rows(
         dend=dend,
         BT=CHUNK,
         BF16=CHUNK_DOTS == "bf16",
-        RAW=RAW_QK,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
