@@ -570,13 +570,7 @@ def long_attention_tiles() -> None:
         ms = cuda_ms(fa)
         print(f"longattn {states}x2200 varlen: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
         for name, run in sdpa_variants(q, k, v, lengths).items():
-            try:
-                diff = (run().float() - reference).abs().max().item()
-                ms = cuda_ms(run)
-                result = f"{ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), max diff {diff:.1e}"
-            except Exception as error:  # a backend that refuses these shapes: report, go on
-                result = f"failed: {type(error).__name__}: {str(error)[:80]}"
-            print(f"longattn {states}x2200 sdpa {name}: {result}", flush=True)
+            print(f"longattn {states}x2200 sdpa {name}: {attention_result(run, reference, flops)}", flush=True)
         ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
         for A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES in (
             (128, 32, 8, 3),
@@ -588,18 +582,22 @@ def long_attention_tiles() -> None:
             (256, 32, 8, 2),
             (64, 64, 4, 3),
         ):
-            try:
-                diff = (ours().float() - reference).abs().max().item()
-                ms = cuda_ms(ours)
-                result = f"{ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), max diff {diff:.1e}"
-            except Exception as error:  # e.g. out of shared memory: report, go on
-                result = f"failed: {type(error).__name__}"
             print(
                 f"longattn {states}x2200 ours rows {A.LONG_TILE_ROWS} keys {A.WIDE_HEAD_KEYS} warps "
-                f"{A.WIDE_HEAD_WARPS} stages {A.ATTENTION_STAGES}: {result}",
+                f"{A.WIDE_HEAD_WARPS} stages {A.ATTENTION_STAGES}: {attention_result(ours, reference, flops)}",
                 flush=True,
             )
         A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES = chosen
+
+
+def attention_result(run, reference: torch.Tensor, flops: float) -> str:
+    """One attention variant's ms, TFLOP/s and largest difference from the reference output, or why it did not run."""
+    try:
+        diff = (run().float() - reference).abs().max().item()
+        ms = cuda_ms(run)
+    except Exception as error:  # a backend refusing these shapes, a tile out of shared memory: report, go on
+        return f"failed: {type(error).__name__}: {str(error)[:80]}"
+    return f"{ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), max diff {diff:.1e}"
 
 
 def sdpa_variants(q, k, v, lengths: list[int]) -> dict:

@@ -14,10 +14,10 @@ import torch
 from .encoding import Encoded, EncodedQuestion
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .gpu_bank import GpuBank, Slot, StatePool
-from .head import PendingProbabilities, PointerHead
+from .head import PendingProbabilities, PointerHead, batch_questions
 from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
 from .qwen35 import Qwen35TextModel
-from .transfer import HostCopy, device_int_fields
+from .transfer import device_int_fields
 
 
 @dataclass
@@ -54,8 +54,6 @@ class FusedScorer:
         self.long_kernels = long_kernels
         self.short_delta_rule = short_delta_rule
         self.weights = FusedWeights(model, dtype)
-        self.head = head
-        self.temperature = temperature
         self.pointer = PointerHead(head, temperature)
         self.pad_id = pad_id
         self.pass_tokens = pass_tokens
@@ -153,12 +151,11 @@ class FusedScorer:
             projected.append(self.pointer.project(picked))
             decide_at.update((key, base + row) for key, row in decides.items())
             base += picked.shape[0]
-        order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
-        widths = [len(batch[r].questions[q].option_ends) for r, q in order]
+        order, widths = batch_questions(batch)
         probs = self.pointer.softmax(
             projected[0] if len(projected) == 1 else torch.cat(projected), [decide_at[key] for key in order], widths
         )
-        return PendingProbabilities(len(batch), [r for r, _ in order], widths, HostCopy(probs))
+        return PendingProbabilities.copying(len(batch), order, widths, probs)
 
     def plan(self, rows: list[Row]) -> list[list[Row]]:
         """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted

@@ -82,6 +82,13 @@ class PendingProbabilities:
     widths: list[int] = field(default_factory=list)  # each question's option count
     copy: HostCopy | None = None  # [questions, max width]
 
+    @classmethod
+    def copying(
+        cls, requests: int, order: Sequence[tuple[int, int]], widths: list[int], probs: torch.Tensor
+    ) -> PendingProbabilities:
+        """probs [questions, max width] of the (request, question)s in `order` (batch_questions), copied to the host."""
+        return cls(requests, [r for r, _ in order], widths, HostCopy(probs))
+
     def result(self) -> list[list[list[float]]]:
         out: list[list[list[float]]] = [[] for _ in range(self.requests)]
         if self.copy is not None:
@@ -98,10 +105,9 @@ def launch_batch_probabilities(
 ) -> PendingProbabilities:
     """Every question of the batch in one head call, from the hidden states picked for each (request, question),
     enqueued with the copy of its probabilities to the host."""
-    order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
+    order, widths = batch_questions(batch)
     if not order:
         return PendingProbabilities(len(batch))
-    widths = [len(batch[r].questions[q].option_ends) for r, q in order]
     probs = pointer_softmax(
         head,
         temperature,
@@ -109,7 +115,13 @@ def launch_batch_probabilities(
         torch.cat([picked[key][1] for key in order]),
         widths,
     )
-    return PendingProbabilities(len(batch), [r for r, _ in order], widths, HostCopy(probs))
+    return PendingProbabilities.copying(len(batch), order, widths, probs)
+
+
+def batch_questions(batch: Sequence[Encoded]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Every (request, question) of the batch in order, and each one's option count."""
+    order = [(r, q) for r, encoded in enumerate(batch) for q in range(len(encoded.questions))]
+    return order, [len(batch[r].questions[q].option_ends) for r, q in order]
 
 
 class PointerHead:
@@ -138,7 +150,7 @@ class PointerHead:
             rows, counts = device_int_fields([decides, widths], device)
             return kernel(projected, rows, counts, int(max(widths)), self.temperature)
         owner, column = option_indices(widths, device)
-        rows = torch.tensor(list(decides), device=device)
+        rows = device_ints(list(decides), device)
         q = projected[rows, : self.dim]
         k = projected[rows[owner] + 1 + column, self.dim :]
         return option_softmax(q, k, owner, column, widths, self.temperature)
