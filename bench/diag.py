@@ -437,13 +437,16 @@ def padded_groups() -> None:
     from kev_backend.kernels import delta_rule as R
 
     # (label, segment lengths, capacity, new states): one short6 request's rows in r192 (48 row slots) and its state
-    # in s64 (8), 32 short6 requests' rows in r6144 (1,536), one long5 state in s2560's long group (20).
+    # in s64 (8), 32 short6 requests' rows in r6144 (1,536), one long5 state in s2560's long group (20), and long
+    # groups of three and six states in s4096's (32). A long group also runs with its first segment apart.
     for label, lengths, capacity, new in (
         ("short6 rows r192", [31] * 6, 48, False),
         ("short6 state s64", [33], 8, True),
         ("32 short6 rows r6144", [31] * 192, 1536, False),
         ("long5 state s2560", [2200], 20, True),
         ("long5 rows r768", [100] * 5, 192, False),
+        ("three long states s4096", [1500, 900, 600], 32, True),
+        ("six long states s4096", [600] * 6, 32, True),
     ):
         _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
         n = len(lengths)
@@ -456,19 +459,27 @@ def padded_groups() -> None:
             line, reference = [], None
             wide = R.CHUNK_WIDE
             per_sm = R.CHUNK_PER_SM
-            for setting, (use_slots, use_cu, padded, loop, chunk_per_sm) in {
-                "unpadded": (slots, cu, False, False, per_sm),
-                "per item": (padded_slots, padded_cu, False, False, per_sm),
-                "in turn": (padded_slots, padded_cu, True, True, per_sm),
-                "in turn 1/SM": (padded_slots, padded_cu, True, True, 1),
-            }.items():
+            settings = {
+                "unpadded": (slots, cu, False, False, per_sm, None),
+                "per item": (padded_slots, padded_cu, False, False, per_sm, None),
+                "in turn": (padded_slots, padded_cu, True, True, per_sm, None),
+                "in turn 1/SM": (padded_slots, padded_cu, True, True, 1, None),
+            }
+            if new and name == "chunked" and max(lengths) > 64:  # a long group: its first segment apart (LEAD_APART)
+                settings |= {
+                    "lead apart": (padded_slots, padded_cu, True, True, per_sm, per_sm),
+                    "lead apart, rest 1/SM": (padded_slots, padded_cu, True, True, per_sm, 1),
+                }
+            for setting, (use_slots, use_cu, padded, loop, chunk_per_sm, rest_per_sm) in settings.items():
                 # per item: narrow, as a padded group ran before LAUNCH_ROUNDS. 1/SM: the chain's programs one an SM
                 # (does a second program on an SM, or co-resident empty ones, slow a long state's chain?)
                 R.RECURRENT_LOOP, R.CHUNK_WIDE = loop, R.CHUNK_NARROW if setting == "per item" else wide
                 R.CHUNK_PER_SM = chunk_per_sm
+                R.LEAD_APART_REST_PER_SM = rest_per_sm or per_sm
+                extra = {} if rest_per_sm is None else {"lead_apart": True}
                 args = (q, k, v, a, b, a_log, dt_bias, pool, use_slots, use_cu)
-                run = lambda kernel=kernel, args=args, new=new, padded=padded: kernel(  # noqa: E731
-                    *args, new_states=new, padded=padded
+                run = lambda kernel=kernel, args=args, new=new, padded=padded, extra=extra: kernel(  # noqa: E731
+                    *args, new_states=new, padded=padded, **extra
                 )
                 out = run().float()
                 reference = out if reference is None else reference
@@ -480,7 +491,7 @@ def padded_groups() -> None:
                     if "delta_rule" in kernel_name or "prep" in kernel_name or "recurrent" in kernel_name
                 )
                 line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{'' if same else ' DIFFERS'}")
-            R.CHUNK_WIDE, R.CHUNK_PER_SM = wide, per_sm
+            R.CHUNK_WIDE, R.CHUNK_PER_SM, R.LEAD_APART_REST_PER_SM = wide, per_sm, per_sm
             R.RECURRENT_LOOP = False
             print(f"padded {label} {name}: " + ", ".join(line), flush=True)
 

@@ -311,7 +311,8 @@ class FusedQwen35:
             # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a
             # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
             # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments.
-            self._chunked_rows(*args, new_states=new, out=out, padded=group.padded)
+            lead_apart = group.padded and new and not group.short  # a captured pass's long new states
+            self._chunked_rows(*args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart)
             return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(

@@ -105,11 +105,14 @@ def silu_mul(gate_up):
 CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing checks
 
 
-def chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False):
-    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`padded`, how the GPU
-    kernel launches, changes nothing here)."""
+def chunked_rows(
+    q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False, lead_apart=False
+):
+    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`padded` and `lead_apart`,
+    how the GPU kernel launches, change nothing here)."""
     CALLS["chunked_rows"] += 1
     CALLS[f"chunked_rows padded={padded}"] += 1  # True: a captured pass's group
+    CALLS[f"chunked_rows lead_apart={lead_apart}"] += 1  # True: a captured pass's long new states
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
 
 

@@ -91,6 +91,8 @@ def test_fused_pass_answers_like_the_reference(
         assert (long_kernels == "ours") == (stats.long_runs > 0)
         # A padded group counts its capacity, not its work: the chunked kernel is told so there.
         assert (long_kernels == "ours") <= (CALLS["chunked_rows padded=True"] > 0), CALLS
+        # Its long new states' first segment on a launch of its own (kernels.delta_rule.LEAD_APART).
+        assert (long_kernels == "ours") == (CALLS["chunked_rows lead_apart=True"] > 0), CALLS
     assert CALLS["chunked_rows padded=False"] > 0, CALLS  # eager passes (the long rows at least)
 
 

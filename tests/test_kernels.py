@@ -253,6 +253,19 @@ for kernel in (chunked_rows, recurrent_rows):
         return torch.cat([o[5:77].flatten(), states[[0, 1, 2, 3, 5, 6]].flatten()])
 
     assert torch.equal(new_states(False), new_states(True))
+# A padded group of long new states with its first segment on a launch of its own (LEAD_APART; here in order, no CUDA
+# streams) answers as one launch does.
+
+
+def long_group(lead_apart: bool):
+    states = torch.full((9, HV, K, V), float("nan"))
+    o = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states, torch.tensor([*range(7)] + [8] * 9), padded_cu,
+                     new_states=True, padded=True, lead_apart=lead_apart)
+    assert states[[4, 7, 8]].isnan().all()
+    return torch.cat([o[5:77].flatten(), states[[0, 1, 2, 3, 5, 6]].flatten()])
+
+
+assert R.LEAD_APART and torch.equal(long_group(True), long_group(False))
 
 # The pointer softmax: questions of 1 to 40 options (several of the kernel's 16-option steps), a head width that is no
 # power of two, a temperature; each row zero past its question's options.

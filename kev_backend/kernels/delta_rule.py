@@ -3,8 +3,10 @@ or in chunks (any length, graph-capturable)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
@@ -318,6 +320,15 @@ LAUNCH_ROUNDS = 1
 RECURRENT_PER_SM = 9
 CHUNK_PER_SM = 2
 RECURRENT_LOOP = False
+# A captured pass's lone long state (long5 new: one 2,465-token state in s2560's long group of 20 slots) chains ~19 %
+# slower than unpadded when its group's programs take items in turn: the GPU places two of its 128 programs on some
+# SMs (bench/diag.py padded, b708540, µs a layer for 2,200 tokens: unpadded 124.5, in turn two programs an SM 152.2,
+# one an SM 128.5, which loses for rows). With LEAD_APART a padded long group's first segment runs on a launch of its
+# own, a program per item (128 on an otherwise idle GPU: one an SM, as unpadded), and the group's other segments at
+# the same time on a side stream, in turn, LEAD_APART_REST_PER_SM programs an SM. The items' arithmetic is the same.
+# KEV_LEAD_APART=0 turns it off (read at import; the module flag at each launch).
+LEAD_APART = os.environ.get("KEV_LEAD_APART", "1") != "0"
+LEAD_APART_REST_PER_SM = CHUNK_PER_SM
 
 
 def _launch_delta_rule(
@@ -864,13 +875,15 @@ def chunked_rows(
     new_states: bool = False,
     out: torch.Tensor | None = None,
     padded: bool = False,
+    lead_apart: bool = False,
 ) -> torch.Tensor:
     """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
     the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
     segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass runs CHUNK_WIDE or
     CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
-    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS)."""
+    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS);
+    with `lead_apart` (a padded group of long new states) too, its first segment on a launch of its own (LEAD_APART)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
@@ -915,32 +928,52 @@ def chunked_rows(
         )
     wide = not padded and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
-    return _launch_delta_rule(
-        _chunked_delta_rule_kernel,
-        block_v,
-        warps,
-        CHUNK_PER_SM if padded else None,
-        q,
-        k,
-        u,
-        a,
-        b,
-        a_log,
-        dt_bias,
-        pool,
-        slots,
-        cu,
-        new_states,
-        out,
-        w=w,
-        qs=qs,
-        kd=kd,
-        qk=qk,
-        dend=dend,
-        BT=CHUNK,
-        BF16=CHUNK_DOTS == "bf16",
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
-    )
+    extra = dict(w=w, qs=qs, kd=kd, qk=qk, dend=dend, BT=CHUNK, BF16=CHUNK_DOTS == "bf16")
+    if maxnreg is not None:
+        extra["maxnreg"] = maxnreg
+
+    def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None) -> torch.Tensor:
+        """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them)."""
+        run_slots, run_cu = slots[first:last], cu[first : last + 1]
+        args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
+        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra)
+
+    if not (padded and lead_apart and LEAD_APART and n > 1):
+        return chain(0, n, CHUNK_PER_SM if padded else None, out)
+    out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
+    with _beside(q.device) as lead:
+        lead(lambda: chain(0, 1, None, out))
+        chain(1, n, LEAD_APART_REST_PER_SM, out)
+    return out
+
+
+@contextlib.contextmanager
+def _beside(device: torch.device) -> Iterator[Callable[[Callable[[], object]], None]]:
+    """Work queued inside the block runs on a side stream, at the same time as the launch given to `lead`, which the
+    current stream makes first (in a captured graph: a fork and a join); both after the current stream's work and
+    before anything queued after the block. Without CUDA, the lead and then the block, in order."""
+    if device.type != "cuda":
+        yield lambda launch: launch()
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    ready = torch.cuda.Event()
+    ready.record(main)
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        # The lead is launched before the side stream's work so that its programs are placed first.
+        yield lambda launch: _on(main, launch)
+    main.wait_stream(side)
+
+
+def _on(stream: torch.cuda.Stream, launch: Callable[[], object]) -> None:
+    with torch.cuda.stream(stream):
+        launch()
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def segments_for_wide(device: torch.device, value_heads: int, value_dim: int) -> int:
