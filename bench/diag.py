@@ -583,22 +583,28 @@ def long_attention_tiles() -> None:
         for name, run in sdpa_variants(q, k, v, lengths).items():
             print(f"longattn {states}x2200 sdpa {name}: {attention_result(run, reference, flops)}", flush=True)
         ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
-        for A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES in (
-            (128, 32, 8, 3),
-            (128, 32, 8, 2),
-            (128, 32, 8, 1),
-            (128, 64, 8, 2),
-            (128, 64, 8, 1),
-            (128, 32, 4, 2),
-            (256, 32, 8, 2),
-            (64, 64, 4, 3),
+        # (rows, keys, warps, stages) and the experimental (SPLIT_DIAGONAL, EXP2, WARP_SPECIALIZE).
+        for tile, (A.SPLIT_DIAGONAL, A.EXP2, A.WARP_SPECIALIZE) in (
+            ((128, 32, 8, 3), (False, False, False)),
+            ((128, 32, 8, 3), (True, False, False)),
+            ((128, 32, 8, 3), (False, True, False)),
+            ((128, 32, 8, 3), (True, True, False)),
+            ((128, 32, 8, 3), (True, True, True)),
+            ((128, 64, 8, 2), (True, True, False)),
+            ((128, 64, 8, 2), (True, True, True)),
+            ((64, 64, 4, 3), (True, True, False)),
+            ((64, 64, 4, 3), (True, True, True)),
+            ((128, 32, 8, 2), (False, False, False)),
         ):
+            A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES = tile
             print(
                 f"longattn {states}x2200 ours rows {A.LONG_TILE_ROWS} keys {A.WIDE_HEAD_KEYS} warps "
-                f"{A.WIDE_HEAD_WARPS} stages {A.ATTENTION_STAGES}: {attention_result(ours, reference, flops)}",
+                f"{A.WIDE_HEAD_WARPS} stages {A.ATTENTION_STAGES} split {A.SPLIT_DIAGONAL:d} exp2 {A.EXP2:d} ws "
+                f"{A.WARP_SPECIALIZE:d}: {attention_result(ours, reference, flops)}",
                 flush=True,
             )
         A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES = chosen
+        A.SPLIT_DIAGONAL = A.EXP2 = A.WARP_SPECIALIZE = False
 
 
 def attention_result(run, reference: torch.Tensor, flops: float) -> str:

@@ -28,16 +28,31 @@ LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
 # Software-pipelining stages of the key loop (Triton's default on sm_90), read at each launch.
 ATTENTION_STAGES = 3
+# Experimental, read at each launch, off until measured (bench/diag.py longattn): SPLIT_DIAGONAL walks a tile's own
+# keys in two loops, the keys before its first token (every row sees them: no mask, no masked loads) and then the
+# diagonal's; EXP2 folds log2(e) into the scale and exponentiates in base 2; WARP_SPECIALIZE asks Triton to
+# warp-specialize the unmasked loop.
+SPLIT_DIAGONAL = False
+EXP2 = False
+WARP_SPECIALIZE = False
+LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc):
+def _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, MASKED: tl.constexpr, EXP2: tl.constexpr):
     """One key tile of the online softmax: queries b_q [R, D] against keys b_k and values b_v [BN, D], where `keep`
-    [R, BN] says which pairs count; returns the running max, sum and output accumulator."""
-    s = tl.where(keep, tl.dot(b_q, tl.trans(b_k)) * scale, float("-inf"))
+    [R, BN] says which pairs count (MASKED; otherwise all do); returns the running max, sum and output accumulator.
+    With EXP2 the scale holds log2(e) and the exponentials are base 2 (the same softmax)."""
+    s = tl.dot(b_q, tl.trans(b_k)) * scale
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    if EXP2:
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+    else:
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
 
 
@@ -66,6 +81,9 @@ def _rows_attention_kernel(
     BN: tl.constexpr,
     GP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EXP2: tl.constexpr,
+    WS: tl.constexpr,
 ):
     """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
@@ -100,15 +118,23 @@ def _rows_attention_kernel(
             idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
             b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc)
-        # The segment's own K/V, causal.
-        for start in range(0, (i_m + 1) * BM, BN):
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True, EXP2)
+        # The segment's own K/V, causal: with SPLIT the keys before the tile's first token (whole key blocks of them)
+        # unmasked, then the rest masked.
+        diagonal = (i_m * BM) // BN * BN if SPLIT else 0
+        if SPLIT:
+            for start in tl.range(0, diagonal, BN, warp_specialize=WS):
+                o_n = start + tl.arange(0, BN)
+                b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
+                b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
+                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False, EXP2)
+        for start in range(diagonal, (i_m + 1) * BM, BN):
             o_n = start + tl.arange(0, BN)
             m_n = o_n < L
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc)
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True, EXP2)
         out = acc / l_i[:, None]
         tl.store(
             o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
@@ -166,7 +192,7 @@ def rows_attention(
             prefix_start[first:last],
             prefix_len[first:last],
             cu[first : last + 1],
-            D**-0.5,
+            D**-0.5 * (LOG2_E if EXP2 else 1.0),
             q.stride(0),
             k.stride(0),
             v.stride(0),
@@ -179,6 +205,9 @@ def rows_attention(
             BN=BN,
             GP=GP,
             HAS_PREFIX=has_prefix,
+            SPLIT=SPLIT_DIAGONAL,
+            EXP2=EXP2,
+            WS=WARP_SPECIALIZE,
             num_warps=warps,
             num_stages=ATTENTION_STAGES,
         )
