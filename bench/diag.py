@@ -497,8 +497,9 @@ def padded_groups() -> None:
 
 
 def rows_attention_tiles() -> None:
-    """Rows' attention by (query rows per program, keys per step, pipeline stages) on Kev-4B heads (16 query heads,
-    4 key/value heads of 256): ms for one long5 (five rows over a 2,200-token state), the same with its K/V in one
+    """Rows' attention by (query rows per program, keys per step, pipeline stages, SPLIT_DIAGONAL, EXP2) on Kev-4B
+    heads (16 query heads, 4 key/value heads of 256): ms for one long5 (five rows over a 2,200-token state), the same
+    with its K/V in one
     contiguous run (whether the pool's page gather bounds the key loop), a 64-client long5 batch (17 of them), one
     short6 on its banked state (six rows over 34 tokens) and a busy short6 batch (32 of them); and each variant's
     largest output difference from the default."""
@@ -513,8 +514,9 @@ def rows_attention_tiles() -> None:
         "short6same": (1, 34, 6, False),
         "short6x32": (32, 34, 6, False),
     }
-    default = (A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES)
-    variants = [(64, 32, 2), (64, 32, 4), (64, 64, 2), (64, 64, 1), (32, 32, 3), (64, 16, 3)]
+    # (rows, keys, stages, SPLIT_DIAGONAL, EXP2)
+    default = (A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES, A.SPLIT_DIAGONAL, A.EXP2)
+    variants = [(64, 32, 3, False, False), (64, 32, 3, True, False), (64, 64, 2, True, True), (64, 32, 2, True, True)]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for label, (states, prefix_len, rows, contiguous) in cases.items():
         pages = -(-prefix_len // PAGE)
@@ -539,7 +541,7 @@ def rows_attention_tiles() -> None:
         outputs = {}
         run = functools.partial(A.rows_attention, q, k, v, kp, vp, prefix, starts, plens, cu, max(lengths))
         for variant in [default, *[other for other in variants if other != default]]:
-            A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES = variant
+            A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = variant
             try:
                 outputs[variant] = run().float()
             except Exception as error:  # noqa: BLE001 (a variant that does not fit shared memory: reported)
@@ -547,13 +549,14 @@ def rows_attention_tiles() -> None:
                 continue
             ms = cuda_ms(run, repeat=20)
             diff = (outputs[variant] - outputs[default]).abs().max().item()
-            tile_rows, keys, stages = variant
+            tile_rows, keys, stages, split, exp2 = variant
             print(
-                f"rowsattn {label:11s} rows {tile_rows:3d} keys {keys:3d} stages {stages}: {ms:.4f} ms, "
+                f"rowsattn {label:11s} rows {tile_rows:3d} keys {keys:3d} stages {stages} split {split:d} exp2 "
+                f"{exp2:d}: {ms:.4f} ms, "
                 f"max diff {diff:.2e}",
                 flush=True,
             )
-        A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES = default
+        A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = default
 
 
 def long_attention_tiles() -> None:
@@ -565,7 +568,7 @@ def long_attention_tiles() -> None:
     from kev_backend.kernels import attention as A
 
     HQ, HKV, D = 16, 4, 256
-    chosen = A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES
+    chosen = A.LONG_TILE_ROWS, A.STATE_KEYS, A.WIDE_HEAD_WARPS, A.STATE_STAGES, A.SPLIT_DIAGONAL, A.EXP2
     gen = torch.Generator(device="cuda").manual_seed(0)
     for states in (1, 8):
         lengths = [2200 - 37 * i for i in range(states)]
@@ -583,28 +586,23 @@ def long_attention_tiles() -> None:
         for name, run in sdpa_variants(q, k, v, lengths).items():
             print(f"longattn {states}x2200 sdpa {name}: {attention_result(run, reference, flops)}", flush=True)
         ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
-        # (rows, keys, warps, stages) and the experimental (SPLIT_DIAGONAL, EXP2, WARP_SPECIALIZE).
-        for tile, (A.SPLIT_DIAGONAL, A.EXP2, A.WARP_SPECIALIZE) in (
-            ((128, 32, 8, 3), (False, False, False)),
-            ((128, 32, 8, 3), (True, False, False)),
-            ((128, 32, 8, 3), (False, True, False)),
-            ((128, 32, 8, 3), (True, True, False)),
-            ((128, 32, 8, 3), (True, True, True)),
-            ((128, 64, 8, 2), (True, True, False)),
-            ((128, 64, 8, 2), (True, True, True)),
-            ((64, 64, 4, 3), (True, True, False)),
-            ((64, 64, 4, 3), (True, True, True)),
-            ((128, 32, 8, 2), (False, False, False)),
+        # (rows, keys, warps, stages) and (SPLIT_DIAGONAL, EXP2); the first the default.
+        for tile, (A.SPLIT_DIAGONAL, A.EXP2) in (
+            (chosen[:4], chosen[4:]),
+            ((128, 32, 8, 3), (True, True)),
+            ((128, 32, 8, 3), (False, False)),
+            ((128, 64, 4, 2), (True, True)),
+            ((128, 128, 8, 1), (True, True)),
+            ((64, 64, 8, 2), (True, True)),
         ):
-            A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES = tile
+            A.LONG_TILE_ROWS, A.STATE_KEYS, A.WIDE_HEAD_WARPS, A.STATE_STAGES = tile
             print(
-                f"longattn {states}x2200 ours rows {A.LONG_TILE_ROWS} keys {A.WIDE_HEAD_KEYS} warps "
-                f"{A.WIDE_HEAD_WARPS} stages {A.ATTENTION_STAGES} split {A.SPLIT_DIAGONAL:d} exp2 {A.EXP2:d} ws "
-                f"{A.WARP_SPECIALIZE:d}: {attention_result(ours, reference, flops)}",
+                f"longattn {states}x2200 ours rows {A.LONG_TILE_ROWS} keys {A.STATE_KEYS} warps "
+                f"{A.WIDE_HEAD_WARPS} stages {A.STATE_STAGES} split {A.SPLIT_DIAGONAL:d} exp2 {A.EXP2:d}: "
+                f"{attention_result(ours, reference, flops)}",
                 flush=True,
             )
-        A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.ATTENTION_STAGES = chosen
-        A.SPLIT_DIAGONAL = A.EXP2 = A.WARP_SPECIALIZE = False
+        A.LONG_TILE_ROWS, A.STATE_KEYS, A.WIDE_HEAD_WARPS, A.STATE_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = chosen
 
 
 def attention_result(run, reference: torch.Tensor, flops: float) -> str:

@@ -132,17 +132,18 @@ for HQ, HKV in ((4, 2), (6, 2)):
         assert (o[a:b] - ref).abs().max() < TOL, n
     assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
     assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20))
-# A new state long enough for query blocks past the first, with the experimental variants too: the keys before a
-# block's first token unmasked (SPLIT_DIAGONAL), base-2 exponentials (EXP2).
+# A new state long enough for query blocks past the first, with and without the keys before a block's first token
+# unmasked (SPLIT_DIAGONAL) and base-2 exponentials (EXP2).
 from kev_backend.kernels import attention as A
 
 HQ, HKV, D, L = 4, 2, 32, 150
 q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
 ref = causal_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], D**-0.5)
+chosen = A.SPLIT_DIAGONAL, A.EXP2
 for A.SPLIT_DIAGONAL, A.EXP2 in ((False, False), (True, False), (True, True)):
     o = rows_attention(q, k, v, k, v, None, None, None, torch.tensor([0, L]), max_len=L)
     assert (o - ref[0].transpose(0, 1)).abs().max() < TOL, (A.SPLIT_DIAGONAL, A.EXP2)
-A.SPLIT_DIAGONAL, A.EXP2 = False, False
+A.SPLIT_DIAGONAL, A.EXP2 = chosen
 
 # Rows continuing states read in place from a pool, against the fp32 chunked reference from a copied state.
 H, HV, K, V = 2, 4, 16, 32
@@ -466,8 +467,8 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 A._rows_attention_kernel,
                 attention,
-                dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS, GP=4, HAS_PREFIX=has_prefix)
-                | dict(SPLIT=A.SPLIT_DIAGONAL, EXP2=A.EXP2, WS=A.WARP_SPECIALIZE),
+                dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS if has_prefix else A.STATE_KEYS, GP=4)
+                | dict(HAS_PREFIX=has_prefix, SPLIT=A.SPLIT_DIAGONAL, EXP2=A.EXP2),
                 A.WIDE_HEAD_WARPS,
             )
             for has_prefix, rows in ((True, A.TILE_ROWS), (False, A.TILE_ROWS), (False, A.LONG_TILE_ROWS))

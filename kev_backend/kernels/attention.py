@@ -18,23 +18,30 @@ from . import grid
 TILE_ROWS = 64
 WIDE_HEAD_KEYS = 32
 WIDE_HEAD_WARPS = 8
-# Query rows per program for new states over LONG_ABOVE tokens (no prefix): every row attends to many keys, so bigger
-# tiles pay. H200 (bench/diag.py longattn, 45dfefc and 6e77b20), Kev-4B heads, 1 / 8 new 2,200-token states: 128 rows ×
-# 32 keys on 8 warps, 3 stages 0.172 / 0.899-0.902 ms; 2 stages 0.221 / 1.082; 128 × 64 (2 stages; 3 run out of shared
-# memory) 0.184 / 0.920; 64 × 32 0.246 / 1.689; 64 × 64 on 4 warps 0.197 / 1.353; torch's varlen attention
-# (FlashAttention 2) 0.201 / 0.991. A row's arithmetic does not depend on the tile's rows (keys per step and warps are
-# the same), so a state's output does not either.
+# Query rows per program, keys per step and pipeline stages for new states over LONG_ABOVE tokens (no prefix): every
+# row attends to many keys, so bigger tiles pay. H200 (bench/diag.py longattn), Kev-4B heads, 1 / 8 new 2,200-token
+# states, ms: at 45dfefc / 6e77b20, 128 rows × 32 keys on 8 warps, 3 stages 0.172 / 0.899-0.902; 2 stages 0.221 /
+# 1.082; 128 × 64 (2 stages; 3 run out of shared memory) 0.184 / 0.920; 64 × 32 0.246 / 1.689; 64 × 64 on 4 warps
+# 0.197 / 1.353; torch's varlen attention (FlashAttention 2) 0.201 / 0.991. At 074c80a, with the split and base-2
+# softmax below: 128 × 32, 3 stages 0.147 / 0.767; 128 × 64, 2 stages 0.126 / 0.634 (315 / 444 TFLOP/s); 64 × 64 on
+# 4 warps 0.138 / 0.926; cuDNN through SDPA 0.155 / 0.847. A row's arithmetic does not depend on the tile's rows but
+# does on the keys per step (the online softmax's steps): every new state, short or long, takes STATE_KEYS a step, so
+# that its output does not depend on the states it is batched with.
 LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
-# Software-pipelining stages of the key loop (Triton's default on sm_90), read at each launch.
+# Keys per step and pipeline stages of new states' attention (no prefix) for heads over 128 wide: two stages of 64
+# keys fit beside a 128-row tile of 256-wide queries in shared memory, three do not.
+STATE_KEYS = 64
+STATE_STAGES = 2
+# Software-pipelining stages of the rows' key loop (Triton's default on sm_90), read at each launch.
 ATTENTION_STAGES = 3
-# Experimental, read at each launch, off until measured (bench/diag.py longattn): SPLIT_DIAGONAL walks a tile's own
-# keys in two loops, the keys before its first token (every row sees them: no mask, no masked loads) and then the
-# diagonal's; EXP2 folds log2(e) into the scale and exponentiates in base 2; WARP_SPECIALIZE asks Triton to
-# warp-specialize the unmasked loop.
-SPLIT_DIAGONAL = False
-EXP2 = False
-WARP_SPECIALIZE = False
+# Read at each launch. SPLIT_DIAGONAL walks whole key blocks without masks (a prefix's, and a tile's own keys before
+# its first token, which every row sees) and masks only the rest; EXP2 folds log2(e) into the scale and exponentiates
+# in base 2. longattn at 074c80a, 128 × 32 on 3 stages, 1 / 8 states: neither 0.172 / 0.893 ms, split 0.158 / 0.821,
+# base 2 0.167 / 0.863, both 0.147 / 0.767, the same largest difference from FlashAttention 2's output (3.9e-3 /
+# 7.8e-3). (Triton 3.6's warp_specialize on the unmasked loop changed nothing on sm_90: 0.146 / 0.765.)
+SPLIT_DIAGONAL = True
+EXP2 = True
 LOG2_E = 1.4426950408889634
 
 
@@ -83,7 +90,6 @@ def _rows_attention_kernel(
     HAS_PREFIX: tl.constexpr,
     SPLIT: tl.constexpr,
     EXP2: tl.constexpr,
-    WS: tl.constexpr,
 ):
     """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
@@ -111,8 +117,16 @@ def _rows_attention_kernel(
         m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GP * BM], dtype=tl.float32)
         acc = tl.zeros([GP * BM, D], dtype=tl.float32)
-        # The state's K/V, read in place from the bank pool through its token index.
-        for start in range(0, P, BN):
+        # The state's K/V, read in place from the bank pool through its token index: with SPLIT its whole key blocks
+        # unmasked, then the rest masked.
+        whole = P // BN * BN if SPLIT else 0
+        if SPLIT:
+            for start in range(0, whole, BN):
+                idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
+                b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+                b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False, EXP2)
+        for start in range(whole, P, BN):
             o_n = start + tl.arange(0, BN)
             m_n = o_n < P
             idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
@@ -123,7 +137,7 @@ def _rows_attention_kernel(
         # unmasked, then the rest masked.
         diagonal = (i_m * BM) // BN * BN if SPLIT else 0
         if SPLIT:
-            for start in tl.range(0, diagonal, BN, warp_specialize=WS):
+            for start in range(0, diagonal, BN):
                 o_n = start + tl.arange(0, BN)
                 b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
                 b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
@@ -174,10 +188,11 @@ def rows_attention(
     n = cu.shape[0] - 1
     # TILE_ROWS rows a program: BM tokens × the query heads of one key/value head.
     GP = triton.next_power_of_2(HQ // HKV)
-    BM = max(1, (LONG_TILE_ROWS if prefix is None and max_len > LONG_ABOVE else TILE_ROWS) // GP)
-    BN = 64 if D <= 128 else WIDE_HEAD_KEYS
-    warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     has_prefix = prefix is not None
+    BM = max(1, (TILE_ROWS if has_prefix or max_len <= LONG_ABOVE else LONG_TILE_ROWS) // GP)
+    BN = 64 if D <= 128 else WIDE_HEAD_KEYS if has_prefix else STATE_KEYS
+    stages = STATE_STAGES if D > 128 and not has_prefix else ATTENTION_STAGES
+    warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
     for first, last in grid.segment_spans(n, HKV):  # a program per (query block, segment, key/value head)
@@ -207,8 +222,7 @@ def rows_attention(
             HAS_PREFIX=has_prefix,
             SPLIT=SPLIT_DIAGONAL,
             EXP2=EXP2,
-            WS=WARP_SPECIALIZE,
             num_warps=warps,
-            num_stages=ATTENTION_STAGES,
+            num_stages=stages,
         )
     return o
