@@ -515,8 +515,8 @@ def rows_attention_tiles() -> None:
         "short6x32": (32, 34, 6, False),
     }
     # (rows, keys, stages, SPLIT_DIAGONAL, EXP2)
-    default = (A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES, A.SPLIT_DIAGONAL, A.EXP2)
-    variants = [(64, 32, 3, False, False), (64, 32, 3, True, False), (64, 64, 2, True, True), (64, 32, 2, True, True)]
+    default = (A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_STAGES, A.SPLIT_DIAGONAL, A.EXP2)
+    variants = [(64, 32, 3, False, False), (64, 32, 3, True, True), (64, 32, 2, True, True), (64, 64, 2, False, False)]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for label, (states, prefix_len, rows, contiguous) in cases.items():
         pages = -(-prefix_len // PAGE)
@@ -541,7 +541,7 @@ def rows_attention_tiles() -> None:
         outputs = {}
         run = functools.partial(A.rows_attention, q, k, v, kp, vp, prefix, starts, plens, cu, max(lengths))
         for variant in [default, *[other for other in variants if other != default]]:
-            A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = variant
+            A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = variant
             try:
                 outputs[variant] = run().float()
             except Exception as error:  # noqa: BLE001 (a variant that does not fit shared memory: reported)
@@ -556,7 +556,7 @@ def rows_attention_tiles() -> None:
                 f"max diff {diff:.2e}",
                 flush=True,
             )
-        A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.ATTENTION_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = default
+        A.TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = default
 
 
 def long_attention_tiles() -> None:
@@ -568,7 +568,7 @@ def long_attention_tiles() -> None:
     from kev_backend.kernels import attention as A
 
     HQ, HKV, D = 16, 4, 256
-    chosen = A.LONG_TILE_ROWS, A.STATE_KEYS, A.WIDE_HEAD_WARPS, A.STATE_STAGES, A.SPLIT_DIAGONAL, A.EXP2
+    chosen = A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.WIDE_HEAD_STAGES, A.SPLIT_DIAGONAL, A.EXP2
     gen = torch.Generator(device="cuda").manual_seed(0)
     for states in (1, 8):
         lengths = [2200 - 37 * i for i in range(states)]
@@ -595,14 +595,14 @@ def long_attention_tiles() -> None:
             ((128, 128, 8, 1), (True, True)),
             ((64, 64, 8, 2), (True, True)),
         ):
-            A.LONG_TILE_ROWS, A.STATE_KEYS, A.WIDE_HEAD_WARPS, A.STATE_STAGES = tile
+            A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.WIDE_HEAD_STAGES = tile
             print(
-                f"longattn {states}x2200 ours rows {A.LONG_TILE_ROWS} keys {A.STATE_KEYS} warps "
-                f"{A.WIDE_HEAD_WARPS} stages {A.STATE_STAGES} split {A.SPLIT_DIAGONAL:d} exp2 {A.EXP2:d}: "
+                f"longattn {states}x2200 ours rows {A.LONG_TILE_ROWS} keys {A.WIDE_HEAD_KEYS} warps "
+                f"{A.WIDE_HEAD_WARPS} stages {A.WIDE_HEAD_STAGES} split {A.SPLIT_DIAGONAL:d} exp2 {A.EXP2:d}: "
                 f"{attention_result(ours, reference, flops)}",
                 flush=True,
             )
-        A.LONG_TILE_ROWS, A.STATE_KEYS, A.WIDE_HEAD_WARPS, A.STATE_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = chosen
+        A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.WIDE_HEAD_STAGES, A.SPLIT_DIAGONAL, A.EXP2 = chosen
 
 
 def attention_result(run, reference: torch.Tensor, flops: float) -> str:

@@ -467,7 +467,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 A._rows_attention_kernel,
                 attention,
-                dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS if has_prefix else A.STATE_KEYS, GP=4)
+                dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS, GP=4)
                 | dict(HAS_PREFIX=has_prefix, SPLIT=A.SPLIT_DIAGONAL, EXP2=A.EXP2),
                 A.WIDE_HEAD_WARPS,
             )

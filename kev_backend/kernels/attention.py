@@ -9,31 +9,29 @@ import triton.language as tl
 
 from . import grid
 
-# Query rows per program (tokens × the query heads sharing a key/value head; tl.dot wants at least 16) and keys per
-# step for heads over 128 wide (Qwen3.5's 256), both read at each launch. H200, Kev-4B heads (bench/diag.py rowsattn,
-# e4604cf), ms for one long5's rows (5 over a 2,200-token state), 17 of them, one short6 on its banked state and 32:
-# 64 rows × 32 keys 0.142 / 1.409 / 0.041 / 0.190; 32 × 32 0.222 / 1.732 / 0.044 / 0.239; 16 × 32 (the reads of the
-# kernel before, a program per query head) 0.155 / 2.273 / 0.044 / 0.322; 64 × 16 0.198 / 2.073 / 0.046 / 0.198. 64 × 32
-# is fastest everywhere (8 warps; as launched, 178 registers and no spills on sm_90a: tests/test_kernels.py).
+# Query rows per program (tokens × the query heads sharing a key/value head; tl.dot wants at least 16), and keys per
+# step and pipeline stages for heads over 128 wide (Qwen3.5's 256), all read at each launch. H200, Kev-4B heads
+# (bench/diag.py rowsattn), ms for one long5's rows (5 over a 2,200-token state), 17 of them, one short6 on its
+# banked state and 32: at e4604cf 64 rows × 32 keys 0.142 / 1.409 / 0.041 / 0.190; 32 × 32 0.222 / 1.732 / 0.044 /
+# 0.239; 16 × 32 (a program per query head) 0.155 / 2.273 / 0.044 / 0.322; 64 × 16 0.198 / 2.073 / 0.046 / 0.198. At
+# a853cc1, with the split and base-2 softmax below: 64 × 32, 3 stages 0.121 / 1.207 / 0.041 / 0.202 (neither: 0.140 /
+# 1.393 / 0.057 / 0.193); 64 × 64, 2 stages 0.091 / 0.891 / 0.038 / 0.214; 64 × 32, 2 stages 0.119 / 1.211 / 0.041 /
+# 0.192. 8 warps (as launched, no spills on sm_90a: tests/test_kernels.py).
 TILE_ROWS = 64
-WIDE_HEAD_KEYS = 32
+WIDE_HEAD_KEYS = 64
+WIDE_HEAD_STAGES = 2
 WIDE_HEAD_WARPS = 8
-# Query rows per program, keys per step and pipeline stages for new states over LONG_ABOVE tokens (no prefix): every
-# row attends to many keys, so bigger tiles pay. H200 (bench/diag.py longattn), Kev-4B heads, 1 / 8 new 2,200-token
-# states, ms: at 45dfefc / 6e77b20, 128 rows × 32 keys on 8 warps, 3 stages 0.172 / 0.899-0.902; 2 stages 0.221 /
-# 1.082; 128 × 64 (2 stages; 3 run out of shared memory) 0.184 / 0.920; 64 × 32 0.246 / 1.689; 64 × 64 on 4 warps
-# 0.197 / 1.353; torch's varlen attention (FlashAttention 2) 0.201 / 0.991. At 074c80a, with the split and base-2
-# softmax below: 128 × 32, 3 stages 0.147 / 0.767; 128 × 64, 2 stages 0.126 / 0.634 (315 / 444 TFLOP/s); 64 × 64 on
-# 4 warps 0.138 / 0.926; cuDNN through SDPA 0.155 / 0.847. A row's arithmetic does not depend on the tile's rows but
-# does on the keys per step (the online softmax's steps): every new state, short or long, takes STATE_KEYS a step, so
-# that its output does not depend on the states it is batched with.
+# Query rows per program for new states over LONG_ABOVE tokens (no prefix): every row attends to many keys, so bigger
+# tiles pay. H200 (bench/diag.py longattn), Kev-4B heads, 1 / 8 new 2,200-token states, ms: at 45dfefc / 6e77b20,
+# 128 rows × 32 keys on 8 warps, 3 stages 0.172 / 0.899-0.902; 2 stages 0.221 / 1.082; 128 × 64 (2 stages; 3 run out
+# of shared memory) 0.184 / 0.920; 64 × 32 0.246 / 1.689; 64 × 64 on 4 warps 0.197 / 1.353; torch's varlen attention
+# (FlashAttention 2) 0.201 / 0.991. At 074c80a / a853cc1, with the split and base-2 softmax below: 128 × 32, 3 stages
+# 0.146 / 0.767; 128 × 64, 2 stages 0.126 / 0.634 (316 / 442 TFLOP/s); 128 × 64 on 4 warps 0.467 / 2.413; 64 × 64
+# 0.194 / 1.316; cuDNN through SDPA 0.120-0.155 / 0.841-0.847. A row's arithmetic does not depend on the tile's rows
+# (keys per step and warps are the same), so a state's output does not depend on the states batched with it.
 LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
-# Keys per step and pipeline stages of new states' attention (no prefix) for heads over 128 wide: two stages of 64
-# keys fit beside a 128-row tile of 256-wide queries in shared memory, three do not.
-STATE_KEYS = 64
-STATE_STAGES = 2
-# Software-pipelining stages of the rows' key loop (Triton's default on sm_90), read at each launch.
+# Pipeline stages of the key loop for heads up to 128 wide (Triton's default on sm_90), read at each launch.
 ATTENTION_STAGES = 3
 # Read at each launch. SPLIT_DIAGONAL walks whole key blocks without masks (a prefix's, and a tile's own keys before
 # its first token, which every row sees) and masks only the rest; EXP2 folds log2(e) into the scale and exponentiates
@@ -190,8 +188,7 @@ def rows_attention(
     GP = triton.next_power_of_2(HQ // HKV)
     has_prefix = prefix is not None
     BM = max(1, (TILE_ROWS if has_prefix or max_len <= LONG_ABOVE else LONG_TILE_ROWS) // GP)
-    BN = 64 if D <= 128 else WIDE_HEAD_KEYS if has_prefix else STATE_KEYS
-    stages = STATE_STAGES if D > 128 and not has_prefix else ATTENTION_STAGES
+    BN, stages = (64, ATTENTION_STAGES) if D <= 128 else (WIDE_HEAD_KEYS, WIDE_HEAD_STAGES)
     warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
