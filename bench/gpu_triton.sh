@@ -17,7 +17,9 @@ KEV_CHECKPOINT=/tmp/kev4b/kev timeout 240 python3 -m kev_backend.bench --graphs 
 bench_json=$(ls -t "$out"/*-graphs*.json 2>/dev/null | head -1)
 [[ -n $bench_json ]] || { echo "no bench JSON"; exit 1; }
 # First start: an empty kernel cache (a fresh container). Second: the cache the first filled (Triton's compiled
-# kernels and autotuning results), as a restarted or redeployed server with a kept TRITON_CACHE_DIR sees it.
+# kernels and autotuning results), as a restarted or redeployed server with a kept TRITON_CACHE_DIR sees it. The
+# machine may be one an earlier call left warm, its cache filled: emptied first.
+rm -rf /tmp/triton-cache
 start_triton "$PWD/model_repository" /tmp/first-start.log
 wait_ready /tmp/start.json /tmp/first-start.log
 kill $server
