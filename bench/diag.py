@@ -499,10 +499,9 @@ def padded_groups() -> None:
 def rows_attention_tiles() -> None:
     """Rows' attention by (query rows per program, keys per step, pipeline stages, SPLIT_DIAGONAL, EXP2) on Kev-4B
     heads (16 query heads, 4 key/value heads of 256): ms for one long5 (five rows over a 2,200-token state), the same
-    with its K/V in one
-    contiguous run (whether the pool's page gather bounds the key loop), a 64-client long5 batch (17 of them), one
-    short6 on its banked state (six rows over 34 tokens) and a busy short6 batch (32 of them); and each variant's
-    largest output difference from the default."""
+    with its K/V in one contiguous run (whether the pool's page gather bounds the key loop), a 64-client long5 batch
+    (17 of them), one short6 on its banked state (six rows over 34 tokens) and a busy short6 batch (32 of them); and
+    each variant's largest output difference from the default."""
     from kev_backend.kernels import attention as A
 
     HQ, HKV, D, PAGE = 16, 4, 256, 64

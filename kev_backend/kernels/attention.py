@@ -26,9 +26,10 @@ WIDE_HEAD_WARPS = 8
 # 128 rows × 32 keys on 8 warps, 3 stages 0.172 / 0.899-0.902; 2 stages 0.221 / 1.082; 128 × 64 (2 stages; 3 run out
 # of shared memory) 0.184 / 0.920; 64 × 32 0.246 / 1.689; 64 × 64 on 4 warps 0.197 / 1.353; torch's varlen attention
 # (FlashAttention 2) 0.201 / 0.991. At 074c80a / a853cc1, with the split and base-2 softmax below: 128 × 32, 3 stages
-# 0.146 / 0.767; 128 × 64, 2 stages 0.126 / 0.634 (316 / 442 TFLOP/s); 128 × 64 on 4 warps 0.467 / 2.413; 64 × 64
-# 0.194 / 1.316; cuDNN through SDPA 0.120-0.155 / 0.841-0.847. A row's arithmetic does not depend on the tile's rows
-# (keys per step and warps are the same), so a state's output does not depend on the states batched with it.
+# 0.146 / 0.767; 128 × 64, 2 stages 0.126 / 0.634 (316 / 442 TFLOP/s); 128 × 64 on 4 warps 0.467 / 2.413; 64 × 64,
+# 2 stages 0.194 / 1.316; cuDNN through SDPA 0.120-0.155 / 0.841-0.847. A row's arithmetic does not depend on the
+# tile's rows (keys per step and warps are the same), so a state's output does not depend on the states batched with
+# it.
 LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
 # Pipeline stages of the key loop for heads up to 128 wide (Triton's default on sm_90), read at each launch.

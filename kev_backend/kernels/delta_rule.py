@@ -960,10 +960,12 @@ def _beside(device: torch.device) -> Iterator[Callable[[Callable[[], object]], N
     ready = torch.cuda.Event()
     ready.record(main)
     side.wait_event(ready)
-    with torch.cuda.stream(side):
-        # The lead is launched before the side stream's work so that its programs are placed first.
-        yield lambda launch: _on(main, launch)
-    main.wait_stream(side)
+    try:
+        with torch.cuda.stream(side):
+            # The lead is launched before the side stream's work so that its programs are placed first.
+            yield lambda launch: _on(main, launch)
+    finally:
+        main.wait_stream(side)  # the join
 
 
 def _on(stream: torch.cuda.Stream, launch: Callable[[], object]) -> None:
