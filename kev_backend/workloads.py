@@ -11,7 +11,30 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from .tiny import WORDS
+# The words of generated states and questions, and of the tiny checkpoints' word-level tokenizer (kev_backend.tiny,
+# which imports them from here: this module stays free of torch, so a Locust file that draws traffic starts fast).
+WORDS = """
+a an the and or but not no yes is are was were be been has have had do does did can could will would should may might
+must of to in on at by for with from as about into over after before under between through during without within up
+down out off again then once here there when where why how all any both each few more most other some such only own
+same so than too very just now this that these those it its i me my we our you your he him his she her they them
+their what which who whom whose if because while until against above below customer user account order invoice
+payment refund charge charged billing card credit price plan subscription cancel renew upgrade downgrade trial free
+ticket support issue problem error bug crash outage login password reset email phone address shipping delivery
+package late lost damaged broken return exchange item product service app website page server database api request
+response timeout slow fast failed failure success urgent priority high medium low critical minor major question
+answer help please thanks thank hello hi dear team agent manager sales technical billing legal security privacy data
+report log warning info debug status open closed pending resolved escalated spam abuse fraud risk policy terms
+contract renewal discount coupon tax fee amount total balance due overdue paid unpaid month year week day today
+yesterday tomorrow time date hour minute second january february march april june july august september october
+november december monday tuesday wednesday thursday friday saturday sunday new old same again still already never
+always sometimes often good bad great terrible happy angry frustrated satisfied unhappy neutral positive negative
+sentiment category topic label intent tone language english spanish french german sure maybe unknown other none
+true false valid invalid correct incorrect complete incomplete document section clause party agreement name title
+description summary note notes comment comments message text body subject from to cc id number code version
+release update feature request improvement question praise complaint feedback review rating score level one two
+three four five six seven eight nine ten zero first second third last next previous is it does should we route
+""".split()
 
 TICKET = (
     "Shoes arrived two weeks late and in the wrong size. Also I see two charges on my card. "
