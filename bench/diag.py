@@ -460,23 +460,23 @@ def padded_groups() -> None:
             wide = R.CHUNK_WIDE
             per_sm = R.CHUNK_PER_SM
             settings = {
-                "unpadded": (slots, cu, False, False, per_sm, None),
-                "per item": (padded_slots, padded_cu, False, False, per_sm, None),
-                "in turn": (padded_slots, padded_cu, True, True, per_sm, None),
-                "in turn 1/SM": (padded_slots, padded_cu, True, True, 1, None),
+                "unpadded": (slots, cu, False, False, per_sm, False),
+                "per item": (padded_slots, padded_cu, False, False, per_sm, False),
+                "in turn": (padded_slots, padded_cu, True, True, per_sm, False),
+                "in turn 1/SM": (padded_slots, padded_cu, True, True, 1, False),
             }
             if new and name == "chunked" and max(lengths) > 64:  # a long group: its first segment apart (LEAD_APART)
                 settings |= {
-                    "lead apart": (padded_slots, padded_cu, True, True, per_sm, per_sm),
-                    "lead apart, rest 1/SM": (padded_slots, padded_cu, True, True, per_sm, 1),
+                    "lead apart": (padded_slots, padded_cu, True, True, per_sm, True),
+                    "lead apart, rest 1/SM": (padded_slots, padded_cu, True, True, 1, True),
                 }
-            for setting, (use_slots, use_cu, padded, loop, chunk_per_sm, rest_per_sm) in settings.items():
-                # per item: narrow, as a padded group ran before LAUNCH_ROUNDS. 1/SM: the chain's programs one an SM
-                # (does a second program on an SM, or co-resident empty ones, slow a long state's chain?)
+            for setting, (use_slots, use_cu, padded, loop, chunk_per_sm, lead_apart) in settings.items():
+                # per item: narrow, as a padded group ran before LAUNCH_ROUNDS. 1/SM: the chain's programs taking items
+                # in turn one an SM (does a second program on an SM, or co-resident empty ones, slow a long state's
+                # chain?); with the lead apart, the rest's.
                 R.RECURRENT_LOOP, R.CHUNK_WIDE = loop, R.CHUNK_NARROW if setting == "per item" else wide
                 R.CHUNK_PER_SM = chunk_per_sm
-                R.LEAD_APART_REST_PER_SM = rest_per_sm or per_sm
-                extra = {} if rest_per_sm is None else {"lead_apart": True}
+                extra = {"lead_apart": True} if lead_apart else {}
                 args = (q, k, v, a, b, a_log, dt_bias, pool, use_slots, use_cu)
                 run = lambda kernel=kernel, args=args, new=new, padded=padded, extra=extra: kernel(  # noqa: E731
                     *args, new_states=new, padded=padded, **extra
@@ -491,7 +491,7 @@ def padded_groups() -> None:
                     if "delta_rule" in kernel_name or "prep" in kernel_name or "recurrent" in kernel_name
                 )
                 line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{'' if same else ' DIFFERS'}")
-            R.CHUNK_WIDE, R.CHUNK_PER_SM, R.LEAD_APART_REST_PER_SM = wide, per_sm, per_sm
+            R.CHUNK_WIDE, R.CHUNK_PER_SM = wide, per_sm
             R.RECURRENT_LOOP = False
             print(f"padded {label} {name}: " + ", ".join(line), flush=True)
 

@@ -325,10 +325,9 @@ RECURRENT_LOOP = False
 # SMs (bench/diag.py padded, b708540, µs a layer for 2,200 tokens: unpadded 124.5, in turn two programs an SM 152.2,
 # one an SM 128.5, which loses for rows). With LEAD_APART a padded long group's first segment runs on a launch of its
 # own, a program per item (128 on an otherwise idle GPU: one an SM, as unpadded), and the group's other segments at
-# the same time on a side stream, in turn, LEAD_APART_REST_PER_SM programs an SM. The items' arithmetic is the same.
+# the same time on a side stream, in turn, CHUNK_PER_SM programs an SM. The items' arithmetic is the same.
 # KEV_LEAD_APART=0 turns it off (read at import; the module flag at each launch).
 LEAD_APART = os.environ.get("KEV_LEAD_APART", "1") != "0"
-LEAD_APART_REST_PER_SM = CHUNK_PER_SM
 
 
 def _launch_delta_rule(
@@ -943,7 +942,7 @@ def chunked_rows(
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
     with _beside(q.device) as lead:
         lead(lambda: chain(0, 1, None, out))
-        chain(1, n, LEAD_APART_REST_PER_SM, out)
+        chain(1, n, CHUNK_PER_SM, out)
     return out
 
 
