@@ -196,9 +196,9 @@ class FusedQwen35:
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._chunk_prep, self._conv = k.chunked_rows, k.chunk_prep, k.conv
-        # A captured pass's long new states run their chain and attention with other work beside them on a side
-        # stream (the rows' conv, chunk terms and attention, the short new states' attention): a lone long state's
-        # chain is ~140 dependent chunk steps on one program an SM. Default: on (KEV_BESIDE_LONG=0: off).
+        # A captured pass's long new states run their delta rule and attention with the pass's other groups beside
+        # them on a side stream (the short new states', and the rows' conv, chunk terms and attention): a lone long
+        # state's chain is ~140 dependent chunk steps on one program an SM. Default: on (KEV_BESIDE_LONG=0: off).
         self.beside_long = BESIDE_LONG if beside_long is None else beside_long
         # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
         # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
@@ -299,22 +299,19 @@ class FusedQwen35:
             for group, new in groups:
                 rule(group, new, conv(group, new))
         else:
-            # The new states' convs first (the rows' conv reads the windows they write), the long states' chunk terms
-            # (the prep: thousands of programs, which fill the GPU) and the short states' delta rule. Then the long
-            # states' chain, ~140 dependent chunk steps on one program an SM, with the rows' conv and chunk terms
-            # beside it (allocated on the side stream: rows-sized). The rows' chains after the join.
+            # The new states' convs first: the rows' conv reads the windows they write. Then the long states' delta
+            # rule, whose chain leaves most of the GPU idle, with beside it all that does not read its states: the
+            # short new states' delta rule, the rows' conv and their chunk terms. The rows' chains after (the join).
             mixed = {id(group): conv(group, True) for group, new in groups if new}
-            lead_terms = self.chunk_terms(layer, lead, True, mixed[id(lead)], a[lead.span], b[lead.span])
-            for group, new in groups:
-                if new and group is not lead:
-                    rule(group, True, mixed[id(group)])
             rows = []
             with beside(x.device, OTHER_GROUPS) as first:
-                first(lambda: rule(lead, True, mixed[id(lead)], lead_terms))
+                first(lambda: rule(lead, True, mixed[id(lead)]))
                 for group, new in groups:
-                    if not new:
+                    if new and group is not lead:
+                        rule(group, True, mixed[id(group)])
+                    elif not new:
                         m = conv(group, False)
-                        rows.append((group, m, self.chunk_terms(layer, group, False, m, a[group.span], b[group.span])))
+                        rows.append((group, m, self.row_terms(layer, group, m, a[group.span], b[group.span])))
             for group, m, terms in rows:
                 rule(group, False, m, terms)
         normed = self._gated_norm(
@@ -342,7 +339,7 @@ class FusedQwen35:
         on our chunked kernel or the token-by-token one (by `short_delta_rule`); rows over 64 tokens on our chunked
         kernel (reading their states in place, no gathered copy; fla's answers for a row moved with the other rows of
         its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`).
-        `terms`: the group's chunk terms made beforehand (chunk_terms), for our chunked kernel."""
+        `terms`: the group's chunk terms made beforehand (row_terms), for our chunked kernel."""
         c = self.c
         T = mixed.shape[0]
         q, k, v = self._heads(mixed)
@@ -382,18 +379,12 @@ class FusedQwen35:
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         return q, k, v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
 
-    def chunk_terms(
-        self,
-        layer: LayerWeights,
-        group: KernelGroup,
-        new: bool,
-        mixed: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
+    def row_terms(
+        self, layer: LayerWeights, group: KernelGroup, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> object | None:
-        """A group's chunk terms for our chunked kernel (its first half, which reads no state: rows' may run before
-        the states they continue are written), or None where the group runs token by token (no such half)."""
-        if group.short and (self.short_states_recurrent if new else self.short_rows_recurrent):
+        """A row group's chunk terms (the chunked delta rule's first half, which reads no state: it may run before
+        the states the rows continue are written), or None where rows run token by token (no such half)."""
+        if group.short and self.short_rows_recurrent:
             return None
         q, k, v = self._heads(mixed)
         return self._chunk_prep(q, k, v, a, b, layer.a_log, layer.dt_bias, group.cu)

@@ -137,7 +137,6 @@ def chunked_rows(
     CALLS[f"chunked_rows lead_apart={lead_apart}"] += 1  # True: a captured pass's long new states
     if terms is not None:
         CALLS["chunked_rows with terms"] += 1
-        CALLS[f"chunked_rows with terms new_states={new_states}"] += 1
         assert torch.equal(terms["cu"], cu)
         q, k, v, a, b = (terms[name] for name in "qkvab")
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
