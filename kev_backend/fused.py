@@ -13,7 +13,6 @@ The pass's inputs are described in passes.py; the scorer that plans passes and r
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +22,6 @@ import torch.nn.functional as F
 from .gpu_bank import StatePool
 from .passes import KernelGroup, PassInput, pad_rows
 from .qwen35 import FULL_ATTENTION, Qwen35TextModel
-from .streams import OTHER_GROUPS, beside
 
 FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
 
@@ -129,7 +127,6 @@ class PassKernels:
     sigmoid_gate: Callable
     recurrent_rows: Callable
     chunked_rows: Callable
-    chunk_prep: Callable
     conv: Callable
     rows_attention: Callable
 
@@ -150,24 +147,15 @@ class PassKernels:
             kernels.sigmoid_gate,
             kernels.recurrent_rows,
             kernels.chunked_rows,
-            kernels.chunk_prep,
             kernels.conv_tokens,
             kernels.rows_attention,
         )
-
-
-def _groups(p: PassInput) -> list[tuple[KernelGroup, bool]]:
-    """The pass's kernel groups in order, each with whether it holds new states (True) or rows (False)."""
-    states = p.states.groups if p.states is not None else []
-    rows = p.rows.groups if p.rows is not None else []
-    return [(group, True) for group in states] + [(group, False) for group in rows]
 
 
 # The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE):
 # token by token, chunked, or chunked for new states only. H200, Kev-4B from graphs (bench/diag.py latency, c748b82):
 # short6 new / same / 64 clients 6.28 ms / 5.23 ms / 262 req/s, 5.94 / 5.15 / 289, 6.13 / 5.30 / 269: chunked.
 SHORT_DELTA_RULES = ("recurrent", "chunked", "chunked-states")
-BESIDE_LONG = os.environ.get("KEV_BESIDE_LONG", "1") != "0"
 
 
 class FusedQwen35:
@@ -180,7 +168,6 @@ class FusedQwen35:
         kernels: PassKernels | None = None,
         long_kernels: str = "fla",
         short_delta_rule: str = "chunked",
-        beside_long: bool | None = None,
     ) -> None:
         # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
         # would then move with the batch they ride in.
@@ -195,11 +182,7 @@ class FusedQwen35:
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
-        self._chunked_rows, self._chunk_prep, self._conv = k.chunked_rows, k.chunk_prep, k.conv
-        # A captured pass's long new states run their delta rule and attention with the pass's other groups beside
-        # them on a side stream (the short new states', and the rows' conv, chunk terms and attention): a lone long
-        # state's chain is ~140 dependent chunk steps on one program an SM. Default: on (KEV_BESIDE_LONG=0: off).
-        self.beside_long = BESIDE_LONG if beside_long is None else beside_long
+        self._chunked_rows, self._conv = k.chunked_rows, k.conv
         # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
         # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
         # in place, no host chunk maps, so capturable; faster on the H200 from session 9: bench/NOTES.md).
@@ -282,38 +265,14 @@ class FusedQwen35:
         # Padding tokens belong to no segment: their rows keep whatever is here, row by row, and are never read.
         out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
         conv_pool, state_pool = self.pool.conv[index], self.pool.recurrent[index]
-
-        def conv(group: KernelGroup, new: bool) -> torch.Tensor:
-            """Tokens in parallel, each finding its segment; windows read or written in place."""
-            return self._conv(qkv[group.span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
-
-        def rule(group: KernelGroup, new: bool, mixed: torch.Tensor, terms: object | None = None) -> None:
-            span = group.span
-            self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span], terms)
-
         # New states start from zero and leave their conv window and DeltaNet state in their (fresh) bank slots;
         # rows continue theirs, read in place by slot, and write nothing back.
-        groups = _groups(p)
-        lead = self._long_lead(groups)
-        if lead is None:
-            for group, new in groups:
-                rule(group, new, conv(group, new))
-        else:
-            # The new states' convs first: the rows' conv reads the windows they write. Then the long states' delta
-            # rule, whose chain leaves most of the GPU idle, with beside it all that does not read its states: the
-            # short new states' delta rule, the rows' conv and their chunk terms. The rows' chains after (the join).
-            mixed = {id(group): conv(group, True) for group, new in groups if new}
-            rows = []
-            with beside(x.device, OTHER_GROUPS) as first:
-                first(lambda: rule(lead, True, mixed[id(lead)]))
-                for group, new in groups:
-                    if new and group is not lead:
-                        rule(group, True, mixed[id(group)])
-                    elif not new:
-                        m = conv(group, False)
-                        rows.append((group, m, self.row_terms(layer, group, m, a[group.span], b[group.span])))
-            for group, m, terms in rows:
-                rule(group, False, m, terms)
+        for seg, new in ((p.states, True), (p.rows, False)):
+            for group in seg.groups if seg is not None else ():
+                span = group.span
+                # Tokens in parallel, each finding its segment; windows read or written in place.
+                mixed = self._conv(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
+                self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
             z.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)),  # read in place
@@ -332,17 +291,18 @@ class FusedQwen35:
         state_pool: torch.Tensor,
         new: bool,
         out: torch.Tensor,
-        terms: object | None = None,
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
         zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
         on our chunked kernel or the token-by-token one (by `short_delta_rule`); rows over 64 tokens on our chunked
         kernel (reading their states in place, no gathered copy; fla's answers for a row moved with the other rows of
-        its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`).
-        `terms`: the group's chunk terms made beforehand (row_terms), for our chunked kernel."""
+        its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`)."""
         c = self.c
         T = mixed.shape[0]
-        q, k, v = self._heads(mixed)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
+        k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
+        v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
         args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
         if group.short and (self.short_states_recurrent if new else self.short_rows_recurrent):
             self._recurrent_rows(*args, new_states=new, out=out, padded=group.padded)
@@ -352,8 +312,7 @@ class FusedQwen35:
             # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
             # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments.
             lead_apart = group.padded and new and not group.short  # a captured pass's long new states
-            extra = {} if terms is None else {"terms": terms}
-            self._chunked_rows(*args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart, **extra)
+            self._chunked_rows(*args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart)
             return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(
@@ -371,31 +330,6 @@ class FusedQwen35:
         state_pool.index_copy_(0, group.slots, final)
         out.copy_(o[0].view(T, c.linear_num_value_heads, c.linear_value_head_dim))
 
-    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k [T, H, K] and v [T, HV, V]: views of the conv outputs [T, conv_dim]."""
-        c = self.c
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
-        k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
-        return q, k, v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
-
-    def row_terms(
-        self, layer: LayerWeights, group: KernelGroup, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-    ) -> object | None:
-        """A row group's chunk terms (the chunked delta rule's first half, which reads no state: it may run before
-        the states the rows continue are written), or None where rows run token by token (no such half)."""
-        if group.short and self.short_rows_recurrent:
-            return None
-        q, k, v = self._heads(mixed)
-        return self._chunk_prep(q, k, v, a, b, layer.a_log, layer.dt_bias, group.cu)
-
-    def _long_lead(self, groups: list[tuple[KernelGroup, bool]]) -> KernelGroup | None:
-        """A captured pass's group of long new states, when the pass has other groups to run beside it
-        (`beside_long`), or None."""
-        if not self.beside_long or self.long_kernels != "ours" or len(groups) < 2:
-            return None
-        return next((g for g, new in groups if new and g.padded and not g.short), None)
-
     # -- gated attention -----------------------------------------------------------------------------------------
 
     def attention(self, layer: LayerWeights, index: int, x: torch.Tensor, rope, p: PassInput) -> torch.Tensor:
@@ -410,53 +344,30 @@ class FusedQwen35:
         v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (fla's long kernels) gets a copy
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens' rows: never read
         keys, values = self.pool.keys[index], self.pool.values[index]
-        states = [group for group, new in _groups(p) if new]
-        lead = self._long_lead(_groups(p))
-
-        def attend_rows() -> None:
-            if (r := p.rows) is not None:
-                rows = slice(r.start, r.end)
-                self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
-
-        if lead is None:
-            for group in states:
-                self._attend_states(group, q, k, v, keys, values, out)
-            self._bank_states_kv(p, keys, values, k, v)
-            attend_rows()
-        else:
-            # The long new states' attention (their own tokens' K/V only: no bank read) with the others' beside it,
-            # after the new states' K/V are in the bank, where the rows read them.
-            self._bank_states_kv(p, keys, values, k, v)
-            with beside(x.device, OTHER_GROUPS) as first:
-                first(lambda: self._attend_states(lead, q, k, v, keys, values, out))
-                for group in states:
-                    if group is not lead:
-                        self._attend_states(group, q, k, v, keys, values, out)
-                attend_rows()
+        if (s := p.states) is not None:
+            for group in s.groups:
+                span = group.span
+                if group.short or self.long_kernels == "ours":  # ours: causal over the state's own tokens
+                    self._rows_attention(
+                        q[span], k[span], v[span], keys, values, None, None, None, group.cu, group.max_len, out[span]
+                    )
+                else:  # varlen attention writes its whole span: in a graph, the short group (next) rewrites its tokens
+                    cu32 = group.cu32 if group.cu32 is not None else group.cu.to(torch.int32)
+                    out[span] = self._attn(
+                        q[span],
+                        k[span],
+                        v[span].contiguous(),
+                        cu32,
+                        cu32,
+                        group.max_len,
+                        group.max_len,
+                        window_size=(-1, 0),
+                    )
+        self._bank_states_kv(p, keys, values, k, v)
+        if (r := p.rows) is not None:
+            rows = slice(r.start, r.end)
+            self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
         return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
-
-    def _attend_states(
-        self,
-        group: KernelGroup,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """A group of new states' causal attention over their own tokens (no prefix: the bank's `keys` and `values`
-        are not read), into its tokens of `out`."""
-        span = group.span
-        if group.short or self.long_kernels == "ours":
-            self._rows_attention(
-                q[span], k[span], v[span], keys, values, None, None, None, group.cu, group.max_len, out[span]
-            )
-        else:  # varlen attention writes its whole span: in a graph, the short group (next) rewrites its tokens
-            cu32 = group.cu32 if group.cu32 is not None else group.cu.to(torch.int32)
-            out[span] = self._attn(
-                q[span], k[span], v[span].contiguous(), cu32, cu32, group.max_len, group.max_len, window_size=(-1, 0)
-            )
 
     @staticmethod
     def _bank_states_kv(

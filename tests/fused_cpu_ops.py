@@ -105,40 +105,14 @@ def silu_mul(gate_up):
 CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing checks
 
 
-def chunk_prep(q, k, v, a, b, a_log, dt_bias, cu):
-    """The chunk terms' stand-in: the inputs they are made from, as they are now (a later write to the pass's buffers
-    does not reach them, as it would not reach the kernel's terms)."""
-    CALLS["chunk_prep"] += 1
-    return {"q": q.clone(), "k": k.clone(), "v": v.clone(), "a": a.clone(), "b": b.clone(), "cu": cu.clone()}
-
-
 def chunked_rows(
-    q,
-    k,
-    v,
-    a,
-    b,
-    a_log,
-    dt_bias,
-    pool,
-    slots,
-    cu,
-    new_states=False,
-    out=None,
-    padded=False,
-    lead_apart=False,
-    terms=None,
+    q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False, lead_apart=False
 ):
     """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`padded` and `lead_apart`,
-    how the GPU kernel launches, change nothing here). With `terms` (chunk_prep's), the recurrence runs on the inputs
-    they were made from, as the kernel's chain reads its terms and never q, k, v, a or b again."""
+    how the GPU kernel launches, change nothing here)."""
     CALLS["chunked_rows"] += 1
     CALLS[f"chunked_rows padded={padded}"] += 1  # True: a captured pass's group
     CALLS[f"chunked_rows lead_apart={lead_apart}"] += 1  # True: a captured pass's long new states
-    if terms is not None:
-        CALLS["chunked_rows with terms"] += 1
-        assert torch.equal(terms["cu"], cu)
-        q, k, v, a, b = (terms[name] for name in "qkvab")
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
 
 
@@ -199,7 +173,6 @@ TORCH_KERNELS = PassKernels(
     sigmoid_gate=sigmoid_gate,
     recurrent_rows=recurrent_rows,
     chunked_rows=chunked_rows,
-    chunk_prep=chunk_prep,
     conv=conv_rows,  # conv_tokens' job, segment by segment
     rows_attention=rows_attention,
 )

@@ -278,13 +278,6 @@ def long_group(lead_apart: bool):
 
 
 assert R.LEAD_APART and torch.equal(long_group(True), long_group(False))
-# Rows given their chunk terms made beforehand (chunk_prep: beside a pass's long new states, before the states they
-# continue are written) answer exactly as rows whose terms chunked_rows makes itself.
-rows_slots = torch.tensor([0, 1, 2, 3, 4, 5, 0] + [5] * 9)
-terms = R.chunk_prep(q, k, v, gate_a, gate_b, a_log, dt_bias, padded_cu)
-given = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, rows_slots, padded_cu, padded=True, terms=terms)
-made = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, rows_slots, padded_cu, padded=True)
-assert torch.equal(given[5:77], made[5:77])
 
 # The pointer softmax: questions of 1 to 40 options (several of the kernel's 16-option steps), a head width that is no
 # power of two, a temperature; each row zero past its question's options.

@@ -4,11 +4,10 @@ writing their segments' states in the bank pool in place."""
 
 from .attention import rows_attention
 from .conv import conv_rows, conv_tokens
-from .delta_rule import chunk_prep, chunked_rows, recurrent_rows
+from .delta_rule import chunked_rows, recurrent_rows
 from .norms import gated_rms_norm, rms_norm, rms_norm_rope, sigmoid_gate, silu_mul
 
 __all__ = [
-    "chunk_prep",
     "chunked_rows",
     "conv_rows",
     "conv_tokens",

@@ -3,15 +3,15 @@ or in chunks (any length, graph-capturable)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
 import triton.language as tl
 
-from ..streams import LEAD_SEGMENT, beside
 from .segments import search_steps, segment_of
 
 
@@ -860,81 +860,6 @@ def _chunked_delta_rule_kernel(
         )
 
 
-@dataclass(frozen=True)
-class ChunkTerms:
-    """A group's chunk terms from _chunk_prep_kernel, per token, stored as the chain multiplies them (bf16, or fp32
-    for tf32 products; dend fp32, at each chunk's first token): W, U₀, Qs, Kd, QK and exp(γ_last)."""
-
-    w: torch.Tensor  # [T, HV, K]
-    u: torch.Tensor  # [T, HV, V]
-    qs: torch.Tensor  # [T, HV, K]
-    kd: torch.Tensor  # [T, HV, K]
-    qk: torch.Tensor  # [T, HV, CHUNK]
-    dend: torch.Tensor  # [T, HV]
-
-
-def chunk_prep(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    cu: torch.Tensor,
-) -> ChunkTerms:
-    """The chunked delta rule's first half (chunked_rows' arguments): every chunk's state-independent terms, all
-    chunks in parallel. It reads no state, so it may run before (or beside) the work that writes its segments'
-    states; chunked_rows takes the result as `terms`."""
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    n = cu.shape[0] - 1
-    operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
-    w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
-    terms = ChunkTerms(
-        w=w,
-        u=torch.empty(T, HV, V, device=q.device, dtype=operands),
-        qs=qs,
-        kd=kd,
-        qk=torch.empty(T, HV, CHUNK, device=q.device, dtype=operands),
-        dend=torch.empty(T, HV, device=q.device, dtype=torch.float32),
-    )
-    if n:
-        assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
-        assert a.stride() == b.stride() and a.stride(1) == 1
-        _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
-            q,
-            k,
-            v,
-            a,
-            b,
-            a_log,
-            dt_bias,
-            cu,
-            terms.w,
-            terms.u,
-            terms.qs,
-            terms.kd,
-            terms.qk,
-            terms.dend,
-            n,
-            K**-0.5,
-            q.stride(0),
-            v.stride(0),
-            a.stride(0),
-            search_steps(n),
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            BT=CHUNK,
-            LOG2_BT=CHUNK.bit_length() - 1,
-            num_warps=PREP_WARPS,
-            **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
-        )
-    return terms
-
-
 def chunked_rows(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -950,24 +875,59 @@ def chunked_rows(
     out: torch.Tensor | None = None,
     padded: bool = False,
     lead_apart: bool = False,
-    terms: ChunkTerms | None = None,
 ) -> torch.Tensor:
     """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
-    chunk's state-independent terms in parallel (chunk_prep, unless given as `terms`), then one program per (value
-    block, segment, value head) carries the fp32 state from chunk to chunk. No host-side chunk maps, and grids that
-    depend only on the token and segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass
-    runs CHUNK_WIDE or CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured
-    pass's group, whose segments count its capacity, not its work): narrow, its programs taking items in turn
-    (LAUNCH_ROUNDS); with `lead_apart` (a padded group of long new states) too, its first segment on a launch of its
-    own (LEAD_APART)."""
-    T, HV, V = q.shape[0], v.shape[1], v.shape[2]
+    chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
+    the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
+    segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass runs CHUNK_WIDE or
+    CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
+    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS);
+    with `lead_apart` (a padded group of long new states) too, its first segment on a launch of its own (LEAD_APART)."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
-    if terms is None:
-        terms = chunk_prep(q, k, v, a, b, a_log, dt_bias, cu)
-    u = terms.u  # in v's place: the chain reads U₀, never v
+    # The chain's operands (W, Qs, Kd, QK, U₀) are stored as it multiplies them: bf16, or fp32 for tf32 products.
+    operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
+    w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
+    qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
+    u = torch.empty(T, HV, V, device=q.device, dtype=operands)
+    dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
+    if n:
+        assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
+        assert a.stride() == b.stride() and a.stride(1) == 1
+        _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            cu,
+            w,
+            u,
+            qs,
+            kd,
+            qk,
+            dend,
+            n,
+            K**-0.5,
+            q.stride(0),
+            v.stride(0),
+            a.stride(0),
+            search_steps(n),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BT=CHUNK,
+            LOG2_BT=CHUNK.bit_length() - 1,
+            num_warps=PREP_WARPS,
+            **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
+        )
     wide = not padded and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
-    extra = dict(w=terms.w, qs=terms.qs, kd=terms.kd, qk=terms.qk, dend=terms.dend, BT=CHUNK, BF16=CHUNK_DOTS == "bf16")
+    extra = dict(w=w, qs=qs, kd=kd, qk=qk, dend=dend, BT=CHUNK, BF16=CHUNK_DOTS == "bf16")
     if maxnreg is not None:
         extra["maxnreg"] = maxnreg
 
@@ -980,10 +940,41 @@ def chunked_rows(
     if not (padded and lead_apart and LEAD_APART and n > 1):
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
-    with beside(q.device, LEAD_SEGMENT) as lead:
+    with _beside(q.device) as lead:
         lead(lambda: chain(0, 1, None, out))
         chain(1, n, CHUNK_PER_SM, out)
     return out
+
+
+@contextlib.contextmanager
+def _beside(device: torch.device) -> Iterator[Callable[[Callable[[], object]], None]]:
+    """Work queued inside the block runs on a side stream, at the same time as the launch given to `lead`, which the
+    current stream makes first (in a captured graph: a fork and a join); both after the current stream's work and
+    before anything queued after the block. Without CUDA, the lead and then the block, in order."""
+    if device.type != "cuda":
+        yield lambda launch: launch()
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    ready = torch.cuda.Event()
+    ready.record(main)
+    side.wait_event(ready)
+    try:
+        with torch.cuda.stream(side):
+            # The lead is launched before the side stream's work so that its programs are placed first.
+            yield lambda launch: _on(main, launch)
+    finally:
+        main.wait_stream(side)  # the join
+
+
+def _on(stream: torch.cuda.Stream, launch: Callable[[], object]) -> None:
+    with torch.cuda.stream(stream):
+        launch()
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def segments_for_wide(device: torch.device, value_heads: int, value_dim: int) -> int:
