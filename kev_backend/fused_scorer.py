@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .encoding import Encoded, EncodedQuestion
+from .encoding import Encoded, EncodedQuestion, token_ids
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .gpu_bank import GpuBank, Slot, StatePool
 from .head import PendingProbabilities, PointerHead, batch_questions
@@ -229,8 +229,9 @@ class FusedScorer:
         page = self.bank.pool.page_size
         out = PassLayout()
         kv_dst: list[np.ndarray] = []
+        state_ids: list[np.ndarray] = []
         for state in new:
-            out.state_ids.extend(state)
+            state_ids.append(token_ids(state))
             out.state_lengths.append(len(state))
             out.state_slots.append(slots[state].slot)
             kv_dst.append(slots[state].kv_index(page))
@@ -263,6 +264,7 @@ class FusedScorer:
         # The K/V indices stay numpy arrays (a long state's are thousands; lists of them cost ~60 µs each to write
         # into the pinned buffer for a 2,465-token state, against ~1.5 from an array: CPU host).
         if kv_dst:
+            out.state_ids = np.concatenate(state_ids)
             out.state_kv_dst = np.concatenate(kv_dst)
         if prefix:
             out.prefix = np.concatenate(prefix)
@@ -275,7 +277,13 @@ class FusedScorer:
         device = self.device
         ids, positions, state_kv_dst, prefix, prefix_start, prefix_len, picks = device_int_fields(
             [
-                layout.state_ids + layout.row_ids + [self.pad_id] * padding,
+                np.concatenate(
+                    [
+                        np.asarray(layout.state_ids, np.int64),
+                        np.asarray(layout.row_ids, np.int64),
+                        np.full(padding, self.pad_id, np.int64),
+                    ]
+                ),
                 np.concatenate(
                     [layout.state_positions(), np.asarray(layout.row_positions, np.int64), np.zeros(padding, np.int64)]
                 ),

@@ -118,7 +118,7 @@ class Segments:
 class PassLayout:
     """A pass on the host: new states' tokens first, then the rows'. Row picks count from the first row token."""
 
-    state_ids: list[int] = field(default_factory=list)
+    state_ids: list[int] | np.ndarray = field(default_factory=list)  # numpy from the scorer (StateTokens' ids)
     state_lengths: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)
     # Pool K/V index of each state token (a long state's are thousands: numpy, as the bank gives them, or a list).

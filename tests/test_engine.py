@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kev_backend.encoding import Limits
+from kev_backend.encoding import Limits, StateTokens, token_ids
 from kev_backend.engine import Engine, EngineOptions
 from kev_backend.systemone import RequestError
 
@@ -102,6 +102,20 @@ def test_layout_uses_delimiters_and_escapes_caller_text(engine: Engine) -> None:
     assert row.tokens[0] == d.question and row.tokens[row.decide] == d.decide
     assert [row.tokens[i] for i in row.option_ends] == [d.option_end] * 3
     assert row.tokens.count(d.option) == 3
+
+
+def test_a_state_keys_dicts_as_its_plain_tuple(engine: Engine) -> None:
+    """An encoded state (StateTokens: its hash and int64 ids made once, when encoded) is equal to, hashes as and is
+    found in dicts by its plain tuple, and the other way round; its ids are its tokens."""
+    _, encoded = engine.prepare(request(state="the same words " * 40, questions={"q": QUESTIONS["team"]}))
+    _, again = engine.prepare(request(state="the same words " * 40, questions={"q": QUESTIONS["team"]}))
+    state, plain = encoded.state, tuple(encoded.state)
+    assert isinstance(state, StateTokens) and state is not again.state
+    assert state == plain == again.state and hash(state) == hash(plain) == hash(again.state)
+    assert {plain: 1}[state] == 1 and {state: 2}[plain] == 2 and {state: 3}[again.state] == 3
+    assert token_ids(state) is state.ids and state.ids.tolist() == list(plain)
+    assert token_ids(plain).tolist() == list(plain) and not state.ids.flags.writeable
+    assert state + (1,) == plain + (1,)  # a row's tokens after its state: a plain tuple
 
 
 def test_bad_requests_fail_alone(tiny_dir: Path) -> None:
