@@ -1,7 +1,7 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
     python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|ncuprobe|recurrent|
-                           timeline|hostsplit|hostops|latency|startup|speed|sweep|invariance|profile|gemm]
+                           timeline|hostsplit|hostops|hostpath|latency|startup|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -845,6 +845,70 @@ def host_split() -> None:
         print(f"hostsplit {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
 
 
+def host_path() -> None:
+    """The host's work before a pass can start, on this machine's CPU (no GPU needed): the scorer's plan, the bank,
+    the layout and the fill of a graph bucket's buffers for long5 and short6 requests on new states (the pass itself
+    stubbed), µs, medians of 40 after 5, on the tiny model with the fused path's bookkeeping at full size (graphs up to
+    4,096 tokens, 1 GiB bank)."""
+    import statistics
+    from dataclasses import fields
+
+    from kev_backend import bench, tiny
+    from kev_backend.engine import Engine, EngineOptions
+    from kev_backend.fused import PassKernels
+    from kev_backend.fused_scorer import FusedScorer, Row
+    from kev_backend.workloads import long5, short6
+
+    directory = Path(tempfile.mkdtemp())
+    tiny.build(directory)
+    reference = Engine.from_checkpoint(directory / "kev", EngineOptions(bank_bytes=0))
+    ck = reference.checkpoint
+    no_kernels = PassKernels(*[None] * len(fields(PassKernels)))  # the pass is stubbed: no kernel runs
+    scorer = FusedScorer(
+        ck.model,
+        ck.head,
+        ck.temperature,
+        reference.tokenizer.delimiters.pad,
+        bank_bytes=1 << 30,
+        dtype=torch.float32,
+        kernels=no_kernels,
+        graphs=True,
+        long_kernels="ours",
+    )
+    graphs = scorer.graphs
+    phases: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        def wrapper(*args):
+            started = time.perf_counter()
+            out = fn(*args)
+            phases[name] = (time.perf_counter() - started) * 1e6
+            return out
+
+        return wrapper
+
+    scorer.layout = timed("layout", scorer.layout)
+    graphs.inputs.fill = timed("fill", graphs.inputs.fill)
+    picked = torch.zeros(512, ck.model.config.hidden_size)
+
+    def stubbed_run(bucket, layout):  # PassGraphs.run without the replay
+        graphs.inputs.fill(bucket, layout, scorer.bank.pool, scorer.pad_id)
+        return picked[: len(layout.row_picks)]
+
+    graphs.run = stubbed_run
+    for label, make in (("long5", long5), ("short6", short6)):
+        runs = []
+        for _ in range(45):
+            _, encoded = reference.prepare(make(next(bench.NEW_STATE)))
+            rows = [Row(0, q, tokens, encoded.state) for q, tokens in enumerate(encoded.questions)]
+            started = time.perf_counter()
+            for group in scorer.plan(rows):
+                scorer.run_group(group)
+            runs.append({"before the pass": (time.perf_counter() - started) * 1e6, **phases})
+        medians = {name: statistics.median(run[name] for run in runs[5:]) for name in runs[0]}
+        print(f"hostpath {label} new (µs): " + ", ".join(f"{k} {v:.0f}" for k, v in medians.items()), flush=True)
+
+
 def host_ops() -> None:
     """What the host's primitive steps cost on this machine, µs a call (median of 5 runs of 200): a Python loop, a
     small kernel launch, CUDA events, a pinned copy, numpy writing a list into pinned memory; then short6's layout and
@@ -1309,6 +1373,8 @@ if __name__ == "__main__":
         host_split()
     if what == "hostops":
         host_ops()
+    if what == "hostpath":
+        host_path()
     if what == "rounds":
         launch_rounds()
     if what == "chainwaves":
