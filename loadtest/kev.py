@@ -42,6 +42,18 @@ def traffic(user: User) -> Traffic:
     return Traffic(o.shape, o.repeat, seed=hash((os.getpid(), id(user))) & 0xFFFFFFFF)
 
 
+# The Triton clients users opened and have not closed. An open gRPC channel keeps the process from exiting: each
+# user closes its own on stop, and whatever a user stopped before its on_stop left open is closed when locust quits
+# (once, in a full `make test`, locust printed its summary and did not exit within two minutes).
+OPEN_CLIENTS: set[KevClient] = set()
+
+
+@events.quitting.add_listener
+def close_open_clients(**_kwargs) -> None:
+    while OPEN_CLIENTS:
+        OPEN_CLIENTS.pop().close()
+
+
 class TritonUser(User):
     abstract = True
     wait_time = constant(0)
@@ -51,10 +63,14 @@ class TritonUser(User):
         o = self.environment.parsed_options
         url = o.triton_grpc if self.protocol == "grpc" else o.triton_http
         self.kev = KevClient(url, self.protocol, o.model)
+        OPEN_CLIENTS.add(self.kev)
         self.traffic = traffic(self)
 
     def on_stop(self) -> None:
-        self.kev.close()  # without it the process hangs at exit
+        kev = getattr(self, "kev", None)  # None: stopped before on_start had made it
+        if kev in OPEN_CLIENTS:
+            OPEN_CLIENTS.discard(kev)
+            kev.close()
 
     @task
     def score(self) -> None:
