@@ -263,7 +263,7 @@ class FusedScorer:
             out.row_picks.extend(start + i for i in row.tokens.option_ends)
         # The new states' ids and K/V indices stay numpy arrays (a long state's are thousands; lists of them cost ~60
         # µs each to write into the pinned buffer for a 2,465-token state, against ~1.5 from an array: CPU host).
-        if kv_dst:
+        if new:
             out.state_ids = np.concatenate(state_ids)
             out.state_kv_dst = np.concatenate(kv_dst)
         if prefix:
