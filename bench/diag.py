@@ -375,13 +375,14 @@ def chain_waves() -> None:
 def prep_registers() -> None:
     """The chunked delta rule (prep and chain) by the prep's warps and register cap (PREP_WARPS, PREP_MAXNREG): ms a
     layer, replayed from a CUDA graph, for 1 / 8 / 24 new long5-sized states (2,465 tokens) and one short6's rows; the
-    largest difference from the default. A cap that fits more programs an SM may hide more of the prep's latency
-    (230 registers on 2 warps: four an SM) or spill."""
+    largest difference from the default; the prep's own µs. A cap that fits more programs an SM may hide more of the
+    prep's latency (230 registers on 2 warps: four an SM) or spill."""
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
 
     chosen = R.PREP_WARPS, R.PREP_MAXNREG
-    settings = [chosen, (2, None), (2, 144), (2, 192)]
+    # More warps for 32-token chunks (KEV_CHUNK=32), whose tiles spill on 2 (1,780 bytes at the cap, sm_90a).
+    settings = [chosen, (2, None), (2, 144), (2, 192), (4, None), (4, 168), (8, None)]
     for lengths, new in (([2465], True), ([2465] * 8, True), ([2465] * 24, True), ([31] * 6, False)):
         _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
         args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu)
@@ -389,7 +390,8 @@ def prep_registers() -> None:
         line, reference = [], None
         for R.PREP_WARPS, R.PREP_MAXNREG in settings:
             entry, reference = sweep_entry(f"{R.PREP_WARPS}/{R.PREP_MAXNREG}", run, reference)
-            line.append(entry)
+            prep_us = sum(us for name, us in graph_kernel_us(run).items() if "prep" in name)
+            line.append(f"{entry} [prep {prep_us:.1f} µs]")
         R.PREP_WARPS, R.PREP_MAXNREG = chosen
         print(f"prepregs {len(lengths)}x{lengths[0]} {'new' if new else 'rows'}: " + ", ".join(line), flush=True)
 
