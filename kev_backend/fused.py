@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .gpu_bank import StatePool
-from .passes import KernelGroup, PassInput, pad_rows
+from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, pad_rows
 from .qwen35 import FULL_ATTENTION, Qwen35TextModel
 
 FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
@@ -312,7 +312,9 @@ class FusedQwen35:
             # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
             # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments.
             lead_apart = group.padded and new and not group.short  # a captured pass's long new states
-            self._chunked_rows(*args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart)
+            self._chunked_rows(
+                *args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart, lead=group.short_segments
+            )
             return
         g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
         o, final = self._chunk(
@@ -347,7 +349,13 @@ class FusedQwen35:
         if (s := p.states) is not None:
             for group in s.groups:
                 span = group.span
-                if group.short or self.long_kernels == "ours":  # ours: causal over the state's own tokens
+                if group.short_segments:  # a captured pass's short and long new states: by class, as in two groups
+                    n = group.short_segments
+                    for cu, max_len in ((group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)):
+                        self._rows_attention(
+                            q[span], k[span], v[span], keys, values, None, None, None, cu, max_len, out[span]
+                        )
+                elif group.short or self.long_kernels == "ours":  # ours: causal over the state's own tokens
                     self._rows_attention(
                         q[span], k[span], v[span], keys, values, None, None, None, group.cu, group.max_len, out[span]
                     )

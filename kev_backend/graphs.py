@@ -9,6 +9,13 @@ long new state run eagerly. In a graph the short and the long new states each fo
 one kernel group over the whole state region, with offsets counted from the region's start (short states first, as
 in an eager pass); each group's kernels touch only its own segments' tokens.
 
+With the chunked delta rule for short new states too (FusedQwen35.short_delta_rule), the two are one group for the
+conv and the delta rule's prep, short segments first (Bucket.states of them), then long: a pass with new states of
+one class only would otherwise run the other group's conv and prep over empty segments every DeltaNet layer (long5
+new on the H200: its empty short group's conv, prep and chain took 11.9 µs a layer; without the group a pass took
+0.25 ms less; bench/NOTES.md session 20). Attention still runs per class, and the chain takes the short segments in a
+launch of their own beside the first long one's (kernels.delta_rule.LEAD_APART).
+
 Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
 padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on
 the row count, so a replayed pass answers exactly like an eager one. All graphs share one memory pool (they never
@@ -157,10 +164,9 @@ class StaticInputs:
         sizes = {
             "ids": largest.tokens,
             "positions": largest.tokens,
-            "state_cu": largest.states + 1,
-            "state_slots": largest.states,
-            "long_cu": largest.long_states + 1,
-            "long_slots": largest.long_states,
+            # the short states' segments, then the long ones' (a bucket's capacities: Bucket.states, .long_states)
+            "state_cu": largest.states + largest.long_states + 1,
+            "state_slots": largest.states + largest.long_states,
             "state_kv_dst": largest.state_tokens,
             "row_cu": largest.rows + 1,
             "row_slots": largest.rows,
@@ -189,34 +195,43 @@ class StaticInputs:
                 event.record()
         self.turn = 0
 
-    def view(self, name: str, n: int) -> torch.Tensor:
+    def view(self, name: str, n: int, at: int = 0) -> torch.Tensor:
+        """n entries of a field from its entry `at`."""
         start, size = self.offsets[name]
-        assert n <= size
-        return self.flat[start : start + n]
+        assert at + n <= size
+        return self.flat[start + at : start + at + n]
 
-    def pass_input(self, bucket: Bucket, long_states: bool = False) -> PassInput:
+    def pass_input(self, bucket: Bucket, long_states: bool = False, one_group: bool = False) -> PassInput:
         """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. With `long_states` the
-        state region holds a second kernel group, the long new states (capacity bucket.long_states, each up to the
-        whole region), listed first: their varlen attention writes the whole region, the short group's after it
-        only its own tokens."""
+        state region holds the long new states too (capacity bucket.long_states, each up to the whole region): with
+        `one_group` in the short states' group (short segments first; see the module's doc), otherwise in a second
+        group listed first (their varlen attention writes the whole region, the short group's after it only its own
+        tokens)."""
         s, r = bucket.state_tokens, bucket.row_tokens
 
-        def group(start: int, tokens: int, cu: str, slots: str, n: int, short: bool) -> KernelGroup:
+        def group(
+            start: int, tokens: int, cu: str, slots: str, n: int, short: bool, at: int = 0, short_segments: int = 0
+        ) -> KernelGroup:
             return KernelGroup(
                 short=short,
                 start=start,
                 end=start + tokens,
                 max_len=RECURRENT_MAX_LEN if short else tokens,
-                cu=self.view(cu, n + 1),
-                slots=self.view(slots, n),
+                cu=self.view(cu, n + 1, at),
+                slots=self.view(slots, n, at),
                 padded=True,
+                short_segments=short_segments,
             )
 
         states = None
         if s:
-            groups = [group(0, s, "state_cu", "state_slots", bucket.states, short=True)]
-            if long_states and bucket.long_states:
-                groups.insert(0, group(0, s, "long_cu", "long_slots", bucket.long_states, short=False))
+            n_short, n_long = bucket.states, bucket.long_states if long_states else 0
+            if n_long and one_group:
+                groups = [group(0, s, "state_cu", "state_slots", n_short + n_long, short=False, short_segments=n_short)]
+            else:
+                groups = [group(0, s, "state_cu", "state_slots", n_short, short=True)]
+                if n_long:  # the long states' segments follow the short ones' in the same buffers
+                    groups.insert(0, group(0, s, "state_cu", "state_slots", n_long, short=False, at=n_short))
             states = Segments(0, s, s, groups[-1].cu, groups)  # `cu` of a region is read for rows only
         rows = None
         if r:
@@ -265,12 +280,14 @@ class StaticInputs:
         n_short = sum(is_short(n) for n in layout.state_lengths)
         short, long = layout.state_lengths[:n_short], layout.state_lengths[n_short:]
         assert all(is_short(n) for n in short) and not any(is_short(n) for n in long)
+        # Each class's segments end in empty ones (its padding), the long states' after the short states' capacity.
         cu = offsets(short)
-        put("state_cu", cu, bucket.states + 1, cu[-1])  # empty segments at the end
+        put("state_cu", cu, bucket.states + 1, cu[-1])
         put("state_slots", layout.state_slots[:n_short], bucket.states, pool.scratch_slot)
+        capacity = bucket.states + bucket.long_states
         cu = offsets(long, start=cu[-1])
-        put("long_cu", cu, bucket.long_states + 1, cu[-1])
-        put("long_slots", layout.state_slots[n_short:], bucket.long_states, pool.scratch_slot)
+        put("state_cu", cu[1:], capacity + 1, cu[-1], at=bucket.states + 1)
+        put("state_slots", layout.state_slots[n_short:], capacity, pool.scratch_slot, at=bucket.states)
         put("state_kv_dst", layout.state_kv_dst, s, pool.scratch_token)
         cu = offsets(layout.row_lengths, start=at - bucket.row_start)  # from the rows' region's start
         put("row_cu", cu, bucket.rows + 1, cu[-1])
@@ -322,6 +339,8 @@ class PassGraphs:
         # cache, none failed; graphs phase 3.5 s against 9.0 on the kept one).
         self.warm_passes = warm_passes
         self.long_states = long_states  # passes with long new states too (their kernels are capturable)
+        # Short and long new states in one group when both run the chunked delta rule (the module's doc).
+        self.one_group = long_states and not model.short_states_recurrent
         self.pool = pool
         self.pad_id = pad_id
         self.buckets = all_buckets(max_tokens)
@@ -356,7 +375,7 @@ class PassGraphs:
         self.stats.long_runs += not all(is_short(n) for n in layout.state_lengths)
         self.seen.add(bucket)
         if entry is None:  # no CUDA, or the capture failed: the padded pass, eagerly
-            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states))
+            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states, self.one_group))
         else:
             self.graphs.move_to_end(bucket)
             graph, out = entry
@@ -398,7 +417,7 @@ class PassGraphs:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats.evictions += 1
-        inputs = self.inputs.pass_input(bucket, self.long_states)
+        inputs = self.inputs.pass_input(bucket, self.long_states, self.one_group)
         # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
         self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
         stream = self.stream

@@ -55,6 +55,9 @@ class KernelGroup:
     cu_cpu: torch.Tensor | None = None  # long groups: the same on the host, so fla builds its chunk maps unsynced
     cu32: torch.Tensor | None = None  # long new states: int32 for varlen attention
     padded: bool = False  # a captured pass's group: `slots` and `cu` are its capacity, mostly empty segments
+    # A captured pass's new states in one group (graphs.StaticInputs.pass_input): its first `short_segments`
+    # segments are the short states' slots, the rest the long ones'. 0: one length class, as `short` says.
+    short_segments: int = 0
 
     @property
     def span(self) -> slice:

@@ -106,13 +106,14 @@ CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing ch
 
 
 def chunked_rows(
-    q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False, lead_apart=False
+    q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False, lead_apart=False, lead=0
 ):
-    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`padded` and `lead_apart`,
-    how the GPU kernel launches, change nothing here)."""
+    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`padded`, `lead_apart`
+    and `lead`, how the GPU kernel launches, change nothing here)."""
     CALLS["chunked_rows"] += 1
     CALLS[f"chunked_rows padded={padded}"] += 1  # True: a captured pass's group
     CALLS[f"chunked_rows lead_apart={lead_apart}"] += 1  # True: a captured pass's long new states
+    CALLS[f"chunked_rows lead={lead > 0}"] += 1  # True: a captured pass's short and long new states in one group
     return _delta_rule_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out)
 
 

@@ -42,6 +42,7 @@ def engines(tiny_dir: Path, bank_bytes: int = 1 << 26, **options) -> tuple[Engin
         (False, True, "fla", "recurrent"),
         (True, True, "fla", "recurrent"),
         (False, False, "ours", "recurrent"),
+        (False, True, "ours", "recurrent"),
         (False, True, "ours", "chunked"),
         (False, True, "ours", "chunked-states"),
     ],
@@ -93,6 +94,9 @@ def test_fused_pass_answers_like_the_reference(
         assert (long_kernels == "ours") <= (CALLS["chunked_rows padded=True"] > 0), CALLS
         # Its long new states' first segment on a launch of its own (kernels.delta_rule.LEAD_APART).
         assert (long_kernels == "ours") == (CALLS["chunked_rows lead_apart=True"] > 0), CALLS
+        # Short and long new states in one group, the first long one apart, when both run the chunked delta rule.
+        one_group = long_kernels == "ours" and short_delta_rule != "recurrent"
+        assert one_group == (CALLS["chunked_rows lead=True"] > 0), CALLS
     assert CALLS["chunked_rows padded=False"] > 0, CALLS  # eager passes (the long rows at least)
 
 

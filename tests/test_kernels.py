@@ -269,15 +269,18 @@ for kernel in (chunked_rows, recurrent_rows):
 # streams) answers as one launch does.
 
 
-def long_group(lead_apart: bool):
+def long_group(lead_apart: bool, lead: int = 0):
     states = torch.full((9, HV, K, V), float("nan"))
     o = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states, torch.tensor([*range(7)] + [8] * 9), padded_cu,
-                     new_states=True, padded=True, lead_apart=lead_apart)
+                     new_states=True, padded=True, lead_apart=lead_apart, lead=lead)
     assert states[[4, 7, 8]].isnan().all()
     return torch.cat([o[5:77].flatten(), states[[0, 1, 2, 3, 5, 6]].flatten()])
 
 
 assert R.LEAD_APART and torch.equal(long_group(True), long_group(False))
+# Apart from the middle of the group (a captured pass's short and long new states in one group, its first long one
+# apart): the segments before and after it in turn.
+assert torch.equal(long_group(True, lead=2), long_group(False))
 
 # The pointer softmax: questions of 1 to 40 options (several of the kernel's 16-option steps), a head width that is no
 # power of two, a temperature; each row zero past its question's options.

@@ -875,6 +875,7 @@ def chunked_rows(
     out: torch.Tensor | None = None,
     padded: bool = False,
     lead_apart: bool = False,
+    lead: int = 0,
 ) -> torch.Tensor:
     """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
     chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
@@ -882,7 +883,8 @@ def chunked_rows(
     segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass runs CHUNK_WIDE or
     CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
     whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS);
-    with `lead_apart` (a padded group of long new states) too, its first segment on a launch of its own (LEAD_APART)."""
+    with `lead_apart` (a padded group of long new states) too, its first long segment on a launch of its own
+    (LEAD_APART): segment `lead` (a captured pass's group of short and long new states: its short slots come first)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
@@ -937,12 +939,14 @@ def chunked_rows(
         args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
         return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra)
 
-    if not (padded and lead_apart and LEAD_APART and n > 1):
+    if not (padded and lead_apart and LEAD_APART and n > lead + 1):
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
-    with _beside(q.device) as lead:
-        lead(lambda: chain(0, 1, None, out))
-        chain(1, n, CHUNK_PER_SM, out)
+    with _beside(q.device) as apart:
+        apart(lambda: chain(lead, lead + 1, None, out))
+        for first, last in ((0, lead), (lead + 1, n)):  # the others in turn, beside it
+            if last > first:
+                chain(first, last, CHUNK_PER_SM, out)
     return out
 
 
