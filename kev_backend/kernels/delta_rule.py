@@ -768,7 +768,7 @@ def _chain_item(
     return bos
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "SKIP"])
 def _chunked_delta_rule_kernel(
     q,
     k,
@@ -801,43 +801,48 @@ def _chunked_delta_rule_kernel(
     BF16: tl.constexpr,
     LOOP: tl.constexpr,
     N,
+    SKIP,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
     o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
     the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
     instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
-    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
+    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched). With LOOP, segment SKIP's
+    items are left to a launch of their own (LEAD_APART; −1: none)."""
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)
         while item < N * HV * (V // BV):
-            bos = _chain_item(
-                item,
-                u,
-                a_log,
-                dt_bias,
-                pool,
-                slots,
-                cu,
-                o,
-                stride_ut,
-                stride_ot,
-                w,
-                qs,
-                kd,
-                qk,
-                dend,
-                H,
-                HV,
-                K,
-                V,
-                BV,
-                BT,
-                CONTINUE,
-                BF16,
-            )
-            item = _next_item(item, bos, end, N * HV * (V // BV))
+            if item // (HV * (V // BV)) == SKIP:  # not empty: the next item is tl.num_programs(0) on, as _next_item's
+                item += tl.num_programs(0)
+            else:
+                bos = _chain_item(
+                    item,
+                    u,
+                    a_log,
+                    dt_bias,
+                    pool,
+                    slots,
+                    cu,
+                    o,
+                    stride_ut,
+                    stride_ot,
+                    w,
+                    qs,
+                    kd,
+                    qk,
+                    dend,
+                    H,
+                    HV,
+                    K,
+                    V,
+                    BV,
+                    BT,
+                    CONTINUE,
+                    BF16,
+                )
+                item = _next_item(item, bos, end, N * HV * (V // BV))
     else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
         _chain_item(
             tl.program_id(0),
@@ -942,20 +947,19 @@ def chunked_rows(
     if maxnreg is not None:
         extra["maxnreg"] = maxnreg
 
-    def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None) -> torch.Tensor:
-        """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them)."""
+    def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None, skip: int = -1) -> torch.Tensor:
+        """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them), but
+        segment `skip` of them when its programs take items in turn (`per_sm`)."""
         run_slots, run_cu = slots[first:last], cu[first : last + 1]
         args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
-        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra)
+        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra, SKIP=skip)
 
     if not (padded and lead_apart and LEAD_APART and n > lead + 1):
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
     with _beside(q.device) as apart:
         apart(lambda: chain(lead, lead + 1, None, out))
-        for first, last in ((0, lead), (lead + 1, n)):  # the others in turn, beside it
-            if last > first:
-                chain(first, last, CHUNK_PER_SM, out)
+        chain(0, n, CHUNK_PER_SM, out, skip=lead)  # the others in turn, beside it
     return out
 
 
