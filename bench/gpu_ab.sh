@@ -5,7 +5,7 @@
 #   bash bench/gpu_ab.sh prepare REV         here: .ab/ (git-ignored) holds REV's kev_backend/ and bench/; carry
 #                                            ".ab" with ".whl"
 #   bash bench/gpu_ab.sh run [STEP] [ROUNDS] there: STEP (default latency) from .ab/ then this tree, then this tree
-#                                            then .ab/, ROUNDS times (default 1); each run's lines into $OUT/ab-STEP.log
+#                                            then .ab/, ROUNDS times (default 1); each run's output into $OUT/ab-STEP.log
 # Environment as bench/gpu_run.sh (KEV_COMMIT names this tree); KEV_GRAPHS=1 and KEV_LONG_KERNELS=ours as the GPU
 # config runs.
 set -uo pipefail
@@ -30,8 +30,9 @@ case ${1:-} in
         if [[ $side == base ]]; then tree=$PWD/.ab name="base $(cat .ab/REV)"; else tree=$PWD name="this ${KEV_COMMIT:-?}"; fi
         echo "== $name" | tee -a "$log"
         # The tree's own diag.py and kev_backend (the script's directory comes first on sys.path, then PYTHONPATH).
-        PYTHONPATH=/tmp/site:$tree timeout 200 python3 "$tree/bench/diag.py" "$step" 2>&1 \
-          | grep -E "^(short6|long5|$step)|Error" | tee -a "$log" || status=1
+        # The whole output into the log; the lines naming a workload or an error on the terminal.
+        PYTHONPATH=/tmp/site:$tree timeout 200 python3 "$tree/bench/diag.py" "$step" 2>&1 | tee -a "$log" \
+          | grep -E "^(short6|long5|== |$step)|Error" || status=1
       done
     done
     exit $status

@@ -452,11 +452,21 @@ PREP_WARPS = 2
 # against 0.2171 / 1.0337 / 3.0803 / 0.0283, so 13 % slower for one state (the scaling sits on the chain) and 1-2 %
 # faster for many.
 PREP_MAXNREG: int | None = 168
-# Tokens of the input a prep program looks for chunk starts in, for rows (new states: CHUNK), read at each launch. A
-# window holds one chunk start of each segment reaching into it: rows of ~31 tokens put two in most 16-token windows
-# (one row's second chunk, the next row's first), so a short6's rows wait for two chunks' terms in series, where 8-token
-# windows (twice the programs) would hold one. Not yet timed on the GPU (bench/diag.py padded, "prep window 8").
-ROWS_PREP_WINDOW = CHUNK
+# A prep program looks for chunk starts in a window of the input's tokens (new states: CHUNK). A window holds one chunk
+# start of each segment reaching into it: rows of ~31 tokens put two in most 16-token windows (one row's second chunk,
+# the next row's first), so their program works out two chunks' terms in series, where 8-token windows (twice the
+# programs) hold one. That pays while the doubled grid still fits the GPU at once, so rows passes of up to this many
+# tokens use half-chunk windows. H200 (bench/diag.py padded, b44e122), prep µs a layer, 16 / 8-token windows: a
+# short6's rows in r192 15.7 / 12.8 (chain unchanged); long5's rows in r768 27.7 / 28.8; 32 short6's in r6144
+# 205.2 / 293.5. Same terms either way (tests/test_kernels.py).
+ROWS_HALF_WINDOW_TOKENS = 192
+
+
+def rows_prep_window(tokens: int) -> int:
+    """The prep's window for a rows pass of `tokens` tokens (ROWS_HALF_WINDOW_TOKENS)."""
+    return CHUNK // 2 if tokens <= ROWS_HALF_WINDOW_TOKENS else CHUNK
+
+
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd, QK and U₀ are stored in bf16 when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16
 # (as fla stores its u) adds a rounding before U = U₀ − W S, which the chain's products round to bf16 anyway; it
@@ -908,7 +918,7 @@ def chunked_rows(
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
-        window = CHUNK if new_states else ROWS_PREP_WINDOW
+        window = CHUNK if new_states else rows_prep_window(T)
         assert 0 < window <= CHUNK  # a segment's chunks start CHUNK tokens apart: at most one in a window
         _chunk_prep_kernel[(triton.cdiv(T, window), HV)](
             q,
