@@ -438,7 +438,6 @@ def padded_groups() -> None:
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
 
-    half_window_tokens = R.ROWS_HALF_WINDOW_TOKENS
     # (label, segment lengths, capacity, new states): one short6 request's rows in r192 (48 row slots) and its state
     # in s64 (8), 32 short6 requests' rows in r6144 (1,536), one long5 state in s2560's long group (20), and long
     # groups of three and six states in s4096's (32). A long group also runs with its first segment apart.
@@ -468,8 +467,8 @@ def padded_groups() -> None:
                 "in turn": (padded_slots, padded_cu, True, True, per_sm, False),
                 "in turn 1/SM": (padded_slots, padded_cu, True, True, 1, False),
             }
-            if not new and name == "chunked":  # rows: their prep in windows of half a chunk or a whole one
-                settings[f"in turn, prep window {R.CHUNK}"] = (padded_slots, padded_cu, True, True, per_sm, False)
+            if not new and name == "chunked":  # rows: their prep in windows of half a chunk (ROWS_PREP_WINDOW)
+                settings[f"in turn, prep window {R.CHUNK // 2}"] = (padded_slots, padded_cu, True, True, per_sm, False)
             if new and name == "chunked" and max(lengths) > 64:  # a long group: its first segment apart (LEAD_APART)
                 settings |= {
                     "lead apart": (padded_slots, padded_cu, True, True, per_sm, True),
@@ -481,8 +480,7 @@ def padded_groups() -> None:
                 # chain?); with the lead apart, the rest's.
                 R.RECURRENT_LOOP, R.CHUNK_WIDE = loop, R.CHUNK_NARROW if setting == "per item" else wide
                 R.CHUNK_PER_SM = chunk_per_sm
-                # rows up to this bucket look in half-chunk windows unless told otherwise (ROWS_HALF_WINDOW_TOKENS)
-                R.ROWS_HALF_WINDOW_TOKENS = 0 if "prep window" in setting else half_window_tokens
+                R.ROWS_PREP_WINDOW = R.CHUNK // 2 if "prep window" in setting else R.CHUNK
                 extra = {"lead_apart": True} if lead_apart else {}
                 args = (q, k, v, a, b, a_log, dt_bias, pool, use_slots, use_cu)
                 run = lambda kernel=kernel, args=args, new=new, padded=padded, extra=extra: kernel(  # noqa: E731
@@ -499,7 +497,7 @@ def padded_groups() -> None:
                 )
                 line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{'' if same else ' DIFFERS'}")
             R.CHUNK_WIDE, R.CHUNK_PER_SM = wide, per_sm
-            R.RECURRENT_LOOP, R.ROWS_HALF_WINDOW_TOKENS = False, half_window_tokens
+            R.RECURRENT_LOOP, R.ROWS_PREP_WINDOW = False, R.CHUNK
             print(f"padded {label} {name}: " + ", ".join(line), flush=True)
 
 

@@ -13,8 +13,8 @@ With the chunked delta rule for short new states too (FusedQwen35.short_delta_ru
 conv and the delta rule's prep, short segments first (Bucket.states of them), then long: a pass with new states of
 one class only would otherwise run the other group's conv and prep over empty segments every DeltaNet layer (long5
 new on the H200: its empty short group's conv, prep and chain took 11.9 µs a layer; without the group a pass took
-0.25 ms less; bench/NOTES.md session 20). Attention still runs per class; the chain runs the first long segment on a
-launch of its own and every other segment, short or long, in one launch beside it (kernels.delta_rule.LEAD_APART).
+0.25 ms less; bench/NOTES.md session 20). Attention still runs per class, and the chain takes the short segments in a
+launch of their own beside the first long one's (kernels.delta_rule.LEAD_APART).
 
 Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
 padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on

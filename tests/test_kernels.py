@@ -238,16 +238,13 @@ for n in range(3):
 # Many segments inside a wider input (tokens 0-4 and 77-107 in none; several in one 16-token tile; an empty one), as
 # a captured pass's groups: the chunked kernel answers as the token-by-token one, rows and new states.
 inner_cu = torch.tensor([5, 8, 24, 41, 42, 42, 75, 77])
-# Rows' chunk terms found in whole-chunk and in half-chunk windows (ROWS_HALF_WINDOW_TOKENS): the same terms, from
-# other programs.
-half_window_tokens = R.ROWS_HALF_WINDOW_TOKENS
-R.ROWS_HALF_WINDOW_TOKENS = 0
 o1 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
-R.ROWS_HALF_WINDOW_TOKENS = q.shape[0]
-o3 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
-R.ROWS_HALF_WINDOW_TOKENS = half_window_tokens
 o2 = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
 assert (o1[5:77] - o2[5:77]).abs().max() < 10 * TOL
+# Rows' chunk terms found in windows narrower than a chunk (ROWS_PREP_WINDOW): the same terms, from other programs.
+R.ROWS_PREP_WINDOW = R.CHUNK // 2
+o3 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
+R.ROWS_PREP_WINDOW = R.CHUNK
 assert torch.equal(o1[5:77], o3[5:77])
 states_1, states_2 = torch.full((8, HV, K, V), float("nan")), torch.full((8, HV, K, V), float("nan"))
 o1 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states_1, torch.arange(7), inner_cu, new_states=True)
@@ -459,7 +456,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
                 R.PREP_WARPS,
                 R.PREP_MAXNREG,
             )
-            for window in sorted({R.CHUNK, R.CHUNK // 2})  # rows: half-chunk windows too (ROWS_HALF_WINDOW_TOKENS)
+            for window in sorted({R.CHUNK, R.CHUNK // 2})  # rows may look in narrower windows (ROWS_PREP_WINDOW)
         ],
         *[
             (

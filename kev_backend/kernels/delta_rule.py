@@ -452,21 +452,14 @@ PREP_WARPS = 2
 # against 0.2171 / 1.0337 / 3.0803 / 0.0283, so 13 % slower for one state (the scaling sits on the chain) and 1-2 %
 # faster for many.
 PREP_MAXNREG: int | None = 168
-# A prep program looks for chunk starts in a window of the input's tokens (new states: CHUNK). A window holds one chunk
-# start of each segment reaching into it: rows of ~31 tokens put two in most 16-token windows (one row's second chunk,
-# the next row's first), so their program works out two chunks' terms in series, where 8-token windows (twice the
-# programs) hold one. That pays while the doubled grid still fits the GPU at once, so rows passes of up to this many
-# tokens use half-chunk windows. H200 (bench/diag.py padded, b44e122), prep µs a layer, 16 / 8-token windows: a
-# short6's rows in r192 15.7 / 12.8 (chain unchanged); long5's rows in r768 27.7 / 28.8; 32 short6's in r6144
-# 205.2 / 293.5. Same terms either way (tests/test_kernels.py).
-ROWS_HALF_WINDOW_TOKENS = 192
-
-
-def rows_prep_window(tokens: int) -> int:
-    """The prep's window for a rows pass of `tokens` tokens (ROWS_HALF_WINDOW_TOKENS)."""
-    return CHUNK // 2 if tokens <= ROWS_HALF_WINDOW_TOKENS else CHUNK
-
-
+# Tokens of the input a prep program looks for chunk starts in, for rows (new states: CHUNK), read at each launch. A
+# window holds one chunk start of each segment reaching into it: rows of ~31 tokens put two in most 16-token windows
+# (one row's second chunk, the next row's first), so a short6's rows wait for two chunks' terms in series, where 8-token
+# windows (twice the programs) hold one. 8-token windows lost in the engine: H200, a short6 on a banked state (r192's
+# rows), the prep's first layer 17.6 → 19.6 µs, the pass's GPU time 4.64 → 4.70 ms (bench/diag.py kernels, ABBA,
+# 2783a15), though a graph of the prep and chain alone had gained (padded: 15.7 → 12.8 µs); larger rows buckets lose
+# there too (r768 27.7 → 28.8, r6144 205 → 294). So CHUNK.
+ROWS_PREP_WINDOW = CHUNK
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd, QK and U₀ are stored in bf16 when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16
 # (as fla stores its u) adds a rounding before U = U₀ − W S, which the chain's products round to bf16 anyway; it
@@ -778,7 +771,7 @@ def _chain_item(
     return bos
 
 
-@triton.jit(do_not_specialize=["N", "SKIP"])
+@triton.jit(do_not_specialize=["N"])
 def _chunked_delta_rule_kernel(
     q,
     k,
@@ -811,48 +804,43 @@ def _chunked_delta_rule_kernel(
     BF16: tl.constexpr,
     LOOP: tl.constexpr,
     N,
-    SKIP,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
     o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
     the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
     instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
-    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched). With LOOP, segment SKIP's
-    items are left to a launch of their own (LEAD_APART; −1: none)."""
+    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)
         while item < N * HV * (V // BV):
-            if item // (HV * (V // BV)) == SKIP:  # not empty: the next item is tl.num_programs(0) on, as _next_item's
-                item += tl.num_programs(0)
-            else:
-                bos = _chain_item(
-                    item,
-                    u,
-                    a_log,
-                    dt_bias,
-                    pool,
-                    slots,
-                    cu,
-                    o,
-                    stride_ut,
-                    stride_ot,
-                    w,
-                    qs,
-                    kd,
-                    qk,
-                    dend,
-                    H,
-                    HV,
-                    K,
-                    V,
-                    BV,
-                    BT,
-                    CONTINUE,
-                    BF16,
-                )
-                item = _next_item(item, bos, end, N * HV * (V // BV))
+            bos = _chain_item(
+                item,
+                u,
+                a_log,
+                dt_bias,
+                pool,
+                slots,
+                cu,
+                o,
+                stride_ut,
+                stride_ot,
+                w,
+                qs,
+                kd,
+                qk,
+                dend,
+                H,
+                HV,
+                K,
+                V,
+                BV,
+                BT,
+                CONTINUE,
+                BF16,
+            )
+            item = _next_item(item, bos, end, N * HV * (V // BV))
     else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
         _chain_item(
             tl.program_id(0),
@@ -918,7 +906,7 @@ def chunked_rows(
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
-        window = CHUNK if new_states else rows_prep_window(T)
+        window = CHUNK if new_states else ROWS_PREP_WINDOW
         assert 0 < window <= CHUNK  # a segment's chunks start CHUNK tokens apart: at most one in a window
         _chunk_prep_kernel[(triton.cdiv(T, window), HV)](
             q,
@@ -957,19 +945,20 @@ def chunked_rows(
     if maxnreg is not None:
         extra["maxnreg"] = maxnreg
 
-    def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None, skip: int = -1) -> torch.Tensor:
-        """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them), but
-        segment `skip` of them when its programs take items in turn (`per_sm`)."""
+    def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None) -> torch.Tensor:
+        """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them)."""
         run_slots, run_cu = slots[first:last], cu[first : last + 1]
         args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
-        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra, SKIP=skip)
+        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra)
 
     if not (padded and lead_apart and LEAD_APART and n > lead + 1):
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
     with _beside(q.device) as apart:
         apart(lambda: chain(lead, lead + 1, None, out))
-        chain(0, n, CHUNK_PER_SM, out, skip=lead)  # the others in turn, beside it
+        for first, last in ((0, lead), (lead + 1, n)):  # the others in turn, beside it
+            if last > first:
+                chain(first, last, CHUNK_PER_SM, out)
     return out
 
 
