@@ -129,6 +129,7 @@ class PassKernels:
     chunked_rows: Callable
     conv: Callable
     rows_attention: Callable
+    bank_kv: Callable
 
     @classmethod
     def gpu(cls) -> PassKernels:
@@ -149,6 +150,7 @@ class PassKernels:
             kernels.chunked_rows,
             kernels.conv_tokens,
             kernels.rows_attention,
+            kernels.bank_kv,
         )
 
 
@@ -198,7 +200,7 @@ class FusedQwen35:
             raise ValueError(f"short_delta_rule must be one of {SHORT_DELTA_RULES}, not {short_delta_rule!r}")
         self.short_rows_recurrent = short_delta_rule in ("recurrent", "chunked-states")
         self.short_states_recurrent = short_delta_rule == "recurrent"
-        self._recurrent_rows, self._rows_attention = k.recurrent_rows, k.rows_attention
+        self._recurrent_rows, self._rows_attention, self._bank_kv = k.recurrent_rows, k.rows_attention, k.bank_kv
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
@@ -377,14 +379,12 @@ class FusedQwen35:
             self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
         return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
 
-    @staticmethod
     def _bank_states_kv(
-        p: PassInput, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, p: PassInput, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """The new states' K and V (of the pass's tokens) into their pages of the layer's bank pool."""
         if (s := p.states) is not None:
-            keys.index_copy_(0, p.state_kv_dst, k[s.start : s.end])
-            values.index_copy_(0, p.state_kv_dst, v[s.start : s.end])
+            self._bank_kv(keys, values, p.state_kv_dst, k[s.start : s.end], v[s.start : s.end])
 
     def _attend_rows(
         self,

@@ -164,6 +164,11 @@ def rows_attention(q, k, v, k_pool, v_pool, prefix, prefix_start, prefix_len, cu
     return o
 
 
+def bank_kv(keys, values, dst, k, v):
+    keys.index_copy_(0, dst, k)
+    values.index_copy_(0, dst, v)
+
+
 TORCH_KERNELS = PassKernels(
     chunk=delta_rule,
     attention=attention,
@@ -176,4 +181,5 @@ TORCH_KERNELS = PassKernels(
     chunked_rows=chunked_rows,
     conv=conv_rows,  # conv_tokens' job, segment by segment
     rows_attention=rows_attention,
+    bank_kv=bank_kv,
 )

@@ -87,6 +87,19 @@ out = torch.randn(9, 3, 32)
 y = sigmoid_gate(out, gate)
 ref = (out * torch.sigmoid(gate)).reshape(9, 96)
 assert y.shape == (9, 96) and ((y - ref).abs().max() / ref.abs().max()) < REL
+# New states' K and V into the bank's rows, V read in place from a wider projection: index_copy_ into each, exactly;
+# the other rows untouched.
+from kev_backend.kernels import bank_kv
+
+kv_proj = torch.randn(9, 4 * 2 * 32 + 3)
+k_new, v_new = kv_proj[:, : 4 * 32].reshape(9, 4, 32).contiguous(), kv_proj[:, 4 * 32 : 8 * 32].view(9, 4, 32)
+keys, values = torch.randn(20, 4, 32), torch.randn(20, 4, 32)
+ref_keys, ref_values = keys.clone(), values.clone()
+kv_dst = torch.tensor([19, 3, 4, 5, 11, 0, 7, 8, 2])
+bank_kv(keys, values, kv_dst, k_new, v_new)
+ref_keys.index_copy_(0, kv_dst, k_new)
+ref_values.index_copy_(0, kv_dst, v_new)
+assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
 
 # Rows' conv continuing the window held in a pool, and rows' attention over pool K/V by index.
 from kev_backend.qwen35 import causal_attention
@@ -373,6 +386,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     from triton.compiler import ASTSource, compile
 
     from kev_backend.kernels import attention as A
+    from kev_backend.kernels import bank as B
     from kev_backend.kernels import conv as C
     from kev_backend.kernels import delta_rule as R
     from kev_backend.kernels import norms as N
@@ -413,6 +427,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             4,
         ),
         (N._silu_mul_kernel, {"gate_up": bf, "y": bf}, dict(BLOCK=1024), 4),
+        (B._bank_kv_kernel, {"k": bf, "v": bf, "keys": bf, "values": bf, "dst": i64}, dict(WIDTH=1024, BLOCK=1024), 4),
         (
             P._pointer_softmax_kernel,
             {"p": f32, "decides": i64, "widths": i64, "out": f32, "root_dp": "fp32", "temperature": "fp32"},
