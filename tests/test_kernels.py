@@ -316,10 +316,12 @@ for i, (d, n) in enumerate(zip(decides, widths)):
 # The pass's conv (token slices in parallel, each finding its first segment) answers as the token-by-token one: rows
 # from their windows, new states writing theirs; segments that start after the input's first token and end before its
 # last (a captured pass's long group) leave the other tokens alone.
-# In 32- and in 4-token slices: segments crossing many slices, scans starting inside a segment.
+# In 32- and in 4-token slices, and in a small pass's (SCAN_SMALL): segments crossing many slices, scans starting
+# inside a segment.
 from kev_backend.kernels import conv as conv_kernels
 
-for conv_kernels.SCAN_TOKENS in (32, 4):
+small_pass_tokens = conv_kernels.SCAN_SMALL_TOKENS
+for conv_kernels.SCAN_SMALL_TOKENS, conv_kernels.SCAN_TOKENS in ((0, 32), (0, 4), (108, 32)):
     lens = [37, 1, 70, 0]
     cu = torch.tensor([0, 37, 38, 108, 108])
     wide = torch.randn(108, C + 5)
@@ -337,6 +339,7 @@ for conv_kernels.SCAN_TOKENS in (32, 4):
     ya = conv_tokens(x, w, pool, torch.tensor([3, 0, 5]), inner)
     yb = conv_rows(x[5:], w, pool, torch.tensor([3, 0, 5]), inner - 5)
     assert (ya[5:100] - yb[:95]).abs().max() < TOL
+conv_kernels.SCAN_SMALL_TOKENS, conv_kernels.SCAN_TOKENS = small_pass_tokens, 32
 print("ok")
 """
 
@@ -448,10 +451,11 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 C._conv_scan_kernel,
                 {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-                dict(W=4, BT=C.SCAN_TOKENS, BC=C.SCAN_CHANNELS, CONTINUE=continues),
-                C.SCAN_WARPS,
+                dict(W=4, BT=tokens, BC=channels, CONTINUE=continues),
+                warps,
             )
             for continues in (True, False)
+            for tokens, channels, warps in ((C.SCAN_TOKENS, C.SCAN_CHANNELS, C.SCAN_WARPS), C.SCAN_SMALL)
         ],
         *[
             (

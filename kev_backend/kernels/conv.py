@@ -95,12 +95,34 @@ def conv_rows(
 SCAN_TOKENS = 32
 SCAN_CHANNELS = 256
 SCAN_WARPS = 2
+# Passes of up to SCAN_SMALL_TOKENS tokens (a lone request's rows or short state: r192, s64) scan in SCAN_SMALL's
+# (tokens, channels, warps): a 192-token pass gave 32×256/2 only 192 programs of 2 warps, 8.7 µs a DeltaNet layer on
+# short6 same (bench/diag.py kernels, 92ab15d), where every program's path is a few load latencies in series (finding
+# its segment, four tokens a step). Shorter slices, more programs. Not yet timed on the GPU.
+SCAN_SMALL_TOKENS = 256
+SCAN_SMALL = (8, 128, 1)
+
+
+def scan_config(tokens: int) -> tuple[int, int, int]:
+    """(tokens, channels, warps) a program for a pass of `tokens` tokens (read at each launch)."""
+    return SCAN_SMALL if tokens <= SCAN_SMALL_TOKENS else (SCAN_TOKENS, SCAN_CHANNELS, SCAN_WARPS)
 
 
 @triton.jit
 def _store_silu(y, t, stride_yt, o_c, mask, acc):
     """Token t's conv output through SiLU, rounded to y's dtype."""
     tl.store(y + t * stride_yt + o_c, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _input_before(x, stride_xt, o_c, m_c, t, start, bos, window, W: tl.constexpr, CONTINUE: tl.constexpr):
+    """The conv's input at token t, one of the W - 1 before a scan's first output: x's from `start` on; before it (the
+    scan then starts at its segment's first token, bos) a row's state's window entry (W - d holds x_{bos - d}), or zero
+    (a new state's start)."""
+    value = tl.load(x + t * stride_xt + o_c, mask=m_c & (t >= start), other=0.0).to(tl.float32)
+    if CONTINUE:
+        value += tl.load(window + W - (bos - t), mask=m_c & (t < start), other=0.0).to(tl.float32)
+    return value
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
@@ -124,8 +146,8 @@ def _conv_scan_kernel(
 ):
     """conv_tokens in BT-token slices of the input, each scanned token by token by one program per BC channels: the
     window lives in registers, so each input is loaded once, and a program holds a few [BC] vectors (no [BT, BC]
-    tiles of pointers and masks). The scan of a segment that starts before the slice begins W tokens early
-    (outputs not stored) to fill the window."""
+    tiles of pointers and masks). The scan of a segment that starts before the slice first reads the W - 1 inputs
+    before it to fill the window."""
     i_c, i_t = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -141,21 +163,13 @@ def _conv_scan_kernel(
     while (n < N) & (bos < last):
         eos = tl.load(cu + n + 1).to(tl.int64)
         lo, hi = tl.maximum(bos, first), tl.minimum(eos, last)
-        start = tl.maximum(bos, lo - W)  # where the scan starts: the segment's start, or W tokens before lo
+        start = tl.maximum(bos, lo - W)  # the segment's start, or W tokens before lo: no input before it is read
         base = pool + (tl.load(slots + n).to(tl.int64) * C + o_c) * W  # the window [C, W]: W - d holds x_{bos - d}
-        # The window before `start`: a row's state's window when the scan starts at the row's first token, else
-        # zeros (a new state's start; or a scan started inside the segment, which replaces them before lo).
-        x3 = tl.zeros([BC], dtype=tl.float32)
-        x2 = tl.zeros([BC], dtype=tl.float32)
-        x1 = tl.zeros([BC], dtype=tl.float32)
-        if CONTINUE:
-            if start == bos:
-                x3 = tl.load(base + 1, mask=m_c, other=0.0).to(tl.float32)
-                x2 = tl.load(base + 2, mask=m_c, other=0.0).to(tl.float32)
-                x1 = tl.load(base + 3, mask=m_c, other=0.0).to(tl.float32)
-        for t in range(start, lo):
-            x0 = tl.load(x + t * stride_xt + o_c, mask=m_c, other=0.0).to(tl.float32)
-            x3, x2, x1 = x2, x1, x0
+        # The three inputs before lo, loaded at once (one token after another, they were three load latencies in
+        # series on every program's path).
+        x3 = _input_before(x, stride_xt, o_c, m_c, lo - 3, start, bos, base, W, CONTINUE)
+        x2 = _input_before(x, stride_xt, o_c, m_c, lo - 2, start, bos, base, W, CONTINUE)
+        x1 = _input_before(x, stride_xt, o_c, m_c, lo - 1, start, bos, base, W, CONTINUE)
         # Four tokens a step, their inputs loaded a step ahead: eight loads in flight per program where one token
         # a step kept two (the scan is bound by load latency, not bandwidth). Past `hi` loads give zeros and
         # stores are masked off.
@@ -206,7 +220,8 @@ def conv_tokens(
     assert x.stride(1) == 1 and weight.is_contiguous() and pool.is_contiguous()
     y = torch.empty(T, C, device=x.device, dtype=x.dtype)
     if n and T:
-        _conv_scan_kernel[(triton.cdiv(C, SCAN_CHANNELS), triton.cdiv(T, SCAN_TOKENS))](
+        block_t, block_c, warps = scan_config(T)
+        _conv_scan_kernel[(triton.cdiv(C, block_c), triton.cdiv(T, block_t))](
             x,
             weight,
             pool,
@@ -219,9 +234,9 @@ def conv_tokens(
             y.stride(0),
             search_steps(n),
             W=W,
-            BT=SCAN_TOKENS,
-            BC=SCAN_CHANNELS,
+            BT=block_t,
+            BC=block_c,
             CONTINUE=not new_states,
-            num_warps=SCAN_WARPS,
+            num_warps=warps,
         )
     return y
