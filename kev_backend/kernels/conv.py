@@ -98,7 +98,11 @@ SCAN_WARPS = 2
 # Passes of up to SCAN_SMALL_TOKENS tokens (a lone request's rows or short state: r192, s64) scan in SCAN_SMALL's
 # (tokens, channels, warps): a 192-token pass gave 32×256/2 only 192 programs of 2 warps, 8.7 µs a DeltaNet layer on
 # short6 same (bench/diag.py kernels, 92ab15d), where every program's path is a few load latencies in series (finding
-# its segment, four tokens a step). Shorter slices, more programs. Not yet timed on the GPU.
+# its segment, four tokens a step). Shorter slices, more programs. H200, from graphs (bench/diag.py convscan, 4411401),
+# ms for one short6's rows (6×31): 8×128/1 0.0061, 8×256/2 0.0062, 8×64/1 0.0062, 16×128/1 0.0065, 4×128/1 0.0069,
+# 32×256/2 0.0080. With the inputs before a slice loaded at once too (ABBA against fa3c50b, diag.py kernels), the
+# conv's GPU ms a pass: short6 same 0.203 → 0.161, short6 new 0.346 → 0.263, long5 new 1.10 → 0.94, 8 new long5
+# 6.22 → 5.79, 32 new short6 2.44 → 2.25. Outputs identical.
 SCAN_SMALL_TOKENS = 256
 SCAN_SMALL = (8, 128, 1)
 
