@@ -12,9 +12,10 @@ in an eager pass); each group's kernels touch only its own segments' tokens.
 With the chunked delta rule for short new states too (FusedQwen35.short_delta_rule), the two are one group for the
 conv and the delta rule's prep, short segments first (Bucket.states of them), then long: a pass with new states of
 one class only would otherwise run the other group's conv and prep over empty segments every DeltaNet layer (long5
-new on the H200: its empty short group's conv, prep and chain took 11.9 µs a layer; without the group a pass took
-0.25 ms less; bench/NOTES.md session 20). Attention still runs per class, and the chain takes the short segments in a
-launch of their own beside the first long one's (kernels.delta_rule.LEAD_APART).
+new on the H200: its empty short group's conv, prep and chain took 11.9 µs a layer). Attention still runs per class,
+and the chain takes the short segments in a launch of their own beside the first long one's
+(kernels.delta_rule.LEAD_APART). What it saves is small: the conv and prep ~9 µs a layer on long5 new, while its
+latency against the two groups stayed within the machines' noise (bench/NOTES.md, sessions 20 and 21).
 
 Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
 padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on

@@ -947,12 +947,13 @@ def chunked_rows(
     parts = LEAD_PARTS if apart and new_states else 1
     window = CHUNK if new_states else ROWS_PREP_WINDOW
     assert 0 < window <= CHUNK  # a segment's chunks start CHUNK tokens apart: at most one in a window
+    if n:
+        assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
+        assert a.stride() == b.stride() and a.stride(1) == 1
 
     def prep(run_cu: torch.Tensor, segments: int, skip: int = -1, part: int | None = None) -> None:
         """The chunk terms of `segments` segments of run_cu (but segment `skip`), or of part `part` of its one
         segment (`parts`: the windows from the part's start, as many as the longest part needs)."""
-        assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
-        assert a.stride() == b.stride() and a.stride(1) == 1
         windows = triton.cdiv(T, window) if part is None else triton.cdiv(T, parts * CHUNK)
         _chunk_prep_kernel[(windows, HV)](
             q,
@@ -1012,13 +1013,18 @@ def chunked_rows(
             prep(cu, n)
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
+
+    def others() -> None:
+        """The segments but the lead, in turn (in two launches: those before it and those after it)."""
+        for first, last in ((0, lead), (lead + 1, n)):
+            if last > first:
+                chain(first, last, CHUNK_PER_SM, out)
+
     if parts == 1:
         prep(cu, n)
         with _beside(q.device) as lead_launch:
             lead_launch(lambda: chain(lead, lead + 1, None, out))
-            for first, last in ((0, lead), (lead + 1, n)):  # the others in turn, beside it
-                if last > first:
-                    chain(first, last, CHUNK_PER_SM, out)
+            others()
         return out
     # The lead segment in parts (LEAD_PARTS): each part's chain on the side stream as soon as its chunk terms are
     # ready, while the current stream prepares the next part, then the other segments' terms and chains.
@@ -1027,9 +1033,7 @@ def chunked_rows(
             prep(cu[lead : lead + 2], 1, part=part)
             side(lambda part=part: chain(lead, lead + 1, None, out, part=part))
         prep(cu, n, skip=lead)
-        for first, last in ((0, lead), (lead + 1, n)):
-            if last > first:
-                chain(first, last, CHUNK_PER_SM, out)
+        others()
     return out
 
 
