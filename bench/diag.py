@@ -438,7 +438,6 @@ def padded_groups() -> None:
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
 
-    lead_parts = R.LEAD_PARTS
     # (label, segment lengths, capacity, new states): one short6 request's rows in r192 (48 row slots) and its state
     # in s64 (8), 32 short6 requests' rows in r6144 (1,536), one long5 state in s2560's long group (20), and long
     # groups of three and six states in s4096's (32). A long group also runs with its first segment apart.
@@ -475,18 +474,12 @@ def padded_groups() -> None:
                     "lead apart": (padded_slots, padded_cu, True, True, per_sm, True),
                     "lead apart, rest 1/SM": (padded_slots, padded_cu, True, True, 1, True),
                 }
-                # and cut in parts, each part's chain beside the next part's prep (LEAD_PARTS)
-                settings |= {
-                    f"lead apart, {parts} parts": (padded_slots, padded_cu, True, True, per_sm, True)
-                    for parts in (2, 3, 4, 8)
-                }
             for setting, (use_slots, use_cu, padded, loop, chunk_per_sm, lead_apart) in settings.items():
                 # per item: narrow, as a padded group ran before LAUNCH_ROUNDS. 1/SM: the chain's programs taking items
                 # in turn one an SM (does a second program on an SM, or co-resident empty ones, slow a long state's
                 # chain?); with the lead apart, the rest's.
                 R.RECURRENT_LOOP, R.CHUNK_WIDE = loop, R.CHUNK_NARROW if setting == "per item" else wide
                 R.CHUNK_PER_SM = chunk_per_sm
-                R.LEAD_PARTS = int(setting.split(", ")[1].split()[0]) if setting.endswith(" parts") else lead_parts
                 R.ROWS_PREP_WINDOW = R.CHUNK // 2 if "prep window" in setting else R.CHUNK
                 extra = {"lead_apart": True} if lead_apart else {}
                 args = (q, k, v, a, b, a_log, dt_bias, pool, use_slots, use_cu)
@@ -504,7 +497,7 @@ def padded_groups() -> None:
                 )
                 line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{'' if same else ' DIFFERS'}")
             R.CHUNK_WIDE, R.CHUNK_PER_SM = wide, per_sm
-            R.RECURRENT_LOOP, R.ROWS_PREP_WINDOW, R.LEAD_PARTS = False, R.CHUNK, lead_parts
+            R.RECURRENT_LOOP, R.ROWS_PREP_WINDOW = False, R.CHUNK
             print(f"padded {label} {name}: " + ", ".join(line), flush=True)
 
 

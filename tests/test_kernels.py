@@ -299,13 +299,6 @@ assert R.LEAD_APART and torch.equal(long_group(True), long_group(False))
 # Apart from the middle of the group (a captured pass's short and long new states in one group, its first long one
 # apart): the segments before and after it in turn.
 assert torch.equal(long_group(True, lead=2), long_group(False))
-# The apart segment cut in parts (LEAD_PARTS), each continuing the state the part before left: the same outputs and
-# states. Segment 2 (17 tokens) in 3 parts: a chunk, a token, nothing; segment 5 (33) in 3: two chunks and a token, or
-# in 2: two chunks, a token; segment 0 (3): a partial chunk, then nothing.
-lead_parts = R.LEAD_PARTS
-for R.LEAD_PARTS, lead in ((3, 2), (3, 5), (2, 5), (3, 0)):
-    assert torch.equal(long_group(True, lead=lead), long_group(False)), (R.LEAD_PARTS, lead)
-R.LEAD_PARTS = lead_parts
 
 # The pointer softmax: questions of 1 to 40 options (several of the kernel's 16-option steps), a head width that is no
 # power of two, a temperature; each row zero past its question's options.
@@ -478,31 +471,26 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunk_prep_kernel,
                 chunk_terms,
-                deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=4, WINDOW=window, PARTS=parts),
+                deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=4, WINDOW=window),
                 R.PREP_WARPS,
                 R.PREP_MAXNREG,
             )
-            # rows may look in narrower windows (ROWS_PREP_WINDOW); an apart segment's parts (LEAD_PARTS)
-            for window, parts in ((R.CHUNK, 1), (R.CHUNK // 2, 1), (R.CHUNK, 4))
+            for window in sorted({R.CHUNK, R.CHUNK // 2})  # rows may look in narrower windows (ROWS_PREP_WINDOW)
         ],
         *[
             (
                 R._chunked_delta_rule_kernel,
                 chunk_terms,
-                deltanet_heads
-                | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop)
-                | dict(PARTS=parts, STORE=store),
+                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop),
                 warps,
                 maxnreg,
             )
             for continues in (True, False)
-            # padded groups (LOOP: programs taking items in turn) run narrow; an apart segment's parts (LEAD_PARTS)
-            # continue and store
-            for (block_v, warps, maxnreg), loop, parts, store in (
-                (R.CHUNK_NARROW, False, 1, not continues),
-                (R.CHUNK_NARROW, True, 1, not continues),
-                (R.CHUNK_WIDE, False, 1, not continues),
-                (R.CHUNK_NARROW, False, 4, True),
+            # padded groups (LOOP: programs taking items in turn) run narrow
+            for (block_v, warps, maxnreg), loop in (
+                (R.CHUNK_NARROW, False),
+                (R.CHUNK_NARROW, True),
+                (R.CHUNK_WIDE, False),
             )
         ],
         *[

@@ -84,15 +84,6 @@ def _next_item(item, bos, end, items):
 
 
 @triton.jit
-def _part_bounds(bos, eos, part, PARTS: tl.constexpr, BT: tl.constexpr):
-    """Tokens [start, end) of part `part` of the segment [bos, eos) cut in PARTS (LEAD_PARTS): runs of whole chunks,
-    the same count in each but the last (which may be shorter, or empty), so the segment's chunks stay as they were."""
-    length = eos - bos
-    step = (length + PARTS * BT - 1) // (PARTS * BT) * BT
-    return bos + tl.minimum(part * step, length), bos + tl.minimum((part + 1) * step, length)
-
-
-@triton.jit
 def _log_decay(b_a, decay_rate, bias):
     """g = -exp(A_log) · softplus(a + dt_bias), the log decay (fp32), as Qwen3.5 has it."""
     b_a = b_a + bias
@@ -336,13 +327,9 @@ RECURRENT_LOOP = False
 # own, a program per item (128 on an otherwise idle GPU: one an SM, as unpadded), and the group's other segments at
 # the same time on a side stream, in turn, CHUNK_PER_SM programs an SM. The items' arithmetic is the same.
 # KEV_LEAD_APART=0 turns it off (read at import; the module flag at each launch).
+# Cutting the apart segment in parts, each part's chain beside the next part's prep, lost (9074981, reverted: long5's
+# state 0.196 ms a layer apart, 0.204 in 2 parts, 0.206 in 3, 0.245 in 8; the parts' preps slow beside the chain).
 LEAD_APART = os.environ.get("KEV_LEAD_APART", "1") != "0"
-# The apart segment of new states in LEAD_PARTS parts (runs of whole chunks, _part_bounds): the prep of part p + 1 on
-# the current stream while part p chains on the side stream, each part's chain continuing the state the part before
-# left in the pool (fp32, as in registers: the same outputs and states). On long5 new the prep (~80 µs a DeltaNet
-# layer) and the apart chain (~150 µs) otherwise run one after the other. 1: not cut. KEV_LEAD_PARTS (read at import;
-# the module value at each launch). Not yet timed on the GPU, so 1.
-LEAD_PARTS = int(os.environ.get("KEV_LEAD_PARTS", "1"))
 
 
 def _launch_delta_rule(
@@ -606,7 +593,7 @@ def _chunk_terms(
 
 
 # The segment count varies per pass: one compiled variant for any (no specialisation on its value).
-@triton.jit(do_not_specialize=["N", "steps", "SKIP", "PART"])
+@triton.jit(do_not_specialize=["N", "steps"])
 def _chunk_prep_kernel(
     q,
     k,
@@ -635,9 +622,6 @@ def _chunk_prep_kernel(
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
     WINDOW: tl.constexpr,
-    SKIP,
-    PART,
-    PARTS: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
@@ -645,8 +629,7 @@ def _chunk_prep_kernel(
     (as the chain multiplies them: CHUNK_DOTS), so that the sequential pass gets U = U₀ − W S; and the scaled q̂
     and k̂, the chunk's q̂·k̂ᵀ and its end decay (_chunk_terms). Chunks start at their segment's first token and
     every BT tokens after; a program takes the chunks that start in its WINDOW (at most BT) tokens of the input (at
-    most one per segment, found from the first segment reaching into them). Segment SKIP's chunks are left out (−1:
-    none). With PARTS > 1, only part PART of cu's one segment (_part_bounds), its windows from the part's start."""
+    most one per segment, found from the first segment reaching into them)."""
     i_t, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
     start = i_t.to(tl.int64) * WINDOW
@@ -656,9 +639,6 @@ def _chunk_prep_kernel(
     # pass's padding windows, and every window of an empty group (a long5 pass's empty short group: 11 µs a layer
     # for 5,120 such programs, H200 at 4db113d).
     end = tl.load(cu + N).to(tl.int64)
-    if PARTS > 1:
-        part_start, end = _part_bounds(tl.load(cu).to(tl.int64), end, PART, PARTS, BT)
-        start += part_start
     n = start * 0 + N
     if start < end:
         n = segment_of(cu, N, start, steps)
@@ -667,10 +647,8 @@ def _chunk_prep_kernel(
     # pass's long group: 19 in series; not what its 0.027 ms a layer against unpadded was, H200 at 4db113d).
     while (n < N) & (tl.load(cu + n).to(tl.int64) < tl.minimum(start + WINDOW, end)):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
-        if PARTS > 1:  # the part's chunks: a whole chunk's end where the segment goes on
-            eos = tl.minimum(eos, end)
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
-        if (c0 < tl.minimum(eos, start + WINDOW)) & (n != SKIP):
+        if c0 < tl.minimum(eos, start + WINDOW):
             # Two compiled bodies, one run: masks only for a segment's last, partial chunk.
             for partial in tl.static_range(2):
                 if (c0 + BT > eos) == (partial == 1):
@@ -749,16 +727,11 @@ def _chain_item(
     BT: tl.constexpr,
     CONTINUE: tl.constexpr,
     BF16: tl.constexpr,
-    PART,
-    PARTS: tl.constexpr,
-    STORE: tl.constexpr,
 ):
     """One item of _chunked_delta_rule_kernel; returns its segment's start."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
         item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
-    if PARTS > 1:
-        bos, eos = _part_bounds(bos, eos, PART, PARTS, BT)
     written = eos > bos  # as in _recurrent_rows_kernel
     o_t = tl.arange(0, BT)
     # Offsets within a chunk (the same for every chunk) and the chunk's base: only a segment's last chunk can be
@@ -795,12 +768,12 @@ def _chain_item(
                 o_t < eos - c0,
                 partial == 1,
             )
-    if STORE:
+    if not CONTINUE:
         tl.store(state, S, mask=written)
     return bos
 
 
-@triton.jit(do_not_specialize=["N", "PART"])
+@triton.jit(do_not_specialize=["N"])
 def _chunked_delta_rule_kernel(
     q,
     k,
@@ -833,17 +806,13 @@ def _chunked_delta_rule_kernel(
     BF16: tl.constexpr,
     LOOP: tl.constexpr,
     N,
-    PART,
-    PARTS: tl.constexpr,
-    STORE: tl.constexpr,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
     o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
     the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
     instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
-    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched). STORE: the final state into
-    the pool (new states; a part of a cut segment, LEAD_PARTS). With PARTS > 1, part PART of each segment."""
+    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)
@@ -872,9 +841,6 @@ def _chunked_delta_rule_kernel(
                 BT,
                 CONTINUE,
                 BF16,
-                PART,
-                PARTS,
-                STORE,
             )
             item = _next_item(item, bos, end, N * HV * (V // BV))
     else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
@@ -902,9 +868,6 @@ def _chunked_delta_rule_kernel(
             BT,
             CONTINUE,
             BF16,
-            PART,
-            PARTS,
-            STORE,
         )
 
 
@@ -932,8 +895,7 @@ def chunked_rows(
     CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
     whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS);
     with `lead_apart` (a padded group of long new states) too, its first long segment on a launch of its own
-    (LEAD_APART): segment `lead` (a captured pass's group of short and long new states: its short slots come first),
-    in LEAD_PARTS parts whose chains follow their preps one by one."""
+    (LEAD_APART): segment `lead` (a captured pass's group of short and long new states: its short slots come first)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
@@ -943,19 +905,12 @@ def chunked_rows(
     qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
     u = torch.empty(T, HV, V, device=q.device, dtype=operands)
     dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
-    apart = padded and lead_apart and LEAD_APART and n > lead + 1
-    parts = LEAD_PARTS if apart and new_states else 1
-    window = CHUNK if new_states else ROWS_PREP_WINDOW
-    assert 0 < window <= CHUNK  # a segment's chunks start CHUNK tokens apart: at most one in a window
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
-
-    def prep(run_cu: torch.Tensor, segments: int, skip: int = -1, part: int | None = None) -> None:
-        """The chunk terms of `segments` segments of run_cu (but segment `skip`), or of part `part` of its one
-        segment (`parts`: the windows from the part's start, as many as the longest part needs)."""
-        windows = triton.cdiv(T, window) if part is None else triton.cdiv(T, parts * CHUNK)
-        _chunk_prep_kernel[(windows, HV)](
+        window = CHUNK if new_states else ROWS_PREP_WINDOW
+        assert 0 < window <= CHUNK  # a segment's chunks start CHUNK tokens apart: at most one in a window
+        _chunk_prep_kernel[(triton.cdiv(T, window), HV)](
             q,
             k,
             v,
@@ -963,19 +918,19 @@ def chunked_rows(
             b,
             a_log,
             dt_bias,
-            run_cu,
+            cu,
             w,
             u,
             qs,
             kd,
             qk,
             dend,
-            segments,
+            n,
             K**-0.5,
             q.stride(0),
             v.stride(0),
             a.stride(0),
-            search_steps(segments),
+            search_steps(n),
             H=H,
             HV=HV,
             K=K,
@@ -983,57 +938,29 @@ def chunked_rows(
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
             WINDOW=window,
-            SKIP=skip,
-            PART=part or 0,
-            PARTS=1 if part is None else parts,
             num_warps=PREP_WARPS,
             **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
         )
-
     wide = not padded and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
     extra = dict(w=w, qs=qs, kd=kd, qk=qk, dend=dend, BT=CHUNK, BF16=CHUNK_DOTS == "bf16")
     if maxnreg is not None:
         extra["maxnreg"] = maxnreg
 
-    def chain(
-        first: int, last: int, per_sm: int | None, into: torch.Tensor | None, part: int | None = None
-    ) -> torch.Tensor:
-        """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them); or over
-        part `part` of each (`parts`), from the state the part before left in the pool (a new state's first part: from
-        zero), leaving its own there."""
+    def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None) -> torch.Tensor:
+        """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them)."""
         run_slots, run_cu = slots[first:last], cu[first : last + 1]
-        cut = dict(PART=part or 0, PARTS=1 if part is None else parts, STORE=new_states)
-        from_zero = new_states and not part
-        args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, from_zero, into)
-        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra, **cut)
+        args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
+        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra)
 
-    if not apart:
-        if n:
-            prep(cu, n)
+    if not (padded and lead_apart and LEAD_APART and n > lead + 1):
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
-
-    def others() -> None:
-        """The segments but the lead, in turn (in two launches: those before it and those after it)."""
-        for first, last in ((0, lead), (lead + 1, n)):
+    with _beside(q.device) as apart:
+        apart(lambda: chain(lead, lead + 1, None, out))
+        for first, last in ((0, lead), (lead + 1, n)):  # the others in turn, beside it
             if last > first:
                 chain(first, last, CHUNK_PER_SM, out)
-
-    if parts == 1:
-        prep(cu, n)
-        with _beside(q.device) as lead_launch:
-            lead_launch(lambda: chain(lead, lead + 1, None, out))
-            others()
-        return out
-    # The lead segment in parts (LEAD_PARTS): each part's chain on the side stream as soon as its chunk terms are
-    # ready, while the current stream prepares the next part, then the other segments' terms and chains.
-    with _in_turn_beside(q.device) as side:
-        for part in range(parts):
-            prep(cu[lead : lead + 2], 1, part=part)
-            side(lambda part=part: chain(lead, lead + 1, None, out, part=part))
-        prep(cu, n, skip=lead)
-        others()
     return out
 
 
@@ -1054,28 +981,6 @@ def _beside(device: torch.device) -> Iterator[Callable[[Callable[[], object]], N
         with torch.cuda.stream(side):
             # The lead is launched before the side stream's work so that its programs are placed first.
             yield lambda launch: _on(main, launch)
-    finally:
-        main.wait_stream(side)  # the join
-
-
-@contextlib.contextmanager
-def _in_turn_beside(device: torch.device) -> Iterator[Callable[[Callable[[], object]], None]]:
-    """Launches given to `side` run in turn on a side stream, each after all the current stream queued before it (an
-    event between them; in a captured graph, edges), beside what the current stream queues later; the current stream
-    waits for them at the block's end. Without CUDA, each at once, in order."""
-    if device.type != "cuda":
-        yield lambda launch: launch()
-        return
-    main, side = torch.cuda.current_stream(device), _side_stream(device)
-
-    def after_main(launch: Callable[[], object]) -> None:
-        ready = torch.cuda.Event()
-        ready.record(main)
-        side.wait_event(ready)
-        _on(side, launch)
-
-    try:
-        yield after_main
     finally:
         main.wait_stream(side)  # the join
 
