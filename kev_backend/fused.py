@@ -4,8 +4,8 @@ One pass through the weights per batch: the tokens of every new state and of eve
 GEMMs (concatenated projections after the LoRA merge); inside a layer the mixers run per segment kind — first the
 new states (varlen, from empty caches; their conv windows, fp32 DeltaNet states and K/V are written into the bank
 pool), then the rows (varlen, each continuing its state read from the pool). fp32 where Kev needs it: DeltaNet
-recurrent state, norm statistics, the picked hidden states and the pointer head (the residual stream: RESIDUAL).
-There is no LM head: after the last mixer only the tokens at `</opt>` and `<decide>` go on.
+recurrent state, norm statistics and the residual stream, the picked hidden states and the pointer head. There is
+no LM head: after the last mixer only the tokens at `</opt>` and `<decide>` go on.
 
 The pass's inputs are described in passes.py; the scorer that plans passes and reads the head is fused_scorer.py.
 """
@@ -13,7 +13,6 @@ The pass's inputs are described in passes.py; the scorer that plans passes and r
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -159,14 +158,6 @@ class PassKernels:
 # token by token, chunked, or chunked for new states only. H200, Kev-4B from graphs (bench/diag.py latency, c748b82):
 # short6 new / same / 64 clients 6.28 ms / 5.23 ms / 262 req/s, 5.94 / 5.15 / 289, 6.13 / 5.30 / 269: chunked.
 SHORT_DELTA_RULES = ("recurrent", "chunked", "chunked-states")
-# The residual stream: in the weights' dtype, each out projection adding into it in its GEMM (residual += a Wᵀ,
-# cuBLAS's beta = 1: one rounding of the fp32 sum), so each norm reads it once and writes only its output ("gemm", as
-# Kev's fused path and the bf16 transformers model keep it in bf16); or fp32, added inside the norm ("fp32": a norm
-# reads the projection's output and the fp32 stream and writes both, 30 bytes a value instead of 10 at bf16).
-# KEV_RESIDUAL, read at import.
-RESIDUAL = os.environ.get("KEV_RESIDUAL", "gemm")
-if RESIDUAL not in ("gemm", "fp32"):
-    raise ValueError(f"KEV_RESIDUAL must be gemm or fp32, not {RESIDUAL!r}")
 
 
 class FusedQwen35:
@@ -217,20 +208,9 @@ class FusedQwen35:
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.inv_freq = inv_freq.to(weights.embed.device)  # no host copy inside a pass (it may be captured)
 
-    def first_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first layer's input norm and the residual stream it starts (the embeddings; RESIDUAL)."""
-        if RESIDUAL == "gemm":
-            return self._rms_norm(hidden, weight, self.c.rms_norm_eps)[0], hidden
-        return self._rms_norm(hidden, weight, self.c.rms_norm_eps, store_residual=True)
-
-    def add_and_norm(
-        self, residual: torch.Tensor, a: torch.Tensor, projection: torch.Tensor, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual += a · projectionᵀ, then the next norm's input RMSNorm(residual) · weight (RESIDUAL)."""
-        if RESIDUAL == "gemm":
-            residual.addmm_(a, projection.t())
-            return self._rms_norm(residual, weight, self.c.rms_norm_eps)[0], residual
-        return self._rms_norm(F.linear(a, projection), weight, self.c.rms_norm_eps, residual, store_residual=True)
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
+        """Residual add + RMSNorm in one kernel; the residual stream stays fp32."""
+        return self._rms_norm(x, weight, self.c.rms_norm_eps, residual, store_residual=True)
 
     @torch.no_grad()
     def forward(self, p: PassInput) -> torch.Tensor:
@@ -238,32 +218,31 @@ class FusedQwen35:
         freqs = p.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos(), emb.sin())  # fp32, [T, rotary dims]
+        hidden = F.embedding(p.ids, w.embed)
+        residual = None
         gdn = attn = 0
         last = len(w.layers) - 1
-        x, residual = self.first_norm(F.embedding(p.ids, w.embed), w.layers[0].input_norm)
         for i, layer in enumerate(w.layers):
+            x, residual = self.norm(hidden, layer.input_norm, residual)
             if i == last and layer.kind == FULL_ATTENTION:
                 # Qwen3.5's last layer: only the picks' outputs are read, and only the new states' K/V are kept.
                 picked = self.last_attention(layer, attn, x, rope, p)
                 if picked is None:  # no rows, so no picks (below)
                     break
-                return self.head_inputs(residual[p.picks].float() + picked.float(), layer)
+                return self.head_inputs(residual[p.picks] + picked.float(), layer)
             if layer.kind == FULL_ATTENTION:
-                mixed = self.attention(layer, attn, x, rope, p)
+                hidden = self.attention(layer, attn, x, rope, p)
                 attn += 1
             else:
-                mixed = self.gated_deltanet(layer, gdn, x, p)
+                hidden = self.gated_deltanet(layer, gdn, x, p)
                 gdn += 1
             if i == last:
                 break
-            x, residual = self.add_and_norm(residual, mixed, layer.out_proj, layer.post_norm)
-            up = self._silu_mul(F.linear(x, layer.gate_up))  # the MLP up to its down projection
-            x, residual = self.add_and_norm(residual, up, layer.down, w.layers[i + 1].input_norm)
+            x, residual = self.norm(hidden, layer.post_norm, residual)
+            hidden = self.mlp(layer, x)
         if p.picks.numel() == 0:  # a pass of new states only: their caches are in the bank now
             return x.new_empty(0, x.shape[-1], dtype=torch.float32)
-        n = p.picks.shape[0]
-        out = F.linear(pad_rows(mixed[p.picks]), w.layers[last].out_proj)[:n]  # a last DeltaNet layer (not Qwen3.5)
-        return self.head_inputs(residual[p.picks].float() + out.float(), w.layers[last])
+        return self.head_inputs(residual[p.picks] + hidden[p.picks].float(), w.layers[last])
 
     def head_inputs(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """The picked tokens' residual stream after the last mixer (fp32) through the last MLP and the final norm:
@@ -302,7 +281,7 @@ class FusedQwen35:
             layer.gated_norm,
             c.rms_norm_eps,
         )
-        return normed.view(x.shape[0], self.value_dim)  # out_proj's input (forward adds the projection)
+        return F.linear(normed.view(x.shape[0], self.value_dim), layer.out_proj)
 
     def delta_rule(
         self,
@@ -398,7 +377,7 @@ class FusedQwen35:
         if (r := p.rows) is not None:
             rows = slice(r.start, r.end)
             self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
-        return self._sigmoid_gate(out, gate)  # (the gate read in place) out_proj's input
+        return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
 
     def _bank_states_kv(
         self, p: PassInput, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
