@@ -3,6 +3,8 @@ without a prefix, causal attention of new states over their own tokens."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -48,8 +50,9 @@ LOG2_E = 1.4426950408889634
 # MIN_PART_KEYS a part), and the last part of a tile to finish merges the parts' partial softmax sums, in part order
 # (an atomic count a tile, reset by that merge: no second launch). The partial outputs are fp32 scratch, KEY_PARTS ×
 # the rows' tokens × query heads × D, so passes with over KEY_PARTS_MAX_TOKENS row tokens (programs enough) run
-# unsplit: a row's output there differs from a split pass's by fp32 reassociation. Read at each launch.
-KEY_PARTS = 4
+# unsplit: a row's output there differs from a split pass's by fp32 reassociation. Read at each launch (KEY_PARTS
+# from KEV_KEY_PARTS at import; 1: unsplit).
+KEY_PARTS = int(os.environ.get("KEV_KEY_PARTS", "4"))
 MIN_PART_KEYS = 512
 KEY_PARTS_MAX_TOKENS = 1024
 
