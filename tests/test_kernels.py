@@ -116,34 +116,24 @@ for n in range(3):
     ref = torch.nn.functional.silu(torch.nn.functional.conv1d(seq[None], w[:, None, :], groups=C))[0].T
     assert (y[a:b] - ref).abs().max() < TOL, n
 assert same_in_one_segment_launches(lambda: conv_rows(x, w, pool, slots, cu))
-from kev_backend.kernels import attention as A
-
 # Query heads per key/value head: 2, and 3 (Qwen3.5-27B has 6: a program's tile pads the group to a power of two).
 for HQ, HKV in ((4, 2), (6, 2)):
     D = 32
     kp, vp = torch.randn(200, HKV, D), torch.randn(200, HKV, D)
-    runs = [[3, 4, 5, 6, 100, 101], list(range(40, 190))]
+    runs = [[3, 4, 5, 6, 100, 101], list(range(40, 77))]
     prefix = torch.tensor(runs[0] + runs[1])
     row_runs = [0, 1, 0]  # rows 0 and 2 continue the same state
-    start, length = torch.tensor([0, 6, 0]), torch.tensor([6, 150, 6])
+    start, length = torch.tensor([0, 6, 0]), torch.tensor([6, 37, 6])
     q, k = torch.randn(T, HQ, D), torch.randn(T, HKV, D)
     v = torch.randn(T, HKV * D + 5)[:, : HKV * D].view(T, HKV, D)  # a slice of a wider projection, read in place
-    # Unsplit, and each prefix in up to 3 parts of at least 64 keys (KEY_PARTS): row 1's 150 keys in 64 / 64 / 22,
-    # merged by each tile's last part; the others in one. Every tile's count is back to zero after.
-    chosen = A.KEY_PARTS, A.MIN_PART_KEYS
-    for A.KEY_PARTS, A.MIN_PART_KEYS in ((1, 512), (3, 64)):
-        o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
-        for n in range(3):
-            a, b = cu[n].item(), cu[n + 1].item()
-            idx = runs[row_runs[n]]
-            K = torch.cat([kp[idx], k[a:b]]).transpose(0, 1)[None]
-            V = torch.cat([vp[idx], v[a:b]]).transpose(0, 1)[None]
-            ref = causal_attention(q[a:b].transpose(0, 1)[None], K, V, D**-0.5)[0].transpose(0, 1)
-            assert (o[a:b] - ref).abs().max() < TOL, (n, A.KEY_PARTS)
-        launches = same_in_one_segment_launches  # (each launch's tiles count in their own counters)
-        assert launches(lambda: rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
-    assert A._counters and all(not c.any() for c in A._counters.values())
-    A.KEY_PARTS, A.MIN_PART_KEYS = chosen
+    o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    for n in range(3):
+        a, b = cu[n].item(), cu[n + 1].item()
+        idx = runs[row_runs[n]]
+        K = torch.cat([kp[idx], k[a:b]]).transpose(0, 1)[None]
+        V = torch.cat([vp[idx], v[a:b]]).transpose(0, 1)[None]
+        ref = causal_attention(q[a:b].transpose(0, 1)[None], K, V, D**-0.5)[0].transpose(0, 1)
+        assert (o[a:b] - ref).abs().max() < TOL, n
     # New states: causal attention over their own tokens only, into a given output.
     dst = torch.empty_like(q)
     o = rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20, out=dst)
@@ -153,9 +143,12 @@ for HQ, HKV in ((4, 2), (6, 2)):
         qq, kk, vv = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
         ref = causal_attention(qq, kk, vv, D**-0.5)[0].transpose(0, 1)
         assert (o[a:b] - ref).abs().max() < TOL, n
+    assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
     assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20))
 # A new state long enough for query blocks past the first, with and without the keys before a block's first token
 # unmasked (SPLIT_DIAGONAL) and base-2 exponentials (EXP2).
+from kev_backend.kernels import attention as A
+
 HQ, HKV, D, L = 4, 2, 32, 150
 q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
 ref = causal_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], D**-0.5)
@@ -414,7 +407,6 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     deltanet_heads = dict(H=16, HV=32, K=128, V=128)  # Kev-4B's DeltaNet heads
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
-    attention |= {"part_m": f32, "part_l": f32, "part_acc": f32, "counters": "*i32"}
     cases = [
         *[
             (
@@ -506,17 +498,10 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
                 A._rows_attention_kernel,
                 attention,
                 dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS, GP=4)
-                | dict(HAS_PREFIX=has_prefix, SPLIT=A.SPLIT_DIAGONAL, EXP2=A.EXP2)
-                | dict(PARTS=parts, MIN_PART_KEYS=A.MIN_PART_KEYS),
+                | dict(HAS_PREFIX=has_prefix, SPLIT=A.SPLIT_DIAGONAL, EXP2=A.EXP2),
                 A.WIDE_HEAD_WARPS,
             )
-            # rows over a prefix in KEY_PARTS parts, or unsplit (passes of many row tokens); new states unsplit
-            for has_prefix, rows, parts in (
-                (True, A.TILE_ROWS, A.KEY_PARTS),
-                (True, A.TILE_ROWS, 1),
-                (False, A.TILE_ROWS, 1),
-                (False, A.LONG_TILE_ROWS, 1),
-            )
+            for has_prefix, rows in ((True, A.TILE_ROWS), (False, A.TILE_ROWS), (False, A.LONG_TILE_ROWS))
         ],
     ]
     for fn, types, constants, warps, *cap in cases:  # cap: a register cap (ptxas's .maxnreg), where one is set

@@ -3,8 +3,6 @@ without a prefix, causal attention of new states over their own tokens."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -44,17 +42,11 @@ ATTENTION_STAGES = 3
 SPLIT_DIAGONAL = True
 EXP2 = True
 LOG2_E = 1.4426950408889634
-# Rows over a long prefix: its keys in up to KEY_PARTS parts, a program each, as flash-decoding splits them. One
-# long5's rows are otherwise 60 programs (3 query blocks × 5 rows × 4 key/value heads) on 132 SMs, each walking the
-# 2,465 keys 64 a step (0.091 ms a layer). A row's prefix is cut by its own length alone (whole key blocks, at least
-# MIN_PART_KEYS a part), and the last part of a tile to finish merges the parts' partial softmax sums, in part order
-# (an atomic count a tile, reset by that merge: no second launch). The partial outputs are fp32 scratch, KEY_PARTS ×
-# the rows' tokens × query heads × D, so passes with over KEY_PARTS_MAX_TOKENS row tokens (programs enough) run
-# unsplit: a row's output there differs from a split pass's by fp32 reassociation. Read at each launch (KEY_PARTS
-# from KEV_KEY_PARTS at import; 1: unsplit).
-KEY_PARTS = int(os.environ.get("KEV_KEY_PARTS", "4"))
-MIN_PART_KEYS = 512
-KEY_PARTS_MAX_TOKENS = 1024
+# Rows over a long prefix with its keys in parts, a program each, merged by the tile's last part (7d8c2e5, reverted):
+# one long5's rows 0.090 ms a layer unsplit, 0.057 in 2 parts, 0.064 in 4, 0.085 in 8 (rowsattn from graphs, H200);
+# but in the engine long5 new / same 39.11 / 5.87 ms against 39.18 / 5.96, within noise, and splitting only passes of
+# up to 1,024 row tokens (the scratch) made a row's answer depend on its batch (graph replay alone against batched
+# eager 0.011, bar 0.01).
 
 
 @triton.jit
@@ -87,11 +79,6 @@ def _rows_attention_kernel(
     prefix_start,
     prefix_len,
     cu,
-    part_m,
-    part_l,
-    part_acc,
-    counters,
-    scratch_rows,
     scale,
     stride_qt,
     stride_kt,
@@ -107,19 +94,14 @@ def _rows_attention_kernel(
     HAS_PREFIX: tl.constexpr,
     SPLIT: tl.constexpr,
     EXP2: tl.constexpr,
-    PARTS: tl.constexpr,
-    MIN_PART_KEYS: tl.constexpr,
 ):
     """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
     rows masked), so each key tile is read once for all of them. With Kev-4B's 4 query heads per key/value head a
-    row's 2,200-token prefix was read by 4 programs of 16 rows, now by 1 of 64. With PARTS > 1, the program's part
-    of the prefix (KEY_PARTS; part 0 also takes the segment's own keys); partial sums into part_m, part_l and
-    part_acc ([PARTS, scratch_rows] rows of query heads), merged by the tile's last part (counters)."""
+    row's 2,200-token prefix was read by 4 programs of 16 rows, now by 1 of 64."""
     G: tl.constexpr = HQ // HKV
     # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
     i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
-    part = tl.program_id(2)
     n, hk = i_nh // HKV, i_nh % HKV
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
@@ -128,218 +110,55 @@ def _rows_attention_kernel(
             p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
         else:  # new states: their own tokens only
             p_bos, P = 0, 0
-        # This program's prefix keys [lo, hi): the row's prefix in `parts` runs of whole key blocks.
-        if PARTS > 1:
-            part_keys = tl.maximum(tl.cdiv(tl.cdiv(P, PARTS), BN) * BN, MIN_PART_KEYS)
-            parts = tl.maximum(tl.cdiv(P, part_keys), 1)
-            lo = part.to(tl.int64) * part_keys
-            hi = tl.minimum(lo + part_keys, P)
-        else:
-            parts, lo, hi = 1, 0, P
-        if part < parts:
-            _rows_attention_part(
-                q,
-                k,
-                v,
-                k_pool,
-                v_pool,
-                o,
-                prefix,
-                part_m,
-                part_l,
-                part_acc,
-                counters + (n * HKV + hk) * tl.num_programs(0) + i_m,
-                scratch_rows,
-                scale,
-                stride_qt,
-                stride_kt,
-                stride_vt,
-                stride_pt,
-                stride_ot,
-                i_m,
-                hk,
-                bos,
-                L,
-                p_bos,
-                lo,
-                hi,
-                part,
-                parts,
-                HQ,
-                D,
-                BM,
-                BN,
-                GP,
-                G,
-                SPLIT,
-                EXP2,
-                PARTS,
-            )
-
-
-@triton.jit
-def _rows_attention_part(
-    q,
-    k,
-    v,
-    k_pool,
-    v_pool,
-    o,
-    prefix,
-    part_m,
-    part_l,
-    part_acc,
-    counter,
-    scratch_rows,
-    scale,
-    stride_qt,
-    stride_kt,
-    stride_vt,
-    stride_pt,
-    stride_ot,
-    i_m,
-    hk,
-    bos,
-    L,
-    p_bos,
-    lo,
-    hi,
-    part,
-    parts,
-    HQ: tl.constexpr,
-    D: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    GP: tl.constexpr,
-    G: tl.constexpr,
-    SPLIT: tl.constexpr,
-    EXP2: tl.constexpr,
-    PARTS: tl.constexpr,
-):
-    """One program of _rows_attention_kernel: its tile's queries over prefix keys [lo, hi) and, in part 0, the
-    segment's own keys; the output, or (parts > 1) this part's partial sums, the tile's last part merging them."""
-    o_r = tl.arange(0, GP * BM)
-    g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
-    o_m = i_m * BM + o_r % BM
-    m_r = (o_m < L) & (g < G)
-    head = hk * G + g
-    o_d = tl.arange(0, D)
-    q_rows = (bos + o_m)[:, None] * stride_qt + head[:, None] * D + o_d[None, :]
-    b_q = tl.load(q + q_rows, mask=m_r[:, None], other=0.0)
-    m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GP * BM], dtype=tl.float32)
-    acc = tl.zeros([GP * BM, D], dtype=tl.float32)
-    # The state's K/V, read in place from the bank pool through its token index: with SPLIT its whole key blocks
-    # unmasked, then the rest masked.
-    whole = lo + (hi - lo) // BN * BN if SPLIT else lo
-    if SPLIT:
-        for start in range(lo, whole, BN):
-            idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
-            b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
-            b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False, EXP2)
-    for start in range(whole, hi, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = o_n < hi
-        idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
-        b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-        m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True, EXP2)
-    if PARTS == 1:
-        m_i, l_i, acc = _own_keys(
-            b_q, k, v, stride_kt, stride_vt, scale, m_i, l_i, acc, i_m, hk, bos, L, o_m, D, BM, BN, SPLIT, EXP2
-        )
-    elif part == 0:
-        m_i, l_i, acc = _own_keys(
-            b_q, k, v, stride_kt, stride_vt, scale, m_i, l_i, acc, i_m, hk, bos, L, o_m, D, BM, BN, SPLIT, EXP2
-        )
-    out_rows = o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :]
-    if PARTS == 1:
-        tl.store(out_rows, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=m_r[:, None])
-    elif parts == 1:
-        tl.store(out_rows, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=m_r[:, None])
-    else:
-        # Partial sums at [part, token, head], then the tile's count: the part that completes it merges.
-        row = (bos + o_m) * HQ + head
-        part_rows = scratch_rows * HQ  # the scratch's rows a part
-        at = part.to(tl.int64) * part_rows + row
-        tl.store(part_m + at, m_i, mask=m_r)
-        tl.store(part_l + at, l_i, mask=m_r)
-        tl.store(part_acc + at[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
-        tl.debug_barrier()  # every thread's stores before the count's release
-        if tl.atomic_add(counter, 1) == parts - 1:  # acq_rel: the other parts' stores are visible
-            top = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
-            for t in range(0, parts):
-                top = tl.maximum(top, tl.load(part_m + t * part_rows + row, mask=m_r, other=0.0, cache_modifier=".cg"))
-            den = tl.zeros([GP * BM], dtype=tl.float32)
-            num = tl.zeros([GP * BM, D], dtype=tl.float32)
-            for t in range(0, parts):
-                at = t * part_rows + row
-                m_t = tl.load(part_m + at, mask=m_r, other=0.0, cache_modifier=".cg")
-                w = tl.math.exp2(m_t - top) if EXP2 else tl.exp(m_t - top)
-                den += w * tl.load(part_l + at, mask=m_r, other=1.0, cache_modifier=".cg")  # (1: no 0/0 off the tile)
-                b_acc = tl.load(
-                    part_acc + at[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0, cache_modifier=".cg"
-                )
-                num += w[:, None] * b_acc
-            tl.store(out_rows, (num / den[:, None]).to(o.dtype.element_ty), mask=m_r[:, None])
-            tl.store(counter, 0)  # for the next launch
-
-
-@triton.jit
-def _own_keys(
-    b_q,
-    k,
-    v,
-    stride_kt,
-    stride_vt,
-    scale,
-    m_i,
-    l_i,
-    acc,
-    i_m,
-    hk,
-    bos,
-    L,
-    o_m,
-    D: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    SPLIT: tl.constexpr,
-    EXP2: tl.constexpr,
-):
-    """The segment's own K/V, causal, into the running softmax: with SPLIT the keys before the tile's first token
-    (whole key blocks of them) unmasked, then the rest masked."""
-    o_d = tl.arange(0, D)
-    diagonal = (i_m * BM) // BN * BN if SPLIT else 0
-    if SPLIT:
-        for start in range(0, diagonal, BN):
+        o_r = tl.arange(0, GP * BM)
+        g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
+        o_m = i_m * BM + o_r % BM
+        m_r = (o_m < L) & (g < G)
+        head = hk * G + g
+        o_d = tl.arange(0, D)
+        q_rows = (bos + o_m)[:, None] * stride_qt + head[:, None] * D + o_d[None, :]
+        b_q = tl.load(q + q_rows, mask=m_r[:, None], other=0.0)
+        m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP * BM], dtype=tl.float32)
+        acc = tl.zeros([GP * BM, D], dtype=tl.float32)
+        # The state's K/V, read in place from the bank pool through its token index: with SPLIT its whole key blocks
+        # unmasked, then the rest masked.
+        whole = P // BN * BN if SPLIT else 0
+        if SPLIT:
+            for start in range(0, whole, BN):
+                idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
+                b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+                b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False, EXP2)
+        for start in range(whole, P, BN):
             o_n = start + tl.arange(0, BN)
-            b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
-            b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False, EXP2)
-    for start in range(diagonal, (i_m + 1) * BM, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = o_n < L
-        b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-        keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
-        m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True, EXP2)
-    return m_i, l_i, acc
-
-
-# Per device: zeros, one a tile of a split launch (KEY_PARTS), each reset by the merge that completes its tile. Made at
-# the first split launch (an eager pass comes before any capture), TILE_COUNTERS of them.
-TILE_COUNTERS = 1 << 20
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    if tiles > TILE_COUNTERS:
-        raise ValueError(f"rows' attention: {tiles} tiles, more than the {TILE_COUNTERS} counters")
-    if device not in _counters:
-        _counters[device] = torch.zeros(TILE_COUNTERS, device=device, dtype=torch.int32)
-    return _counters[device]
+            m_n = o_n < P
+            idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
+            b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True, EXP2)
+        # The segment's own K/V, causal: with SPLIT the keys before the tile's first token (whole key blocks of them)
+        # unmasked, then the rest masked.
+        diagonal = (i_m * BM) // BN * BN if SPLIT else 0
+        if SPLIT:
+            for start in range(0, diagonal, BN):
+                o_n = start + tl.arange(0, BN)
+                b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
+                b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
+                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False, EXP2)
+        for start in range(diagonal, (i_m + 1) * BM, BN):
+            o_n = start + tl.arange(0, BN)
+            m_n = o_n < L
+            b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+            keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True, EXP2)
+        out = acc / l_i[:, None]
+        tl.store(
+            o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
+            out.to(o.dtype.element_ty),
+            mask=m_r[:, None],
+        )
 
 
 def rows_attention(
@@ -379,17 +198,8 @@ def rows_attention(
     warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
-    blocks = triton.cdiv(max_len, BM)
-    parts = KEY_PARTS if has_prefix and T <= KEY_PARTS_MAX_TOKENS else 1
-    if parts > 1:  # (KEY_PARTS) partial sums a part, and a count a tile
-        part_m = torch.empty(parts, T, HQ, device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(parts, T, HQ, D, device=q.device, dtype=torch.float32)
-        counters = _tile_counters(q.device, n * HKV * blocks)
-    else:
-        part_m = part_l = part_acc = counters = o  # not read
-    for first, last in grid.segment_spans(n, HKV):  # a program per (query block, segment, key/value head, part)
-        _rows_attention_kernel[(blocks, (last - first) * HKV, parts)](
+    for first, last in grid.segment_spans(n, HKV):  # a program per (query block, segment, key/value head)
+        _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV)](
             q,
             k,
             v,
@@ -400,11 +210,6 @@ def rows_attention(
             prefix_start[first:last],
             prefix_len[first:last],
             cu[first : last + 1],
-            part_m,
-            part_l,
-            part_acc,
-            counters[first * HKV * blocks :] if parts > 1 else counters,
-            T,
             D**-0.5 * (LOG2_E if EXP2 else 1.0),
             q.stride(0),
             k.stride(0),
@@ -420,8 +225,6 @@ def rows_attention(
             HAS_PREFIX=has_prefix,
             SPLIT=SPLIT_DIAGONAL,
             EXP2=EXP2,
-            PARTS=parts,
-            MIN_PART_KEYS=MIN_PART_KEYS,
             num_warps=warps,
             num_stages=stages,
         )
