@@ -299,16 +299,6 @@ assert R.LEAD_APART and torch.equal(long_group(True), long_group(False))
 # Apart from the middle of the group (a captured pass's short and long new states in one group, its first long one
 # apart): the segments before and after it in turn.
 assert torch.equal(long_group(True, lead=2), long_group(False))
-# The apart segment's chain in two halves at once (CHAIN_HALVES): the first half from zero, the second from zero and
-# its transition from I, merged. Segment 2 (17 tokens: a chunk, then a token), 5 (33: two chunks and a token; 2 + 1)
-# and 0 (3 tokens: all in the first half, the second empty). Not bit for bit: the merge adds M S_mid.
-halves = R.CHAIN_HALVES
-for lead in (2, 5, 0):
-    R.CHAIN_HALVES = False
-    plain = long_group(True, lead=lead)
-    R.CHAIN_HALVES = True
-    assert (long_group(True, lead=lead) - plain).abs().max() < 10 * TOL, lead
-R.CHAIN_HALVES = halves
 
 # The pointer softmax: questions of 1 to 40 options (several of the kernel's 16-option steps), a head width that is no
 # power of two, a temperature; each row zero past its question's options.
@@ -491,28 +481,18 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             (
                 R._chunked_delta_rule_kernel,
                 chunk_terms,
-                deltanet_heads
-                | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop)
-                | dict(PARTS=parts, STORE=parts > 1 or not continues, ZERO_U=zero_u),
+                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop),
                 warps,
                 maxnreg,
             )
             for continues in (True, False)
-            # padded groups (LOOP: programs taking items in turn) run narrow; a chain in halves (CHAIN_HALVES) narrow,
-            # its transition's chain continuing from I without U₀
-            for (block_v, warps, maxnreg), loop, parts, zero_u in (
-                (R.CHUNK_NARROW, False, 1, False),
-                (R.CHUNK_NARROW, True, 1, False),
-                (R.CHUNK_WIDE, False, 1, False),
-                (R.CHUNK_NARROW, False, 2, continues),
+            # padded groups (LOOP: programs taking items in turn) run narrow
+            for (block_v, warps, maxnreg), loop in (
+                (R.CHUNK_NARROW, False),
+                (R.CHUNK_NARROW, True),
+                (R.CHUNK_WIDE, False),
             )
         ],
-        (
-            R._halves_merge_kernel,
-            {"out": bf, "second": f32, "m": f32, "s_mid": f32, "cu": i64},
-            dict(HV=32, K=128, V=128, BV=R.CHUNK_NARROW[0], BT=R.CHUNK, TOKENS=R.MERGE_TOKENS),
-            4,
-        ),
         *[
             (
                 A._rows_attention_kernel,

@@ -84,15 +84,6 @@ def _next_item(item, bos, end, items):
 
 
 @triton.jit
-def _part_bounds(bos, eos, part, PARTS: tl.constexpr, BT: tl.constexpr):
-    """Tokens [start, end) of part `part` of the segment [bos, eos) cut in PARTS runs of whole chunks (the last may be
-    shorter, or empty), so that the segment's chunks stay where they were."""
-    length = eos - bos
-    step = (length + PARTS * BT - 1) // (PARTS * BT) * BT
-    return bos + tl.minimum(part * step, length), bos + tl.minimum((part + 1) * step, length)
-
-
-@triton.jit
 def _log_decay(b_a, decay_rate, bias):
     """g = -exp(A_log) · softplus(a + dt_bias), the log decay (fp32), as Qwen3.5 has it."""
     b_a = b_a + bias
@@ -339,11 +330,6 @@ RECURRENT_LOOP = False
 # Cutting the apart segment in parts, each part's chain beside the next part's prep, lost (9074981, reverted: long5's
 # state 0.196 ms a layer apart, 0.204 in 2 parts, 0.206 in 3, 0.245 in 8; the parts' preps slow beside the chain).
 LEAD_APART = os.environ.get("KEV_LEAD_APART", "1") != "0"
-# That apart segment's chain in two halves at once (_chain_halves): three chains of half the length side by side, then
-# a merge. KEV_CHAIN_HALVES=1 turns it on (read at import; the module flag at each launch); not yet timed, so off.
-CHAIN_HALVES = os.environ.get("KEV_CHAIN_HALVES", "0") == "1"
-# Tokens a program of _halves_merge_kernel.
-MERGE_TOKENS = 32
 
 
 def _launch_delta_rule(
@@ -700,42 +686,17 @@ def _chunk_prep_kernel(
 
 @triton.jit
 def _chain_chunk(
-    S,
-    qs,
-    kd,
-    w,
-    u,
-    qk,
-    dend,
-    o,
-    c0,
-    hv,
-    in_k,
-    in_qk,
-    in_u,
-    in_o,
-    stride_ut,
-    stride_ot,
-    HV,
-    K,
-    V,
-    BT,
-    BF16,
-    m,
-    MASKED,
-    ZERO_U: tl.constexpr,
+    S, qs, kd, w, u, qk, dend, o, c0, hv, in_k, in_qk, in_u, in_o, stride_ut, stride_ot, HV, K, V, BT, BF16, m, MASKED
 ):
     """One chunk of the chain from c0 (its rows m, read and written only where m holds when MASKED): its output
-    stored, the next state returned. ZERO_U: U₀ taken as zero, not read (a transition's chain: _chain_halves)."""
+    stored, the next state returned."""
     at_k = (c0 * HV + hv) * K
     b_qs = _load_rows(qs + at_k + in_k, m, MASKED)
     b_kd = _load_rows(kd + at_k + in_k, m, MASKED)
     b_w = _load_rows(w + at_k + in_k, m, MASKED)
+    b_u = _load_rows(u + c0 * stride_ut + hv * V + in_u, m, MASKED)
     b_qk = _load_rows(qk + (c0 * HV + hv) * BT + in_qk, m, MASKED)
-    if ZERO_U:
-        U = -_dot(b_w, S, BF16)
-    else:
-        U = _load_rows(u + c0 * stride_ut + hv * V + in_u, m, MASKED) - _dot(b_w, S, BF16)
+    U = b_u - _dot(b_w, S, BF16)
     out = _dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)
     _store_rows(o + c0 * stride_ot + hv * V + in_o, out.to(o.dtype.element_ty), m, MASKED)
     return tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_kd), U, BF16)
@@ -766,17 +727,11 @@ def _chain_item(
     BT: tl.constexpr,
     CONTINUE: tl.constexpr,
     BF16: tl.constexpr,
-    PART,
-    PARTS: tl.constexpr,
-    STORE: tl.constexpr,
-    ZERO_U: tl.constexpr,
 ):
     """One item of _chunked_delta_rule_kernel; returns its segment's start."""
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
         item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
-    if PARTS > 1:
-        bos, eos = _part_bounds(bos, eos, PART, PARTS, BT)
     written = eos > bos  # as in _recurrent_rows_kernel
     o_t = tl.arange(0, BT)
     # Offsets within a chunk (the same for every chunk) and the chunk's base: only a segment's last chunk can be
@@ -812,14 +767,13 @@ def _chain_item(
                 BF16,
                 o_t < eos - c0,
                 partial == 1,
-                ZERO_U,
             )
-    if STORE:
+    if not CONTINUE:
         tl.store(state, S, mask=written)
     return bos
 
 
-@triton.jit(do_not_specialize=["N", "PART"])
+@triton.jit(do_not_specialize=["N"])
 def _chunked_delta_rule_kernel(
     q,
     k,
@@ -852,18 +806,13 @@ def _chunked_delta_rule_kernel(
     BF16: tl.constexpr,
     LOOP: tl.constexpr,
     N,
-    PART,
-    PARTS: tl.constexpr,
-    STORE: tl.constexpr,
-    ZERO_U: tl.constexpr,
 ):
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
     o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
     the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
     instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
-    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched). STORE: the final state into
-    the pool (new states); with PARTS > 1, part PART of each segment (_part_bounds); ZERO_U: U₀ = 0, not read."""
+    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)
@@ -892,10 +841,6 @@ def _chunked_delta_rule_kernel(
                 BT,
                 CONTINUE,
                 BF16,
-                PART,
-                PARTS,
-                STORE,
-                ZERO_U,
             )
             item = _next_item(item, bos, end, N * HV * (V // BV))
     else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
@@ -923,10 +868,6 @@ def _chunked_delta_rule_kernel(
             BT,
             CONTINUE,
             BF16,
-            PART,
-            PARTS,
-            STORE,
-            ZERO_U,
         )
 
 
@@ -1006,132 +947,21 @@ def chunked_rows(
     if maxnreg is not None:
         extra["maxnreg"] = maxnreg
 
-    whole = dict(PART=0, PARTS=1, STORE=new_states, ZERO_U=False)
-
     def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None) -> torch.Tensor:
         """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them)."""
         run_slots, run_cu = slots[first:last], cu[first : last + 1]
         args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
-        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra, **whole)
-
-    def halves(segment: int, into: torch.Tensor) -> None:
-        """A new state's chain in two halves at once (_chain_halves)."""
-        _chain_halves(
-            q,
-            k,
-            u,
-            a,
-            b,
-            a_log,
-            dt_bias,
-            pool,
-            slots[segment : segment + 1],
-            cu[segment : segment + 2],
-            into,
-            block_v,
-            warps,
-            extra,
-        )
+        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra)
 
     if not (padded and lead_apart and LEAD_APART and n > lead + 1):
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
-    in_halves = CHAIN_HALVES and new_states
     with _beside(q.device) as apart:
-        apart(lambda: halves(lead, out) if in_halves else chain(lead, lead + 1, None, out))
+        apart(lambda: chain(lead, lead + 1, None, out))
         for first, last in ((0, lead), (lead + 1, n)):  # the others in turn, beside it
             if last > first:
                 chain(first, last, CHUNK_PER_SM, out)
     return out
-
-
-def _chain_halves(q, k, u, a, b, a_log, dt_bias, pool, slot, cu, out, block_v, warps, extra) -> None:
-    """The chain of one new state (cu [2], its slot [1]) in two halves at once, for a chain half as long (CHAIN_HALVES).
-    The state is affine in the state a run of chunks starts from: S_c = P_c S_mid + S'_c, where S' is the second half's
-    chain from zero and P_c the product of the chunk transitions (d I − Kdᵀ W) since mid; so o_c = o'_c + M_c S_mid
-    with M_c = (Qs − QK W) P_c. Three chains run together — the first half from zero (S_mid), the second from zero (o'
-    and S'_end), and the second's transition from I with U₀ = 0, whose outputs are M and whose state is P_end — then
-    _halves_merge_kernel adds M S_mid to the second half's outputs and the state S_end = P_end S_mid + S'_end goes to
-    the pool. (The transition's chain is a chain of value width K: its state P is K × K.)"""
-    T, HV, V = u.shape
-    K = q.shape[2]
-    device = q.device
-    zero_slot = torch.zeros(1, device=device, dtype=slot.dtype)
-    s_mid = torch.zeros(1, HV, K, V, device=device, dtype=torch.float32)
-    s_end = torch.zeros(1, HV, K, V, device=device, dtype=torch.float32)  # S'_end: zero if the second half is empty
-    p_end = torch.eye(K, device=device, dtype=torch.float32).expand(1, HV, K, K).contiguous()
-    second = torch.empty(T, HV, V, device=device, dtype=torch.float32)  # o' (fp32: M S_mid is added to it)
-    m = torch.empty(T, HV, K, device=device, dtype=torch.float32)
-
-    def half(part: int, state: torch.Tensor, into: torch.Tensor, continues: bool = False, zero_u: bool = False):
-        # The transition's chain reads no U₀: its outputs stand in for it, giving the kernel its value width K.
-        values = into if zero_u else u
-        args = (q, k, values, a, b, a_log, dt_bias, state, zero_slot, cu, not continues, into)
-        cut = dict(PART=part, PARTS=2, STORE=True, ZERO_U=zero_u)
-        return lambda: _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, None, *args, **extra, **cut)
-
-    _together(device, half(0, s_mid, out), half(1, s_end, second), half(1, p_end, m, continues=True, zero_u=True))
-    BV = min(block_v, V)
-    _halves_merge_kernel[(triton.cdiv(T, MERGE_TOKENS), HV, V // BV)](
-        out, second, m, s_mid, cu, HV=HV, K=K, V=V, BV=BV, BT=CHUNK, TOKENS=MERGE_TOKENS, num_warps=4
-    )
-    # S_end = P_end S_mid + S'_end (fp32), into the state's slot.
-    pool.index_copy_(0, slot, torch.baddbmm(s_end[0], p_end[0], s_mid[0]).unsqueeze(0))
-
-
-@triton.jit
-def _halves_merge_kernel(
-    out,
-    second,
-    m,
-    s_mid,
-    cu,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    BT: tl.constexpr,
-    TOKENS: tl.constexpr,
-):
-    """_chain_halves' second half: out = o' + M S_mid for TOKENS tokens of it, value head hv, value block i_v."""
-    i_t, hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = tl.load(cu).to(tl.int64), tl.load(cu + 1).to(tl.int64)
-    mid, end = _part_bounds(bos, eos, 1, 2, BT)
-    start = mid + i_t * TOKENS
-    if start < end:
-        o_t = start + tl.arange(0, TOKENS)
-        m_t = o_t < end
-        o_k = tl.arange(0, K)
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_m = tl.load(m + (o_t[:, None] * HV + hv) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_s = tl.load(s_mid + (hv * K + o_k[:, None]) * V + o_v[None, :])
-        at = (o_t[:, None] * HV + hv) * V + o_v[None, :]
-        b_o = tl.load(second + at, mask=m_t[:, None], other=0.0) + _dot(b_m, b_s, False)
-        tl.store(out + at, b_o.to(out.dtype.element_ty), mask=m_t[:, None])
-
-
-def _together(device: torch.device, *launches: Callable[[], object]) -> None:
-    """The launches at the same time, each on a stream of its own (the first on the current one), after the current
-    stream's work; the current stream waits for all of them. Without CUDA, in order."""
-    if device.type != "cuda":
-        for launch in launches:
-            launch()
-        return
-    main = torch.cuda.current_stream(device)
-    ready = torch.cuda.Event()
-    ready.record(main)
-    streams = [_extra_stream(device, i) for i in range(len(launches) - 1)]
-    for stream, launch in zip(streams, launches[1:], strict=True):
-        stream.wait_event(ready)
-        _on(stream, launch)
-    launches[0]()
-    for stream in streams:
-        main.wait_stream(stream)
-
-
-@functools.cache
-def _extra_stream(device: torch.device, index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 @contextlib.contextmanager
