@@ -329,6 +329,8 @@ RECURRENT_LOOP = False
 # KEV_LEAD_APART=0 turns it off (read at import; the module flag at each launch).
 # Cutting the apart segment in parts, each part's chain beside the next part's prep, lost (9074981, reverted: long5's
 # state 0.196 ms a layer apart, 0.204 in 2 parts, 0.206 in 3, 0.245 in 8; the parts' preps slow beside the chain).
+# Its chain in two halves at once (the second half's outputs corrected by its transition from the middle state) lost
+# too (f326e57, reverted: 0.196 against 0.285; three chain programs an SM each run far slower than one alone).
 LEAD_APART = os.environ.get("KEV_LEAD_APART", "1") != "0"
 
 
