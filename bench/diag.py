@@ -467,8 +467,6 @@ def padded_groups() -> None:
                 "in turn": (padded_slots, padded_cu, True, True, per_sm, False),
                 "in turn 1/SM": (padded_slots, padded_cu, True, True, 1, False),
             }
-            if not new and name == "chunked":  # rows: their prep in windows of half a chunk (ROWS_PREP_WINDOW)
-                settings[f"in turn, prep window {R.CHUNK // 2}"] = (padded_slots, padded_cu, True, True, per_sm, False)
             if new and name == "chunked" and max(lengths) > 64:  # a long group: its first segment apart (LEAD_APART)
                 settings |= {
                     "lead apart": (padded_slots, padded_cu, True, True, per_sm, True),
@@ -480,7 +478,6 @@ def padded_groups() -> None:
                 # chain?); with the lead apart, the rest's.
                 R.RECURRENT_LOOP, R.CHUNK_WIDE = loop, R.CHUNK_NARROW if setting == "per item" else wide
                 R.CHUNK_PER_SM = chunk_per_sm
-                R.ROWS_PREP_WINDOW = R.CHUNK // 2 if "prep window" in setting else R.CHUNK
                 extra = {"lead_apart": True} if lead_apart else {}
                 args = (q, k, v, a, b, a_log, dt_bias, pool, use_slots, use_cu)
                 run = lambda kernel=kernel, args=args, new=new, padded=padded, extra=extra: kernel(  # noqa: E731
@@ -497,7 +494,7 @@ def padded_groups() -> None:
                 )
                 line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{'' if same else ' DIFFERS'}")
             R.CHUNK_WIDE, R.CHUNK_PER_SM = wide, per_sm
-            R.RECURRENT_LOOP, R.ROWS_PREP_WINDOW = False, R.CHUNK
+            R.RECURRENT_LOOP = False
             print(f"padded {label} {name}: " + ", ".join(line), flush=True)
 
 

@@ -353,16 +353,14 @@ class FusedQwen35:
         if (s := p.states) is not None:
             for group in s.groups:
                 span = group.span
-                if group.short_segments:  # a captured pass's short and long new states: by class, as in two groups
+                if group.short_segments or group.short or self.long_kernels == "ours":  # ours: causal, own tokens
+                    # A captured pass's short and long new states in one group: by class, as in two groups.
                     n = group.short_segments
-                    for cu, max_len in ((group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)):
+                    classes = [(group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)]
+                    for cu, max_len in classes if n else [(group.cu, group.max_len)]:
                         self._rows_attention(
                             q[span], k[span], v[span], keys, values, None, None, None, cu, max_len, out[span]
                         )
-                elif group.short or self.long_kernels == "ours":  # ours: causal over the state's own tokens
-                    self._rows_attention(
-                        q[span], k[span], v[span], keys, values, None, None, None, group.cu, group.max_len, out[span]
-                    )
                 else:  # varlen attention writes its whole span: in a graph, the short group (next) rewrites its tokens
                     cu32 = group.cu32 if group.cu32 is not None else group.cu.to(torch.int32)
                     out[span] = self._attn(

@@ -254,11 +254,6 @@ inner_cu = torch.tensor([5, 8, 24, 41, 42, 42, 75, 77])
 o1 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
 o2 = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
 assert (o1[5:77] - o2[5:77]).abs().max() < 10 * TOL
-# Rows' chunk terms found in windows narrower than a chunk (ROWS_PREP_WINDOW): the same terms, from other programs.
-R.ROWS_PREP_WINDOW = R.CHUNK // 2
-o3 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, pool, torch.tensor([0, 1, 2, 3, 4, 5, 0]), inner_cu)
-R.ROWS_PREP_WINDOW = R.CHUNK
-assert torch.equal(o1[5:77], o3[5:77])
 states_1, states_2 = torch.full((8, HV, K, V), float("nan")), torch.full((8, HV, K, V), float("nan"))
 o1 = chunked_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states_1, torch.arange(7), inner_cu, new_states=True)
 o2 = recurrent_rows(q, k, v, gate_a, gate_b, a_log, dt_bias, states_2, torch.arange(7), inner_cu, new_states=True)
@@ -467,16 +462,13 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
             for continues in (True, False)
             for loop in sorted({False, R.RECURRENT_LOOP})
         ],
-        *[
-            (
-                R._chunk_prep_kernel,
-                chunk_terms,
-                deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=4, WINDOW=window),
-                R.PREP_WARPS,
-                R.PREP_MAXNREG,
-            )
-            for window in sorted({R.CHUNK, R.CHUNK // 2})  # rows may look in narrower windows (ROWS_PREP_WINDOW)
-        ],
+        (
+            R._chunk_prep_kernel,
+            chunk_terms,
+            deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=4),
+            R.PREP_WARPS,
+            R.PREP_MAXNREG,
+        ),
         *[
             (
                 R._chunked_delta_rule_kernel,

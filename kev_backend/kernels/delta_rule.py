@@ -456,14 +456,12 @@ PREP_WARPS = 2
 # against 0.2171 / 1.0337 / 3.0803 / 0.0283, so 13 % slower for one state (the scaling sits on the chain) and 1-2 %
 # faster for many.
 PREP_MAXNREG: int | None = 168
-# Tokens of the input a prep program looks for chunk starts in, for rows (new states: CHUNK), read at each launch. A
-# window holds one chunk start of each segment reaching into it: rows of ~31 tokens put two in most 16-token windows
-# (one row's second chunk, the next row's first), so a short6's rows wait for two chunks' terms in series, where 8-token
-# windows (twice the programs) hold one. 8-token windows lost in the engine: H200, a short6 on a banked state (r192's
-# rows), the prep's first layer 17.6 → 19.6 µs, the pass's GPU time 4.64 → 4.70 ms (bench/diag.py kernels, ABBA,
-# 2783a15), though a graph of the prep and chain alone had gained (padded: 15.7 → 12.8 µs); larger rows buckets lose
-# there too (r768 27.7 → 28.8, r6144 205 → 294). So CHUNK.
-ROWS_PREP_WINDOW = CHUNK
+# A prep program looks for chunk starts in CHUNK tokens of the input, one per segment reaching into them: rows of ~31
+# tokens put two in most windows (one row's second chunk, the next row's first), so a short6's rows wait for two
+# chunks' terms in series. Half-chunk windows for rows (twice the programs, 2783a15, removed) lost in the engine: H200,
+# a short6 on a banked state (r192's rows), the prep's first layer 17.6 → 19.6 µs, the pass's GPU time 4.64 → 4.70 ms
+# (bench/diag.py kernels, ABBA), though a graph of the prep and chain alone had gained (padded: 15.7 → 12.8 µs);
+# larger rows buckets lost there too (r768 27.7 → 28.8, r6144 205 → 294).
 # The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
 # 67f5081). W, Qs, Kd, QK and U₀ are stored in bf16 when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16
 # (as fla stores its u) adds a rounding before U = U₀ − W S, which the chain's products round to bf16 anyway; it
@@ -623,18 +621,17 @@ def _chunk_prep_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     LOG2_BT: tl.constexpr,
-    WINDOW: tl.constexpr,
 ):
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
     W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
     (as the chain multiplies them: CHUNK_DOTS), so that the sequential pass gets U = U₀ − W S; and the scaled q̂
     and k̂, the chunk's q̂·k̂ᵀ and its end decay (_chunk_terms). Chunks start at their segment's first token and
-    every BT tokens after; a program takes the chunks that start in its WINDOW (at most BT) tokens of the input (at
-    most one per segment, found from the first segment reaching into them)."""
+    every BT tokens after; a program takes the chunks that start in its BT tokens of the input (at most one per
+    segment, found from the first segment reaching into them)."""
     i_t, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (HV // H)
-    start = i_t.to(tl.int64) * WINDOW
+    start = i_t.to(tl.int64) * BT
     decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
     bias = tl.load(dt_bias + hv).to(tl.float32)
     # A window at or past the tokens' end has nothing to do, and returns before the segment search: a captured
@@ -647,10 +644,10 @@ def _chunk_prep_kernel(
     # Segments in turn while they start in this window and before the tokens end: a captured pass's padding
     # segments all start at the end, and the window holding it would otherwise walk every one of them (a long5
     # pass's long group: 19 in series; not what its 0.027 ms a layer against unpadded was, H200 at 4db113d).
-    while (n < N) & (tl.load(cu + n).to(tl.int64) < tl.minimum(start + WINDOW, end)):
+    while (n < N) & (tl.load(cu + n).to(tl.int64) < tl.minimum(start + BT, end)):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
-        if c0 < tl.minimum(eos, start + WINDOW):
+        if c0 < tl.minimum(eos, start + BT):
             # Two compiled bodies, one run: masks only for a segment's last, partial chunk.
             for partial in tl.static_range(2):
                 if (c0 + BT > eos) == (partial == 1):
@@ -910,9 +907,7 @@ def chunked_rows(
     if n:
         assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
         assert a.stride() == b.stride() and a.stride(1) == 1
-        window = CHUNK if new_states else ROWS_PREP_WINDOW
-        assert 0 < window <= CHUNK  # a segment's chunks start CHUNK tokens apart: at most one in a window
-        _chunk_prep_kernel[(triton.cdiv(T, window), HV)](
+        _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
             q,
             k,
             v,
@@ -939,7 +934,6 @@ def chunked_rows(
             V=V,
             BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1,
-            WINDOW=window,
             num_warps=PREP_WARPS,
             **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
         )
