@@ -1354,6 +1354,40 @@ def gpu_gaps() -> None:
         print(f"gaps {lo}-{hi} ms: {len(inside)}, {sum(inside):.1f} ms idle", flush=True)
 
 
+def l2_prefetch_gemms() -> None:
+    """Each Kev-4B projection's GEMM at 192 and 256 rows (a short6's and a long5's rows on a banked state) after L2
+    is flushed and a 50 µs wait (the mixer's latency-bound kernels), with the first `fraction` of each weight row
+    prefetched into L2 at the wait's start (kernels.prefetch) or not: µs a GEMM (graph with the GEMM less the graph
+    without it), 40 replays of 24 layers' distinct weights."""
+    from kev_backend.kernels.prefetch import l2_prefetch
+
+    device = torch.device("cuda")
+    shapes = {"gdn_in": (12352, 2560), "out": (2560, 4096), "gate_up": (18432, 2560), "down": (2560, 9216)}
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    cycles = int(50e-6 * torch.cuda.get_device_properties(device).clock_rate * 1e3)
+    for rows in (192, 256):
+        for name, (n, k) in shapes.items():
+            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(4)]
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            results = []
+            for fraction, evict_last in ((0.0, False), (0.25, False), (0.5, False), (1.0, False), (0.5, True)):
+
+                def layers(gemm: bool, weights=weights, x=x, fraction=fraction, evict_last=evict_last) -> None:
+                    for w in weights:
+                        flush.add_(1)
+                        l2_prefetch(w, fraction, evict_last)
+                        torch.cuda._sleep(cycles)
+                        if gemm:
+                            torch.nn.functional.linear(x, w)
+
+                with_gemm = graph_ms(lambda: layers(True), repeat=10)
+                without = graph_ms(lambda: layers(False), repeat=10)
+                us = (with_gemm - without) * 1000 / len(weights)
+                results.append(f"{fraction:g}{'L' if evict_last else ''} {us:.1f}")
+            mb = n * k * 2 / 1e6
+            print(f"l2prefetch {name} {n}x{k} ({mb:.0f} MB) rows {rows}: " + ", ".join(results), flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     if what == "invariance":
@@ -1402,6 +1436,8 @@ if __name__ == "__main__":
         request_timeline()
     if what == "gaps":
         gpu_gaps()
+    if what == "l2prefetch":
+        l2_prefetch_gemms()
     if what in ("gemm", "all"):
         gemm_invariance()
     if what in ("profile", "all"):
