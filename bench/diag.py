@@ -1354,38 +1354,36 @@ def gpu_gaps() -> None:
         print(f"gaps {lo}-{hi} ms: {len(inside)}, {sum(inside):.1f} ms idle", flush=True)
 
 
-def l2_prefetch_gemms() -> None:
-    """Each Kev-4B projection's GEMM at 192 and 256 rows (a short6's and a long5's rows on a banked state) after L2
-    is flushed and a 50 µs wait (the mixer's latency-bound kernels), with the first `fraction` of each weight row
-    prefetched into L2 at the wait's start (kernels.prefetch) or not: µs a GEMM (graph with the GEMM less the graph
-    without it), 40 replays of 24 layers' distinct weights."""
-    from kev_backend.kernels.prefetch import l2_prefetch
-
-    device = torch.device("cuda")
-    shapes = {"gdn_in": (12352, 2560), "out": (2560, 4096), "gate_up": (18432, 2560), "down": (2560, 9216)}
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-    cycles = int(50e-6 * torch.cuda.get_device_properties(device).clock_rate * 1e3)
-    for rows in (192, 256):
-        for name, (n, k) in shapes.items():
-            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(4)]
-            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-            results = []
-            for fraction, evict_last in ((0.0, False), (0.25, False), (0.5, False), (1.0, False), (0.5, True)):
-
-                def layers(gemm: bool, weights=weights, x=x, fraction=fraction, evict_last=evict_last) -> None:
-                    for w in weights:
-                        flush.add_(1)
-                        l2_prefetch(w, fraction, evict_last)
-                        torch.cuda._sleep(cycles)
-                        if gemm:
-                            torch.nn.functional.linear(x, w)
-
-                with_gemm = graph_ms(lambda: layers(True), repeat=10)
-                without = graph_ms(lambda: layers(False), repeat=10)
-                us = (with_gemm - without) * 1000 / len(weights)
-                results.append(f"{fraction:g}{'L' if evict_last else ''} {us:.1f}")
-            mb = n * k * 2 / 1e6
-            print(f"l2prefetch {name} {n}x{k} ({mb:.0f} MB) rows {rows}: " + ", ".join(results), flush=True)
+def gemm_padding() -> None:
+    """Each Kev-4B projection's GEMM (cuBLASLt, as the fused path runs it) by row count M, 64 to 3,328 in steps of 32:
+    µs a GEMM, weights cold (8 GEMMs cycling through 4 copies, more than L2 holds), from a graph. Then, for the row
+    counts the buckets give, the fastest M' ≥ M within 256 rows: cuBLASLt's results are the same for every M ≥ 52
+    (gemm_rows), so a GEMM may run padded to M' at no change in its rows' values (checked here for each best M')."""
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch.manual_seed(0)
+    shapes = {
+        "gdn_in": (12352, 2560),
+        "attn_in": (10240, 2560),
+        "out": (2560, 4096),
+        "gate_up": (18432, 2560),
+        "down": (2560, 9216),
+    }
+    counts = range(64, 3328 + 1, 32)
+    targets = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560, 2688, 2816, 3072)
+    for name, (n, k) in shapes.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+        x = torch.randn(counts[-1], k, device="cuda", dtype=torch.bfloat16)
+        us = {}
+        for m in counts:
+            gemms = lambda m=m, x=x, weights=weights: [F.linear(x[:m], w) for w in weights]  # noqa: E731
+            us[m] = graph_ms(gemms, repeat=2) * 1000 / 8
+        print(f"gemmpad {name} " + " ".join(f"{m}:{t:.1f}" for m, t in us.items()), flush=True)
+        best = []
+        for m in targets:
+            pad = min((c for c in counts if m <= c <= m + 256), key=lambda c: us[c])
+            same = (F.linear(x[:pad], weights[0])[:m] == F.linear(x[:m], weights[0])).all().item()
+            best.append(f"{m}->{pad} {us[m]:.1f}->{us[pad]:.1f}{'' if same else ' DIFFERS'}")
+        print(f"gemmpad {name} best: " + ", ".join(best), flush=True)
 
 
 if __name__ == "__main__":
@@ -1436,8 +1434,8 @@ if __name__ == "__main__":
         request_timeline()
     if what == "gaps":
         gpu_gaps()
-    if what == "l2prefetch":
-        l2_prefetch_gemms()
+    if what == "gemmpad":
+        gemm_padding()
     if what in ("gemm", "all"):
         gemm_invariance()
     if what in ("profile", "all"):

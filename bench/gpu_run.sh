@@ -25,7 +25,7 @@
 #   hostops    bench/diag.py hostops: the host's primitive steps (launch, events, pinned copy), short6's layout and fill
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
-#   l2prefetch bench/diag.py l2prefetch: each projection's GEMM with its weights prefetched into L2 or not (~60 s)
+#   gemmpad    bench/diag.py gemmpad: each projection's GEMM by row count, and the fastest padding (~2 min)
 #   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
 #   convscan   bench/diag.py convscan: the pass's conv by tokens, channels and warps a program (~1 min)
 #   timeline   bench/diag.py timeline: one short6 request's model time against its kernels' busy time and gaps, then
@@ -95,7 +95,7 @@ run_step() {
     hostops) diag_sweep hostops 150 ;;
     prepregs) diag_sweep prepregs 180 ;;
     rowsattn) diag_sweep rowsattn 120 ;;
-    l2prefetch) diag_sweep l2prefetch 150 ;;
+    gemmpad) diag_sweep gemmpad 300 ;;
     longattn) diag_sweep longattn 180 ;;
     convscan)
       timeout 180 python3 bench/diag.py convscan 2>&1 | grep -E "convscan|Error" | tee "$out/diag-convscan.log" || status=1

@@ -13,7 +13,6 @@ The pass's inputs are described in passes.py; the scorer that plans passes and r
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -155,23 +154,6 @@ class PassKernels:
         )
 
 
-def _prefetch_setting() -> tuple[list[tuple[str, float]], bool, int]:
-    """KEV_L2_PREFETCH (experimental, default off): "name:fraction,..." of out_proj, gate_up, down, plus "evict_last"
-    for that L2 policy; KEV_L2_PREFETCH_TOKENS: the largest pass that prefetches (512)."""
-    spec = os.environ.get("KEV_L2_PREFETCH", "")
-    items = [part for part in spec.split(",") if part]
-    evict_last = "evict_last" in items
-    chosen = []
-    for part in items:
-        if part == "evict_last":
-            continue
-        name, fraction = part.split(":")
-        if name not in ("out_proj", "gate_up", "down"):
-            raise ValueError(f"KEV_L2_PREFETCH names out_proj, gate_up or down, not {name!r}")
-        chosen.append((name, float(fraction)))
-    return chosen, evict_last, int(os.environ.get("KEV_L2_PREFETCH_TOKENS", "512"))
-
-
 # The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE):
 # token by token, chunked, or chunked for new states only. H200, Kev-4B from graphs (bench/diag.py latency, c748b82):
 # short6 new / same / 64 clients 6.28 ms / 5.23 ms / 262 req/s, 5.94 / 5.15 / 289, 6.13 / 5.30 / 269: chunked.
@@ -219,7 +201,6 @@ class FusedQwen35:
         self.short_rows_recurrent = short_delta_rule in ("recurrent", "chunked-states")
         self.short_states_recurrent = short_delta_rule == "recurrent"
         self._recurrent_rows, self._rows_attention, self._bank_kv = k.recurrent_rows, k.rows_attention, k.bank_kv
-        self.prefetch, self.prefetch_evict_last, self.prefetch_max_tokens = _prefetch_setting()
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
@@ -276,16 +257,6 @@ class FusedQwen35:
     def rms_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps) * weight
 
-    def _prefetch_weights(self, layer: LayerWeights, tokens: int) -> None:
-        """While the mixer runs (bound by latency), the start of the layer's next weights into L2 (kernels.prefetch)
-        for passes small enough that their GEMMs wait on HBM."""
-        if tokens > self.prefetch_max_tokens:
-            return
-        from .kernels.prefetch import l2_prefetch
-
-        for name, fraction in self.prefetch:
-            l2_prefetch(getattr(layer, name), fraction, self.prefetch_evict_last)
-
     def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._silu_mul(F.linear(x, layer.gate_up)), layer.down)
 
@@ -294,7 +265,6 @@ class FusedQwen35:
     def gated_deltanet(self, layer: LayerWeights, index: int, x: torch.Tensor, p: PassInput) -> torch.Tensor:
         c = self.c
         proj = F.linear(x, layer.in_proj)
-        self._prefetch_weights(layer, x.shape[0])
         qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
         # Padding tokens belong to no segment: their rows keep whatever is here, row by row, and are never read.
         out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
@@ -372,7 +342,6 @@ class FusedQwen35:
         c = self.c
         T, Hq, Hkv, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         proj = F.linear(x, layer.in_proj)
-        self._prefetch_weights(layer, T)
         qg, k, v = proj.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = qg.view(T, Hq, 2 * D).chunk(2, dim=-1)
         # Per-head norm and partial RoPE in one kernel each, reading the projection's per-head views in place.
