@@ -1356,7 +1356,7 @@ def gpu_gaps() -> None:
 
 def gemm_padding() -> None:
     """Each Kev-4B projection's GEMM (cuBLASLt, as the fused path runs it) by row count M, 64 to 3,328 in steps of 32:
-    µs a GEMM, weights cold (8 GEMMs cycling through 4 copies, more than L2 holds), from a graph. Then, for the row
+    µs a GEMM, weights cold (cycling through 4 copies, more than L2 holds), from a graph. Then, for the row
     counts the buckets give, the fastest M' ≥ M within 256 rows: cuBLASLt's results are the same for every M ≥ 52
     (gemm_rows), so a GEMM may run padded to M' at no change in its rows' values (checked here for each best M')."""
     torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -1376,7 +1376,7 @@ def gemm_padding() -> None:
         us = {}
         for m in counts:
             gemms = lambda m=m, x=x, weights=weights: [F.linear(x[:m], w) for w in weights]  # noqa: E731
-            us[m] = graph_ms(gemms, repeat=2) * 1000 / 8
+            us[m] = graph_ms(gemms, repeat=2) * 1000 / 4
         print(f"gemmpad {name} " + " ".join(f"{m}:{t:.1f}" for m, t in us.items()), flush=True)
         best = []
         for m in targets:
@@ -1384,6 +1384,70 @@ def gemm_padding() -> None:
             same = (F.linear(x[:pad], weights[0])[:m] == F.linear(x[:m], weights[0])).all().item()
             best.append(f"{m}->{pad} {us[m]:.1f}->{us[pad]:.1f}{'' if same else ' DIFFERS'}")
         print(f"gemmpad {name} best: " + ", ".join(best), flush=True)
+
+
+def gemm_layouts() -> None:
+    """Each Kev-4B projection at the row counts short6 and long5 passes take, as the fused path stores its weights
+    ([N, K], F.linear: cuBLAS's TN) against the weights transposed once ([K, N], x @ w: NN): µs a GEMM (weights cold,
+    as gemm_padding), and whether NN's rows are the same at every M (rows of the M-row GEMM against the same rows of
+    a 3,072-row one: what batch invariance needs)."""
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch.manual_seed(0)
+    shapes = {
+        "gdn_in": (12352, 2560),
+        "attn_in": (10240, 2560),
+        "out": (2560, 4096),
+        "gate_up": (18432, 2560),
+        "down": (2560, 9216),
+    }
+    for name, (n, k) in shapes.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+        transposed = [w.t().contiguous() for w in weights]
+        x = torch.randn(3072, k, device="cuda", dtype=torch.bfloat16)
+        full_nn = x @ transposed[0]
+        line = []
+        for m in (64, 128, 192, 256, 384, 512, 2688):
+            tn = lambda m=m, x=x, ws=weights: [F.linear(x[:m], w) for w in ws]  # noqa: E731
+            nn = lambda m=m, x=x, ws=transposed: [x[:m] @ w for w in ws]  # noqa: E731
+            tn_us, nn_us = (graph_ms(f, repeat=2) * 1000 / 4 for f in (tn, nn))
+            same = torch.equal(x[:m] @ transposed[0], full_nn[:m])
+            agree = (x[:m] @ transposed[0] - F.linear(x[:m], weights[0])).abs().max().item()
+            line.append(f"{m}: TN {tn_us:.1f} NN {nn_us:.1f}{'' if same else ' NN-varies'} ({agree:.0e})")
+        print(f"gemmlayout {name} " + ", ".join(line), flush=True)
+
+
+def rows_chain_configs() -> None:
+    """The chain for one short6's rows (6 of 31 tokens) in r192's 48 row slots, as a captured pass runs it (in turn),
+    by (value block, warps, programs an SM): prep and chain µs a layer from a graph; outputs must be identical."""
+    from kev_backend import kernels
+    from kev_backend.kernels import delta_rule as R
+
+    lengths, capacity = [31] * 6, 48
+    _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
+    n = len(lengths)
+    scratch = torch.full((capacity - n,), n, device="cuda", dtype=slots.dtype)
+    padded_slots, padded_cu = torch.cat([slots, scratch]), torch.cat([cu, cu[-1:].repeat(capacity - n)])
+    args = (q, k, v, a, b, a_log, dt_bias, pool, padded_slots, padded_cu)
+    narrow, per_sm = R.CHUNK_NARROW, R.CHUNK_PER_SM
+    reference, line = None, []
+    for block_v, warps, programs in ((32, 4, 2), (32, 4, 1), (32, 4, 3), (64, 4, 1), (64, 8, 1), (128, 8, 1)):
+        R.CHUNK_NARROW, R.CHUNK_PER_SM = (block_v, warps, None), programs
+        run = lambda: kernels.chunked_rows(*args, new_states=False, padded=True)  # noqa: E731
+        try:
+            out = run().float()
+        except Exception as error:  # noqa: BLE001
+            line.append(f"{block_v}/{warps}/{programs} failed {type(error).__name__}")
+            continue
+        reference = out if reference is None else reference
+        parts = " ".join(
+            f"{name.strip('_').split('_kernel')[0]} {us:.1f}"
+            for name, us in graph_kernel_us(run).items()
+            if "delta_rule" in name or "prep" in name
+        )
+        same = "" if torch.equal(out, reference) else f" DIFFERS {(out - reference).abs().max().item():.1e}"
+        line.append(f"{block_v}/{warps}/{programs} {graph_ms(run) * 1000:.1f} µs [{parts}]{same}")
+    R.CHUNK_NARROW, R.CHUNK_PER_SM = narrow, per_sm
+    print("rowschain short6 rows r192: " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":
@@ -1436,6 +1500,10 @@ if __name__ == "__main__":
         gpu_gaps()
     if what == "gemmpad":
         gemm_padding()
+    if what == "gemmlayout":
+        gemm_layouts()
+    if what == "rowschain":
+        rows_chain_configs()
     if what in ("gemm", "all"):
         gemm_invariance()
     if what in ("profile", "all"):

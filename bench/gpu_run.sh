@@ -26,6 +26,8 @@
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   gemmpad    bench/diag.py gemmpad: each projection's GEMM by row count, and the fastest padding (~2 min)
+#   gemmlayout bench/diag.py gemmlayout: each projection with its weights as stored (TN) or transposed (NN) (~1 min)
+#   rowschain  bench/diag.py rowschain: a short6's rows' chain by value block, warps and programs an SM (~1 min)
 #   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
 #   convscan   bench/diag.py convscan: the pass's conv by tokens, channels and warps a program (~1 min)
 #   timeline   bench/diag.py timeline: one short6 request's model time against its kernels' busy time and gaps, then
@@ -96,6 +98,8 @@ run_step() {
     prepregs) diag_sweep prepregs 180 ;;
     rowsattn) diag_sweep rowsattn 120 ;;
     gemmpad) diag_sweep gemmpad 300 ;;
+    gemmlayout) diag_sweep gemmlayout 200 ;;
+    rowschain) diag_sweep rowschain 200 ;;
     longattn) diag_sweep longattn 180 ;;
     convscan)
       timeout 180 python3 bench/diag.py convscan 2>&1 | grep -E "convscan|Error" | tee "$out/diag-convscan.log" || status=1
