@@ -13,6 +13,7 @@ The pass's inputs are described in passes.py; the scorer that plans passes and r
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .gpu_bank import StatePool
+from .kernels.delta_rule import _beside
 from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, pad_rows
 from .qwen35 import FULL_ATTENTION, Qwen35TextModel
 
@@ -153,6 +155,9 @@ class PassKernels:
             kernels.bank_kv,
         )
 
+
+# Experimental (KEV_ROWS_BESIDE=1): a pass's rows' attention beside its new states' attention.
+ROWS_BESIDE = os.environ.get("KEV_ROWS_BESIDE", "0") == "1"
 
 # The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE):
 # token by token, chunked, or chunked for new states only. H200, Kev-4B from graphs (bench/diag.py latency, c748b82):
@@ -350,6 +355,34 @@ class FusedQwen35:
         v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (fla's long kernels) gets a copy
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens' rows: never read
         keys, values = self.pool.keys[index], self.pool.values[index]
+        if ROWS_BESIDE and p.states is not None and p.rows is not None and self.long_kernels == "ours":
+            # The new states' K/V into the bank first (the rows read them there), then the rows' attention (few
+            # programs, bound by latency over a long prefix) beside the states' own (which fills the GPU). Ours
+            # only: varlen attention writes its whole span, which a trimmed bucket's rows overlap.
+            self._bank_states_kv(p, keys, values, k, v)
+            rows = slice(p.rows.start, p.rows.end)
+            with _beside(x.device) as lead:
+                lead(lambda: self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows]))
+                self._states_attention(p, q, k, v, keys, values, out)
+            return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)
+        self._states_attention(p, q, k, v, keys, values, out)
+        self._bank_states_kv(p, keys, values, k, v)
+        if (r := p.rows) is not None:
+            rows = slice(r.start, r.end)
+            self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
+        return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
+
+    def _states_attention(
+        self,
+        p: PassInput,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The new states' causal attention over their own tokens, into `out`'s state rows."""
         if (s := p.states) is not None:
             for group in s.groups:
                 span = group.span
@@ -373,11 +406,6 @@ class FusedQwen35:
                         group.max_len,
                         window_size=(-1, 0),
                     )
-        self._bank_states_kv(p, keys, values, k, v)
-        if (r := p.rows) is not None:
-            rows = slice(r.start, r.end)
-            self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
-        return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
 
     def _bank_states_kv(
         self, p: PassInput, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
