@@ -1451,6 +1451,46 @@ def rows_chain_configs() -> None:
     print("rowschain short6 rows r192: " + ", ".join(line), flush=True)
 
 
+def flag_ab() -> None:
+    """A module flag read when a pass is captured (KEV_AB_FLAG="module:NAME", e.g. kev_backend.fused:ROWS_BESIDE),
+    off and on, in two engines built in turn in one process (KEV_GRAPHS=1), their requests interleaved: paired model
+    times (medians of 30 rounds) for short6 and long5, new and same state, with far less of the noise between
+    processes and machines than separate runs have. The two engines must answer alike (largest difference shown)."""
+    import importlib
+    import os
+    import statistics
+
+    from kev_backend import bench
+    from kev_backend.workloads import long5, short6
+
+    module_name, flag = os.environ["KEV_AB_FLAG"].split(":")
+    module = importlib.import_module(module_name)
+    engines = []
+    for value in (False, True):
+        setattr(module, flag, value)
+        engines.append(kev4b_engine())
+    print(f"flagab {flag}: engines built", flush=True)
+    for label, make in (("short6", short6), ("long5", long5)):
+        for state in ("new", "same"):
+            times: list[list[float]] = [[], []]
+            largest = 0.0
+            for round_ in range(33):
+                body = make(next(bench.NEW_STATE) if state == "new" else None)
+                probs = []
+                for i in (round_ % 2, 1 - round_ % 2):  # ABBA by round
+                    batch = engines[i].score(engines[i].prepare_batch([body]))
+                    probs.append([p for request in batch.probabilities for q in request for p in q])
+                    if round_ >= 3:
+                        times[i].append(batch.report.model_ms)
+                largest = max(largest, max(abs(x - y) for x, y in zip(*probs, strict=True)))
+            off, on = (statistics.median(t) for t in times)
+            print(
+                f"flagab {label} {state}: off {off:.3f} ms, on {on:.3f} ms ({on - off:+.3f}), answers within "
+                f"{largest:.1e}",
+                flush=True,
+            )
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     if what == "invariance":
@@ -1501,6 +1541,8 @@ if __name__ == "__main__":
         gpu_gaps()
     if what == "gemmpad":
         gemm_padding()
+    if what == "flagab":
+        flag_ab()
     if what == "gemmlayout":
         gemm_layouts()
     if what == "rowschain":

@@ -26,6 +26,7 @@
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   gemmpad    bench/diag.py gemmpad: each projection's GEMM by row count, and the fastest padding (~2 min)
+#   flagab     bench/diag.py flagab: a module flag (KEV_AB_FLAG=module:NAME) off and on, two engines, requests interleaved
 #   gemmlayout bench/diag.py gemmlayout: each projection with its weights as stored (TN) or transposed (NN) (~1 min)
 #   rowschain  bench/diag.py rowschain: a short6's rows' chain by value block, warps and programs an SM (~1 min)
 #   longattn   bench/diag.py longattn: new long states' attention, varlen (FA2) against our kernel's tiles (~1 min)
@@ -98,6 +99,7 @@ run_step() {
     prepregs) diag_sweep prepregs 180 ;;
     rowsattn) diag_sweep rowsattn 120 ;;
     gemmpad) diag_sweep gemmpad 300 ;;
+    flagab) KEV_GRAPHS=1 KEV_LONG_KERNELS=ours diag_sweep flagab 400 ;;
     gemmlayout) diag_sweep gemmlayout 200 ;;
     rowschain) diag_sweep rowschain 200 ;;
     longattn) diag_sweep longattn 180 ;;
