@@ -74,17 +74,23 @@ def graph_kernel_us(fn, repeat: int = 20) -> dict[str, float]:
     return dict(total)
 
 
-def kev4b_engine(**options):
-    """An engine on random Kev-4B weights (8 GiB bank); KEV_GRAPHS=1 replays CUDA graphs as the GPU config does,
-    KEV_GRAPH_MAX_TOKENS sets their largest bucket."""
-    import os
-
+def kev4b_checkpoint():
+    """Random Kev-4B weights on the GPU (fp32, LoRA merged) with the tiny tokenizer."""
     from kev_backend import tiny
-    from kev_backend.engine import Engine, EngineOptions
 
     directory = Path(tempfile.mkdtemp())
     tiny.write_tokenizer(directory)
-    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
+    return tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
+
+
+def kev4b_engine(checkpoint=None, **options):
+    """An engine on random Kev-4B weights (8 GiB bank; `checkpoint`: kev4b_checkpoint's, made here if not given);
+    KEV_GRAPHS=1 replays CUDA graphs as the GPU config does, KEV_GRAPH_MAX_TOKENS sets their largest bucket."""
+    import os
+
+    from kev_backend.engine import Engine, EngineOptions
+
+    checkpoint = checkpoint or kev4b_checkpoint()
     options = {"bank_bytes": 8 << 30, "graphs": os.environ.get("KEV_GRAPHS") == "1", **options}
     if "KEV_GRAPH_MAX_TOKENS" in os.environ:  # buckets up to this many tokens, all of them kept
         options.update(graph_max_tokens=int(os.environ["KEV_GRAPH_MAX_TOKENS"]), max_graphs=200)
@@ -1465,10 +1471,13 @@ def flag_ab() -> None:
 
     module_name, flag = os.environ["KEV_AB_FLAG"].split(":")
     module = importlib.import_module(module_name)
+    # One checkpoint for both: built after the first engine set the process's BLAS preferences, the second's merged
+    # weights would round differently (answers ~1e-2 apart on random Kev-4B weights, whatever the flag).
+    checkpoint = kev4b_checkpoint()
     engines = []
     for value in (False, True):
         setattr(module, flag, value)
-        engines.append(kev4b_engine())
+        engines.append(kev4b_engine(checkpoint))
     print(f"flagab {flag}: engines built", flush=True)
     for label, make in (("short6", short6), ("long5", long5)):
         for state in ("new", "same"):

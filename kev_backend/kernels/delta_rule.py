@@ -3,15 +3,14 @@ or in chunks (any length, graph-capturable)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
 
 import torch
 import triton
 import triton.language as tl
 
+from ..streams import beside
 from .segments import search_steps, segment_of
 
 
@@ -952,43 +951,12 @@ def chunked_rows(
     if not (padded and lead_apart and LEAD_APART and n > lead + 1):
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
-    with _beside(q.device) as apart:
+    with beside(q.device) as apart:
         apart(lambda: chain(lead, lead + 1, None, out))
         for first, last in ((0, lead), (lead + 1, n)):  # the others in turn, beside it
             if last > first:
                 chain(first, last, CHUNK_PER_SM, out)
     return out
-
-
-@contextlib.contextmanager
-def _beside(device: torch.device) -> Iterator[Callable[[Callable[[], object]], None]]:
-    """Work queued inside the block runs on a side stream, at the same time as the launch given to `lead`, which the
-    current stream makes first (in a captured graph: a fork and a join); both after the current stream's work and
-    before anything queued after the block. Without CUDA, the lead and then the block, in order."""
-    if device.type != "cuda":
-        yield lambda launch: launch()
-        return
-    main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    ready = torch.cuda.Event()
-    ready.record(main)
-    side.wait_event(ready)
-    try:
-        with torch.cuda.stream(side):
-            # The lead is launched before the side stream's work so that its programs are placed first.
-            yield lambda launch: _on(main, launch)
-    finally:
-        main.wait_stream(side)  # the join
-
-
-def _on(stream: torch.cuda.Stream, launch: Callable[[], object]) -> None:
-    with torch.cuda.stream(stream):
-        launch()
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 def segments_for_wide(device: torch.device, value_heads: int, value_dim: int) -> int:
