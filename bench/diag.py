@@ -1361,6 +1361,17 @@ def gpu_gaps() -> None:
         print(f"gaps {lo}-{hi} ms: {len(inside)}, {sum(inside):.1f} ms idle", flush=True)
 
 
+# Kev-4B's projections as the fused path stores them, [N, K]: DeltaNet's and attention's input projections, the
+# output projections (both K = 4,096), the MLP's gate and up together, and down.
+KEV4B_PROJECTIONS = {
+    "gdn_in": (12352, 2560),
+    "attn_in": (10240, 2560),
+    "out": (2560, 4096),
+    "gate_up": (18432, 2560),
+    "down": (2560, 9216),
+}
+
+
 def gemm_padding() -> None:
     """Each Kev-4B projection's GEMM (cuBLASLt, as the fused path runs it) by row count M, 64 to 3,328 in steps of 32:
     µs a GEMM, weights cold (cycling through 4 copies, more than L2 holds), from a graph. Then, for the row
@@ -1368,16 +1379,9 @@ def gemm_padding() -> None:
     (gemm_rows), so a GEMM may run padded to M' at no change in its rows' values (checked here for each best M')."""
     torch.backends.cuda.preferred_blas_library("cublaslt")
     torch.manual_seed(0)
-    shapes = {
-        "gdn_in": (12352, 2560),
-        "attn_in": (10240, 2560),
-        "out": (2560, 4096),
-        "gate_up": (18432, 2560),
-        "down": (2560, 9216),
-    }
     counts = range(64, 3328 + 1, 32)
     targets = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560, 2688, 2816, 3072)
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in KEV4B_PROJECTIONS.items():
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
         x = torch.randn(counts[-1], k, device="cuda", dtype=torch.bfloat16)
         us = {}
@@ -1400,14 +1404,7 @@ def gemm_layouts() -> None:
     a 3,072-row one: what batch invariance needs)."""
     torch.backends.cuda.preferred_blas_library("cublaslt")
     torch.manual_seed(0)
-    shapes = {
-        "gdn_in": (12352, 2560),
-        "attn_in": (10240, 2560),
-        "out": (2560, 4096),
-        "gate_up": (18432, 2560),
-        "down": (2560, 9216),
-    }
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in KEV4B_PROJECTIONS.items():
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
         transposed = [w.t().contiguous() for w in weights]
         x = torch.randn(3072, k, device="cuda", dtype=torch.bfloat16)

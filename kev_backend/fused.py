@@ -156,12 +156,13 @@ class PassKernels:
         )
 
 
-# A pass with long new states runs its rows' attention beside the states' own (fused.FusedQwen35.attention). Over a
-# long prefix the rows' attention is a few programs bound by latency (one long5's rows over 2,465 keys: ~90 µs a
-# layer, bench/diag.py rowsattn), and a lone state's causal attention leaves SMs idle in its last blocks, so the two
-# overlap. H200, two engines in one process with requests interleaved (bench/diag.py flagab, db9c0fa): long5 new
-# 38.63 → 38.09 ms; short6 new, whose state is short, 5.84 → 5.91 (so short states keep the two in turn); same-state
-# passes have no new states. KEV_ROWS_BESIDE=0 turns it off (read at import; the module flag when a pass is traced).
+# A pass with long new states runs its rows' attention beside the states' own (FusedQwen35.attention). Over a long
+# prefix the rows' attention is a few programs bound by latency (one long5's rows over 2,465 keys: ~90 µs a layer,
+# bench/diag.py rowsattn), and a lone state's causal attention leaves SMs idle in its last blocks, so the two overlap.
+# H200, two engines in one process with requests interleaved (bench/diag.py flagab, 1851583): long5 new 38.18 → 37.75
+# ms, answers identical; with short new states forked too (db9c0fa) short6 new lost 0.07 ms, so those stay in turn.
+# Same-state passes have no new states. KEV_ROWS_BESIDE=0 turns it off (read at import; the module flag when a pass
+# is traced).
 ROWS_BESIDE = os.environ.get("KEV_ROWS_BESIDE", "1") != "0"
 
 # The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE):
@@ -360,26 +361,28 @@ class FusedQwen35:
         v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (fla's long kernels) gets a copy
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens' rows: never read
         keys, values = self.pool.keys[index], self.pool.values[index]
-        if self._rows_beside_states(p):
-            # The new states' K/V into the bank first (the rows read them there from it), then the rows' attention
-            # beside the states' own. Each kernel's arithmetic is as in turn: the same answers.
-            self._bank_states_kv(p, keys, values, k, v)
-            rows = slice(p.rows.start, p.rows.end)
-            with beside(x.device) as lead:
-                lead(lambda: self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows]))
-                self._states_attention(p, q, k, v, keys, values, out)
-            return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)
-        self._states_attention(p, q, k, v, keys, values, out)
-        self._bank_states_kv(p, keys, values, k, v)
-        if (r := p.rows) is not None:
+        self._bank_states_kv(p, keys, values, k, v)  # first: the rows read the new states' K/V from the bank
+        if (r := p.rows) is None:
+            self._states_attention(p, q, k, v, keys, values, out)
+        else:
             rows = slice(r.start, r.end)
-            self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
+
+            def attend_rows() -> None:
+                self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
+
+            if self._rows_beside_states(p):  # the same kernels and arithmetic at once: the same answers
+                with beside(x.device) as lead:
+                    lead(attend_rows)
+                    self._states_attention(p, q, k, v, keys, values, out)
+            else:
+                self._states_attention(p, q, k, v, keys, values, out)
+                attend_rows()
         return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
 
     def _rows_beside_states(self, p: PassInput) -> bool:
-        """Whether the rows' attention runs beside the new states' (ROWS_BESIDE): in a pass with rows and long new
-        states, on our kernels (varlen attention writes its whole span, which a trimmed bucket's rows overlap)."""
-        if not ROWS_BESIDE or p.rows is None or p.states is None or self.long_kernels != "ours":
+        """Whether the rows' attention runs beside the new states' (ROWS_BESIDE): in a pass with long new states, on
+        our kernels (varlen attention writes its whole span, which a trimmed bucket's rows overlap)."""
+        if not ROWS_BESIDE or p.states is None or self.long_kernels != "ours":
             return False
         return any(not group.short for group in p.states.groups)
 
