@@ -1,7 +1,7 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
 timed against each other and fla's, start-up phases, and whether answers depend on the batch. Prints a short report.
     python3 bench/diag.py [kernels|gaps|long [rows]|chunkvariants|rowsattn|longattn|convscan|ncuprobe|recurrent|
-                           timeline|hostsplit|hostops|hostpath|latency|startup|speed|sweep|invariance|profile|gemm]
+                           timeline|hostsplit|hostops|hostpath|latency|startup|coldstart|speed|sweep|invariance|profile|gemm]
 (KEV_GRAPHS=1: engines replay CUDA graphs; bench/gpu_run.sh runs these as steps.)"""
 
 from __future__ import annotations
@@ -1154,6 +1154,74 @@ def startup() -> None:
         stats.print_callers("builtins.compile")
 
 
+def coldstart() -> None:
+    """Start-up as a Triton instance sees it, from a Kev-4B checkpoint on disk (/tmp/kev4b, written if missing): the
+    imports' cost by top-level package (-X importtime), then Engine.from_checkpoint with the GPU config's options in a
+    fresh process on an empty kernel cache and again on the kept one, the second under cProfile (cumulative seconds
+    of our functions and the libraries they call)."""
+    import re
+    import subprocess
+
+    checkpoint = Path("/tmp/kev4b/kev")
+    if not checkpoint.exists():
+        tiny = [sys.executable, "-m", "kev_backend.tiny", "/tmp/kev4b", "--kev4b", "--device", "cuda"]
+        subprocess.run(tiny, check=True)
+    imports = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import kev_backend.engine, kev_backend.fused, kev_backend.graphs"],
+        capture_output=True,
+        text=True,
+    ).stderr
+    top: dict[str, int] = {}
+    for line in imports.splitlines():  # "import time: self [us] | cumulative | imported package"
+        match = re.match(r"import time:\s+\d+ \|\s+(\d+) \| (\S+)$", line)
+        if match:
+            top[match[2]] = int(match[1])
+    ranked = sorted(top.items(), key=lambda item: -item[1])[:12]
+    print("coldstart imports (s, top-level): " + ", ".join(f"{name} {us / 1e6:.2f}" for name, us in ranked), flush=True)
+    env = {**os.environ, "TRITON_CACHE_DIR": "/tmp/coldstart-cache", "TRITON_CACHE_AUTOTUNING": "1"}
+    subprocess.run(["rm", "-rf", "/tmp/coldstart-cache"], check=True)
+    for label, profile in (("empty cache", "0"), ("kept cache", "1")):
+        child = subprocess.run(
+            [sys.executable, __file__, "coldstart-child", str(checkpoint)],
+            env={**env, "KEV_PROFILE": profile},
+            capture_output=True,
+            text=True,
+        )
+        lines = [line for line in child.stdout.splitlines() if "warn" not in line.lower()]
+        print(f"coldstart {label}:", flush=True)
+        print("\n".join(lines[:90]), flush=True)
+        if child.returncode:
+            print(child.stderr[-3000:], flush=True)
+
+
+def coldstart_child(checkpoint: str) -> None:
+    """One engine start as coldstart() describes (torch is already imported: diag.py imports it)."""
+    from kev_backend.engine import Engine, EngineOptions
+
+    started = time.perf_counter()
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    context = time.perf_counter() - started
+    profiler = cProfile.Profile() if os.environ.get("KEV_PROFILE") == "1" else None
+    if profiler is not None:
+        profiler.enable()
+    options = EngineOptions(device="cuda", backend="fused", graphs=True, long_kernels="ours")
+    engine = Engine.from_checkpoint(checkpoint, options)
+    if profiler is not None:
+        profiler.disable()
+    stats = engine.scorer.graphs.stats
+    phases = {phase: round(seconds, 2) for phase, seconds in engine.startup.items()}
+    print(
+        f"coldstart context {context:.2f} s, phases {phases}, graphs {stats.count}, warm passes {stats.warm_s:.2f} s, "
+        f"captures {stats.capture_s:.2f} s",
+        flush=True,
+    )
+    if profiler is not None:
+        ranked = pstats.Stats(profiler).sort_stats("cumulative")
+        ranked.print_stats(r"kev_backend|safetensors|tokenizers|graphs.py|jit.py|compiler|cublas", 45)
+        ranked.sort_stats("tottime").print_stats(15)
+
+
 def host_profile() -> None:
     from kev_backend.workloads import short6
 
@@ -1507,6 +1575,10 @@ if __name__ == "__main__":
         quick_latency()
     if what == "startup":
         startup()
+    if what == "coldstart":
+        coldstart()
+    if what == "coldstart-child":
+        coldstart_child(sys.argv[2])
     if what == "sweep":
         invariance_sweep()
     if what == "recurrent":

@@ -39,6 +39,8 @@
 #              from graphs on our long kernels (~1 min)
 #   startup    bench/diag.py startup: start-up phases on an empty kernel cache, the kept one (with a host profile), and
 #              the kept one with an eager pass before every capture; then graph replay vs eager (~4 min)
+#   coldstart  bench/diag.py coldstart: imports by package, then an engine from a Kev-4B checkpoint on disk on an empty and
+#              a kept kernel cache, the second profiled (~3 min)
 #   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
@@ -137,6 +139,7 @@ Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc 
         | tee -a "$out/diag-startup.log" || status=1
       run_step graphtest
       ;;
+    coldstart) timeout 400 python3 bench/diag.py coldstart 2>&1 | tee "$out/diag-coldstart.log" | cut -c1-200 || status=1 ;;
     first) run_step tests; run_step diag ;;
     all) run_step tests; run_step parity; run_step bench ;;
     *) echo "unknown step $1"; status=1 ;;
