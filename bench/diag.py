@@ -1178,6 +1178,19 @@ def coldstart() -> None:
             top[match[2]] = int(match[1])
     ranked = sorted(top.items(), key=lambda item: -item[1])[:12]
     print("coldstart imports (s, top-level): " + ", ".join(f"{name} {us / 1e6:.2f}" for name, us in ranked), flush=True)
+    for modules in ("torch", "torch, triton", "torch, fla.ops.gated_delta_rule", "torch, kev_backend.kernels"):
+        timed = f"import time; t = time.perf_counter(); import {modules}; print(time.perf_counter() - t)"
+        seconds = subprocess.run([sys.executable, "-c", timed], capture_output=True, text=True).stdout.strip()
+        print(f"coldstart import {modules}: {seconds} s in a fresh process", flush=True)
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    pyc = sum(1 for _ in site.glob("*/__pycache__/*.pyc"))
+    print(
+        f"coldstart python: dont_write_bytecode {sys.dont_write_bytecode}, pycache_prefix {sys.pycache_prefix}, "
+        f"{site} writable {os.access(site, os.W_OK)}, {pyc} .pyc files one level down",
+        flush=True,
+    )
     env = {**os.environ, "TRITON_CACHE_DIR": "/tmp/coldstart-cache", "TRITON_CACHE_AUTOTUNING": "1"}
     subprocess.run(["rm", "-rf", "/tmp/coldstart-cache"], check=True)
     for label, profile in (("empty cache", "0"), ("kept cache", "1")):
@@ -1189,7 +1202,7 @@ def coldstart() -> None:
         )
         lines = [line for line in child.stdout.splitlines() if "warn" not in line.lower()]
         print(f"coldstart {label}:", flush=True)
-        print("\n".join(lines[:90]), flush=True)
+        print("\n".join(lines[:130]), flush=True)
         if child.returncode:
             print(child.stderr[-3000:], flush=True)
 
@@ -1218,8 +1231,9 @@ def coldstart_child(checkpoint: str) -> None:
     )
     if profiler is not None:
         ranked = pstats.Stats(profiler).sort_stats("cumulative")
-        ranked.print_stats(r"kev_backend|safetensors|tokenizers|graphs.py|jit.py|compiler|cublas", 45)
-        ranked.sort_stats("tottime").print_stats(15)
+        ranked.print_callers(r"builtins.compile")  # Python source compiled at run time (no bytecode cache?)
+        ranked.print_stats(r"kev_backend|safetensors|tokenizers|graphs.py|jit.py|compiler|cublas", 40)
+        ranked.sort_stats("tottime").print_stats(12)
 
 
 def host_profile() -> None:

@@ -62,6 +62,7 @@ status=0
 gpu_pytest() {  # LOG -k EXPRESSION: the GPU tests matching it, the log's tail through FILTER (grep -E)
   local log=$1 expression=$2 filter=$3
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_kernels.py tests/test_fused_gpu.py \
+    tests/test_safetensors_reader.py \
     -k "$expression" 2>&1 | tee "$out/$log" | grep -E "$filter" | cut -c1-1500 || status=1
 }
 diag_sweep() {  # NAME SECONDS: bench/diag.py NAME's own lines (they start with NAME) and errors, into diag-NAME.log

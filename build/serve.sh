@@ -24,6 +24,7 @@ triton=("$here/tritonserver.sh"
   --model-repository="${MODEL_REPOSITORY:-$here/../model_repository}"
   --model-control-mode=none
   --strict-readiness=true
+  --disable-auto-complete-config  # config.pbtxt is complete: no short-lived stub process at model load
   --http-address="$address" --http-port="${HTTP_PORT:-8000}"
   --grpc-address="$address" --grpc-port="${GRPC_PORT:-8001}"
   --metrics-address="$address" --metrics-port="${METRICS_PORT:-8002}"

@@ -243,7 +243,7 @@ def load_checkpoint(
         )
     dtype = choose_dtype(options.dtype, device, meta.weights_dtype, kind, config.dtype)
     deltas = lora_deltas(directory, options.lora_scale, device) if has_adapter else None
-    model = build_model(config, load_text_weights(weights_dir), dtype, deltas, device)
+    model = build_model(config, load_text_weights(weights_dir, device), dtype, deltas, device)
 
     head = {k: v.float().to(device) for k, v in meta.head.items()}
     expected_head = {

@@ -169,12 +169,15 @@ class Engine:
             raise ValueError(f"unknown backend {requested!r}: auto, fused or reference")
         if requested == "reference":
             return "reference"
-        from .fused import FLA_VERSION, fla_available
+        from .fused import FLA_VERSION, fused_available
 
-        usable = self.device.type == "cuda" and fla_available()
+        usable = self.device.type == "cuda" and fused_available(self.options.long_kernels)
         if requested == "fused":
             if not usable:
-                raise RuntimeError(f"the fused path needs CUDA and fla-core=={FLA_VERSION} (device: {self.device})")
+                raise RuntimeError(
+                    f"the fused path needs CUDA, torch's varlen attention and, with long_kernels 'fla', "
+                    f"fla-core=={FLA_VERSION} (device: {self.device})"
+                )
             return "fused"
         return "fused" if usable and self.checkpoint.dtype != torch.float32 else "reference"
 

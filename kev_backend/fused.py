@@ -40,10 +40,22 @@ def fla_available() -> bool:
         return False
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def fused_available(long_kernels: str) -> bool:
+    """What the fused path needs: a CUDA device, torch's varlen attention, and fla only when its chunked delta rule
+    runs new long states (long_kernels "fla"). With "ours" fla is never imported: its package imports all of its
+    layers and models (transformers among them), most of the engine's build phase at start-up."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return long_kernels == "ours" or fla_available()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -134,14 +146,17 @@ class PassKernels:
     bank_kv: Callable
 
     @classmethod
-    def gpu(cls) -> PassKernels:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    def gpu(cls, long_kernels: str = "fla") -> PassKernels:
         from torch.nn.attention.varlen import varlen_attn
 
         from . import kernels
 
+        if long_kernels == "fla":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+        else:
+            chunk = _fla_not_loaded
         return cls(
-            chunk_gated_delta_rule,
+            chunk,
             varlen_attn,
             kernels.rms_norm,
             kernels.rms_norm_rope,
@@ -154,6 +169,10 @@ class PassKernels:
             kernels.rows_attention,
             kernels.bank_kv,
         )
+
+
+def _fla_not_loaded(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("fla's chunked delta rule runs only with long_kernels 'fla' (not imported with 'ours')")
 
 
 # A pass with long new states runs its rows' attention beside the states' own (FusedQwen35.attention). Over a long
@@ -187,7 +206,9 @@ class FusedQwen35:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         if weights.embed.is_cuda:
             torch.backends.cuda.preferred_blas_library("cublaslt")  # see MIN_GEMM_ROWS (a process-wide setting)
-        k = kernels or PassKernels.gpu()
+        if long_kernels not in ("fla", "ours"):
+            raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
+        k = kernels or PassKernels.gpu(long_kernels)
         self.w = weights
         self.pool = pool
         self.c = weights.config
@@ -199,8 +220,6 @@ class FusedQwen35:
         # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
         # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
         # in place, no host chunk maps, so capturable; faster on the H200 from session 9: bench/NOTES.md).
-        if long_kernels not in ("fla", "ours"):
-            raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
         self.long_kernels = long_kernels
         # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule ("recurrent"), our chunked one
         # ("chunked"), or the chunked one for new states and token by token for rows ("chunked-states": a new state's

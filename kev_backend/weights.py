@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from .safetensors_reader import StoredTensor, read_index, read_tensors
 
 # Prefixes of the text tower in the layouts we accept, longest first.
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -41,18 +42,21 @@ def text_model_name(name: str) -> str | None:
     return name
 
 
-def load_text_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """All text-tower tensors of an HF checkpoint directory, keyed by bare name, in their stored dtype (CPU)."""
+def load_text_weights(directory: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """All text-tower tensors of an HF checkpoint directory, keyed by bare name, in their stored dtype, read straight
+    onto `device` (the parts Kev never reads are never read from disk)."""
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                bare = text_model_name(name)
-                if bare is None:
-                    continue
-                if bare in tensors:
-                    raise ValueError(f"{path.name}: tensor {name!r} duplicates {bare!r}")
-                tensors[bare] = f.get_tensor(name)
+        wanted: dict[str, StoredTensor] = {}  # bare name → where this file stores it
+        for stored in read_index(path):
+            bare = text_model_name(stored.name)
+            if bare is None:
+                continue
+            if bare in tensors or bare in wanted:
+                raise ValueError(f"{path.name}: tensor {stored.name!r} duplicates {bare!r}")
+            wanted[bare] = stored
+        read = read_tensors(path, wanted.values(), torch.device(device))
+        tensors.update((bare, read[stored.name]) for bare, stored in wanted.items())
     return tensors
 
 

@@ -9,11 +9,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from kev_backend.engine import Engine, dumps
-from kev_backend.metrics import KevMetrics
-from kev_backend.pipeline import Pipeline, parts_by_size
-from kev_backend.systemone import RequestError
-from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
+# kev_backend (torch with it) is imported where it is first used, not here: at model load Triton's python backend
+# first imports this file in a short-lived auto-complete stub of its own, where torch's import was 3-4 s of the time
+# to ready (H200 and CPU alike); the instance's stub imports it once, in initialize.
 
 
 def error_response(message, code):
@@ -22,6 +20,11 @@ def error_response(message, code):
 
 class TritonPythonModel:
     def initialize(self, args):
+        from kev_backend.engine import Engine
+        from kev_backend.metrics import KevMetrics
+        from kev_backend.pipeline import Pipeline
+        from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
+
         config = json.loads(args["model_config"])
         params = parameters(config)
         gpu = args["model_instance_kind"] == "GPU"
@@ -54,6 +57,8 @@ class TritonPythonModel:
             return None
         # A request may carry several JSON strings (batch dim n > 1); all are scored together. A large batch goes to
         # the pipeline in parts (whole requests each), each answered once scored (pipeline.parts_by_size).
+        from kev_backend.pipeline import parts_by_size
+
         bodies = [pb_utils.get_input_tensor_by_name(r, "REQUEST").as_numpy().reshape(-1) for r, _ in live]
         senders = [sender for _, sender in live]
         for part in parts_by_size([sum(len(body) for body in items) for items in bodies]):
@@ -99,6 +104,9 @@ def send(sender, reply):
 
 def response(results):
     """One request's response: its answers, or the first refusal (INVALID_ARG) or cancellation among them."""
+    from kev_backend.engine import dumps
+    from kev_backend.systemone import RequestError
+
     if any(r is None for r in results):  # dropped before scoring
         return error_response("request cancelled", pb_utils.TritonError.CANCELLED)
     errors = [(j, r) for j, r in enumerate(results) if isinstance(r, RequestError)]
