@@ -1193,10 +1193,17 @@ def coldstart() -> None:
     )
     env = {**os.environ, "TRITON_CACHE_DIR": "/tmp/coldstart-cache", "TRITON_CACHE_AUTOTUNING": "1"}
     subprocess.run(["rm", "-rf", "/tmp/coldstart-cache"], check=True)
-    for label, profile in (("empty cache", "0"), ("kept cache", "1")):
+    bytecode = {"PYTHONPYCACHEPREFIX": "/tmp/coldstart-pyc", "PYTHONDONTWRITEBYTECODE": ""}
+    runs = (
+        ("empty cache", {"KEV_PROFILE": "0"}),
+        ("kept cache", {"KEV_PROFILE": "1"}),
+        ("kept cache, load split, bytecode written", {"KEV_LOAD_SPLIT": "1", **bytecode}),
+        ("kept cache, bytecode kept", bytecode),
+    )
+    for label, extra in runs:
         child = subprocess.run(
             [sys.executable, __file__, "coldstart-child", str(checkpoint)],
-            env={**env, "KEV_PROFILE": profile},
+            env={**env, **extra},
             capture_output=True,
             text=True,
         )
@@ -1207,6 +1214,32 @@ def coldstart() -> None:
             print(child.stderr[-3000:], flush=True)
 
 
+def load_split(directory: Path) -> None:
+    """The load phase's steps, timed one by one (each ends with a device synchronize)."""
+    from kev_backend import checkpoint as ck
+    from kev_backend.qwen35 import Qwen35Config
+    from kev_backend.weights import load_text_weights, read_config
+
+    device = torch.device("cuda")
+    steps = {}
+
+    def timed(name, fn):
+        started = time.perf_counter()
+        value = fn()
+        torch.cuda.synchronize()
+        steps[name] = round(time.perf_counter() - started, 3)
+        return value
+
+    meta = timed("head.pt", lambda: ck.Meta.load(directory / "head.pt"))
+    base = ck.resolve_base(directory, meta, None)
+    config = timed("config", lambda: Qwen35Config.from_dict(read_config(base)))
+    deltas = timed("lora", lambda: ck.lora_deltas(directory, 1.0, device))
+    weights = timed("weights", lambda: load_text_weights(base, device))
+    timed("build_model", lambda: ck.build_model(config, weights, torch.bfloat16, deltas, device))
+    timed("load_checkpoint", lambda: ck.load_checkpoint(directory, device))
+    print(f"coldstart load steps (s): {steps}", flush=True)
+
+
 def coldstart_child(checkpoint: str) -> None:
     """One engine start as coldstart() describes (torch is already imported: diag.py imports it)."""
     from kev_backend.engine import Engine, EngineOptions
@@ -1215,6 +1248,8 @@ def coldstart_child(checkpoint: str) -> None:
     torch.cuda.init()
     torch.empty(1, device="cuda")
     context = time.perf_counter() - started
+    if os.environ.get("KEV_LOAD_SPLIT") == "1":
+        load_split(Path(checkpoint))
     profiler = cProfile.Profile() if os.environ.get("KEV_PROFILE") == "1" else None
     if profiler is not None:
         profiler.enable()
