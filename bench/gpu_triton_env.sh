@@ -23,11 +23,11 @@ cp /tmp/ts/pytriton/tritonserver/backends/python/* /tmp/ts/pytriton/tritonserver
 [[ -d /tmp/kev4b/kev ]] || python3 -m kev_backend.tiny /tmp/kev4b --kev4b --device cuda || exit 1
 
 # start_triton REPOSITORY LOG: tritonserver with configs/gpu.pbtxt (KIND_GPU, graphs on) in the background; sets
-# $server (its pid) and $started (its start time).
+# $server (its pid) and $started (its start time). START_ENV: more NAME=VALUE settings for the server.
 start_triton() {
   started=$(date +%s.%N)
   LD_LIBRARY_PATH=/tmp/ts/nvidia_pytriton.libs PATH=/tmp/kv/bin:$PATH KEV_CHECKPOINT=/tmp/kev4b/kev \
-    TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 /tmp/ts/pytriton/tritonserver/bin/tritonserver \
+    TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1 env ${START_ENV:-} /tmp/ts/pytriton/tritonserver/bin/tritonserver \
     --model-repository="$1" --model-config-name=gpu --backend-directory=/tmp/B \
     --model-control-mode=none --http-port 8000 --grpc-port 8001 --metrics-port 8002 > "$2" 2>&1 &
   server=$!
