@@ -175,7 +175,7 @@ class Engine:
         if requested == "fused":
             if not usable:
                 raise RuntimeError(
-                    f"the fused path needs CUDA, torch's varlen attention and, with long_kernels 'fla', "
+                    f"the fused path needs CUDA and, with long_kernels 'fla', torch's varlen attention and "
                     f"fla-core=={FLA_VERSION} (device: {self.device})"
                 )
             return "fused"
