@@ -32,7 +32,9 @@ start_triton "$PWD/model_repository" "$out/tritonserver.log"
 wait_ready /tmp/restart.json "$out/tritonserver.log" cached_
 [[ -s /tmp/restart.json ]] || { kill $server; tail -40 "$out/tritonserver.log"; exit 1; }
 if [[ ${STARTUP_ONLY:-0} == 1 ]]; then
-  echo "{\"commit\": \"${KEV_COMMIT:-unknown}\", \"date\": \"$(date -u +%FT%TZ)\"}" > "$out/triton-startup.json"
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  echo "{\"gpu\": \"$gpu\", \"commit\": \"${KEV_COMMIT:-unknown}\", \"date\": \"$(date -u +%FT%TZ)\"}" \
+    > "$out/triton-startup.json"
   python3 bench/merge_json.py "$out/triton-startup.json" /tmp/start.json /tmp/restart.json
   kill $server
   wait $server
