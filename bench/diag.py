@@ -1128,17 +1128,22 @@ def quick_latency() -> None:
             print(label, "64 clients", "pipelined" if pipelined else "serial", measured, flush=True)
 
 
+def profiled(make):
+    """make()'s value, and its host profile when KEV_PROFILE=1 (else None)."""
+    if os.environ.get("KEV_PROFILE") != "1":
+        return make(), None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        return make(), profiler
+    finally:
+        profiler.disable()
+
+
 def startup() -> None:
     """The engine's start-up phases with every graph bucket captured (as the GPU config loads it): seconds in eager
     warm-up passes and in captures, and (KEV_PROFILE=1) where the host spends them."""
-    import os
-
-    profiler = cProfile.Profile() if os.environ.get("KEV_PROFILE") == "1" else None
-    if profiler is not None:
-        profiler.enable()
-    engine = kev4b_engine(graphs=True, long_kernels="ours")
-    if profiler is not None:
-        profiler.disable()
+    engine, profiler = profiled(lambda: kev4b_engine(graphs=True, long_kernels="ours"))
     stats = engine.scorer.graphs.stats
     phases = {phase: round(seconds, 2) for phase, seconds in engine.startup.items()}
     print(
@@ -1250,13 +1255,8 @@ def coldstart_child(checkpoint: str) -> None:
     context = time.perf_counter() - started
     if os.environ.get("KEV_LOAD_SPLIT") == "1":
         load_split(Path(checkpoint))
-    profiler = cProfile.Profile() if os.environ.get("KEV_PROFILE") == "1" else None
-    if profiler is not None:
-        profiler.enable()
     options = EngineOptions(device="cuda", backend="fused", graphs=True, long_kernels="ours")
-    engine = Engine.from_checkpoint(checkpoint, options)
-    if profiler is not None:
-        profiler.disable()
+    engine, profiler = profiled(lambda: Engine.from_checkpoint(checkpoint, options))
     stats = engine.scorer.graphs.stats
     phases = {phase: round(seconds, 2) for phase, seconds in engine.startup.items()}
     print(

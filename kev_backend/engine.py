@@ -229,7 +229,7 @@ class Engine:
         """One line for the server's log: device, path, CUDA graphs and the seconds of each start-up phase."""
         graphs = getattr(self.scorer, "graphs", None)
         held = f"{graphs.stats.count} CUDA graphs ({graphs.stats.capture_failures} failed to capture)" if graphs else ""
-        phases = ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.startup.items())
+        phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
         return f"on {self.device}, {self.backend} path; {held or 'no CUDA graphs'}; start-up seconds {phases}"
 
     @property

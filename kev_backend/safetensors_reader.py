@@ -1,10 +1,11 @@
 """Reads the tensors of a safetensors file straight onto a device, several chunks at a time.
 
-`safetensors.safe_open(...).get_tensor` copies each tensor out of the memory-mapped file into a new host tensor (a page
-fault per page on the way), and `.to("cuda")` then copies it again from pageable memory, one tensor after another:
-most of the start-up's load phase on the H200 (3.4-7.3 s for Kev-4B's 8.4 GB). Here worker threads read the file's
-byte ranges with `os.preadv` into pinned buffers of their own and copy each buffer to the device on their own stream,
-so disk (or page cache) reads and host-to-device copies overlap, and the GIL is free during both.
+`safetensors.safe_open(...).get_tensor` copies each tensor out of the memory-mapped file into a new host tensor, and
+`.to("cuda")` then copies it again from pageable memory, one tensor after another (on the H200 the `.to` calls alone
+took 1.27 s of a Kev-4B start). Here worker threads read the file's byte ranges with `os.preadv` into pinned buffers
+of their own and copy each buffer to the device on their own stream, so disk (or page cache) reads and host-to-device
+copies overlap, and the GIL is free during both: Kev-4B's base (8.4 GB) in 0.64-0.70 s on the H200 (bench/NOTES.md,
+session 24).
 
 The format (github.com/huggingface/safetensors): an 8-byte little-endian header length, a JSON header mapping each
 name to its dtype, shape and byte range relative to the data that follows the header, then the data. The header is
