@@ -49,8 +49,8 @@ curl -s 127.0.0.1:8002/metrics | grep -E "^kev_|^nv_inference_(count|exec_count|
 kill $server
 wait $server
 tail -5 "$out/tritonserver.log"
-# The image sets PYTHONDONTWRITEBYTECODE=1, so every start above compiled the Python it imports from source (a
-# deployment image ships bytecode). Two more starts on the kept kernel cache with bytecode cached under a prefix: the
+# The image sets PYTHONDONTWRITEBYTECODE=1, so every start above compiled from source what it imports that has no
+# bytecode beside it (a deployment image ships bytecode). Two more starts on the kept kernel cache with bytecode cached under a prefix: the
 # first writes it, the second is a restart as a deployed server sees it.
 for run in write kept; do
   START_ENV="PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE=" start_triton "$PWD/model_repository" /tmp/bc.log
