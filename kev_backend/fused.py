@@ -28,37 +28,24 @@ from .streams import beside
 FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
 
 
-def fla_available() -> bool:
-    """fla kernels only with a CUDA device and exactly the pinned fla-core (never on a CPU: they crash there)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        version = importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    if version != FLA_VERSION:
-        return False
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def fused_available(long_kernels: str) -> bool:
     """What the fused path needs: a CUDA device and, when new long states run on fla's chunked delta rule and torch's
-    varlen attention (long_kernels "fla"), those two. With "ours" neither is imported: fla's package imports all of
-    its layers and models (transformers among them; 6.4-7.2 s in a fresh process on the H200), and varlen_attn imports
-    torch._dynamo (1.8 s on a CPU host): together most of the start-up's build phase."""
+    varlen attention (long_kernels "fla"), those two, with exactly the pinned fla-core (never on a CPU: its kernels
+    crash there). With "ours" neither is imported: fla's package imports all of its layers and models (transformers
+    among them; 6.4-7.2 s in a fresh process on the H200), and varlen_attn imports torch._dynamo (1.8 s on a CPU
+    host): together most of the start-up's build phase."""
     if not torch.cuda.is_available():
         return False
     if long_kernels == "ours":
         return True
     try:
+        if importlib.metadata.version("fla-core") != FLA_VERSION:
+            return False
+        import fla.ops.gated_delta_rule  # noqa: F401
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
+    except ImportError:  # PackageNotFoundError among them
         return False
-    return fla_available()
+    return True
 
 
 # --------------------------------------------------------------------------------------------------------------------
