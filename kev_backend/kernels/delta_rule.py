@@ -936,13 +936,14 @@ def _fused_rows_chunk(
     gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
     in_qk = c0 * stride_t + hk * K + o_t[:, None] * stride_t + o_k[None, :]
     b_k = _l2_normalised(_load_rows(k + in_qk, m, MASKED).to(tl.float32))
-    b_q = _l2_normalised(_load_rows(q + in_qk, m, MASKED).to(tl.float32))
     causal, decay = _causal_decay(gam, o_t)
-    QK = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay, 0.0) * scale
     T = _inverse_term(b_k, beta, decay, o_t, LOG2_BT)
     W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
     b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
     U = tl.dot(T, beta[:, None] * b_v.to(tl.float32), input_precision=PRECISION) - _dot(W, S, BF16)
+    # q's terms after W and T are done with (fewer tiles live at once)
+    b_q = _l2_normalised(_load_rows(q + in_qk, m, MASKED).to(tl.float32))
+    QK = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay, 0.0) * scale
     out = _dot(b_q * (tl.exp(gam) * scale)[:, None], S, BF16) + _dot(QK, U, BF16)
     at_o = c0 * stride_ot + hv * V + o_t[:, None] * stride_ot + o_v[None, :]
     _store_rows(o + at_o, out.to(o.dtype.element_ty), m, MASKED)
