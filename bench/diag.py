@@ -1537,53 +1537,18 @@ def gemm_layouts() -> None:
         print(f"gemmlayout {name} " + ", ".join(line), flush=True)
 
 
-def padded_rows_case(lengths: list[int], capacity: int) -> tuple:
-    """chunked_rows' arguments for rows of these lengths in a captured pass's row group of `capacity` slots (the rest
-    empty segments on a scratch slot), on seeded inputs and states."""
-    _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
-    n = len(lengths)
-    scratch = torch.full((capacity - n,), n, device="cuda", dtype=slots.dtype)
-    padded_slots, padded_cu = torch.cat([slots, scratch]), torch.cat([cu, cu[-1:].repeat(capacity - n)])
-    return q, k, v, a, b, a_log, dt_bias, pool, padded_slots, padded_cu
-
-
-def rows_fused() -> None:
-    """Rows from their banked states with the prep and the chain in one kernel (kernels.delta_rule.ROWS_FUSED), by
-    (tokens a chunk, value block, warps, programs an SM), against the two kernels: µs a layer from a graph, as a
-    captured pass runs them (in turn), and the largest difference from the two kernels' outputs (bf16 products)."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule as R
-
-    saved = R.ROWS_FUSED, R.ROWS_CHUNK, R.ROWS_BLOCK, R.ROWS_PER_SM
-    configs = [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 1), (16, 64, 8, 1), (32, 64, 8, 1), (16, 128, 8, 1)]
-    configs += [(32, 128, 8, 1), (16, 32, 4, 1), (32, 32, 8, 1)]
-    cases = (("short6 r192", [31] * 6, 48), ("long5 rows", [33] * 5, 32), ("rows of 100", [100] * 5, 32))
-    for label, lengths, capacity in cases:
-        args = padded_rows_case(lengths, capacity)
-        run = lambda args=args: kernels.chunked_rows(*args, new_states=False, padded=True)  # noqa: E731
-        R.ROWS_FUSED = False
-        reference = run().float()
-        line = [f"two kernels {graph_ms(run) * 1000:.1f}"]
-        R.ROWS_FUSED = True
-        for chunk, block_v, warps, per_sm in configs:
-            R.ROWS_CHUNK, R.ROWS_BLOCK, R.ROWS_PER_SM = chunk, (block_v, warps, None), per_sm
-            name = f"{chunk}/{block_v}/{warps}/{per_sm}"
-            try:
-                out = run().float()
-                line.append(f"{name} {graph_ms(run) * 1000:.1f} ({(out - reference).abs().max().item():.1e})")
-            except Exception as error:  # noqa: BLE001 (a setting that does not compile: reported, skipped)
-                line.append(f"{name} failed {type(error).__name__}")
-        print(f"rowsfused {label} µs a layer: " + ", ".join(line), flush=True)
-    R.ROWS_FUSED, R.ROWS_CHUNK, R.ROWS_BLOCK, R.ROWS_PER_SM = saved
-
-
 def rows_chain_configs() -> None:
     """The chain for one short6's rows (6 of 31 tokens) in r192's 48 row slots, as a captured pass runs it (in turn),
     by (value block, warps, programs an SM): prep and chain µs a layer from a graph; outputs must be identical."""
     from kev_backend import kernels
     from kev_backend.kernels import delta_rule as R
 
-    args = padded_rows_case([31] * 6, 48)
+    lengths, capacity = [31] * 6, 48
+    _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
+    n = len(lengths)
+    scratch = torch.full((capacity - n,), n, device="cuda", dtype=slots.dtype)
+    padded_slots, padded_cu = torch.cat([slots, scratch]), torch.cat([cu, cu[-1:].repeat(capacity - n)])
+    args = (q, k, v, a, b, a_log, dt_bias, pool, padded_slots, padded_cu)
     narrow, per_sm = R.CHUNK_NARROW, R.CHUNK_PER_SM
     reference, line = None, []
     for block_v, warps, programs in ((32, 4, 2), (32, 4, 1), (32, 4, 3), (64, 4, 1), (64, 8, 1), (128, 8, 1)):
@@ -1703,8 +1668,6 @@ if __name__ == "__main__":
         gpu_gaps()
     if what == "gemmpad":
         gemm_padding()
-    if what == "rowsfused":
-        rows_fused()
     if what == "flagab":
         flag_ab()
     if what == "gemmlayout":

@@ -26,7 +26,6 @@
 #   prepregs   bench/diag.py prepregs: the chunked delta rule by the prep's warps and register cap (~1 min)
 #   rowsattn   bench/diag.py rowsattn: rows' attention by query rows per program and keys per step (~30 s)
 #   gemmpad    bench/diag.py gemmpad: each projection's GEMM by row count, and the fastest padding (~2 min)
-#   rowsfused  bench/diag.py rowsfused: rows' prep and chain in one kernel, by configuration, against the two kernels
 #   flagab     bench/diag.py flagab: a module flag (KEV_AB_FLAG=module:NAME) off and on, two engines, requests interleaved
 #   gemmlayout bench/diag.py gemmlayout: each projection with its weights as stored (TN) or transposed (NN) (~1 min)
 #   rowschain  bench/diag.py rowschain: a short6's rows' chain by value block, warps and programs an SM (~1 min)
@@ -106,7 +105,6 @@ run_step() {
     flagab) KEV_GRAPHS=1 KEV_LONG_KERNELS=ours diag_sweep flagab 400 ;;
     gemmlayout) diag_sweep gemmlayout 200 ;;
     rowschain) diag_sweep rowschain 200 ;;
-    rowsfused) diag_sweep rowsfused 200 ;;
     longattn) diag_sweep longattn 180 ;;
     convscan)
       timeout 180 python3 bench/diag.py convscan 2>&1 | grep -E "convscan|Error" | tee "$out/diag-convscan.log" || status=1

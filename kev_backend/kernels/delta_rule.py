@@ -518,28 +518,6 @@ def _store_rows(ptrs, x, m, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _causal_decay(gam, o_t):
-    """The causal mask of a chunk and its decays exp(γ_t − γ_s) on and below the diagonal, 0 above [BT, BT]."""
-    causal = o_t[:, None] >= o_t[None, :]
-    return causal, tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
-
-
-@triton.jit
-def _inverse_term(b_k, beta, decay, o_t, LOG2_BT: tl.constexpr):
-    """T = (I + A)⁻¹ of a chunk, A = strictly-lower(β_t exp(γ_t − γ_s) k̂_t·k̂_s) [BT, BT] (fp32), as the product
-    (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular)."""
-    strict = o_t[:, None] > o_t[None, :]
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
-    T = eye - A
-    P = A
-    for _ in tl.static_range(LOG2_BT - 1):
-        P = tl.dot(P, P, input_precision=PRECISION)
-        T = tl.dot(T, eye + P, input_precision=PRECISION)
-    return T
-
-
-@triton.jit
 def _chunk_terms(
     q,
     k,
@@ -584,7 +562,8 @@ def _chunk_terms(
     in_k = o_t[:, None] * (HV * K) + o_k[None, :]  # the per-(token, value head) terms: [T, HV, K]
     at_k = (c0 * HV + hv) * K
     b_k = _l2_normalised(_load_rows(k + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
-    causal, decay = _causal_decay(gam, o_t)
+    causal = o_t[:, None] >= o_t[None, :]
+    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
     # q's terms first, stored before the inverse (fewer tiles live at once: no register spills on sm_90a). The
     # chain's bf16 products round q̂ and k̂ after these scalings (fp32 here), as it rounded them before. γ stays at its
     # last value past the segment's end, so γ_last is the chunk's (or the segment's) end.
@@ -596,7 +575,15 @@ def _chunk_terms(
     last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
     _store_rows(kd + at_k + in_k, (b_k * tl.exp(last - gam)[:, None]).to(kd.dtype.element_ty), m, MASKED)
     tl.store(dend + c0 * HV + hv, tl.exp(last))
-    T = _inverse_term(b_k, beta, decay, o_t, LOG2_BT)
+    strict = o_t[:, None] > o_t[None, :]
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
+    T = eye - A
+    P = A
+    for _ in tl.static_range(LOG2_BT - 1):
+        P = tl.dot(P, P, input_precision=PRECISION)
+        T = tl.dot(T, eye + P, input_precision=PRECISION)
     W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
     _store_rows(w + at_k + in_k, W.to(w.dtype.element_ty), m, MASKED)
     b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
@@ -882,183 +869,6 @@ def _chunked_delta_rule_kernel(
         )
 
 
-# Rows continuing a banked state, their chunks' terms and the chain in one kernel (ROWS_FUSED, KEV_ROWS_FUSED=1): a
-# program per item (row, value head, value block) computes each chunk's terms in registers (as _chunk_terms does,
-# nothing stored) and takes the chain's step at once; a row writes no state back, so its last chunk skips the state
-# update. A short6 on a banked state spends ~35 µs a layer in the prep and the chain (H200: 24 of its 32 layers),
-# its six rows of 31 tokens a chunk or two each: latency, not work. ROWS_CHUNK tokens a chunk (KEV_ROWS_CHUNK, 16
-# or 32: a 31-token row in one step); ROWS_BLOCK (value columns, warps, register cap); ROWS_PER_SM programs an SM
-# take a captured pass's items in turn. A row's kernel never depends on its batch.
-ROWS_FUSED = os.environ.get("KEV_ROWS_FUSED", "0") == "1"
-ROWS_CHUNK = int(os.environ.get("KEV_ROWS_CHUNK", "32"))
-if ROWS_CHUNK not in (16, 32):
-    raise ValueError(f"KEV_ROWS_CHUNK must be 16 or 32, not {ROWS_CHUNK}")
-ROWS_BLOCK: tuple[int, int, int | None] = (32, 4, None)
-ROWS_PER_SM = 2
-
-
-@triton.jit
-def _fused_rows_chunk(
-    S,
-    q,
-    k,
-    v,
-    a,
-    b,
-    o,
-    c0,
-    eos,
-    hk,
-    hv,
-    o_v,
-    decay_rate,
-    bias,
-    scale,
-    stride_t,
-    stride_vt,
-    stride_at,
-    stride_ot,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    LOG2_BT: tl.constexpr,
-    BF16: tl.constexpr,
-    MASKED: tl.constexpr,
-    NEXT: tl.constexpr,
-):
-    """One chunk of a row (tokens [c0, min(c0 + BT, eos))) from the state block S [K, BV] (fp32): _chunk_terms'
-    terms, kept in registers, then the chain's step (U = U₀ − W S; o = Qs S + QK U, stored); with NEXT (a chunk
-    follows) the next state, S otherwise."""
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    t = c0 + o_t
-    m = t < eos
-    gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
-    in_qk = c0 * stride_t + hk * K + o_t[:, None] * stride_t + o_k[None, :]
-    b_k = _l2_normalised(_load_rows(k + in_qk, m, MASKED).to(tl.float32))
-    causal, decay = _causal_decay(gam, o_t)
-    T = _inverse_term(b_k, beta, decay, o_t, LOG2_BT)
-    W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
-    b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
-    U = tl.dot(T, beta[:, None] * b_v.to(tl.float32), input_precision=PRECISION) - _dot(W, S, BF16)
-    # q's terms after W and T are done with (fewer tiles live at once)
-    b_q = _l2_normalised(_load_rows(q + in_qk, m, MASKED).to(tl.float32))
-    QK = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay, 0.0) * scale
-    out = _dot(b_q * (tl.exp(gam) * scale)[:, None], S, BF16) + _dot(QK, U, BF16)
-    at_o = c0 * stride_ot + hv * V + o_t[:, None] * stride_ot + o_v[None, :]
-    _store_rows(o + at_o, out.to(o.dtype.element_ty), m, MASKED)
-    if NEXT:
-        last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
-        S = tl.exp(last) * S + _dot(tl.trans(b_k * tl.exp(last - gam)[:, None]), U, BF16)
-    return S
-
-
-@triton.jit
-def _fused_rows_item(
-    item,
-    q,
-    k,
-    v,
-    a,
-    b,
-    a_log,
-    dt_bias,
-    pool,
-    slots,
-    cu,
-    o,
-    scale,
-    stride_t,
-    stride_vt,
-    stride_at,
-    stride_ot,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    BT: tl.constexpr,
-    LOG2_BT: tl.constexpr,
-    BF16: tl.constexpr,
-):
-    """One item of _fused_rows_kernel; returns its row's start."""
-    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
-        item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, True
-    )
-    full_end = bos + (eos - bos) // BT * BT
-    for c0 in range(bos, full_end, BT):  # whole chunks: no masks
-        S = _fused_rows_chunk(
-            S, q, k, v, a, b, o, c0, eos, hk, hv, o_v, decay_rate, bias, scale, stride_t, stride_vt, stride_at,
-            stride_ot, K, V, BT, LOG2_BT, BF16, False, True,
-        )  # fmt: skip
-    if full_end < eos:  # the row's partial last chunk
-        _fused_rows_chunk(
-            S, q, k, v, a, b, o, full_end, eos, hk, hv, o_v, decay_rate, bias, scale, stride_t, stride_vt, stride_at,
-            stride_ot, K, V, BT, LOG2_BT, BF16, True, False,
-        )  # fmt: skip
-    return bos
-
-
-@triton.jit(do_not_specialize=["N"])
-def _fused_rows_kernel(
-    q,
-    k,
-    v,
-    a,
-    b,
-    a_log,
-    dt_bias,
-    pool,
-    slots,
-    cu,
-    o,
-    scale,
-    stride_t,
-    stride_vt,
-    stride_at,
-    stride_ot,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    CONTINUE: tl.constexpr,
-    LOOP: tl.constexpr,
-    N,
-    BT: tl.constexpr,
-    LOG2_BT: tl.constexpr,
-    BF16: tl.constexpr,
-):
-    """Rows from their banked states (recurrent_rows' arguments; CONTINUE only), chunk by chunk, each chunk's terms
-    computed where its step is taken (ROWS_FUSED)."""
-    tl.static_assert(CONTINUE, "rows only: a new state's chain runs _chunked_delta_rule_kernel")
-    items = N * HV * (V // BV)
-    if LOOP:  # items in turn until the segments' tokens end (_next_item)
-        end = tl.load(cu + N).to(tl.int64)
-        item = tl.program_id(0)
-        while item < items:
-            bos = _fused_rows_item(
-                item, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, o, scale, stride_t, stride_vt, stride_at,
-                stride_ot, H, HV, K, V, BV, BT, LOG2_BT, BF16,
-            )  # fmt: skip
-            item = _next_item(item, bos, end, items)
-    else:
-        _fused_rows_item(
-            tl.program_id(0), q, k, v, a, b, a_log, dt_bias, pool, slots, cu, o, scale, stride_t, stride_vt,
-            stride_at, stride_ot, H, HV, K, V, BV, BT, LOG2_BT, BF16,
-        )  # fmt: skip
-
-
-def _fused_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, out, padded: bool) -> torch.Tensor:
-    """chunked_rows for rows continuing their states, on _fused_rows_kernel."""
-    block_v, warps, maxnreg = ROWS_BLOCK
-    extra = dict(BT=ROWS_CHUNK, LOG2_BT=ROWS_CHUNK.bit_length() - 1, BF16=CHUNK_DOTS == "bf16")
-    if maxnreg is not None:
-        extra["maxnreg"] = maxnreg
-    args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu, False, out)
-    return _launch_delta_rule(_fused_rows_kernel, block_v, warps, ROWS_PER_SM if padded else None, *args, **extra)
-
-
 def chunked_rows(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1084,8 +894,6 @@ def chunked_rows(
     whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS);
     with `lead_apart` (a padded group of long new states) too, its first long segment on a launch of its own
     (LEAD_APART): segment `lead` (a captured pass's group of short and long new states: its short slots come first)."""
-    if ROWS_FUSED and not new_states:
-        return _fused_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, out, padded)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
