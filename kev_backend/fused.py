@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cublaslt
 from .gpu_bank import StatePool
 from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, pad_rows
 from .qwen35 import FULL_ATTENTION, Qwen35TextModel
@@ -220,6 +221,9 @@ class FusedQwen35:
         self.short_rows_recurrent = short_delta_rule in ("recurrent", "chunked-states")
         self.short_states_recurrent = short_delta_rule == "recurrent"
         self._recurrent_rows, self._rows_attention, self._bank_kv = k.recurrent_rows, k.rows_attention, k.bank_kv
+        # The projections: F.linear, with the shapes of a pre-tuned table for this GPU on their cuBLASLt algorithms
+        # (the same outputs, bit for bit: kev_backend/cublaslt.py).
+        self._linear = cublaslt.projection(weights.embed.device)
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
@@ -277,13 +281,13 @@ class FusedQwen35:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps) * weight
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._silu_mul(F.linear(x, layer.gate_up)), layer.down)
+        return self._linear(self._silu_mul(self._linear(x, layer.gate_up)), layer.down)
 
     # -- Gated DeltaNet ------------------------------------------------------------------------------------------
 
     def gated_deltanet(self, layer: LayerWeights, index: int, x: torch.Tensor, p: PassInput) -> torch.Tensor:
         c = self.c
-        proj = F.linear(x, layer.in_proj)
+        proj = self._linear(x, layer.in_proj)
         qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
         # Padding tokens belong to no segment: their rows keep whatever is here, row by row, and are never read.
         out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
@@ -302,7 +306,7 @@ class FusedQwen35:
             layer.gated_norm,
             c.rms_norm_eps,
         )
-        return F.linear(normed.view(x.shape[0], self.value_dim), layer.out_proj)
+        return self._linear(normed.view(x.shape[0], self.value_dim), layer.out_proj)
 
     def delta_rule(
         self,
@@ -360,7 +364,7 @@ class FusedQwen35:
     def attention(self, layer: LayerWeights, index: int, x: torch.Tensor, rope, p: PassInput) -> torch.Tensor:
         c = self.c
         T, Hq, Hkv, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        proj = F.linear(x, layer.in_proj)
+        proj = self._linear(x, layer.in_proj)
         qg, k, v = proj.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = qg.view(T, Hq, 2 * D).chunk(2, dim=-1)
         # Per-head norm and partial RoPE in one kernel each, reading the projection's per-head views in place.
@@ -385,7 +389,7 @@ class FusedQwen35:
             else:
                 self._states_attention(p, q, k, v, keys, values, out)
                 attend_rows()
-        return F.linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
+        return self._linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
 
     def _rows_beside_states(self, p: PassInput) -> bool:
         """Whether the rows' attention runs beside the new states' (ROWS_BESIDE): in a pass with long new states, on
@@ -464,7 +468,7 @@ class FusedQwen35:
         c = self.c
         Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         queries = 2 * Hq * D  # the [q+gate | k | v] projection's first rows
-        k, v = F.linear(x, layer.in_proj[queries:]).split([Hkv * D, Hkv * D], dim=-1)
+        k, v = self._linear(x, layer.in_proj[queries:]).split([Hkv * D, Hkv * D], dim=-1)
         k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
         v = v.unflatten(-1, (Hkv, D))
         keys, values = self.pool.keys[index], self.pool.values[index]
@@ -473,11 +477,11 @@ class FusedQwen35:
             return None
         rows = slice(r.start, r.end)
         n = r.end - r.start
-        qg = F.linear(pad_rows(x[rows]), layer.in_proj[:queries])[:n]
+        qg = self._linear(pad_rows(x[rows]), layer.in_proj[:queries])[:n]
         q, gate = qg.view(n, Hq, 2 * D).chunk(2, dim=-1)
         q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, rope[0][rows], rope[1][rows])
         out = torch.empty(n, Hq, D, device=x.device, dtype=x.dtype)
         self._attend_rows(p, q, k[rows], v[rows], keys, values, out)
         picks = p.picks - r.start  # a captured pass pads its picks with the rows' first token (never read)
         gated = self._sigmoid_gate(out[picks], gate[picks])
-        return F.linear(pad_rows(gated), layer.out_proj)[: picks.shape[0]]
+        return self._linear(pad_rows(gated), layer.out_proj)[: picks.shape[0]]

@@ -274,3 +274,38 @@ def test_fused_engine_serves_through_the_engine_api(tiny_dir: Path) -> None:
     assert engine.backend == "fused"
     results = engine.answer([{"state": "x", "questions": {}}, realistic(5, seed=4)[0]])
     assert results[0].__class__.__name__ == "RequestError" and isinstance(results[1], dict)
+
+
+def test_pretuned_gemm_algorithms_give_f_linear_outputs_bit_for_bit() -> None:
+    """kev_backend.cublaslt: a table's shapes run on cuBLASLt algorithms other than torch's (here each shape's fastest
+    non-split candidate, kept whatever its speed) and answer exactly as F.linear, eagerly and replayed from a graph;
+    shapes not in the table, and inputs it cannot take, go to F.linear."""
+    from kev_backend import cublaslt
+
+    device = torch.device("cuda")
+    shapes = [(192, 18432, 2560), (2688, 18432, 2560), (192, 2560, 9216)]
+    entries = cublaslt.tune(shapes, device, gain=-1.0)
+    assert [(e["m"], e["n"], e["k"]) for e in entries] == shapes  # every shape has a non-split candidate
+    table = cublaslt.identity(device) | {"shapes": entries}
+    path = Path(os.environ.get("KEV_RESULTS_DIR", "/tmp")) / "gemm-algos-test.json"
+    path.write_text(json.dumps(table))
+    algos = cublaslt.GemmAlgos.load(path, device)
+    assert algos is not None and len(algos.algos) == 3
+    torch.manual_seed(1)
+    for m, n, k in [*shapes, (100, 18432, 2560)]:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        expected = torch.nn.functional.linear(x, w)
+        assert torch.equal(algos.linear(x, w), expected), (m, n, k)
+        graph = torch.cuda.CUDAGraph()
+        algos.linear(x, w)
+        with torch.cuda.graph(graph):
+            out = algos.linear(x, w)
+        graph.replay()
+        assert torch.equal(out, expected), (m, n, k)
+    x = torch.randn(192, 2560 * 2, device=device, dtype=torch.bfloat16)[:, ::2]  # not contiguous: F.linear
+    w = torch.randn(18432, 2560, device=device, dtype=torch.bfloat16)
+    assert torch.equal(algos.linear(x, w), torch.nn.functional.linear(x, w))
+    mismatched = path.with_name("gemm-algos-other.json")
+    mismatched.write_text(json.dumps(table | {"cublaslt_version": -1}))
+    assert cublaslt.GemmAlgos.load(mismatched, device) is None

@@ -1,0 +1,292 @@
+"""The fused path's projections on cuBLASLt algorithms chosen ahead of time (pre-tuned per GPU and cuBLASLt version).
+
+torch runs each GEMM on the first algorithm cuBLASLt's heuristic offers. For some of Kev-4B's shapes another of its
+candidates is faster (H200, bench/lt_algos.py: the MLP's gate_up at 2,688 rows 329.8 → 319.0 µs, at 192 rows 35.7 →
+33.4), and every candidate without split-K gives F.linear's output bit for bit, so answers do not change (a row's
+answer never depends on the GEMM that ran it). A table file holds, for one GPU and cuBLASLt version, the algorithm of
+each (rows, out features, in features) worth changing: `python -m kev_backend.cublaslt tune CHECKPOINT OUT.json` times
+the candidates on the GPU (about a minute) at the token counts of the graphs' buckets. At run time `projection(device)`
+gives F.linear with the shapes in a matching table (kev_backend/gemm_algos/*.json, or KEV_GEMM_ALGOS=PATH) on their
+algorithm; KEV_GEMM_ALGOS=0 turns it off. No table for this GPU and library: F.linear alone, as before.
+
+cuBLASLt is called through ctypes on the library torch itself loaded; an algorithm is its 64-byte opaque structure,
+which cuBLASLt documents as storable and reusable with the same library version (hence the version in the table)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# KEV_GEMM_ALGOS: "0" off, a table's path, or unset (a packaged table matching the GPU and cuBLASLt version). The
+# module flag ENABLED is read when a model is built.
+ENABLED = os.environ.get("KEV_GEMM_ALGOS", "1") != "0"
+TABLES = Path(__file__).parent / "gemm_algos"
+
+# cublasLt.h and library_types.h values used here.
+_CUDA_R_32F, _CUDA_R_16BF = 0, 14
+_COMPUTE_32F = 68
+_OP_N, _OP_T = 0, 1
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_PREF_MAX_WORKSPACE_BYTES = 1
+_CONFIG_SPLITK_NUM = 2
+_WORKSPACE_BYTES = 1 << 20
+_CANDIDATES = 16
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"cuBLASLt {what}: status {status}")
+
+
+_library: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The libcublasLt torch loaded (after one bf16 GEMM through cuBLASLt on the current device)."""
+    global _library
+    if _library is None:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        ones = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+        F.linear(ones, ones)
+        path = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                     if "libcublasLt.so" in line), None)  # fmt: skip
+        if path is None:
+            raise RuntimeError("libcublasLt is not loaded in this process")
+        lt = ctypes.CDLL(path)
+        lt.cublasLtMatrixLayoutCreate.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64
+        ]  # fmt: skip
+        lt.cublasLtGetVersion.restype = ctypes.c_size_t
+        _library = lt
+    return _library
+
+
+def identity(device: torch.device) -> dict[str, object]:
+    """What a table is valid for: the GPU's name and cuBLASLt's version."""
+    return {"gpu": torch.cuda.get_device_name(device), "cublaslt_version": int(library().cublasLtGetVersion())}
+
+
+class _Plan:
+    """y [M, N] = x [M, K] @ w [N, K]ᵀ, bf16 with fp32 accumulation: cuBLASLt's column-major yᵀ = op(w) xᵀ, w read
+    transposed (F.linear's "TN")."""
+
+    def __init__(self, lt: ctypes.CDLL, handle: ctypes.c_void_p, m: int, n: int, k: int) -> None:
+        self.lt, self.handle, self.shape = lt, handle, (m, n, k)
+        self.desc = ctypes.c_void_p()
+        _check(lt.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "desc")
+        for attribute, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+            value = ctypes.c_int(op)
+            _check(lt.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), 4), "transpose")
+        self.w_layout, self.x_layout, self.y_layout = (ctypes.c_void_p() for _ in range(3))
+        shapes = ((self.w_layout, (k, n, k)), (self.x_layout, (k, m, k)), (self.y_layout, (n, m, n)))
+        for layout, (rows, cols, ld) in shapes:
+            _check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(layout), _CUDA_R_16BF, rows, cols, ld), "layout")
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def candidates(self) -> list[_Algo]:
+        """The heuristic's algorithms for this shape that run without split-K (the others sum partial products in
+        another order: their outputs differ from F.linear's)."""
+        preference = ctypes.c_void_p()
+        _check(self.lt.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "preference")
+        size = ctypes.c_uint64(_WORKSPACE_BYTES)
+        _check(
+            self.lt.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), 8),
+            "preference",
+        )
+        results, returned = (_HeuristicResult * _CANDIDATES)(), ctypes.c_int()
+        _check(
+            self.lt.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, self.desc, self.w_layout, self.x_layout, self.y_layout, self.y_layout, preference,
+                _CANDIDATES, ctypes.byref(results), ctypes.byref(returned),
+            ),
+            "heuristic",
+        )  # fmt: skip
+        self.lt.cublasLtMatmulPreferenceDestroy(preference)
+        return [r.algo for r in results[: returned.value] if r.state == 0 and _split_k(self.lt, r.algo) == 1]
+
+    def run(self, algo: _Algo, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, workspace: torch.Tensor) -> None:
+        _check(
+            self.lt.cublasLtMatmul(
+                self.handle, self.desc, ctypes.byref(self.alpha),
+                ctypes.c_void_p(w.data_ptr()), self.w_layout, ctypes.c_void_p(x.data_ptr()), self.x_layout,
+                ctypes.byref(self.beta), ctypes.c_void_p(y.data_ptr()), self.y_layout,
+                ctypes.c_void_p(y.data_ptr()), self.y_layout, ctypes.byref(algo),
+                ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(workspace.numel()),
+                ctypes.c_void_p(torch.cuda.current_stream(y.device).cuda_stream),
+            ),
+            "matmul",
+        )  # fmt: skip
+
+
+def _split_k(lt: ctypes.CDLL, algo: _Algo) -> int:
+    value, written = ctypes.c_uint32(), ctypes.c_size_t()
+    _check(
+        lt.cublasLtMatmulAlgoConfigGetAttribute(
+            ctypes.byref(algo), _CONFIG_SPLITK_NUM, ctypes.byref(value), 4, ctypes.byref(written)
+        ),
+        "algorithm's split",
+    )
+    return value.value
+
+
+class GemmAlgos:
+    """F.linear with the table's shapes on their algorithms: `linear(x, w)` for a contiguous bf16 x [M, K] and w
+    [N, K] (rows contiguous) whose (M, N, K) the table holds; F.linear for everything else."""
+
+    def __init__(self, table: dict[tuple[int, int, int], _Algo], device: torch.device) -> None:
+        self.lt = library()
+        self.handle = ctypes.c_void_p()
+        _check(self.lt.cublasLtCreate(ctypes.byref(self.handle)), "create")
+        self.algos = table
+        self.plans: dict[tuple[int, int, int], _Plan] = {}
+        self.workspace = torch.empty(_WORKSPACE_BYTES, device=device, dtype=torch.uint8)
+
+    def plan(self, m: int, n: int, k: int) -> _Plan:
+        plan = self.plans.get((m, n, k))
+        if plan is None:
+            plan = self.plans[m, n, k] = _Plan(self.lt, self.handle, m, n, k)
+        return plan
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[0], w.shape[0], w.shape[1]) if x.dim() == 2 else None
+        algo = self.algos.get(shape) if shape is not None else None
+        if algo is None or not _lt_ready(x, w):
+            return F.linear(x, w)
+        y = torch.empty(shape[0], shape[1], device=x.device, dtype=x.dtype)
+        self.plan(*shape).run(algo, x, w, y, self.workspace)
+        return y
+
+    @classmethod
+    def load(cls, path: Path, device: torch.device) -> GemmAlgos | None:
+        """The table in `path` if it was tuned on this GPU and cuBLASLt version, else None."""
+        data = json.loads(path.read_text())
+        if {key: data.get(key) for key in ("gpu", "cublaslt_version")} != identity(device):
+            return None
+        table = {}
+        for entry in data["shapes"]:
+            algo = _Algo()
+            algo.data[:] = [int(word, 16) for word in entry["algo"]]
+            table[entry["m"], entry["n"], entry["k"]] = algo
+        return cls(table, device)
+
+
+def _lt_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (
+        x.dtype == w.dtype == torch.bfloat16
+        and x.is_contiguous()
+        and w.stride(1) == 1
+        and w.stride(0) == w.shape[1]
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+    )
+
+
+def projection(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The fused path's GEMM: F.linear, with a pre-tuned table's shapes on their algorithms where one matches this GPU
+    and cuBLASLt version (KEV_GEMM_ALGOS: a path, or 0 for none)."""
+    if not ENABLED or device.type != "cuda":
+        return F.linear
+    chosen = os.environ.get("KEV_GEMM_ALGOS")
+    paths = [Path(chosen)] if chosen and chosen != "1" else sorted(TABLES.glob("*.json"))
+    for path in paths:
+        algos = GemmAlgos.load(path, device)
+        if algos is not None:
+            log.info("kev: %d GEMM shapes on pre-tuned cuBLASLt algorithms (%s)", len(algos.algos), path.name)
+            return algos.linear
+    return F.linear
+
+
+def _graph_us(fn: Callable[[], object], calls: int) -> float:
+    """µs a call of `fn` (which makes `calls` GEMMs) replayed from a CUDA graph: GPU time without host launches."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / 3 / calls
+
+
+def tune(shapes: Iterable[tuple[int, int, int]], device: torch.device, gain: float = 0.01) -> list[dict]:
+    """For each (M, N, K): F.linear against the heuristic's non-split candidates (weights cold: two copies in turn),
+    keeping the fastest when it is over `gain` faster and gives F.linear's output bit for bit."""
+    algos = GemmAlgos({}, device)
+    entries = []
+    for m, n, k in shapes:
+        torch.manual_seed(0)
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(2)]
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+        expected = F.linear(x, weights[0])
+        linear_us = _graph_us(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], len(weights))
+        plan = algos.plan(m, n, k)
+        best = None
+        for algo in plan.candidates():
+            run = lambda a=algo, p=plan, x=x, y=y, ws=weights: [p.run(a, x, w, y, algos.workspace) for w in ws]  # noqa: E731
+            us = _graph_us(run, len(weights))
+            plan.run(algo, x, weights[0], y, algos.workspace)
+            if torch.equal(y, expected) and us < linear_us * (1 - gain) and (best is None or us < best[0]):
+                best = (us, algo)
+        if best is not None:
+            words = [f"{word:x}" for word in best[1].data]
+            entries.append(dict(m=m, n=n, k=k, algo=words, us=round(best[0], 2), linear_us=round(linear_us, 2)))
+    return entries
+
+
+def main(argv: list[str]) -> None:
+    """python -m kev_backend.cublaslt tune CHECKPOINT OUT.json: a table for this GPU, the checkpoint's projections at
+    the token counts of the graphs' buckets (graph_max_tokens 4,096)."""
+    from .checkpoint import load_checkpoint
+    from .fused import FusedWeights
+    from .graphs import all_buckets
+
+    if len(argv) != 3 or argv[0] != "tune":
+        raise SystemExit(main.__doc__)
+    device = torch.device("cuda")
+    model = load_checkpoint(argv[1], device=device).model
+    weights = FusedWeights(model)
+    projections = sorted({tuple(w.shape) for layer in weights.layers for w in (layer.in_proj, layer.out_proj,
+                          layer.gate_up, layer.down)})  # fmt: skip
+    tokens = sorted({bucket.tokens for bucket in all_buckets(4096)})
+    started = time.perf_counter()
+    entries = tune([(m, n, k) for m in tokens for n, k in projections], device)
+    data = identity(device) | {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "shapes": entries}
+    Path(argv[2]).write_text(json.dumps(data, indent=1) + "\n")
+    print(
+        f"{len(entries)} of {len(tokens) * len(projections)} shapes on another algorithm, tuned in "
+        f"{time.perf_counter() - started:.0f} s: {argv[2]}"
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
