@@ -329,6 +329,7 @@ def main() -> None:
         }
         if workloads:
             result["first_over_median"] = max(w["first_over_median"] for w in workloads.values())
+        result["gemm_algos"] = engine.gemm_algos
         graphs = getattr(engine.scorer, "graphs", None)
         if graphs is not None:
             result["graphs_count"] = graphs.stats.count

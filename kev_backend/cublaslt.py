@@ -1,22 +1,24 @@
 """The fused path's projections on cuBLASLt algorithms chosen ahead of time (pre-tuned per GPU and cuBLASLt version).
 
 torch runs each GEMM on the first algorithm cuBLASLt's heuristic offers. For some of Kev-4B's shapes another of its
-candidates is faster (H200, bench/lt_algos.py: the MLP's gate_up at 2,688 rows 329.8 → 319.0 µs, at 192 rows 35.7 →
-33.4), and every candidate without split-K gives F.linear's output bit for bit, so answers do not change (a row's
-answer never depends on the GEMM that ran it). A table file holds, for one GPU and cuBLASLt version, the algorithm of
-each (rows, out features, in features) worth changing: `python -m kev_backend.cublaslt tune CHECKPOINT OUT.json` times
-the candidates on the GPU (about a minute) at the token counts of the graphs' buckets. At run time `projection(device)`
-gives F.linear with the shapes in a matching table (kev_backend/gemm_algos/*.json, or KEV_GEMM_ALGOS=PATH) on their
-algorithm; KEV_GEMM_ALGOS=0 turns it off. No table for this GPU and library: F.linear alone, as before.
+candidates is faster (H200, bench/NOTES.md session 25: the MLP's gate_up at 2,688 rows 329.8 → 319.0 µs, at 192
+rows 35.7 → 33.4; long5 on a new state 0.84 ms faster), and every candidate without split-K gives F.linear's output
+bit for bit, so answers do not change (a row's answer never depends on the GEMM that ran it).
 
-cuBLASLt is called through ctypes on the library torch itself loaded; an algorithm is its 64-byte opaque structure,
-which cuBLASLt documents as storable and reusable with the same library version (hence the version in the table)."""
+A table file holds, for one GPU and cuBLASLt version, the algorithm of each (rows, out features, in features) worth
+changing: `python -m kev_backend.cublaslt tune CHECKPOINT OUT.json` times the candidates at the token counts of the
+graphs' buckets (175 Kev-4B shapes in 5 s on the H200). At run time `pretuned(device)` finds a matching table
+(kev_backend/gemm_algos/*.json, or KEV_GEMM_ALGOS=PATH; 0 turns it off), whose `linear` runs its shapes on their
+algorithms and every other GEMM through F.linear. No table for this GPU and library: F.linear alone, as before.
+
+cuBLASLt is called through ctypes on the library torch itself loaded. An algorithm is stored as its 64-byte opaque
+structure and used only on the GPU model and cuBLASLt version it was tuned on (both named in the table); the GPU
+test runs a stored table against F.linear."""
 
 from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import os
 import sys
 import time
@@ -25,8 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 # KEV_GEMM_ALGOS: "0" off, a table's path, or unset (a packaged table matching the GPU and cuBLASLt version). The
 # module flag ENABLED is read when a model is built.
@@ -158,7 +158,8 @@ class GemmAlgos:
     """F.linear with the table's shapes on their algorithms: `linear(x, w)` for a contiguous bf16 x [M, K] and w
     [N, K] (rows contiguous) whose (M, N, K) the table holds; F.linear for everything else."""
 
-    def __init__(self, table: dict[tuple[int, int, int], _Algo], device: torch.device) -> None:
+    def __init__(self, table: dict[tuple[int, int, int], _Algo], device: torch.device, source: str = "") -> None:
+        self.source = source  # the table's file name
         self.lt = library()
         self.handle = ctypes.c_void_p()
         _check(self.lt.cublasLtCreate(ctypes.byref(self.handle)), "create")
@@ -192,7 +193,7 @@ class GemmAlgos:
             algo = _Algo()
             algo.data[:] = [int(word, 16) for word in entry["algo"]]
             table[entry["m"], entry["n"], entry["k"]] = algo
-        return cls(table, device)
+        return cls(table, device, path.name)
 
 
 def _lt_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -206,19 +207,17 @@ def _lt_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def projection(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The fused path's GEMM: F.linear, with a pre-tuned table's shapes on their algorithms where one matches this GPU
-    and cuBLASLt version (KEV_GEMM_ALGOS: a path, or 0 for none)."""
+def pretuned(device: torch.device) -> GemmAlgos | None:
+    """A pre-tuned table for this GPU and cuBLASLt version (KEV_GEMM_ALGOS: a path, or 0 for none), if one matches."""
     if not ENABLED or device.type != "cuda":
-        return F.linear
+        return None
     chosen = os.environ.get("KEV_GEMM_ALGOS")
     paths = [Path(chosen)] if chosen and chosen != "1" else sorted(TABLES.glob("*.json"))
     for path in paths:
         algos = GemmAlgos.load(path, device)
         if algos is not None:
-            log.info("kev: %d GEMM shapes on pre-tuned cuBLASLt algorithms (%s)", len(algos.algos), path.name)
-            return algos.linear
-    return F.linear
+            return algos
+    return None
 
 
 def _graph_us(fn: Callable[[], object], calls: int) -> float:

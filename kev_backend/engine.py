@@ -229,8 +229,16 @@ class Engine:
         """One line for the server's log: device, path, CUDA graphs and the seconds of each start-up phase."""
         graphs = getattr(self.scorer, "graphs", None)
         held = f"{graphs.stats.count} CUDA graphs ({graphs.stats.capture_failures} failed to capture)" if graphs else ""
+        algos = self.gemm_algos
+        tuned = f"{algos['shapes']} GEMM shapes on pre-tuned cuBLASLt algorithms ({algos['table']}); " if algos else ""
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
-        return f"on {self.device}, {self.backend} path; {held or 'no CUDA graphs'}; start-up seconds {phases}"
+        return f"on {self.device}, {self.backend} path; {held or 'no CUDA graphs'}; {tuned}start-up seconds {phases}"
+
+    @property
+    def gemm_algos(self) -> dict[str, object] | None:
+        """The pre-tuned cuBLASLt table the fused path uses (kev_backend/cublaslt.py): its file and shape count."""
+        algos = getattr(getattr(self.scorer, "model", None), "gemm_algos", None)
+        return {"table": algos.source, "shapes": len(algos.algos)} if algos is not None else None
 
     @property
     def bank(self):

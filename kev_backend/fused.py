@@ -223,7 +223,8 @@ class FusedQwen35:
         self._recurrent_rows, self._rows_attention, self._bank_kv = k.recurrent_rows, k.rows_attention, k.bank_kv
         # The projections: F.linear, with the shapes of a pre-tuned table for this GPU on their cuBLASLt algorithms
         # (the same outputs, bit for bit: kev_backend/cublaslt.py).
-        self._linear = cublaslt.projection(weights.embed.device)
+        self.gemm_algos = cublaslt.pretuned(weights.embed.device)
+        self._linear = self.gemm_algos.linear if self.gemm_algos is not None else F.linear
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
