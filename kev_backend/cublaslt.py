@@ -185,15 +185,29 @@ class GemmAlgos:
     @classmethod
     def load(cls, path: Path, device: torch.device) -> GemmAlgos | None:
         """The table in `path` if it was tuned on this GPU and cuBLASLt version, else None."""
-        data = json.loads(path.read_text())
-        if {key: data.get(key) for key in ("gpu", "cublaslt_version")} != identity(device):
+        tuned_on, shapes = read_table(path)
+        if tuned_on != identity(device):
             return None
         table = {}
-        for entry in data["shapes"]:
-            algo = _Algo()
-            algo.data[:] = [int(word, 16) for word in entry["algo"]]
-            table[entry["m"], entry["n"], entry["k"]] = algo
+        for shape, words in shapes.items():
+            algo = table[shape] = _Algo()
+            algo.data[:] = words
         return cls(table, device, path.name)
+
+
+def read_table(path: Path) -> tuple[dict[str, object], dict[tuple[int, int, int], list[int]]]:
+    """A table file: what it was tuned on (identity's keys) and each (M, N, K)'s algorithm as its eight 64-bit
+    words. Refuses a malformed one."""
+    data = json.loads(path.read_text())
+    tuned_on = {key: data[key] for key in ("gpu", "cublaslt_version")}
+    shapes: dict[tuple[int, int, int], list[int]] = {}
+    for entry in data["shapes"]:
+        shape = (int(entry["m"]), int(entry["n"]), int(entry["k"]))
+        words = [int(word, 16) for word in entry["algo"]]
+        if shape in shapes or len(words) != 8 or not all(0 <= word < 2**64 for word in words):
+            raise ValueError(f"{path}: bad entry for {shape}")
+        shapes[shape] = words
+    return tuned_on, shapes
 
 
 def _lt_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
