@@ -66,12 +66,12 @@ def _check(status: int, what: str) -> None:
 _library: ctypes.CDLL | None = None
 
 
-def library() -> ctypes.CDLL:
-    """The libcublasLt torch loaded (after one bf16 GEMM through cuBLASLt on the current device)."""
+def library(device: torch.device) -> ctypes.CDLL:
+    """The libcublasLt torch loaded (after one bf16 GEMM through cuBLASLt on `device`: no other GPU's context)."""
     global _library
     if _library is None:
         torch.backends.cuda.preferred_blas_library("cublaslt")
-        ones = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+        ones = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
         F.linear(ones, ones)
         path = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
                      if "libcublasLt.so" in line), None)  # fmt: skip
@@ -88,7 +88,7 @@ def library() -> ctypes.CDLL:
 
 def identity(device: torch.device) -> dict[str, object]:
     """What a table is valid for: the GPU's name and cuBLASLt's version."""
-    return {"gpu": torch.cuda.get_device_name(device), "cublaslt_version": int(library().cublasLtGetVersion())}
+    return {"gpu": torch.cuda.get_device_name(device), "cublaslt_version": int(library(device).cublasLtGetVersion())}
 
 
 class _Plan:
@@ -160,9 +160,10 @@ class GemmAlgos:
 
     def __init__(self, table: dict[tuple[int, int, int], _Algo], device: torch.device, source: str = "") -> None:
         self.source = source  # the table's file name
-        self.lt = library()
+        self.lt = library(device)
         self.handle = ctypes.c_void_p()
-        _check(self.lt.cublasLtCreate(ctypes.byref(self.handle)), "create")
+        with torch.cuda.device(device):  # the handle on this GPU's context
+            _check(self.lt.cublasLtCreate(ctypes.byref(self.handle)), "create")
         self.algos = table
         self.plans: dict[tuple[int, int, int], _Plan] = {}
         self.workspace = torch.empty(_WORKSPACE_BYTES, device=device, dtype=torch.uint8)
