@@ -96,7 +96,7 @@ class _Plan:
     transposed (F.linear's "TN")."""
 
     def __init__(self, lt: ctypes.CDLL, handle: ctypes.c_void_p, m: int, n: int, k: int) -> None:
-        self.lt, self.handle, self.shape = lt, handle, (m, n, k)
+        self.lt, self.handle = lt, handle
         self.desc = ctypes.c_void_p()
         _check(lt.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "desc")
         for attribute, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
