@@ -1,15 +1,22 @@
-"""Tokenization and Kev's token layout (kev-model.md §2.2, §4.3–4.5).
+"""Tokenization and Kev's token layout.
 
 State S = [<state>] + tokens(state text). Question branch = [<q>] + tokens(instructions), then per option
 [<opt>] + tokens(option text) + [</opt>], then [<decide>]. Every caller text is escaped first so it cannot produce
 a delimiter, and each segment is tokenized on its own. The head reads each option's </opt> and the <decide> token.
+
+Limits before work: a text longer than `LAZY_CHARS` is first counted piece by piece, cut where the count cannot
+change (see `safe_cuts`), and refused as soon as the count passes its budget, so an oversized state costs about as
+much as tokenizing the limit's worth of it, never the whole text. Tokenized texts are kept in a cache bounded in
+bytes, and only once their request's limits have passed.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Iterable
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,14 +24,23 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .systemone import (
-    MAX_ROW_TOKENS,
-    MAX_STATE_TOKENS,
+    DEFAULT_LIMITS,
+    Limits,
     Record,
     RequestError,
     escape_user_text,
     row_too_long_message,
     state_too_long_message,
 )
+
+# Texts up to this many characters are tokenized whole; longer ones are counted in pieces first (~64 K characters
+# is ~15 K tokens of ordinary text: one piece costs a few ms).
+LAZY_CHARS = 1 << 16
+CACHE_BYTES = 64 << 20  # the tokenizer cache's budget (texts and their token tuples, as Python holds them)
+CACHE_MAX_CHARS = 1 << 16  # longer texts are never cached: their bank entry is what saves work on a repeat
+# A cut inside a word may change BPE's count near the cut by a token or two: the count is trusted only past this
+# much slack per such cut.
+UNSAFE_CUT_TOKENS = 4
 
 # Kev reuses rarely used Qwen special tokens as its delimiters; ids are looked up by string.
 DELIMITER_TOKENS = {
@@ -105,7 +121,8 @@ class KevTokenizer:
                 raise ValueError(f"{directory}/tokenizer.json has no {token} (Kev's {role} delimiter)")
             ids[role] = token_id
         self.delimiters = Delimiters(**ids, pad=self._pad_id(directory))
-        self._encode_escaped = functools.lru_cache(maxsize=65_536)(self._encode_uncached)
+        self.cache = TextCache(CACHE_BYTES)
+        self.tokenized_chars = 0  # characters of caller text run through the tokenizer (a running total)
 
     def _pad_id(self, directory: Path) -> int:
         config_path = directory / "tokenizer_config.json"
@@ -115,14 +132,33 @@ class KevTokenizer:
         pad_id = self.tokenizer.token_to_id(pad) if pad else None
         return 0 if pad_id is None else pad_id
 
-    def _encode_uncached(self, text: str) -> tuple[int, ...]:
+    def _encode(self, text: str) -> tuple[int, ...]:
         if not text:
             return ()
+        self.tokenized_chars += len(text)
         return tuple(self.tokenizer.encode(escape_user_text(text), add_special_tokens=False).ids)
 
-    def encode_user_text(self, text: str) -> tuple[int, ...]:
-        """Caller text, escaped and tokenized without special tokens (Qwen adds no BOS)."""
-        return self._encode_escaped(text)
+    def encode_user_text(self, text: str, budget: int | None = None) -> tuple[int, ...]:
+        """Caller text, escaped and tokenized without special tokens (Qwen adds no BOS). With a budget, a text longer
+        than LAZY_CHARS is counted piece by piece first, and OverBudget raised once it is known to need more tokens
+        than that, having tokenized not much more than the budget's worth of it; a shorter one is tokenized whole and
+        left to the caller's exact check. The result is not cached: `remember` does that once the request passed."""
+        cached = self.cache.get(text)
+        if cached is not None:
+            return cached
+        if budget is not None and len(text) > LAZY_CHARS:
+            counted = unsafe = 0
+            for start, stop, safe in safe_cuts(text, LAZY_CHARS):
+                self.tokenized_chars += stop - start
+                counted += len(self.tokenizer.encode(escape_user_text(text[start:stop]), add_special_tokens=False))
+                unsafe += not safe
+                if counted > budget + UNSAFE_CUT_TOKENS * unsafe:
+                    raise OverBudget(counted - UNSAFE_CUT_TOKENS * unsafe, stop)
+        return self._encode(text)
+
+    def remember(self, text: str, tokens: tuple[int, ...]) -> None:
+        if len(text) <= CACHE_MAX_CHARS:
+            self.cache.put(text, tokens)
 
     def count_tokens(self, text: str) -> int:
         """Plain token count (no escaping), as Kev counts usage.output_tokens."""
@@ -134,27 +170,113 @@ class KevTokenizer:
         return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_state_tokens: int = MAX_STATE_TOKENS  # Ls, <state> included
-    max_row_tokens: int = MAX_ROW_TOKENS  # Ls + branch
+class OverBudget(Exception):
+    """A text needs more tokens than its budget: at least `counted` tokens in its first `chars` characters."""
+
+    def __init__(self, counted: int, chars: int) -> None:
+        super().__init__(f"{counted} tokens in {chars} characters")
+        self.counted = counted
+        self.chars = chars
 
 
-def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = Limits()) -> Encoded:
-    """Kev's layout for one request; a state or row over the limits is refused, never truncated."""
+def safe_cuts(text: str, size: int) -> Iterator[tuple[int, int, bool]]:
+    """Consecutive (start, stop, safe) spans of about `size` characters covering `text`, each cut just before a
+    single space that sits between two non-space characters where one lies in the span's second half (safe). There
+    every pre-tokenizer Kev's bases use (Qwen's GPT-style regex, whitespace splitting) starts a new piece, the space
+    going with the text after it, so the pieces' token counts add up to the whole text's. Where no such space lies
+    within a span (one huge word) it is cut anyway (not safe)."""
+    start, n = 0, len(text)
+    while start < n:
+        stop, safe = min(start + size, n), True
+        if stop < n:
+            cut = stop
+            while cut > start + size // 2 and not (
+                text[cut] == " " and not text[cut - 1].isspace() and cut + 1 < n and not text[cut + 1].isspace()
+            ):
+                cut -= 1
+            if cut > start + size // 2:
+                stop = cut
+            else:
+                safe = False
+        yield start, stop, safe
+        start = stop
+
+
+class TextCache:
+    """Least recently used texts' token tuples, bounded by an estimate of the bytes Python holds for them. Shared
+    by the threads that prepare batches and the one that finishes them."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[str, tuple[tuple[int, ...], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def cost(text: str, tokens: tuple[int, ...]) -> int:
+        return sys.getsizeof(text) + sys.getsizeof(tokens) + 32 * len(tokens)  # an int object per token id
+
+    def get(self, text: str) -> tuple[int, ...] | None:
+        with self._lock:
+            item = self._items.get(text)
+            if item is None:
+                return None
+            self._items.move_to_end(text)
+            return item[0]
+
+    def put(self, text: str, tokens: tuple[int, ...]) -> None:
+        cost = self.cost(text, tokens)
+        if cost > self.max_bytes:
+            return
+        with self._lock:
+            if text in self._items:
+                return
+            self._items[text] = (tokens, cost)
+            self.bytes += cost
+            while self.bytes > self.max_bytes:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.bytes -= dropped
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = DEFAULT_LIMITS) -> Encoded:
+    """Kev's layout for one request; a state or row over the limits is refused, never truncated. Each text is
+    tokenized only as far as its budget needs to tell; the texts enter the tokenizer's cache once all passed."""
     d = tokenizer.delimiters
-    state = StateTokens((d.state, *tokenizer.encode_user_text(record.state_text)))
+    texts: list[tuple[str, tuple[int, ...]]] = []
+
+    def tokens_of(text: str, budget: int) -> tuple[int, ...]:
+        tokens = tokenizer.encode_user_text(text, budget)
+        texts.append((text, tokens))
+        return tokens
+
+    try:
+        state = StateTokens((d.state, *tokens_of(record.state_text, limits.max_state_tokens - 1)))
+    except OverBudget as over:
+        raise RequestError(state_too_long_message(1 + over.counted, limits.max_state_tokens, over.chars)) from None
     if len(state) > limits.max_state_tokens:
         raise RequestError(state_too_long_message(len(state), limits.max_state_tokens))
     questions = []
     for question in record.questions:
-        branch = [d.question, *tokenizer.encode_user_text(question.instruction)]
+        branch: list[int] = [d.question]
         option_ends = []
-        for option in question.options:
-            branch += [d.option, *tokenizer.encode_user_text(option), d.option_end]
-            option_ends.append(len(branch) - 1)
+        try:
+            branch += tokens_of(question.instruction, limits.max_row_tokens - len(state) - len(branch))
+            for option in question.options:
+                budget = limits.max_row_tokens - len(state) - len(branch) - 1
+                branch += [d.option, *tokens_of(option, budget), d.option_end]
+                option_ends.append(len(branch) - 1)
+        except OverBudget as over:
+            at_least = len(branch) + over.counted
+            raise RequestError(
+                row_too_long_message(at_least, len(state), limits.max_row_tokens, at_least=True)
+            ) from None
         branch.append(d.decide)
         if len(state) + len(branch) > limits.max_row_tokens:
             raise RequestError(row_too_long_message(len(branch), len(state), limits.max_row_tokens))
         questions.append(EncodedQuestion(tokens=tuple(branch), option_ends=tuple(option_ends)))
+    for text, tokens in texts:
+        tokenizer.remember(text, tokens)
     return Encoded(state=state, questions=tuple(questions))

@@ -1,12 +1,14 @@
-"""The batch-first engine: many System One requests in, one response body or one RequestError each out.
+"""The batch-first engine: many System One requests in, one response body, RequestError or RequestFault each out.
 
-Parsing, Kev's limits and answer assembly live here; the probabilities come from a scorer (the reference PyTorch
-path today). One bad request never affects the others of its batch.
+Parsing, Kev's limits and answer assembly live here; the probabilities come from a scorer. One request never affects
+the others of its batch: a request Kev refuses gets its RequestError, and any other exception while preparing or
+answering one request becomes that request's RequestFault (an internal error), never its neighbours'.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -18,11 +20,33 @@ import torch
 
 from .bank import BankStats, StateBank
 from .checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
-from .encoding import Encoded, KevTokenizer, Limits, encode
+from .encoding import Encoded, KevTokenizer, encode
 from .reference import ReferenceScorer
-from .systemone import Record, RequestError, answers_from_probabilities, answers_json, parse_request, response_body
+from .systemone import (
+    Limits,
+    Record,
+    RequestError,
+    answers_from_probabilities,
+    answers_json,
+    parse_request,
+    response_body,
+)
 
 Body = str | bytes | dict
+log = logging.getLogger(__name__)
+
+
+class RequestFault(Exception):
+    """An unexpected failure while preparing or answering one request (a server fault, not the client's): that
+    request alone gets an internal error naming it."""
+
+    @classmethod
+    def of(cls, stage: str, error: BaseException) -> RequestFault:
+        log.error("kev: %s failed for one request: %r", stage, error)
+        return cls(f"{stage} failed: {type(error).__name__}")
+
+
+Result = dict | RequestError | RequestFault | None
 
 
 class Pending(Protocol):
@@ -98,7 +122,7 @@ class PreparedBatch:
     """A batch between answer()'s stages: each request's place in `results` holds its RequestError if refused;
     `accepted` the rest, in order; `probabilities` and `report` come from `collect` (after `launch`)."""
 
-    results: list[dict | RequestError | None]
+    results: list[Result]
     accepted: list[tuple[int, Record, Encoded]] = field(default_factory=list)
     dropped: int = 0  # requests taken out before scoring (cancelled): not counted in the report
     probabilities: list[list[list[float]]] = field(default_factory=list)
@@ -108,7 +132,7 @@ class PreparedBatch:
 
     @property
     def refused(self) -> int:
-        return sum(isinstance(r, RequestError) for r in self.results)
+        return sum(isinstance(r, (RequestError, RequestFault)) for r in self.results)
 
     def drop(self, indices: set[int]) -> None:
         """Takes the requests at `indices` out before scoring: their places stay None and they cost no model work."""
@@ -250,11 +274,11 @@ class Engine:
 
     def prepare(self, body: Body) -> tuple[Record, Encoded]:
         """Validates and encodes one request; raises RequestError with Kev's 422 message."""
-        record = parse_request(body)
+        record = parse_request(body, self.options.limits)
         return record, encode(record, self.tokenizer, self.options.limits)
 
-    def answer(self, bodies: Sequence[Body]) -> list[dict | RequestError]:
-        """One response body (a dict, Kev 1.0's JSON) or one RequestError per request, in order."""
+    def answer(self, bodies: Sequence[Body]) -> list[Result]:
+        """One response body (a dict, Kev 1.0's JSON), RequestError or RequestFault per request, in order."""
         return self.finish(self.score(self.prepare_batch(bodies)))
 
     # answer() in three stages, so a pipeline (kev_backend/pipeline.py) can run them on different threads: one batch's
@@ -262,13 +286,16 @@ class Engine:
     # the model and the bank; `prepare_batch` and `finish` read the tokenizer, which is safe to share.
 
     def prepare_batch(self, bodies: Sequence[Body]) -> PreparedBatch:
-        """Validates and encodes each request (host work only); a refused one keeps its RequestError."""
+        """Validates and encodes each request (host work only); a refused one keeps its RequestError, one that failed
+        otherwise its RequestFault."""
         batch = PreparedBatch(results=[None] * len(bodies))
         for i, body in enumerate(bodies):
             try:
                 record, encoded = self.prepare(body)
             except RequestError as error:
                 batch.results[i] = error
+            except Exception as error:  # noqa: BLE001 - one request's fault is its own
+                batch.results[i] = RequestFault.of("preparing the request", error)
             else:
                 batch.accepted.append((i, record, encoded))
         return batch
@@ -301,15 +328,33 @@ class Engine:
         batch.report = self.last_batch = report
         return batch
 
-    def finish(self, batch: PreparedBatch) -> list[dict | RequestError]:
+    def finish(self, batch: PreparedBatch) -> list[Result]:
         """The scored batch's response bodies, with refusals in place (a dropped request's place stays None)."""
         results = list(batch.results)
-        if batch.accepted:
-            answers = [answers_from_probabilities(r, p) for (_, r, _), p in zip(batch.accepted, batch.probabilities)]
-            output_tokens = self.tokenizer.count_tokens_batch([answers_json(a) for a in answers])
-            for (i, record, encoded), mine, tokens in zip(batch.accepted, answers, output_tokens):
-                results[i] = response_body(record.model, mine, encoded.input_tokens, tokens, batch.report.model_ms)
-        return results  # type: ignore[return-value]
+        answered: list[tuple[int, Record, Encoded, dict]] = []
+        for (i, record, encoded), probabilities in zip(batch.accepted, batch.probabilities):
+            try:
+                answered.append((i, record, encoded, answers_from_probabilities(record, probabilities)))
+            except Exception as error:  # noqa: BLE001
+                results[i] = RequestFault.of("building the answers", error)
+        texts = [answers_json(answers) for *_, answers in answered]
+        try:
+            output_tokens: list[int | None] = list(self.tokenizer.count_tokens_batch(texts))
+        except Exception:  # noqa: BLE001 - find the one text at fault
+            output_tokens = [self._count_tokens(text) for text in texts]
+        for (i, record, encoded, answers), tokens in zip(answered, output_tokens):
+            if tokens is None:
+                results[i] = RequestFault("counting the output tokens failed")
+            else:
+                results[i] = response_body(record.model, answers, encoded.input_tokens, tokens, batch.report.model_ms)
+        return results
+
+    def _count_tokens(self, text: str) -> int | None:
+        try:
+            return self.tokenizer.count_tokens(text)
+        except Exception as error:  # noqa: BLE001
+            RequestFault.of("counting the output tokens", error)
+            return None
 
 
 def dumps(body: dict) -> str:

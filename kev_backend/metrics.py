@@ -1,8 +1,8 @@
 """Prometheus metrics from the Python backend, on Triton's metrics port (next to its own `nv_inference_*`).
 
-Triton counts a request answered with a per-request error as a success, so refused requests get their own counter
-here; the rest describes the engine: the state bank, tokens and requests per batch, engine time per batch, and
-CUDA-graph use once the engine replays graphs.
+Triton counts a request answered with a per-request error as a success (`nv_inference_request_success`), so every
+request not answered gets counted here by reason (ERROR_REASONS); the rest describes the engine: the state bank,
+tokens and requests per batch, engine time per batch, and CUDA-graph use once the engine replays graphs.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from typing import Any
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 TOKEN_BUCKETS = [64, 256, 1024, 4096, 16384, 65536, 262144]
 MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
+# Why a request got no answer: refused with Kev's message (invalid), refused for its size before parsing (too_large),
+# cancelled by its client before scoring, a fault while preparing or answering it (internal), or its batch's engine
+# fault (engine_error).
+ERROR_REASONS = ("invalid", "too_large", "cancelled", "internal", "engine_error")
 
 
 class KevMetrics:
@@ -27,7 +31,9 @@ class KevMetrics:
             return fam.Metric(labels=labels, buckets=buckets) if buckets else fam.Metric(labels=labels)
 
         counter, gauge, histogram = family.COUNTER, family.GAUGE, family.HISTOGRAM
-        self.request_errors = metric("kev_request_errors_total", counter, "requests refused with Kev's 422 message")
+        errors = family(name="kev_request_errors_total", description="requests not answered, by reason", kind=counter)
+        self._families.append(errors)
+        self.request_errors = {reason: errors.Metric(labels={**labels, "reason": reason}) for reason in ERROR_REASONS}
         self.bank_hits = metric("kev_bank_hits_total", counter, "states found in the state bank")
         self.bank_misses = metric("kev_bank_misses_total", counter, "states computed (not in the bank)")
         self.bank_evictions = metric("kev_bank_evictions_total", counter, "states evicted from the bank")
@@ -45,15 +51,23 @@ class KevMetrics:
             "kev_batch_state_tokens", histogram, "distinct state tokens per batch", TOKEN_BUCKETS
         )
         self.row_tokens = metric("kev_batch_row_tokens", histogram, "question-row tokens per batch", TOKEN_BUCKETS)
+        self.tokenized_chars = metric(
+            "kev_tokenized_chars_total", counter, "characters of request text run through the tokenizer"
+        )
+        self.tokenizer_cache_bytes = metric(
+            "kev_tokenizer_cache_bytes", gauge, "bytes held by the tokenizer's cache of accepted texts"
+        )
         self.engine_ms = metric("kev_engine_ms", histogram, "engine model time per batch (ms)", MS_BUCKETS)
         self._seen: dict[str, int] = {}  # the engine's running totals at the last record, per counter
+
+    def count_error(self, reason: str, n: int = 1) -> None:
+        if n:
+            self.request_errors[reason].increment(n)
 
     def record(self, engine: Any, batch: Any = None) -> None:
         """After a batch: its report (BatchReport; default the engine's last) and the engine's running totals."""
         batch = batch or engine.last_batch
         self.batch_requests.observe(batch.requests)
-        if batch.errors:
-            self.request_errors.increment(batch.errors)
         if batch.requests > batch.errors:
             self.state_tokens.observe(batch.state_tokens)
             self.row_tokens.observe(batch.row_tokens)
@@ -68,6 +82,7 @@ class KevMetrics:
             "graph_replays": getattr(scorer, "graph_replays", 0),
             "graph_captures": getattr(scorer, "graph_captures", 0),
             "graph_failures": graphs.stats.capture_failures if graphs is not None else 0,
+            "tokenized_chars": engine.tokenizer.tokenized_chars,
         }
         counters = {
             "hits": self.bank_hits,
@@ -76,6 +91,7 @@ class KevMetrics:
             "graph_replays": self.graph_hits,
             "graph_captures": self.graph_captures,
             "graph_failures": self.graph_failures,
+            "tokenized_chars": self.tokenized_chars,
         }
         for key, total in totals.items():
             if total > self._seen.get(key, 0):
@@ -83,5 +99,6 @@ class KevMetrics:
             self._seen[key] = total
         self.bank_bytes.set(stats.bytes)
         self.bank_entries.set(stats.entries)
+        self.tokenizer_cache_bytes.set(engine.tokenizer.cache.bytes)
         self.graphs.set(graphs.stats.count if graphs is not None else 0)
         self.graph_bytes.set(graphs.stats.bytes if graphs is not None else 0)

@@ -1,8 +1,14 @@
 """The System One contract as Kev 1.0 serves it: request validation, rendering, answers and the response body.
 
 Pure Python (pydantic, no torch, no tokenizer): the engine tokenizes the texts of a `Record` and hands back one
-probability row per question. Facts follow ../shared/docs/kev-model.md §2.5, §2.6 and §4.1–§4.6; where Kev's
-HTTP layer (FastAPI) shapes an error, the same shape is produced here so clients see the same 422 bodies.
+probability row per question. Where Kev's HTTP layer (FastAPI) shapes an error, the same shape is produced here so
+clients see the same 422 bodies.
+
+Hostile input is refused by design, before any rendering or tokenizing: a body over `Limits.max_request_bytes`,
+JSON nested deeper than `Limits.max_json_depth` (rendering recurses once per level, so the depth bound is what keeps
+it within Python's recursion limit), text that is not valid Unicode (a lone surrogate from a `\ud800` escape cannot
+be encoded as UTF-8, so it could be neither tokenized nor sent back), and more than `Limits.max_questions`
+questions. Each is a RequestError for that request alone.
 """
 
 from __future__ import annotations
@@ -19,7 +25,34 @@ JSONContent = str | dict | list | int | float | bool | None
 MAX_OPTIONS = 255
 MAX_STATE_TOKENS = 65_536  # Ls, the <state> token included
 MAX_ROW_TOKENS = 73_728  # Ls + len(branch) for each question row (65,536 + 8,192)
+# A body's bytes: Kev's 65,536-token state at 64 bytes a token (ordinary text is 3-5 bytes a token, JSON-escaped
+# non-Latin text up to ~12), so no request Kev would answer is refused for its size alone.
+MAX_REQUEST_BYTES = 4 << 20
+MAX_JSON_DEPTH = 64  # nesting of lists and objects, the body itself counted as 1
+MAX_JSON_DEPTH_CEILING = 200  # rendering recurses ~3 frames a level; Python's recursion limit is 1,000
+MAX_QUESTIONS = 256
 DEFAULT_MODEL = "kev-latest"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold; everything is checked before the text is rendered or tokenized."""
+
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    max_json_depth: int = MAX_JSON_DEPTH
+    max_questions: int = MAX_QUESTIONS
+    max_state_tokens: int = MAX_STATE_TOKENS  # Ls, <state> included
+    max_row_tokens: int = MAX_ROW_TOKENS  # Ls + branch
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.max_json_depth <= MAX_JSON_DEPTH_CEILING:
+            raise ValueError(f"max_json_depth must be 2..{MAX_JSON_DEPTH_CEILING}, not {self.max_json_depth}")
+        for name in ("max_request_bytes", "max_questions", "max_state_tokens", "max_row_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+
+
+DEFAULT_LIMITS = Limits()
 
 
 # --- request models (Kev 1.0 shapes; unknown fields are ignored, pydantic's default) -----------------------------
@@ -87,6 +120,10 @@ class RequestError(ValueError):
         return {"detail": self.json_detail}
 
 
+def body_too_large(size: int, limit: int) -> RequestError:
+    return RequestError(f"request body is {size:,} bytes, over the {limit:,}-byte limit", status=413)
+
+
 def _error_line(error: dict[str, Any]) -> str:
     path = ".".join(str(part) for part in error["loc"][1:]) or "body"
     line = f"{path}: {error['msg']}"
@@ -135,25 +172,82 @@ class Record:
     questions: tuple[Question, ...]
 
 
-def _load_json(body: str | bytes) -> Any:
+def _load_json(body: str | bytes, limits: Limits) -> Any:
     """json.loads as Starlette runs it (bytes: encoding detected), with FastAPI's error shapes."""
     if not body:
         return None  # FastAPI reads an empty body as a missing one
+    size = len(body) if isinstance(body, bytes) else len(body.encode("utf-8", "surrogatepass"))
+    if size > limits.max_request_bytes:
+        raise body_too_large(size, limits.max_request_bytes)
     try:
         return json.loads(body)
     except json.JSONDecodeError as e:
         error = {"type": "json_invalid", "loc": ["body", e.pos], "msg": "JSON decode error", "input": {}}
         raise RequestError([{**error, "ctx": {"error": e.msg}}]) from None
+    except RecursionError:  # the C parser's own depth guard, far past max_json_depth
+        raise too_deep(limits.max_json_depth) from None
     except ValueError:  # undecodable bytes, an int over Python's digit limit: FastAPI answers 400
         raise RequestError("There was an error parsing the body", status=400) from None
 
 
-def parse_request(body: str | bytes | dict[str, Any]) -> Record:
+def too_deep(limit: int) -> RequestError:
+    return RequestError(f"request JSON is nested more than {limit} levels deep")
+
+
+def check_json(data: Any, limits: Limits) -> None:
+    """Walks parsed JSON without recursion: refuses nesting deeper than the limit and any string (key or value)
+    that is not valid Unicode, naming where it is."""
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(data, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, dict):
+            if depth > limits.max_json_depth:
+                raise too_deep(limits.max_json_depth)
+            for key, item in value.items():
+                _check_text(key, (*path, key))
+                stack.append((item, depth + 1, (*path, key)))
+        elif isinstance(value, list):
+            if depth > limits.max_json_depth:
+                raise too_deep(limits.max_json_depth)
+            stack.extend((item, depth + 1, (*path, i)) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path)
+
+
+def _check_text(text: Any, path: tuple[Any, ...]) -> None:
+    if not isinstance(text, str) or text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = f"U+{ord(text[e.start]):04X}"
+        raise RequestError(
+            [
+                {
+                    "type": "string_unicode",
+                    "loc": ["body", *(printable(p) if isinstance(p, str) else p for p in path)],
+                    "msg": f"Input should be valid Unicode text: it holds a lone surrogate ({bad})",
+                    "input": printable(text[:64]),
+                }
+            ]
+        ) from None
+
+
+def printable(text: str) -> str:
+    """The text with anything UTF-8 cannot hold escaped (\\udXXX), so an error message about it can be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def parse_request(body: str | bytes | dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> Record:
     """Validate a /v1/systemone body and build the record the engine encodes. Pass the raw bytes for FastAPI parity
     (a str with a BOM is refused by json.loads; bytes are decoded as utf-8-sig)."""
-    data = body if isinstance(body, dict) else _load_json(body)
+    data = body if isinstance(body, dict) else _load_json(body, limits)
     if data is None:
         raise RequestError([{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}])
+    check_json(data, limits)
+    questions = data.get("questions") if isinstance(data, dict) else None
+    if isinstance(questions, dict) and len(questions) > limits.max_questions:
+        raise RequestError(f"request has {len(questions):,} questions, over the limit of {limits.max_questions:,}")
     try:
         request = SystemOneRequest.model_validate(data, from_attributes=True)  # as FastAPI validates a body
     except ValidationError as e:
@@ -299,16 +393,24 @@ def response_body(
     }
 
 
-def state_too_long_message(n_tokens: int, limit: int = MAX_STATE_TOKENS) -> str:
-    """Kev 1.0's 422 text for a state over the limit (kev.model.admit plus kev.serve's truncation hint)."""
+def state_too_long_message(n_tokens: int, limit: int = MAX_STATE_TOKENS, counted_chars: int | None = None) -> str:
+    """Kev 1.0's 422 text for a state over the limit (its admission check plus the truncation hint). A state
+    refused before it was tokenized whole says how far it was counted."""
+    size = f"{n_tokens:,} tokens"
+    if counted_chars is not None:
+        size = f"at least {n_tokens:,} tokens (counted in its first {counted_chars:,} characters)"
     return (
-        f"state is {n_tokens:,} tokens, over the {limit:,}-token limit (the <state> token included): "
+        f"state is {size}, over the {limit:,}-token limit (the <state> token included): "
         "shorten the document or split it across requests; "
         f"or start the server with KEV_TRUNCATE_STATES=1 to read only its first {limit:,} tokens "
         "(responses then say truncated: true)"
     )
 
 
-def row_too_long_message(branch_tokens: int, state_tokens: int, limit: int = MAX_ROW_TOKENS) -> str:
-    """Kev's 422 text for a question row (state + branch) over the row limit."""
-    return f"branch too long: {branch_tokens} tokens with a {state_tokens}-token state (row limit {limit})"
+def row_too_long_message(
+    branch_tokens: int, state_tokens: int, limit: int = MAX_ROW_TOKENS, at_least: bool = False
+) -> str:
+    """Kev's 422 text for a question row (state + branch) over the row limit; `at_least` when the branch was
+    refused before it was tokenized whole."""
+    size = f"at least {branch_tokens}" if at_least else str(branch_tokens)
+    return f"branch too long: {size} tokens with a {state_tokens}-token state (row limit {limit})"

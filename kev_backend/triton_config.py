@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import LoadOptions
-from .encoding import Limits
 from .engine import EngineOptions
+from .systemone import Limits
 
 
 def parameters(model_config: dict[str, Any]) -> dict[str, str]:
@@ -36,6 +36,9 @@ def engine_options(params: dict[str, str], device: str) -> EngineOptions:
         return int(value) if value else default
 
     limits = Limits(
+        max_request_bytes=integer("max_request_bytes", Limits.max_request_bytes),
+        max_json_depth=integer("max_json_depth", Limits.max_json_depth),
+        max_questions=integer("max_questions", Limits.max_questions),
         max_state_tokens=integer("max_state_tokens", Limits.max_state_tokens),
         max_row_tokens=integer("max_row_tokens", Limits.max_row_tokens),
     )

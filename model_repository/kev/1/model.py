@@ -1,6 +1,12 @@
 """Triton Python-backend adapter for Kev: one System One JSON request per REQUEST element, Kev 1.0's response JSON
 per RESPONSE element. Each batch (in parts when large) goes to the engine through a pipeline that overlaps batches'
-host and GPU work (kev_backend/pipeline.py); a bad request fails alone (INVALID_ARG)."""
+host and GPU work (kev_backend/pipeline.py).
+
+Every request gets exactly one response, whatever happens to its neighbours: a request Kev refuses gets INVALID_ARG
+with Kev's message, a fault while preparing or answering one request gets INTERNAL for that request alone, a
+cancelled one CANCELLED, and an engine fault INTERNAL for the requests of its batch. Each is counted by reason in
+`kev_request_errors_total`.
+"""
 
 import json
 import time
@@ -15,7 +21,10 @@ import triton_python_backend_utils as pb_utils
 
 
 def error_response(message, code):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+    from kev_backend.systemone import printable
+
+    # A message quoting the request may hold text UTF-8 cannot encode; the stub could not send it at all.
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(printable(message), code))
 
 
 class TritonPythonModel:
@@ -23,6 +32,7 @@ class TritonPythonModel:
         from kev_backend.engine import Engine
         from kev_backend.metrics import KevMetrics
         from kev_backend.pipeline import Pipeline
+        from kev_backend.systemone import RequestError
         from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
 
         config = json.loads(args["model_config"])
@@ -36,8 +46,9 @@ class TritonPythonModel:
         warmup = warmup_requests(params, Path(args["model_repository"]))
         started = time.perf_counter()
         for start in range(0, len(warmup), 64):  # in batches of up to max_batch_size, before the model is ready
-            self.engine.answer(warmup[start : start + 64])
+            results = self.engine.answer(warmup[start : start + 64])
             self.metrics.record(self.engine)
+            self.metrics.count_error("invalid", sum(isinstance(r, RequestError) for r in results))
         self.engine.startup["warmup_requests"] = time.perf_counter() - started
         pb_utils.Logger.log_info(f"kev: {path}; {len(warmup)} warm-up requests; {self.engine.summary()}")
         self.pipeline = Pipeline(self.engine)
@@ -46,21 +57,23 @@ class TritonPythonModel:
         # Responses go out through each request's sender once the pipeline has answered (execute returns None, so
         # Triton hands over the next batch while this one is on the GPU). A request cancelled while queued costs no
         # model work, here or just before its batch is scored.
-        live = []  # (request, its response sender) of each request still wanted
-        for request in requests:
-            sender = request.get_response_sender()
-            if request.is_cancelled():
-                send(sender, error_response("request cancelled", pb_utils.TritonError.CANCELLED))
-            else:
-                live.append((request, sender))
-        if not live:
-            return None
-        # A request may carry several JSON strings (batch dim n > 1); all are scored together. A large batch goes to
-        # the pipeline in parts (whole requests each), each answered once scored (pipeline.parts_by_size).
         from kev_backend.pipeline import parts_by_size
 
-        bodies = [pb_utils.get_input_tensor_by_name(r, "REQUEST").as_numpy().reshape(-1) for r, _ in live]
-        senders = [sender for _, sender in live]
+        bodies, senders = [], []
+        for request in requests:
+            sender = Sender(request.get_response_sender(), self.metrics)
+            if request.is_cancelled():
+                sender.fail("request cancelled", pb_utils.TritonError.CANCELLED, "cancelled")
+                continue
+            try:  # a malformed BYTES tensor fails here, for this request alone
+                items = pb_utils.get_input_tensor_by_name(request, "REQUEST").as_numpy().reshape(-1)
+            except Exception as error:  # noqa: BLE001
+                sender.fail(f"REQUEST could not be read: {error}", pb_utils.TritonError.INVALID_ARG, "invalid")
+                continue
+            bodies.append(items)
+            senders.append(sender)
+        # A request may carry several JSON strings (batch dim n > 1); all are scored together. A large batch goes to
+        # the pipeline in parts (whole requests each), each answered once scored (pipeline.parts_by_size).
         for part in parts_by_size([sum(len(body) for body in items) for items in bodies]):
             self._submit([bodies[i] for i in part], [senders[i] for i in part])
         return None
@@ -76,43 +89,85 @@ class TritonPythonModel:
             return {j for sender, span in zip(senders, spans) if sender.is_cancelled() for j in span}
 
         def deliver(results, batch):
-            if isinstance(results, Exception):  # an engine fault fails this batch's requests; the server keeps serving
-                fail(results)
-                return
-            if batch.report.requests:
-                self.metrics.record(self.engine, batch.report)
-            for sender, span in zip(senders, spans):
-                send(sender, response(results[span.start : span.stop]))
-
-        def fail(error):
-            pb_utils.Logger.log_error(f"kev: batch failed: {error!r}")
-            for sender in senders:
-                send(sender, error_response(f"kev engine error: {error}", pb_utils.TritonError.INTERNAL))
+            try:
+                if isinstance(results, Exception):  # an engine fault fails this batch's requests; the server goes on
+                    pb_utils.Logger.log_error(f"kev: batch failed: {results!r}")
+                    message = f"kev engine error: {type(results).__name__}: {results}"
+                    for sender in senders:
+                        sender.fail(message, pb_utils.TritonError.INTERNAL, "engine_error")
+                    return
+                if batch.report.requests:
+                    self.metrics.record(self.engine, batch.report)
+                for sender, span in zip(senders, spans):
+                    sender.answer(results[span.start : span.stop])
+            finally:  # whatever failed above, no request is left without its one response
+                for sender in senders:
+                    sender.fail("kev internal error: the request was not answered", pb_utils.TritonError.INTERNAL)
 
         try:
             self.pipeline.submit([body for items in bodies for body in items], deliver, cancelled)
-        except Exception as error:  # preparing the batch failed (not a bad request: those are refused one by one)
-            fail(error)
+        except Exception as error:  # noqa: BLE001 - the batch never reached the model: fail its requests, go on
+            deliver(error, None)
 
     def finalize(self):
         self.pipeline.close()
 
 
-def send(sender, reply):
-    sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+class Sender:
+    """One request's response sender, which sends exactly one final response and counts an error by its reason."""
+
+    def __init__(self, sender, metrics):
+        self.sender = sender
+        self.metrics = metrics
+        self.done = False
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+    def send(self, reply, reason=None):
+        if self.done:
+            return
+        self.done = True
+        if reason is not None:
+            self.metrics.count_error(reason)
+        try:
+            self.sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as error:  # noqa: BLE001 - e.g. the client is gone; nothing else to tell it
+            pb_utils.Logger.log_warn(f"kev: a response could not be sent: {error!r}")
+
+    def fail(self, message, code, reason="internal"):
+        if not self.done:
+            self.send(error_response(message, code), reason)
+
+    def answer(self, results):
+        """Sends this request's response built from its results; a fault while building it fails it alone."""
+        if self.done:
+            return
+        try:
+            reply, reason = response(results)
+        except Exception as error:  # noqa: BLE001
+            pb_utils.Logger.log_error(f"kev: a response could not be built: {error!r}")
+            reply = error_response(f"kev internal error: {type(error).__name__}", pb_utils.TritonError.INTERNAL)
+            reason = "internal"
+        self.send(reply, reason)
 
 
 def response(results):
-    """One request's response: its answers, or the first refusal (INVALID_ARG) or cancellation among them."""
-    from kev_backend.engine import dumps
+    """One request's response and the reason it failed (None when answered): its answers, or the first refusal,
+    fault or cancellation among them."""
+    from kev_backend.engine import RequestFault, dumps
     from kev_backend.systemone import RequestError
 
     if any(r is None for r in results):  # dropped before scoring
-        return error_response("request cancelled", pb_utils.TritonError.CANCELLED)
-    errors = [(j, r) for j, r in enumerate(results) if isinstance(r, RequestError)]
-    if errors:
-        j, error = errors[0]
-        message = error.message if len(results) == 1 else f"REQUEST[{j}]: {error.message}"
-        return error_response(message, pb_utils.TritonError.INVALID_ARG)
+        return error_response("request cancelled", pb_utils.TritonError.CANCELLED), "cancelled"
+    for j, result in enumerate(results):
+        if isinstance(result, (RequestError, RequestFault)):
+            invalid = isinstance(result, RequestError)
+            message = result.message if invalid else f"kev internal error: {result}"
+            message = message if len(results) == 1 else f"REQUEST[{j}]: {message}"
+            if invalid:
+                reason = "too_large" if result.status == 413 else "invalid"
+                return error_response(message, pb_utils.TritonError.INVALID_ARG), reason
+            return error_response(message, pb_utils.TritonError.INTERNAL), "internal"
     out = np.array([dumps(r).encode() for r in results], dtype=np.object_).reshape(len(results), 1)
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RESPONSE", out)])
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RESPONSE", out)]), None
