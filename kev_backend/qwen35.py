@@ -8,6 +8,18 @@ hidden states.
 
 The forward pass continues from a `SequenceCache` (attention K/V, DeltaNet conv window and fp32 recurrent state),
 which is what the state bank stores: a state pass returns its cache, and question rows continue from it.
+
+Memory invariants (what keeps a long state linear, not quadratic):
+- attention never materialises L×T: `causal_attention` runs a chunk of queries at a time, its scores at most
+  ATTENTION_CHUNK_ELEMENTS (4 Mi: 16 MiB in fp32) across batch and heads, its mask a c×c triangle;
+- `forward_in_chunks` runs a sequence in chunks of PASS_CHUNK_TOKENS (4,096) tokens across the batch, each continuing
+  the cache of the one before, so activations are bounded by the chunk and the previous cache is released layer by
+  layer; it equals one `forward` pass up to float rounding;
+- a cache owns exactly its tensors (no views into larger activations), so `SequenceCache.nbytes` is what it holds:
+  N tokens · attention layers · 2 · Hkv · Dh elements, plus a fixed conv window and recurrent state per DeltaNet layer.
+A state of N tokens therefore needs, beyond the weights and its cache, about one attention layer's share of the cache,
+one chunk's activations (~ PASS_CHUNK_TOKENS · (3 · intermediate + 4 · hidden + 3 · mixer width) floats) and
+2 · ATTENTION_CHUNK_ELEMENTS floats of scores (reference.py has the formula).
 """
 
 from __future__ import annotations
@@ -21,6 +33,16 @@ from torch import nn
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+
+# The gated delta rule's chunk: a pass split at multiples of it chunks the rule exactly as one pass does.
+DELTA_RULE_CHUNK = 64
+# Attention scores (batch · heads · queries · keys) computed at once. On a CPU 4 Mi elements (16 MiB in fp32): larger
+# chunks stop fitting its caches, much smaller ones re-read K and V once per chunk. On a GPU 64 Mi (256 MiB in fp32),
+# so that long sequences take few chunks, hence few kernel launches.
+ATTENTION_CHUNK_ELEMENTS = 1 << 22
+ATTENTION_CHUNK_ELEMENTS_GPU = 1 << 26
+# Tokens (across the batch) a chunked pass runs at a time: activations scale with it, not with the sequence.
+PASS_CHUNK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -213,16 +235,37 @@ class Qwen35Attention(nn.Module):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Eager GQA attention, aligned bottom-right: query i of L sees keys 0..(T-L+i) of T."""
-    n_rep = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(n_rep, dim=1)
-    v = v.repeat_interleave(n_rep, dim=1)
-    L, T = q.shape[2], k.shape[2]
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    blocked = torch.ones(L, T, dtype=torch.bool, device=q.device).triu(T - L + 1)
-    scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    """Eager GQA attention, aligned bottom-right: query i of L sees keys 0..(T-L+i) of T.
+
+    q [B, H, L, Dh]; k, v [B, Hkv, T, Dh] with H a multiple of Hkv (query head h reads kv head h // (H/Hkv)).
+    softmax(q·kᵀ·scale, masked) · v, computed for a chunk of queries at a time so that no L×T tensor exists: a
+    chunk's scores are [B, H, c, ≤T] with B·H·c·T ≤ ATTENTION_CHUNK_ELEMENTS (its _GPU value off the CPU), c ≥ 1.
+    A chunk's queries read only the keys the last of them sees; of those, only its last c keys are masked for some
+    of its queries (a c×c upper triangle). Keys left out would weigh exactly 0 (exp of the fill value), so the result
+    is the one-shot formula's up to float rounding. Query heads sharing a kv head are stacked as rows of one matmul,
+    so K and V are not copied per query head.
+    """
+    B, H, L, Dh = q.shape
+    n_kv, T = k.shape[1], k.shape[2]
+    n_rep = H // n_kv
+    offset = T - L
+    grouped = q.reshape(B, n_kv, n_rep, L, Dh)
+    out = q.new_empty(B, n_kv, n_rep, L, v.shape[-1])
+    budget = ATTENTION_CHUNK_ELEMENTS if q.device.type == "cpu" else ATTENTION_CHUNK_ELEMENTS_GPU
+    step = max(1, budget // (B * H * T))
+    fill = torch.finfo(q.dtype).min
+    for start in range(0, L, step):
+        end = min(start + step, L)
+        n, seen = end - start, offset + end
+        rows = grouped[:, :, :, start:end].reshape(B, n_kv, n_rep * n, Dh)
+        scores = torch.matmul(rows, k[:, :, :seen].transpose(2, 3)).mul_(scale).view(B, n_kv, n_rep, n, seen)
+        blocked = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores[..., offset + start :].masked_fill_(blocked, fill)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        del scores
+        mixed = torch.matmul(probs.view(B, n_kv, n_rep * n, seen), v[:, :, :seen])
+        out[:, :, :, start:end] = mixed.view(B, n_kv, n_rep, n, -1)
+    return out.view(B, H, L, -1)
 
 
 def gated_delta_rule(
@@ -232,7 +275,7 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
-    chunk_size: int = 64,
+    chunk_size: int = DELTA_RULE_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule in fp32, chunked. q, k: [B, H, L, Dk] (already L2-normalised, q scaled); v: [B, H, L, Dv];
     g (log decay, <= 0), beta: [B, H, L]; state [B, H, Dk, Dv]. Returns (o [B, H, L, Dv], final state).
@@ -300,7 +343,7 @@ class Qwen35GatedDeltaNet(nn.Module):
             past_conv = qkv.new_zeros(B, self.conv_dim, window)
         seq = torch.cat((past_conv.expand(B, -1, -1).to(qkv.dtype), qkv), dim=-1)
         conv_out = F.silu(F.conv1d(seq, self.conv1d.weight, groups=self.conv_dim))  # [B, C, L]
-        new_conv = seq[..., -window:]
+        new_conv = seq[..., -window:].clone()  # a copy: a view would keep all of `seq` alive in the cache
         q, k, v = torch.split(
             conv_out.transpose(1, 2), [self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], -1
         )
@@ -359,12 +402,14 @@ class Qwen35TextModel(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, cache: SequenceCache | None = None
+        self, input_ids: torch.Tensor, cache: SequenceCache | None = None, release: bool = False
     ) -> tuple[torch.Tensor, SequenceCache]:
         """input_ids [B, L] continue `cache` (batch 1, shared by every row, or batch B), or start from nothing.
 
         Rows may be right-padded: every op is causal, so pads never change a real token's hidden state (the
-        returned cache is then only meaningful for unpadded input).
+        returned cache is then only meaningful for unpadded input). With `release`, each layer's entries of `cache`
+        are dropped as soon as they are read (for a cache nothing else holds: it is spent), so the old and the new
+        cache coexist one layer at a time rather than whole.
         """
         B, L = input_ids.shape
         start = cache.length if cache is not None else 0
@@ -377,13 +422,16 @@ class Qwen35TextModel(nn.Module):
             x = layer.input_layernorm(h)
             k = v = conv = state = None
             if layer.layer_type == FULL_ATTENTION:
-                past_k = cache.keys[i] if cache is not None else None
-                past_v = cache.values[i] if cache is not None else None
-                x, k, v = layer.self_attn(x, cos, sin, past_k, past_v)
+                past = (cache.keys[i], cache.values[i]) if cache is not None else (None, None)
+                if release and cache is not None:
+                    cache.keys[i] = cache.values[i] = None
+                x, k, v = layer.self_attn(x, cos, sin, *past)
             else:
-                past_conv = cache.conv[i] if cache is not None else None
-                past_state = cache.recurrent[i] if cache is not None else None
-                x, conv, state = layer.linear_attn(x, past_conv, past_state)
+                past = (cache.conv[i], cache.recurrent[i]) if cache is not None else (None, None)
+                if release and cache is not None:
+                    cache.conv[i] = cache.recurrent[i] = None
+                x, conv, state = layer.linear_attn(x, *past)
+            del past
             out.keys.append(k)
             out.values.append(v)
             out.conv.append(conv)
@@ -391,3 +439,32 @@ class Qwen35TextModel(nn.Module):
             h = residual + x
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h), out
+
+    @torch.no_grad()
+    def forward_in_chunks(
+        self,
+        input_ids: torch.Tensor,
+        cache: SequenceCache | None = None,
+        chunk_tokens: int = PASS_CHUNK_TOKENS,
+        keep_hidden: bool = True,
+    ) -> tuple[torch.Tensor | None, SequenceCache]:
+        """`forward`, run over the sequence in chunks of about `chunk_tokens` tokens across the batch, each continuing
+        the cache the one before returned (every op is causal, so this is the one-pass result up to float rounding).
+
+        Chunks are a multiple of DELTA_RULE_CHUNK wide, so the delta rule chunks the sequence as one pass does; a
+        sequence no wider than one chunk runs in one `forward` call. Activations are bounded by the chunk; the cache
+        grows by concatenation, each chunk releasing the cache of the one before layer by layer (never `cache`, which
+        the caller keeps). Without `keep_hidden` the hidden states are dropped chunk by chunk and None is returned.
+        """
+        B, L = input_ids.shape
+        width = max(DELTA_RULE_CHUNK, chunk_tokens // B // DELTA_RULE_CHUNK * DELTA_RULE_CHUNK)
+        hidden: list[torch.Tensor] = []
+        for start in range(0, L, width):
+            h, cache = self(input_ids[:, start : start + width], cache, release=start > 0)
+            if keep_hidden:
+                hidden.append(h)
+        if cache is None:
+            raise ValueError("forward_in_chunks needs at least one token")
+        if not keep_hidden:
+            return None, cache
+        return (hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)), cache

@@ -3,6 +3,20 @@
 Each distinct state of a batch runs once (or comes from the bank); every question is a row continuing from its
 state's cache, with positions after the state. Rows of a state are right-padded into passes bounded by a token
 budget that counts the state once per row, as Kev's eager path does. It is the oracle the fast paths are held to.
+
+Memory is linear in the state, never quadratic: every pass (a state, a row pass, a row-form row) runs through the
+model in chunks of `chunk_tokens` tokens across its rows (qwen35.Qwen35TextModel.forward_in_chunks), and attention
+never materialises an L×T tensor (qwen35.causal_attention). A state of N tokens needs, beyond the weights and its
+cache, about one layer's share of the cache (the previous chunk's, released layer by layer), activations of one
+chunk, and 2 × ATTENTION_CHUNK_ELEMENTS attention scores; in fp32 with s = 4 bytes:
+
+    cache(N)   = N · n_attention_layers · 2 · Hkv · Dh · s  +  n_deltanet_layers · (conv_dim · (W-1) + Hv · Dk · Dv) · s
+    peak extra ≈ cache(N) + cache(N) / n_attention_layers + chunk_tokens · a · s + 2 · ATTENTION_CHUNK_ELEMENTS · s
+
+where a ≈ 3 · intermediate_size + 4 · hidden_size + 3 · max(2 · H · Dh, conv_dim + Hv · Dv) floats of live
+activations per token (MLP gate, up and product; residual stream; a mixer's projections). A row pass adds its rows'
+copies of the state's K/V (bounded by the row-pass budget, or one row of at most max_row_tokens). For the tiny model
+(kev_backend.tiny) at Kev's 65,536-token limit: 32 MiB cache + 32 MiB + 22 MiB + 32 MiB ≈ 118 MiB.
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ import torch
 from .bank import StateBank
 from .encoding import Encoded, EncodedQuestion
 from .head import PendingProbabilities, Picked, launch_batch_probabilities, pointer_probabilities, warm_pointer_head
-from .qwen35 import Qwen35TextModel, SequenceCache
+from .qwen35 import PASS_CHUNK_TOKENS, Qwen35TextModel, SequenceCache
 
 
 class ReferenceScorer:
@@ -26,6 +40,7 @@ class ReferenceScorer:
         pad_id: int,
         bank: StateBank[SequenceCache],
         row_pass_tokens: int = 16_384,
+        chunk_tokens: int = PASS_CHUNK_TOKENS,
     ) -> None:
         self.model = model
         self.head = head
@@ -33,12 +48,14 @@ class ReferenceScorer:
         self.pad_id = pad_id
         self.bank = bank
         self.row_pass_tokens = row_pass_tokens
+        self.chunk_tokens = chunk_tokens  # tokens a pass runs at a time, across its rows (activations scale with it)
         self.device = next(model.parameters()).device
 
     def state_cache(self, state: tuple[int, ...]) -> SequenceCache:
         cache = self.bank.get(state)
         if cache is None:
-            _, cache = self.model(torch.tensor([state], device=self.device))
+            ids = torch.tensor([state], device=self.device)
+            _, cache = self.model.forward_in_chunks(ids, chunk_tokens=self.chunk_tokens, keep_hidden=False)
             self.bank.put(state, cache)
         return cache
 
@@ -87,7 +104,7 @@ class ReferenceScorer:
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for j, row in enumerate(rows):
             ids[j, : len(row.tokens)] = torch.tensor(row.tokens)
-        hidden, _ = self.model(ids.to(self.device), cache)
+        hidden, _ = self.model.forward_in_chunks(ids.to(self.device), cache, self.chunk_tokens)
         return hidden.float()
 
     def row_form_probabilities(self, encoded: Encoded) -> list[list[float]]:
@@ -95,7 +112,7 @@ class ReferenceScorer:
         decide, options, counts = [], [], []
         for row in encoded.questions:
             ids = torch.tensor([encoded.state + row.tokens], device=self.device)
-            hidden = self.model(ids)[0][0].float()
+            hidden = self.model.forward_in_chunks(ids, chunk_tokens=self.chunk_tokens)[0][0].float()
             offset = len(encoded.state)
             decide.append(hidden[offset + row.decide])
             options.append(hidden[[offset + i for i in row.option_ends]])
