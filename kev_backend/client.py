@@ -45,6 +45,21 @@ class KevError(Exception):
         return f"KevError({self.kind!r}, {self.message!r})"
 
 
+# tritonclient's own channel options (messages up to 2 GiB, its keep-alive defaults), and reconnection attempts at
+# most a second apart: after a server restart the channel is back within a second of the server, not gRPC's default
+# backoff of up to two minutes.
+GRPC_CHANNEL = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.keepalive_time_ms", 2**31 - 1),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", False),
+    ("grpc.http2.max_pings_without_data", 2),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+
 def encode(body: Body) -> bytes:
     if isinstance(body, bytes):
         return body
@@ -78,12 +93,13 @@ def response_body(result) -> dict[str, Any]:
 class _Client:
     def __init__(self, url: str, protocol: Protocol, model: str, timeout_s: float, asynchronous: bool) -> None:
         self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
-        self._client = _module(protocol, asynchronous)[1].InferenceServerClient(url)
+        options = {"channel_args": GRPC_CHANNEL} if protocol == "grpc" else {}
+        self._client = _module(protocol, asynchronous)[1].InferenceServerClient(url, **options)
 
-    def _infer_args(self, body: Body, request_id: str) -> tuple[list, dict[str, Any]]:
+    def _infer_args(self, body: Body, request_id: str, timeout_s: float | None = None) -> tuple[list, dict[str, Any]]:
         options: dict[str, Any] = {"request_id": request_id}
         if self.protocol == "grpc":  # only the gRPC client takes a client-side deadline
-            options["client_timeout"] = self.timeout_s
+            options["client_timeout"] = self.timeout_s if timeout_s is None else timeout_s
         return [request_input(self.protocol, body)], options
 
 
@@ -125,9 +141,10 @@ class AsyncKevClient(_Client):
     async def score(self, body: Body, request_id: str = "") -> dict[str, Any]:
         return json.loads(await self.score_raw(body, request_id))
 
-    async def score_raw(self, body: Body, request_id: str = "") -> bytes:
-        """The response JSON as the server wrote it (for pass-through)."""
-        inputs, options = self._infer_args(body, request_id)
+    async def score_raw(self, body: Body, request_id: str = "", timeout_s: float | None = None) -> bytes:
+        """The response JSON as the server wrote it (for pass-through). `timeout_s` overrides the client's deadline
+        for this call (gRPC only). Cancelling the awaiting task cancels the call: Triton drops it if still queued."""
+        inputs, options = self._infer_args(body, request_id, timeout_s)
         try:
             result = await self._client.infer(self.model, inputs, **options)
         except InferenceServerException as error:

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from kev_backend.systemone import MAX_QUESTIONS, MAX_REQUEST_BYTES
+from kev_backend.systemone import MAX_QUESTIONS, MAX_REQUEST_BYTES, RequestError
 
 from .conftest import Gateway, TritonServer, start_gateway, stop_gateway
 from .test_triton_e2e import metric_values
@@ -255,7 +255,9 @@ def gateway_call(gateway: Gateway, payloads: list[bytes]) -> list[tuple[dict | N
                 return json.loads(response.read()), ""
         except urllib.error.HTTPError as error:
             detail = json.loads(error.read())["detail"]  # every refusal is JSON
-            return None, f"{error.code} {json.dumps(detail, ensure_ascii=False)}"
+            if isinstance(detail, list):  # FastAPI's form: one line per error, as Triton's message has them
+                detail = RequestError(detail).message
+            return None, f"{error.code} {detail}"
 
     with ThreadPoolExecutor(len(payloads)) as pool:
         return list(pool.map(post, payloads))
