@@ -1,44 +1,42 @@
 #!/usr/bin/env bash
-# Start tritonserver on the Kev model repository, and the System One gateway beside it: the command behind
-# `make serve` (the end-to-end tests run it with GATEWAY=0).
-#   HTTP_PORT (8000) GRPC_PORT (8001) METRICS_PORT (8002) GATEWAY_PORT (8009) GATEWAY (1; 0 = no gateway)
-#   BIND_ADDRESS (0.0.0.0)  MODEL_REPOSITORY (<repo>/model_repository)  TRITON_ADMIN_KEY (admin API header value)
+# Serve Kev: tritonserver on the Kev model repository and the System One gateway beside it, both run and supervised
+# by kev_backend/supervisor.py (`kev-serve`). The command behind `make serve`; the end-to-end tests run it with
+# GATEWAY=0.
+#
+# Topology: the gateway is the front door (request limits, bodies validated before Triton sees them, the bearer key
+# KEV_API_KEY) and binds BIND_ADDRESS. Triton's HTTP, gRPC and metrics ports bind TRITON_ADDRESS, loopback by
+# default: they are for the gateway and for operators on the host, not for clients.
+#
+# The admin key: Triton's model-repository, shared-memory, trace and logging APIs need an `admin-key` header.
+# tritonserver 2.51 takes that key only on its command line (--http-restricted-api, --grpc-restricted-protocol; no
+# file, no environment variable), so ANY LOCAL USER OF THE HOST CAN READ IT in tritonserver's argv (ps,
+# /proc/<pid>/cmdline; unless /proc is mounted with hidepid). That is why Triton binds loopback only: the key guards
+# nothing against local users, and Triton's ports must not be reachable from elsewhere. The key is random per start
+# and never printed unless TRITON_ADMIN_KEY_FILE names a file holding a chosen one (TRITON_ADMIN_KEY is still read).
+#
+# Environment (defaults in parentheses):
+#   HTTP_PORT (8000) GRPC_PORT (8001) METRICS_PORT (8002)  Triton's ports
+#   TRITON_ADDRESS (127.0.0.1)  address Triton's ports bind; 0.0.0.0 exposes the admin key's guard to the network
+#   GATEWAY (1; 0 = no gateway)  GATEWAY_PORT (8009)
+#   BIND_ADDRESS (127.0.0.1)  address the gateway binds; a container or host deployment sets 0.0.0.0
+#   MODEL_REPOSITORY (<repo>/model_repository)
 #   KEV_CHECKPOINT  Kev checkpoint directory (default: the model's `checkpoint` parameter, the embedded tiny one)
 #   KEV_API_KEY     bearer key the gateway requires on /v1/* (none: open)
-#   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (default: build/.triton-cache)
+#   KEV_VENV        the venv that runs the supervisor, the gateway and the Python stub (<repo>/.venv)
+#   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (build/.triton-cache)
+#   TRITON_ADMIN_KEY_FILE  file holding the admin key (letters, digits, ._~+/-); default: random per start
+# Supervision (kev_backend/supervisor.py says more):
+#   KEV_PROBE_INTERVAL_S (1; 0 = no inference probe)  KEV_PROBE_TIMEOUT_S (10)  KEV_PROBE_FAILURES (3)
+#     a one-question inference through Triton's gRPC port every interval; a dead Python stub, a probe told the stub
+#     is not healthy, that many failed probes in a row, or tritonserver exiting: Triton is restarted (one log line,
+#     then "answering again after X s"). A gateway that exits is restarted too.
+#   KEV_MAX_RESTARTS (5) within KEV_RESTART_WINDOW_S (600): more restarts than that exit with code 1
+#   KEV_START_TIMEOUT_S (600)  a start not ready by then, or exiting first, exits with code 1 and the reason
+#   KEV_STOP_TIMEOUT_S (5)  SIGTERM/SIGINT: everything stopped by then (SIGKILL at the deadline), exit code 0
 # Extra arguments go to tritonserver.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=$(realpath -m "${KEV_VENV:-$here/../.venv}")
-address=${BIND_ADDRESS:-0.0.0.0}
-# Triton-language kernels (ours, fla's) compile once per shape class; keep them for the next start. fla stores its
-# autotuning results there too (FLA_CACHE_RESULTS, on by default in fla 0.6); TRITON_CACHE_AUTOTUNING=1 does the
-# same for any other autotuned Triton kernel.
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$here/.triton-cache}
-export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
-# Security by default: no model loading or unloading at run time (model-control none), and the repository,
-# shared-memory, trace and logging APIs need an admin header (random unless TRITON_ADMIN_KEY is set).
-admin_key=${TRITON_ADMIN_KEY:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
-restricted="model-repository,shared-memory,trace,logging:admin-key=$admin_key"
-triton=("$here/tritonserver.sh"
-  --model-repository="${MODEL_REPOSITORY:-$here/../model_repository}"
-  --model-control-mode=none
-  --strict-readiness=true
-  --disable-auto-complete-config  # config.pbtxt is complete: no short-lived stub process at model load
-  --http-address="$address" --http-port="${HTTP_PORT:-8000}"
-  --grpc-address="$address" --grpc-port="${GRPC_PORT:-8001}"
-  --metrics-address="$address" --metrics-port="${METRICS_PORT:-8002}"
-  --http-restricted-api="$restricted"
-  --grpc-restricted-protocol="$restricted"
-  "$@")
-if [[ ${GATEWAY:-1} == 0 ]]; then
-  exec "${triton[@]}"
-fi
-"${triton[@]}" &
-server=$!
-"$venv/bin/kev-gateway" --host "$address" --port "${GATEWAY_PORT:-8009}" --triton "127.0.0.1:${GRPC_PORT:-8001}" &
-gateway=$!
-trap 'kill -TERM $server $gateway 2>/dev/null || true' EXIT INT TERM
-echo "System One gateway on port ${GATEWAY_PORT:-8009} (pid $gateway); tritonserver pid $server" >&2
-# Whichever stops first stops the other.
-wait -n $server $gateway
+[[ -x $venv/bin/python ]] || { echo "error: $venv/bin/python not found (set KEV_VENV, or run: make setup)" >&2; exit 1; }
+export KEV_VENV=$venv
+exec "$venv/bin/python" -m kev_backend.supervisor "$@"

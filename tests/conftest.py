@@ -95,6 +95,9 @@ def start_triton(
         "METRICS_PORT": str(ports[2]),
         "GATEWAY": "0",
         "MODEL_REPOSITORY": str(repository or REPO / "model_repository"),
+        # The tests count requests and batches exactly: no inference probe from the supervisor (it still watches the
+        # Python stub; tests/test_supervisor.py turns the probe on).
+        "KEV_PROBE_INTERVAL_S": "0",
         **extra_env,
     }
     handle = log.open("wb")

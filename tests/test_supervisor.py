@@ -1,0 +1,329 @@
+"""kev-serve (kev_backend/supervisor.py, run by build/serve.sh) around the real tritonserver and gateway: a killed
+Python stub or gateway is restarted and answering again, with errors (not silence) meanwhile; SIGTERM stops
+everything within seconds and leaves no shared memory; Triton binds loopback only; a start that never becomes ready
+exits non-zero with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from kev_backend import supervisor
+from kev_backend.supervisor import SHM_DIR, SHM_PREFIX, RestartBudget, shm_prefix
+
+from .conftest import REPO, TritonServer, free_port, start_triton, stop_triton, wait_ready
+
+BODY = {"state": "my card was charged twice", "questions": {"urgent": {"type": "noul", "instructions": "urgent ?"}}}
+
+
+@dataclass
+class Served:
+    triton: TritonServer
+    gateway_url: str
+    admin_key: str
+
+    @property
+    def pid(self) -> int:
+        return self.triton.process.pid
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """build/serve.sh with the gateway and the inference probe on, Triton on its default address."""
+    tmp = tmp_path_factory.mktemp("supervisor")
+    key = f"chosen-{secrets.token_hex(8)}"
+    (tmp / "admin-key").write_text(key + "\n")
+    port = free_port()
+    server = start_triton(
+        tiny_dir / "kev",
+        tmp / "serve.log",
+        GATEWAY="1",
+        GATEWAY_PORT=str(port),
+        KEV_PROBE_INTERVAL_S="1",
+        TRITON_ADMIN_KEY_FILE=str(tmp / "admin-key"),
+    )
+    served = Served(server, f"http://127.0.0.1:{port}", key)
+    if not wait_ready(f"{served.gateway_url}/health", server.process, 60):
+        stop_triton(server)
+        pytest.fail(f"gateway not ready:\n{server.log_tail()}")
+    wait_for_log(server, "tritonserver ready after")  # the supervisor has seen it ready (and found its stub)
+    yield served
+    stop_triton(server)
+
+
+def children(pid: int) -> dict[int, str]:
+    """pid -> comm of the live (not zombie) children of `pid`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = supervisor.proc_stat(int(entry.name))
+            if stat is not None and stat[2] == pid and stat[1] != "Z":
+                found[int(entry.name)] = stat[0]
+    return found
+
+
+def child_named(pid: int, comm: str) -> int:
+    (found,) = [child for child, name in children(pid).items() if name == comm]
+    return found
+
+
+def gateway_child(pid: int) -> int:
+    """The gateway among the supervisor's children: a python running `-m kev_backend.gateway`."""
+    (found,) = [
+        child for child in children(pid) if b"kev_backend.gateway" in Path(f"/proc/{child}/cmdline").read_bytes()
+    ]
+    return found
+
+
+def gone(pid: int) -> bool:
+    stat = supervisor.proc_stat(pid)
+    return stat is None or stat[1] == "Z"
+
+
+def infer(url: str, timeout_s: float) -> tuple[dict | None, str | None, float]:
+    """One request on a fresh connection: (answer, None, seconds) or (None, error, seconds)."""
+    client = grpcclient.InferenceServerClient(url)
+    tensor = grpcclient.InferInput("REQUEST", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[json.dumps(BODY).encode()]], dtype=object))
+    started = time.monotonic()
+    try:
+        result = client.infer("kev", [tensor], client_timeout=timeout_s)
+        return json.loads(result.as_numpy("RESPONSE")[0, 0]), None, time.monotonic() - started
+    except InferenceServerException as error:
+        return None, f"{error.status()} {error.message()}", time.monotonic() - started
+    finally:
+        client.close()
+
+
+def wait_for_log(server: TritonServer, text: str, timeout_s: float = 15.0, times: int = 1) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log = server.log.read_text(errors="replace")
+        if log.count(text) >= times:
+            return log
+        time.sleep(0.2)
+    pytest.fail(f"{text!r} not logged:\n{server.log_tail()}")
+
+
+def listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} writes them) of the sockets listening on `port`."""
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, local_port = fields[1].split(":")
+            if int(local_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                addresses.append(address)
+    return addresses
+
+
+LOOPBACK = {
+    "0100007F",  # 127.0.0.1
+    "0000000000000000FFFF00000100007F",  # ::ffff:127.0.0.1
+    "00000000000000000000000001000000",  # ::1
+}
+
+
+def test_ports_bind_loopback_only(served: Served) -> None:
+    ports = [int(url.rsplit(":", 1)[1]) for url in (served.triton.http_url, served.triton.grpc_url)]
+    ports += [int(served.triton.metrics_url.rsplit(":", 1)[1]), int(served.gateway_url.rsplit(":", 1)[1])]
+    for port in ports:
+        addresses = listening(port)
+        assert addresses and set(addresses) <= LOOPBACK, (port, addresses)
+
+
+def test_admin_key_from_file_only_in_tritonservers_argv(served: Served) -> None:
+    own = Path(f"/proc/{served.pid}/cmdline").read_bytes()
+    assert served.admin_key.encode() not in own and b"admin-key" not in own
+    triton = child_named(served.pid, "tritonserver")
+    assert f"admin-key={served.admin_key}".encode() in Path(f"/proc/{triton}/cmdline").read_bytes()
+    url = f"http://{served.triton.http_url}/v2/repository/index"
+    with pytest.raises(urllib.request.HTTPError):
+        urllib.request.urlopen(urllib.request.Request(url, data=b"{}"), timeout=10)
+    request = urllib.request.Request(url, data=b"{}", headers={"admin-key": served.admin_key})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.loads(response.read())[0]["name"] == "kev"
+
+
+def test_killed_stub_is_restarted_and_answers_again(served: Served) -> None:
+    before, error, _ = infer(served.triton.grpc_url, 30)
+    assert before is not None, error
+    triton = child_named(served.pid, "tritonserver")
+    stub = child_named(triton, supervisor.STUB_COMM)
+    os.kill(stub, signal.SIGKILL)
+    killed = time.monotonic()
+    failures: list[tuple[str, float]] = []
+    while time.monotonic() < killed + 120:
+        after, error, elapsed = infer(served.triton.grpc_url, 5)
+        if after is not None:
+            break
+        failures.append((error, elapsed))
+        time.sleep(0.1)
+    recovery = time.monotonic() - killed
+    print(f"\nkill -9 of the stub to the first answer: {recovery:.1f} s; {len(failures)} requests failed meanwhile")
+    assert after is not None, f"no answer {recovery:.0f} s after the stub was killed:\n{served.triton.log_tail()}"
+    # Meanwhile every request got an error before its timeout: no silence.
+    assert failures
+    assert all(elapsed < 5 + 1 and "DEADLINE_EXCEEDED" not in error for error, elapsed in failures), failures
+    after.pop("latency_ms"), before.pop("latency_ms")
+    assert after == before  # the same model answers
+    assert child_named(served.pid, "tritonserver") != triton
+    log = wait_for_log(served.triton, "tritonserver answering again after")
+    assert re.search(rf"TRITON RESTART 1: .*(kev_0_0 \(pid {stub}\) died|'kev_0_0' is not healthy)", log), log
+    assert not list(SHM_DIR.glob(f"{shm_prefix(served.pid, 1)}*"))  # the first start's regions are gone
+
+
+def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
+    """A stopped stub is alive, so only the inference probe can tell: Triton refuses it as not healthy."""
+    triton = child_named(served.pid, "tritonserver")
+    os.kill(child_named(triton, supervisor.STUB_COMM), signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_for_log(served.triton, "TRITON RESTART 2: probe: INTERNAL: Stub process 'kev_0_0' is not healthy", 30)
+    wait_for_log(served.triton, "tritonserver answering again after", 60, times=2)
+    print(f"\nSIGSTOP of the stub to answering again: {time.monotonic() - stopped:.1f} s")
+    assert infer(served.triton.grpc_url, 30)[0] is not None
+
+
+def test_killed_gateway_is_restarted(served: Served) -> None:
+    gateway = gateway_child(served.pid)
+    os.kill(gateway, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not wait_ready(f"{served.gateway_url}/health", served.triton.process, 1):
+        pass
+    assert gateway_child(served.pid) != gateway
+    assert f"GATEWAY RESTART 1: gateway pid {gateway} was killed by SIGKILL" in served.triton.log.read_text()
+
+
+def test_sigterm_stops_everything_and_removes_shared_memory(served: Served) -> None:
+    """Runs last in this module: it stops the module's server."""
+    triton = child_named(served.pid, "tritonserver")
+    processes = [triton, *children(triton), *children(served.pid)]
+    assert list(SHM_DIR.glob(f"{SHM_PREFIX}{served.pid}_*"))  # the running start's regions exist
+    served.triton.process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    code = served.triton.process.wait(timeout=30)
+    elapsed = time.monotonic() - started
+    print(f"\nSIGTERM to exit: {elapsed:.1f} s")
+    assert code == 0, served.triton.log_tail()
+    assert elapsed < 6.0
+    assert all(gone(pid) for pid in processes)
+    assert not list(SHM_DIR.glob(f"{SHM_PREFIX}{served.pid}_*"))
+    assert "SIGTERM received: stopping" in served.triton.log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"KEV_CHECKPOINT": "/nonexistent/kev"}, "tritonserver did not become ready: tritonserver pid"),
+        ({"KEV_START_TIMEOUT_S": "0.5"}, "tritonserver not ready within 0.5 s"),
+    ],
+    ids=["model-fails-to-load", "start-timeout"],
+)
+def test_start_that_never_becomes_ready_exits_nonzero(
+    tiny_dir: Path, tmp_path: Path, env: dict[str, str], reason: str
+) -> None:
+    environment = {
+        **os.environ,
+        "KEV_VENV": sys.prefix,
+        "KEV_CHECKPOINT": str(tiny_dir / "kev"),
+        "HTTP_PORT": str(free_port()),
+        "GRPC_PORT": str(free_port()),
+        "METRICS_PORT": str(free_port()),
+        "GATEWAY": "0",
+        **env,
+    }
+    log = tmp_path / "serve.log"
+    with log.open("wb") as handle:
+        process = subprocess.Popen(
+            [str(REPO / "build" / "serve.sh")], env=environment, stdout=handle, stderr=subprocess.STDOUT
+        )
+        try:
+            code = process.wait(timeout=180)
+        finally:
+            process.kill()
+    text = log.read_text(errors="replace")
+    assert code == 1, text[-3000:]
+    assert f"kev-serve: EXITING: {reason}" in text, text[-3000:]
+    assert not list(SHM_DIR.glob(f"{SHM_PREFIX}{process.pid}_*"))
+
+
+class Reply:
+    """A finished gRPC future: a reply, or an error with its status code."""
+
+    def __init__(self, code: grpc.StatusCode | None, details: str = "") -> None:
+        self.code, self.details = code, details
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> object:
+        if self.code is None:
+            reply = service_pb2.ModelInferResponse()
+            body = b'{"answers": {"ok": {"type": "noul", "noul": 0.5}}}'
+            reply.raw_output_contents.append(struct.pack("<I", len(body)) + body)
+            return reply
+        error = grpc.RpcError()
+        error.code, error.details = (lambda: self.code), (lambda: self.details)
+        raise error
+
+
+def test_probe_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three failures in a row restart; a stub not healthy restarts at once; a probe the queue refused or that timed
+    out counts only when Triton completed nothing over the probe timeout."""
+    config = supervisor.Config(probe_timeout_s=10, probe_failures=3)
+    sup = supervisor.Supervisor(config, {}, "key")
+    restarts: list[str] = []
+    monkeypatch.setattr(sup, "restart_triton", restarts.append)
+    timeout, full = Reply(grpc.StatusCode.DEADLINE_EXCEEDED), Reply(grpc.StatusCode.UNAVAILABLE, supervisor.QUEUE_FULL)
+    sup.successes.extend([(80.0, 5), (91.0, 9), (99.0, 12)])  # inferences completing: busy, not failing
+    for reply in (timeout, full, timeout, full):
+        sup.judge(reply, 100.0)
+    assert sup.failures == 0 and not restarts
+    sup.successes.extend([(100.0, 12)] * 20)  # nothing completed over the last 10 s
+    sup.judge(timeout, 120.0)
+    sup.judge(Reply(grpc.StatusCode.INTERNAL, "kev engine error"), 121.0)
+    assert sup.failures == 2 and not restarts
+    sup.judge(Reply(None), 122.0)  # an answer resets the count
+    assert sup.failures == 0
+    for _ in range(3):
+        sup.judge(full, 123.0)
+    assert restarts == [f"3 probes failed in a row, the last: UNAVAILABLE: {supervisor.QUEUE_FULL}"]
+    sup.judge(Reply(grpc.StatusCode.INTERNAL, "Stub process 'kev_0_0' is not healthy."), 124.0)
+    assert restarts[-1] == "probe: INTERNAL: Stub process 'kev_0_0' is not healthy."
+
+
+def test_restart_budget() -> None:
+    budget = RestartBudget(limit=2, window_s=10)
+    assert [budget.spend(t) for t in (0, 1)] == [1, 2] and not budget.exhausted()
+    assert budget.spend(5) == 3 and budget.exhausted()
+    budget = RestartBudget(limit=2, window_s=10)
+    assert [budget.spend(t) for t in (0, 1, 10.5, 11.5)] == [1, 2, 2, 2] and not budget.exhausted()
+
+
+def test_admin_key_sources(tmp_path: Path) -> None:
+    (tmp_path / "key").write_text("s3cret-key\n")
+    assert supervisor.admin_key({"TRITON_ADMIN_KEY_FILE": str(tmp_path / "key")}) == "s3cret-key"
+    assert supervisor.admin_key({"TRITON_ADMIN_KEY": "other"}) == "other"
+    assert supervisor.admin_key({}) != supervisor.admin_key({})
+    for bad in ("", "a,b", "k:v", "x=y", "with space"):
+        (tmp_path / "key").write_text(bad)
+        with pytest.raises(supervisor.GiveUp):
+            supervisor.admin_key({"TRITON_ADMIN_KEY_FILE": str(tmp_path / "key")})
