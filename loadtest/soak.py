@@ -1,0 +1,766 @@
+"""Soak test of Kev on Triton: hours of steady open-loop traffic, watching memory, latency and errors for drift.
+
+Poisson arrivals at `--rate` requests/s in total, split between Triton's gRPC port and the System One gateway. Most
+requests are good ones of a Traffic shape; `--bad-share` are hostile inputs that must each get their own client error
+(gRPC INVALID_ARGUMENT, gateway 4xx JSON), and `--disconnect-share` are abandoned by their client (a gRPC call
+cancelled just after it is sent; a raw HTTP request to the gateway whose socket is closed at once). Every
+`--sample-seconds` it records the counts so far, the period's p50/p99 latency of good requests, tritonserver's and
+its Python stub's RSS, the GPU memory used and the backend's gauges (state bank, CUDA graphs, tokenizer cache) and
+refusals by reason from Triton's metrics. Growth of each memory figure is reported from the first sample after the
+warm-up to the last. Writes OUT/soak.json and OUT/soak.png, prints a table, and exits 1 on any unexpected error.
+
+    python loadtest/soak.py --minutes 60 --rate 40 --shape mix --server-pid $(pgrep -x tritonserver) --out out/soak
+
+Traffic goes only to the addresses given, and only to loopback ones: hostile bodies and 5 MB uploads are not for
+a shared server. The run ends by itself: no new request after `--minutes` (or `--max-requests`, or Ctrl-C), then at
+most `--timeout` seconds for the last answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import ipaddress
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections import Counter
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kev_backend.client import AsyncKevClient, KevError
+from kev_backend.workloads import Traffic
+
+REPO = Path(__file__).resolve().parents[1]
+
+# What became of one request.
+ANSWERED = "answered"  # a good request answered, every question it asked answered
+EXPECTED = "expected_error"  # a bad request refused with the error its case expects
+DISCONNECT = "disconnect"  # a request whose client went away, ended by that (or answered before it could)
+OVERLOAD = "refused_overload"  # Triton's queue (gRPC UNAVAILABLE) or the gateway (429 / 529) refused it at once
+UNEXPECTED = "unexpected"  # anything else: a failed good request, a wrong refusal, no answer in time
+
+GATEWAY_PATH = "/v1/systemone"
+GATEWAY_OVERLOAD = (429, 529)  # the gateway's own in-flight limit, and Triton's queue as the gateway reports it
+# A gRPC disconnect cancels its call this long after sending: long enough for the request to reach Triton's queue
+# (or its batch), short enough that most are still unanswered.
+CANCEL_AFTER_S = (0.002, 0.02)
+# Traffic keeps every state it sent so `repeat` can reuse one; a soak of hours would keep hundreds of thousands in
+# the driver. Repeats come from the most recent states only (as a state bank with LRU eviction would see them).
+HISTORY_KEEP = 10_000
+EXAMPLES_KEPT = 20  # distinct unexpected errors described in the JSON, with their counts; others are only counted
+NVIDIA_SMI_TIMEOUT_S = 10.0
+METRICS_TIMEOUT_S = 5.0
+STUB_COMM = "triton_python_b"  # triton_python_backend_stub, as /proc/<pid>/stat spells it (15 characters)
+# The backend's gauges watched, by the name they get here, and Triton's metrics name (summed over model instances).
+GAUGES = {
+    "bank_bytes": "kev_bank_bytes",
+    "graphs": "kev_graphs",
+    "graph_bytes": "kev_graph_bytes",
+    "tokenizer_cache_bytes": "kev_tokenizer_cache_bytes",
+}
+GROWTH_METRICS = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", *GAUGES)
+WORDS = "the refund is late please help "
+
+
+# --- bad inputs -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BadCase:
+    """A request Kev must refuse: its body and the gateway statuses that count as the right refusal (gRPC: always
+    INVALID_ARGUMENT)."""
+
+    name: str
+    body: bytes
+    gateway_statuses: tuple[int, ...] = (422,)
+
+
+def request_body(state: Any, questions: dict[str, Any] | None = None) -> bytes:
+    return json.dumps({"state": state, "questions": questions or {"q": {"type": "noul"}}}).encode()
+
+
+def bad_cases() -> list[BadCase]:
+    """One of each way tests/test_hostile.py found to hurt a server, built once (the largest is 5 MB)."""
+    depth = 400  # past the 64-level limit; written as text, so nothing recursive builds it
+    deep = b'{"state": ' + b"[" * depth + b'"leaf"' + b"]" * depth + b', "questions": {"q": {"type": "noul"}}}'
+    noul = {"type": "noul", "instructions": "is this urgent ?"}
+    return [
+        BadCase("deep nesting", deep),
+        # json.dumps cannot write a lone surrogate: the escape is written by hand
+        BadCase("lone surrogate", b'{"state": "a \\ud800 b", "questions": {"q": {"type": "noul"}}}'),
+        BadCase("too many questions", request_body("x", {f"q{i}": noul for i in range(257)})),
+        BadCase("state over the token limit", request_body(WORDS * 20_000)),
+        # the gateway refuses a body it cannot parse with 422 (Kev's form) or 400
+        BadCase("invalid JSON", request_body("x")[:-3], (422, 400)),
+        BadCase("5 MB body", request_body(WORDS * (5_000_000 // len(WORDS))), (413,)),
+    ]
+
+
+# --- sending ----------------------------------------------------------------------------------------------------
+
+
+Result = tuple[str, str]  # (outcome, what happened when it is not the expected one)
+
+
+def check_answer(raw: bytes, questions: frozenset[str]) -> Result:
+    """A good request's answer: JSON holding exactly the questions asked (a reply meant for another request of the
+    same batch would not)."""
+    try:
+        answers = json.loads(raw)["answers"]
+    except (ValueError, KeyError, TypeError) as error:
+        return UNEXPECTED, f"unreadable answer: {error!r}"
+    if set(answers) != questions:
+        return UNEXPECTED, f"answered {sorted(answers)[:5]}, asked {sorted(questions)[:5]}"
+    return ANSWERED, ""
+
+
+def kev_error(error: KevError) -> Result:
+    if error.kind == "overloaded":
+        return OVERLOAD, error.message[:200]
+    return UNEXPECTED, f"{error.status} {error.message[:200]}"
+
+
+async def grpc_good(kev: AsyncKevClient, body: bytes, questions: frozenset[str]) -> Result:
+    try:
+        raw = await kev.score_raw(body)
+    except KevError as error:
+        return kev_error(error)
+    return check_answer(raw, questions)
+
+
+async def grpc_bad(kev: AsyncKevClient, case: BadCase) -> Result:
+    try:
+        await kev.score_raw(case.body)
+    except KevError as error:
+        if error.status == "StatusCode.INVALID_ARGUMENT":
+            return EXPECTED, ""
+        return kev_error(error)
+    return UNEXPECTED, "answered"
+
+
+async def grpc_disconnect(kev: AsyncKevClient, body: bytes, delay_s: float) -> Result:
+    """Send, then cancel the call (the gRPC client going away): Triton drops it if still queued."""
+    call = asyncio.ensure_future(kev.score_raw(body))
+    try:
+        await asyncio.sleep(delay_s)
+    finally:  # also when this request is itself abandoned: no call left running unawaited
+        call.cancel()
+    await asyncio.wait((call,))  # the call's own end, not a cancellation of this coroutine
+    if call.cancelled():
+        return DISCONNECT, ""
+    error = call.exception()
+    if error is None:  # answered before the cancel: the server did nothing wrong
+        return DISCONNECT, ""
+    if isinstance(error, KevError) and error.status == "StatusCode.CANCELLED":  # the cancel, as gRPC reported it
+        return DISCONNECT, ""
+    if isinstance(error, KevError):
+        return kev_error(error)
+    return UNEXPECTED, repr(error)
+
+
+async def gateway_post(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, bytes]:
+    async with session.post(url, data=body, headers={"content-type": "application/json"}) as response:
+        return response.status, await response.read()
+
+
+async def gateway_good(session: aiohttp.ClientSession, url: str, body: bytes, questions: frozenset[str]) -> Result:
+    status, raw = await gateway_post(session, url, body)
+    if status == 200:
+        return check_answer(raw, questions)
+    if status in GATEWAY_OVERLOAD:
+        return OVERLOAD, f"{status}"
+    return UNEXPECTED, f"{status} {raw[:200]!r}"
+
+
+async def gateway_bad(session: aiohttp.ClientSession, url: str, case: BadCase) -> Result:
+    status, raw = await gateway_post(session, url, case.body)
+    if status in GATEWAY_OVERLOAD:
+        return OVERLOAD, f"{status}"
+    if status not in case.gateway_statuses:
+        return UNEXPECTED, f"{status}, expected {case.gateway_statuses}: {raw[:200]!r}"
+    try:
+        json.loads(raw)["detail"]  # every refusal is JSON with a `detail`
+    except (ValueError, KeyError, TypeError):
+        return UNEXPECTED, f"{status} without a JSON detail: {raw[:200]!r}"
+    return EXPECTED, ""
+
+
+async def gateway_disconnect(host: str, port: int, body: bytes) -> Result:
+    """The whole request on a raw socket, then the socket closed at once, before any answer."""
+    try:
+        _, writer = await asyncio.open_connection(host, port)
+    except OSError as error:  # the gateway not accepting connections is a failure, not a disconnect
+        return UNEXPECTED, f"connect: {error!r}"
+    head = (
+        f"POST {GATEWAY_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    try:
+        writer.write(head.encode() + body)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+    except ConnectionError:  # the server closing first is still a closed connection
+        pass
+    return DISCONNECT, ""
+
+
+# --- counting ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """Every request's outcome so far, and the latencies of the good ones answered in the current sample period."""
+
+    allow_overload: bool
+    sent: int = 0
+    counts: Counter = field(default_factory=Counter)  # outcome -> requests
+    outcomes: Counter = field(default_factory=Counter)  # "channel/kind/outcome" -> requests
+    unexpected: int = 0
+    examples: Counter = field(default_factory=Counter)  # description -> requests
+    period_ms: list[float] = field(default_factory=list)
+
+    def record(self, channel: str, kind: str, case: str, result: Result, latency_s: float) -> None:
+        outcome, detail = result
+        self.counts[outcome] += 1
+        self.outcomes[f"{channel}/{kind}/{outcome}"] += 1
+        if outcome == ANSWERED:
+            self.period_ms.append(1000 * latency_s)
+        if outcome == UNEXPECTED or (outcome == OVERLOAD and not self.allow_overload):
+            self.unexpected += 1
+            example = f"{channel} {kind}{f' ({case})' if case else ''}: {outcome}: {detail}"[:400]
+            if example in self.examples or len(self.examples) < EXAMPLES_KEPT:
+                self.examples[example] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counts so far and the period's latency percentiles; starts a new period."""
+        latencies, self.period_ms = sorted(self.period_ms), []
+        return {
+            "sent": self.sent,
+            "answered": self.counts[ANSWERED],
+            "expected_errors": self.counts[EXPECTED],
+            "unexpected_errors": self.unexpected,
+            "refused_overload": self.counts[OVERLOAD],
+            "disconnects": self.counts[DISCONNECT],
+            "in_flight": self.sent - sum(self.counts.values()),
+            "good_in_period": len(latencies),
+            "p50_ms": percentile(latencies, 0.50),
+            "p99_ms": percentile(latencies, 0.99),
+        }
+
+
+def percentile(ordered: list[float], q: float) -> float | None:
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
+
+
+# --- reading the server from outside ------------------------------------------------------------------------------
+
+
+def proc_status_kb(pid: int, key: str) -> int | None:
+    """A `kB` field of /proc/PID/status (VmRSS), or None when the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(comm, ppid) of a process, or None once it is gone. comm may hold spaces and parentheses: cut at the last ')'."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.index("(") + 1 : text.rindex(")")], int(text[text.rindex(")") + 2 :].split()[1])
+
+
+def children(pid: int, comm: str) -> list[int]:
+    """The child processes of `pid` named `comm` (as /proc spells it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := proc_stat(int(entry))) is not None and stat == (comm, pid):
+            found.append(int(entry))
+    return found
+
+
+def rss_mb(pids: list[int]) -> float | None:
+    """The summed VmRSS of `pids` in MiB; None when none could be read."""
+    values = [kb for pid in pids if (kb := proc_status_kb(pid, "VmRSS")) is not None]
+    return round(sum(values) / 1024, 1) if values else None
+
+
+def nvidia_smi(query: str) -> list[str]:
+    """One line per GPU of `nvidia-smi --query-gpu=QUERY`; empty without nvidia-smi or when it fails."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    command = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+
+def gpu_memory_mb() -> float | None:
+    """Memory used on all GPUs together (MiB), or None without a GPU."""
+    try:
+        values = [float(v) for v in nvidia_smi("memory.used")]
+    except ValueError:  # "[N/A]" on some virtual GPUs
+        return None
+    return sum(values) if values else None
+
+
+SAMPLE_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of each sample line of Prometheus text; comments and unreadable lines are skipped."""
+    samples = []
+    for line in text.splitlines():
+        match = SAMPLE_LINE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        try:
+            samples.append((name, dict(LABEL.findall(labels or "")), float(value)))
+        except ValueError:
+            continue
+    return samples
+
+
+def gauge_sums(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float | None]:
+    """Each of GAUGES summed over the model's instances; None when Triton does not report it."""
+    sums: dict[str, float | None] = {}
+    for key, name in GAUGES.items():
+        values = [value for sample, _, value in samples if sample == name]
+        sums[key] = sum(values) if values else None
+    return sums
+
+
+def sums_by_reason(samples: list[tuple[str, dict[str, str], float]], name: str) -> dict[str, float]:
+    """A counter family summed over everything but its `reason` label."""
+    sums: dict[str, float] = {}
+    for sample, labels, value in samples:
+        if sample == name:
+            reason = labels.get("reason", "")
+            sums[reason] = sums.get(reason, 0.0) + value
+    return sums
+
+
+# Loopback only: no proxy from the environment may carry the metrics requests elsewhere.
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def fetch_text(url: str) -> str | None:
+    try:
+        with OPENER.open(url, timeout=METRICS_TIMEOUT_S) as response:
+            return response.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Where the server's figures come from: its process (optional), Triton's metrics and the gateway's."""
+
+    server_pid: int | None
+    metrics_url: str
+    gateway_metrics_url: str | None
+
+    def read(self) -> dict[str, Any]:
+        """Blocking (files, a subprocess, HTTP): run it off the event loop."""
+        figures: dict[str, Any] = {
+            "gpu_memory_mb": gpu_memory_mb(),
+            "tritonserver_rss_mb": None,
+            "stub_rss_mb": None,
+            "gateway_errors": None,
+        }
+        if self.server_pid is not None:
+            figures["tritonserver_rss_mb"] = rss_mb([self.server_pid])
+            figures["stub_rss_mb"] = rss_mb(children(self.server_pid, STUB_COMM))
+        text = fetch_text(self.metrics_url)
+        samples = parse_prometheus(text) if text is not None else []
+        figures.update(gauge_sums(samples))
+        figures["request_errors"] = sums_by_reason(samples, "kev_request_errors_total") if text is not None else None
+        if self.gateway_metrics_url is not None:  # the gateway's own refusals (client_disconnected, internal, ...)
+            text = fetch_text(self.gateway_metrics_url)
+            errors = sums_by_reason(parse_prometheus(text), "kev_gateway_errors_total") if text is not None else None
+            figures["gateway_errors"] = None if errors is None else {k: v for k, v in errors.items() if v}
+        return figures
+
+
+# --- the run ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request as drawn at its arrival: where it goes, what it is, and its body."""
+
+    channel: str  # grpc | gateway
+    kind: str  # good | bad | disconnect
+    body: bytes
+    questions: frozenset[str] = frozenset()
+    case: BadCase | None = None
+
+
+class Soak:
+    """One run: offers the traffic, records every request's outcome and samples the server as it goes."""
+
+    def __init__(
+        self, args: argparse.Namespace, kev: AsyncKevClient, session: aiohttp.ClientSession | None, watch: Watch
+    ) -> None:
+        self.args, self.kev, self.session, self.watch = args, kev, session, watch
+        self.rng = random.Random(args.seed)
+        self.traffic = Traffic(args.shape, args.repeat, seed=args.seed)
+        self.cases = bad_cases()
+        self.tally = Tally(allow_overload=args.allow_overload)
+        self.samples: list[dict[str, Any]] = []
+        self.pending: set[asyncio.Task] = set()
+        self.stop = asyncio.Event()
+        self.started = time.monotonic()
+
+    def plan(self) -> Planned:
+        rng, args = self.rng, self.args
+        channel = "gateway" if self.session is not None and rng.random() < args.gateway_share else "grpc"
+        draw = rng.random()
+        if draw < args.bad_share:
+            case = rng.choice(self.cases)
+            return Planned(channel, "bad", case.body, case=case)
+        request = self.traffic.next()
+        if len(self.traffic.history) > 2 * HISTORY_KEEP:
+            del self.traffic.history[:-HISTORY_KEEP]
+        kind = "disconnect" if draw < args.bad_share + args.disconnect_share else "good"
+        return Planned(channel, kind, json.dumps(request).encode(), frozenset(request["questions"]))
+
+    def sender(self, planned: Planned) -> Awaitable[Result]:
+        if planned.channel == "grpc":
+            if planned.kind == "bad":
+                assert planned.case is not None
+                return grpc_bad(self.kev, planned.case)
+            if planned.kind == "disconnect":
+                return grpc_disconnect(self.kev, planned.body, self.rng.uniform(*CANCEL_AFTER_S))
+            return grpc_good(self.kev, planned.body, planned.questions)
+        assert self.session is not None
+        url = self.args.gateway + GATEWAY_PATH
+        if planned.kind == "bad":
+            assert planned.case is not None
+            return gateway_bad(self.session, url, planned.case)
+        if planned.kind == "disconnect":
+            parts = urllib.parse.urlsplit(self.args.gateway)
+            return gateway_disconnect(parts.hostname or "127.0.0.1", parts.port or 80, planned.body)
+        return gateway_good(self.session, url, planned.body, planned.questions)
+
+    async def one(self, planned: Planned, arrival: float) -> None:
+        """Send one request and record its outcome; latency counts from its scheduled arrival (open loop)."""
+        try:
+            result = await asyncio.wait_for(self.sender(planned), self.args.timeout)
+        except TimeoutError:
+            result = (UNEXPECTED, f"no answer within {self.args.timeout:g} s")
+        except Exception as error:  # a client-side failure (reset, refused connection) is counted, never fatal
+            result = (UNEXPECTED, repr(error)[:300])
+        case = planned.case.name if planned.case else ""
+        self.tally.record(planned.channel, planned.kind, case, result, time.monotonic() - arrival)
+
+    def launch(self, planned: Planned, arrival: float) -> None:
+        task = asyncio.ensure_future(self.one(planned, arrival))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+        self.tally.sent += 1
+
+    async def offer(self) -> None:
+        """Poisson arrivals until the time or the request budget is spent, or a stop signal."""
+        t, seconds = 0.0, 60 * self.args.minutes
+        while not self.stop.is_set() and self.tally.sent < self.args.max_requests:
+            t += self.rng.expovariate(self.args.rate)
+            if t >= seconds:
+                break
+            # sleep(0) when behind schedule still lets the answers in flight be handled
+            await asyncio.sleep(max(0.0, self.started + t - time.monotonic()))
+            self.launch(self.plan(), self.started + t)
+
+    def on_signal(self) -> None:
+        """The first Ctrl-C (or SIGTERM) ends the offer and lets the requests in flight finish; a second abandons
+        them (they stay `in_flight` in the last sample, reported as `abandoned`)."""
+        if self.stop.is_set():
+            for task in list(self.pending):
+                task.cancel()
+        self.stop.set()
+
+    async def sample(self) -> None:
+        counts = self.tally.snapshot()
+        figures = await asyncio.to_thread(self.watch.read)
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.samples.append({"t_s": round(time.monotonic() - self.started, 2), "time": now, **counts, **figures})
+
+    async def sample_every(self, period_s: float) -> None:
+        for k in itertools.count(1):  # periods counted from the start, so a slow read does not shift them
+            await asyncio.sleep(max(0.0, self.started + k * period_s - time.monotonic()))
+            await self.sample()
+
+    async def drain(self) -> None:
+        """The last requests, each already bounded by its timeout; a margin for the event loop, then give up."""
+        if self.pending:
+            await asyncio.wait(set(self.pending), timeout=self.args.timeout + 10)
+        for task in list(self.pending):
+            task.cancel()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self.on_signal)
+        await self.sample()  # before any traffic: the baseline
+        sampler = asyncio.ensure_future(self.sample_every(self.args.sample_seconds))
+        try:
+            await self.offer()
+            await self.drain()
+        finally:
+            sampler.cancel()
+        await self.sample()
+
+
+async def drive(args: argparse.Namespace) -> Soak:
+    watch = Watch(args.server_pid, args.metrics, None if args.gateway is None else args.gateway + "/metrics")
+    async with AsyncKevClient(args.triton_grpc, "grpc", args.model, timeout_s=args.timeout) as kev:
+        if args.gateway is None:
+            soak = Soak(args, kev, None, watch)
+            await soak.run()
+            return soak
+        # No limit on connections: an open loop must not queue its own requests behind a pool.
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            soak = Soak(args, kev, session, watch)
+            await soak.run()
+            return soak
+
+
+# --- results ----------------------------------------------------------------------------------------------------
+
+
+def summarize(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str, float | None]]:
+    """start (first sample after the warm-up, else the last), end (last sample), max, and growth end/start - 1."""
+    first = next((s for s in samples if s["t_s"] >= warmup_s), samples[-1])
+    last = samples[-1]
+    out: dict[str, dict[str, float | None]] = {"growth": {}, "start": {}, "end": {}, "max": {}}
+    for key in GROWTH_METRICS:
+        start, end = first.get(key), last.get(key)
+        values = [s[key] for s in samples if s.get(key) is not None]
+        out["start"][key], out["end"][key] = start, end
+        out["max"][key] = max(values) if values else None
+        out["growth"][key] = round(end / start - 1, 4) if start and end is not None else None
+    return out
+
+
+def gpu_name() -> str:
+    names = nvidia_smi("name")
+    return names[0] if names else "cpu"
+
+
+def commit() -> str:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO, timeout=10
+        )
+        return done.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("KEV_COMMIT") or "unknown"
+
+
+def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:
+    tally, samples = soak.tally, soak.samples
+    warmup_s = 60 * args.warmup_minutes
+    return {
+        "gpu": gpu_name(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit(),
+        "soak": {
+            "minutes": args.minutes,
+            "elapsed_s": samples[-1]["t_s"],
+            "stopped_early": soak.stop.is_set(),
+            "requests": tally.sent,
+            "answered": tally.counts[ANSWERED],
+            "unexpected_errors": tally.unexpected,
+            "expected_errors": tally.counts[EXPECTED],
+            "disconnects": tally.counts[DISCONNECT],
+            "refused_overload": tally.counts[OVERLOAD],
+            "abandoned": samples[-1]["in_flight"],
+            "rate": args.rate,
+            "shape": args.shape,
+            "repeat": args.repeat,
+            "gateway_share": 0.0 if args.gateway is None else args.gateway_share,
+            "bad_share": args.bad_share,
+            "disconnect_share": args.disconnect_share,
+            "allow_overload": args.allow_overload,
+            "warmup_minutes": round(args.warmup_minutes, 4),
+            "timeout_s": args.timeout,
+            **summarize(samples, warmup_s),
+            "outcomes": dict(sorted(tally.outcomes.items())),
+            "unexpected_examples": dict(tally.examples.most_common()),
+            "samples": samples,
+        },
+    }
+
+
+MIB = 1 << 20
+
+
+def plot(samples: list[dict[str, Any]], warmup_s: float, title: str, path: Path) -> None:
+    """One panel per memory figure that was measured (bytes shown in MiB), and one of p50/p99 latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    minutes = [s["t_s"] / 60 for s in samples]
+    panels = [key for key in GROWTH_METRICS if any(s.get(key) is not None for s in samples)]
+    rows = (len(panels) + 2) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 2.6 * rows), squeeze=False, sharex=True)
+    flat = list(axes.flat)
+    for ax, key in zip(flat, panels):
+        scale, unit = (MIB, "MiB") if key.endswith("_bytes") else (1, "MiB" if key.endswith("_mb") else "count")
+        ax.plot(minutes, [None if s.get(key) is None else s[key] / scale for s in samples], ".-")
+        ax.set_title(f"{key} ({unit})", fontsize=9)
+    latency = flat[len(panels)]
+    for key, style in (("p50_ms", ".-"), ("p99_ms", "^:")):
+        latency.plot(minutes, [s.get(key) for s in samples], style, label=key.removesuffix("_ms"))
+    latency.set_title("good requests' latency per period (ms)", fontsize=9)
+    latency.legend(fontsize=8)
+    for ax in flat[len(panels) + 1 :]:
+        ax.set_visible(False)
+    for ax in flat[: len(panels) + 1]:
+        ax.axvline(warmup_s / 60, color="grey", lw=0.8, ls="--")  # the end of the warm-up: growth is from here
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelbottom=True)  # shared x, but a panel above a hidden one is its column's lowest
+    flat[len(panels)].set_xlabel("minutes")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(record: dict[str, Any]) -> None:
+    soak = record["soak"]
+    print(
+        f"soak {soak['elapsed_s'] / 60:.2f} min at {soak['rate']:g} r/s ({soak['shape']}): {soak['requests']} requests,"
+        f" {soak['answered']} answered, {soak['expected_errors']} expected errors, {soak['disconnects']} disconnects,"
+        f" {soak['refused_overload']} refused (overload), {soak['unexpected_errors']} unexpected"
+        + (f", {soak['abandoned']} abandoned at a second stop signal" if soak["abandoned"] else "")
+    )
+    print(f"{'figure':<22} {'start':>14} {'end':>14} {'max':>14} {'growth':>8}")
+    for key in GROWTH_METRICS:
+        cells = [soak[part][key] for part in ("start", "end", "max")]
+        growth = soak["growth"][key]
+        digits = 1 if key.endswith("_mb") else 0
+        text = [f"{c:14,.{digits}f}" if c is not None else f"{'-':>14}" for c in cells]
+        change = f"{growth:+8.1%}" if growth is not None else f"{'-':>8}"
+        print(f"{key:<22} {' '.join(text)} {change}")
+    for example, count in soak["unexpected_examples"].items():
+        print(f"unexpected ({count}x): {example}", file=sys.stderr)
+
+
+# --- command line -----------------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address `host` resolves to is a loopback one."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def metrics_url(value: str) -> str:
+    """A full URL as given, or HOST:PORT as the other load tests take it (then /metrics on it)."""
+    return value if "://" in value else f"http://{value}/metrics"
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what would send traffic off this host or could not end; fill the defaults that depend on others."""
+    hosts = [args.triton_grpc.rsplit(":", 1)[0], urllib.parse.urlsplit(args.metrics).hostname or ""]
+    if args.gateway is not None:
+        args.gateway = args.gateway.rstrip("/")
+        parts = urllib.parse.urlsplit(args.gateway)
+        if parts.scheme != "http":
+            parser.error("--gateway must be an http:// URL")
+        hosts.append(parts.hostname or "")
+    for host in hosts:
+        if not is_loopback(host):
+            parser.error(f"{host!r} is not a loopback address: the soak sends hostile traffic to this host only")
+    for name in ("repeat", "bad_share", "disconnect_share", "gateway_share"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1]")
+    if args.bad_share + args.disconnect_share > 1.0:
+        parser.error("--bad-share plus --disconnect-share must be at most 1")
+    if args.minutes <= 0 or args.rate <= 0 or args.sample_seconds <= 0 or args.timeout <= 0:
+        parser.error("--minutes, --rate, --sample-seconds and --timeout must be positive")
+    if args.warmup_minutes is None:
+        args.warmup_minutes = 0.1 * args.minutes
+    if args.max_requests is None:  # twice the expected count: Poisson arrivals never reach it, a runaway loop would
+        args.max_requests = int(2 * args.rate * 60 * args.minutes) + 100
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--triton-grpc", default="127.0.0.1:8001", help="Triton's gRPC address, HOST:PORT")
+    parser.add_argument("--gateway", default="http://127.0.0.1:8009", help="the System One gateway's URL")
+    parser.add_argument("--no-gateway", dest="gateway", action="store_const", const=None, help="gRPC only")
+    parser.add_argument("--gateway-share", type=float, default=0.3, help="share of requests sent to the gateway")
+    parser.add_argument("--metrics", type=metrics_url, default="http://127.0.0.1:8002/metrics", help="Triton's")
+    parser.add_argument("--model", default="kev")
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long new requests are offered")
+    parser.add_argument("--rate", type=float, default=20.0, help="requests/s offered in total (Poisson)")
+    parser.add_argument("--shape", choices=Traffic.SHAPES, default="mix")
+    parser.add_argument("--repeat", type=float, default=0.0, help="share of requests on a state already sent")
+    parser.add_argument("--bad-share", type=float, default=0.02, help="share of hostile requests")
+    parser.add_argument("--disconnect-share", type=float, default=0.02, help="share of requests abandoned")
+    parser.add_argument("--allow-overload", action="store_true", help="overload refusals are not unexpected")
+    parser.add_argument("--warmup-minutes", type=float, default=None, help="default: 10%% of --minutes")
+    parser.add_argument("--sample-seconds", type=float, default=10.0)
+    parser.add_argument("--server-pid", type=int, default=None, help="the tritonserver process (RSS, its stub's)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take before it counts")
+    parser.add_argument("--max-requests", type=int, default=None, help="default: twice the expected count")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("soak"), help="directory for soak.json and soak.png")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    soak = asyncio.run(drive(args))
+    record = build_record(args, soak)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps(record, indent=2) + "\n")
+    title = f"Kev on Triton soak: {args.shape} at {args.rate:g} r/s, {record['gpu']}, {record['commit']}"
+    plot(soak.samples, 60 * args.warmup_minutes, title, args.out / "soak.png")
+    print_table(record)
+    print(f"written: {args.out / 'soak.json'} and soak.png")
+    sys.exit(0 if record["soak"]["unexpected_errors"] == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
