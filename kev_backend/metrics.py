@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 TOKEN_BUCKETS = [64, 256, 1024, 4096, 16384, 65536, 262144]
 MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
@@ -57,6 +59,10 @@ class KevMetrics:
         self.tokenizer_cache_bytes = metric(
             "kev_tokenizer_cache_bytes", gauge, "bytes held by the tokenizer's cache of accepted texts"
         )
+        self.gpu_reserved = metric(
+            "kev_gpu_reserved_bytes", gauge, "GPU memory torch's caching allocator holds (0 on a CPU)"
+        )
+        self.gpu_allocated = metric("kev_gpu_allocated_bytes", gauge, "GPU memory in torch tensors (0 on a CPU)")
         self.engine_ms = metric("kev_engine_ms", histogram, "engine model time per batch (ms)", MS_BUCKETS)
         self._seen: dict[str, int] = {}  # the engine's running totals at the last record, per counter
 
@@ -100,5 +106,8 @@ class KevMetrics:
         self.bank_bytes.set(stats.bytes)
         self.bank_entries.set(stats.entries)
         self.tokenizer_cache_bytes.set(engine.tokenizer.cache.bytes)
+        if engine.device.type == "cuda":
+            self.gpu_reserved.set(torch.cuda.memory_reserved(engine.device))
+            self.gpu_allocated.set(torch.cuda.memory_allocated(engine.device))
         self.graphs.set(graphs.stats.count if graphs is not None else 0)
         self.graph_bytes.set(graphs.stats.bytes if graphs is not None else 0)

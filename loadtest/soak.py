@@ -73,6 +73,8 @@ GAUGES = {
     "graphs": "kev_graphs",
     "graph_bytes": "kev_graph_bytes",
     "tokenizer_cache_bytes": "kev_tokenizer_cache_bytes",
+    "torch_reserved_bytes": "kev_gpu_reserved_bytes",
+    "torch_allocated_bytes": "kev_gpu_allocated_bytes",
 }
 GROWTH_METRICS = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", *GAUGES)
 WORDS = "the refund is late please help "
@@ -575,13 +577,16 @@ def gpu_name() -> str:
 
 
 def commit() -> str:
+    """KEV_COMMIT when set (a copy of the tree without its history names its commit so), else git's HEAD."""
+    if os.environ.get("KEV_COMMIT"):
+        return os.environ["KEV_COMMIT"]
     try:
         done = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO, timeout=10
         )
         return done.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("KEV_COMMIT") or "unknown"
+        return "unknown"
 
 
 def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:

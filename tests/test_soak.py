@@ -13,7 +13,7 @@ from pathlib import Path
 from .conftest import REPO, TritonServer, start_gateway, stop_gateway
 
 MEMORY = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", "bank_bytes", "graphs", "graph_bytes")
-GROWTH = (*MEMORY, "tokenizer_cache_bytes")
+GROWTH = (*MEMORY, "tokenizer_cache_bytes", "torch_reserved_bytes", "torch_allocated_bytes")
 SAMPLE_KEYS = {
     "t_s",
     "time",
