@@ -15,13 +15,13 @@ export GATEWAY ?= 1
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml build/install_tritonserver.sh kev_backend/tiny.py kev_backend/qwen35.py
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml build/install_tritonserver.sh kev_backend/dev/tiny.py kev_backend/model/qwen35.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	build/install_tritonserver.sh $(VENV) build/.tritonserver
-	rm -rf $(EMBEDDED) && $(PY) -m kev_backend.tiny $(EMBEDDED)
+	rm -rf $(EMBEDDED) && $(PY) -m kev_backend.dev.tiny $(EMBEDDED)
 	mkdir -p $(dir $(STAMP)) && touch $@
 
 serve: setup
@@ -36,7 +36,7 @@ lint: setup
 
 # GPU benchmark, in-process (on the GPU machine: the image's python3 with fla-core from requirements-gpu.txt).
 bench:
-	$(if $(wildcard $(PY)),$(PY),python3) -m kev_backend.bench $(BENCH_ARGS)
+	$(if $(wildcard $(PY)),$(PY),python3) -m kev_backend.dev.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .stamps build/.tritonserver build/.downloads $(EMBEDDED)

@@ -1,7 +1,7 @@
 """Compare bench runs: `python bench/compare.py bench/results/*nvidia-h200*.json` prints one row per run and workload
 (latency new/same, requests/s at each client count, floors), oldest first, so a change's effect reads down a column.
 
-Reads the JSON that `python -m kev_backend.bench` writes (top-level gpu, date, commit, checkpoint, workloads:
+Reads the JSON that `python -m kev_backend.dev.bench` writes (top-level gpu, date, commit, checkpoint, workloads:
 {name: {new_ms, same_ms, rps: {clients: requests/s}, floor_rps, baseline_rps}}); other JSON files are skipped.
 """
 

@@ -76,7 +76,7 @@ def graph_kernel_us(fn, repeat: int = 20) -> dict[str, float]:
 
 def kev4b_checkpoint():
     """Random Kev-4B weights on the GPU (fp32, LoRA merged) with the tiny tokenizer."""
-    from kev_backend import tiny
+    from kev_backend.dev import tiny
 
     directory = Path(tempfile.mkdtemp())
     tiny.write_tokenizer(directory)
@@ -88,7 +88,7 @@ def kev4b_engine(checkpoint=None, **options):
     KEV_GRAPHS=1 replays CUDA graphs as the GPU config does, KEV_GRAPH_MAX_TOKENS sets their largest bucket."""
     import os
 
-    from kev_backend.engine import Engine, EngineOptions
+    from kev_backend.engine.engine import Engine, EngineOptions
 
     checkpoint = checkpoint or kev4b_checkpoint()
     options = {"bank_bytes": 8 << 30, "graphs": os.environ.get("KEV_GRAPHS") == "1", **options}
@@ -141,7 +141,7 @@ def kernel_breakdown() -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kev_backend.workloads import long5, short6
+    from kev_backend.dev.workloads import long5, short6
 
     engine = kev4b_engine()
     counter = iter(range(10**6))
@@ -238,8 +238,8 @@ def delta_rule_inputs(T: int):
 def recurrent_configs() -> None:
     """The delta-rule kernel's (value block, warps) on Kev-4B heads: 192 rows of 39 tokens (a busy short6 batch)
     and 6 rows (one short6 request), rows continuing banked states."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule
+    from kev_backend.gpu import kernels
+    from kev_backend.gpu.kernels import delta_rule
 
     _, HV, K, V = KEV4B_HEADS
     pool = torch.randn(256, HV, K, V, device="cuda") * 0.01
@@ -284,7 +284,7 @@ def long_segments(only_rows: bool = False) -> None:
 def segments_case(lengths: list[int]):
     """Seeded delta-rule inputs for segments of these lengths (delta_rule_inputs), gate constants, a bank of one slot
     per segment plus scratch, its slots and the offsets on the host and the GPU."""
-    from kev_backend.passes import offsets
+    from kev_backend.gpu.passes import offsets
 
     _, HV, K, V = KEV4B_HEADS
     torch.manual_seed(0)
@@ -310,8 +310,8 @@ def chunk_variants() -> None:
     """The chunked delta rule by the sequential pass's (value block, warps, register cap, product operands) and the
     prep's warps on Kev-4B heads: ms for new long states one at a time and many at once (throughput: programs sharing
     SMs), and rows; the largest difference from the first (the default)."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule as R
+    from kev_backend.gpu import kernels
+    from kev_backend.gpu.kernels import delta_rule as R
 
     names = ("CHUNK_NARROW", "CHUNK_WIDE", "CHUNK_DOTS", "PREP_WARPS")
     chosen = tuple(getattr(R, name) for name in names)
@@ -358,8 +358,8 @@ def chain_waves() -> None:
     programs waits a whole program's time for it (64 columns: 64 programs a state, two an SM: 264 slots on the H200;
     13 states make 3.15 waves, run in 4). Prep and chain ms a layer, from a CUDA graph, for 1-24 new 2,465-token states,
     narrow (CHUNK_NARROW) and wide (CHUNK_WIDE) forced, and the choice by count; the outputs must not differ."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule as R
+    from kev_backend.gpu import kernels
+    from kev_backend.gpu.kernels import delta_rule as R
 
     narrow, wide = R.CHUNK_NARROW, R.CHUNK_WIDE
     for n in (1, 2, 4, 6, 8, 10, 12, 13, 14, 16, 17, 18, 20, 24):
@@ -383,8 +383,8 @@ def prep_registers() -> None:
     layer, replayed from a CUDA graph, for 1 / 8 / 24 new long5-sized states (2,465 tokens) and one short6's rows; the
     largest difference from the default; the prep's own µs. A cap that fits more programs an SM may hide more of the
     prep's latency (230 registers on 2 warps: four an SM) or spill."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule as R
+    from kev_backend.gpu import kernels
+    from kev_backend.gpu.kernels import delta_rule as R
 
     chosen = R.PREP_WARPS, R.PREP_MAXNREG
     # More warps for 32-token chunks (KEV_CHUNK=32), whose tiles spill on 2 (1,780 bytes at the cap, sm_90a).
@@ -407,8 +407,8 @@ def launch_rounds() -> None:
     block, warps): prep and chain, ms a layer from a CUDA graph, for one short6's rows in r192 (48 slots), long5's
     five rows in r256 (64), 32 short6 requests' rows in r6144 (1,536) and one long5 state in s2560's long group (20);
     the largest difference from the default."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule as R
+    from kev_backend.gpu import kernels
+    from kev_backend.gpu.kernels import delta_rule as R
 
     chosen = R.LAUNCH_ROUNDS, R.CHUNK_NARROW
     rounds = [r for r in (1, 2, 4) if r != chosen[0]]
@@ -441,8 +441,8 @@ def padded_groups() -> None:
     ms a layer on Kev-4B heads, replayed from a CUDA graph as a captured pass runs them (eager calls of one request's
     groups are bound by host launches: ~0.14 ms a call on the H200 whatever the setting). Outputs must be
     identical."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule as R
+    from kev_backend.gpu import kernels
+    from kev_backend.gpu.kernels import delta_rule as R
 
     # (label, segment lengths, capacity, new states): one short6 request's rows in r192 (48 row slots) and its state
     # in s64 (8), 32 short6 requests' rows in r6144 (1,536), one long5 state in s2560's long group (20), and long
@@ -510,7 +510,7 @@ def rows_attention_tiles() -> None:
     with its K/V in one contiguous run (whether the pool's page gather bounds the key loop), a 64-client long5 batch
     (17 of them), one short6 on its banked state (six rows over 34 tokens) and a busy short6 batch (32 of them); and
     each variant's largest output difference from the default."""
-    from kev_backend.kernels import attention as A
+    from kev_backend.gpu.kernels import attention as A
 
     HQ, HKV, D, PAGE = 16, 4, 256, 64
     row_lengths = [44, 57, 41, 36, 47, 40]
@@ -572,7 +572,7 @@ def long_attention_tiles() -> None:
     keys per step, warps); ms for one and eight 2,200-token states and the largest difference from varlen's output."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from kev_backend.kernels import attention as A
+    from kev_backend.gpu.kernels import attention as A
 
     HQ, HKV, D = 16, 4, 256
     chosen = A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.WIDE_HEAD_STAGES, A.SPLIT_DIAGONAL, A.EXP2
@@ -658,7 +658,7 @@ def sdpa_variants(q, k, v, lengths: list[int]) -> dict:
 def ncu_probe() -> None:
     """Three calls each (the first two warm) of the chunked delta rule on 8 new 2,200-token states and of the
     token-by-token one on 6 rows of 40 tokens: for Nsight Compute to profile the third (bench/gpu_run.sh ncu)."""
-    from kev_backend import kernels
+    from kev_backend.gpu import kernels
 
     _, HV, K, V = KEV4B_HEADS
     for lengths, new in (([2200] * 8, True), ([40] * 6, False)):
@@ -685,7 +685,9 @@ def request_timeline() -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from kev_backend import bench, workloads
+    from kev_backend.dev import bench
+
+    from kev_backend.dev import workloads
 
     engine = kev4b_engine()
     shapes = os.environ.get("KEV_TIMELINE_SHAPES", "short6").split(",")
@@ -737,8 +739,8 @@ def launch_path() -> None:
     are answered once, then their buckets' graphs replayed with those inputs, plainly and behind a ~2 ms sleep kernel
     (the launch done while the GPU sleeps): the host time of replay(), the GPU time from before the replay to after
     it, and from the sleep's end. The plain figure less the one behind the sleep is what the launch adds."""
-    from kev_backend import bench
-    from kev_backend.workloads import long5, short6
+    from kev_backend.dev import bench
+    from kev_backend.dev.workloads import long5, short6
 
     engine = kev4b_engine(graphs=True, long_kernels="ours")
     graphs = engine.scorer.graphs
@@ -776,8 +778,8 @@ def host_split() -> None:
     softmax after it; the rest ("after gpu") is the copy to the host, the wait and the lists. Medians of 30."""
     import statistics
 
-    from kev_backend import bench
-    from kev_backend.workloads import long5, short6
+    from kev_backend.dev import bench
+    from kev_backend.dev.workloads import long5, short6
 
     engine = kev4b_engine(graphs=True, long_kernels="ours")
     scorer = engine.scorer
@@ -862,11 +864,13 @@ def host_path() -> None:
     import statistics
     from dataclasses import fields
 
-    from kev_backend import bench, tiny
-    from kev_backend.engine import Engine, EngineOptions
-    from kev_backend.fused import PassKernels
-    from kev_backend.fused_scorer import FusedScorer, Row
-    from kev_backend.workloads import long5, short6
+    from kev_backend.dev import bench
+
+    from kev_backend.dev import tiny
+    from kev_backend.engine.engine import Engine, EngineOptions
+    from kev_backend.gpu.fused import PassKernels
+    from kev_backend.gpu.scorer import FusedScorer, Row
+    from kev_backend.dev.workloads import long5, short6
 
     directory = Path(tempfile.mkdtemp())
     tiny.build(directory)
@@ -924,7 +928,7 @@ def host_ops() -> None:
     fill alone (a banked state's rows, from graphs): whether hostsplit's phases are this CPU or something in them."""
     import statistics
 
-    from kev_backend.workloads import short6
+    from kev_backend.dev.workloads import short6
 
     def us(fn, n: int = 200) -> float:
         runs = []
@@ -978,7 +982,7 @@ def host_ops() -> None:
 
 
 def scorer_rows(request: int, encoded):
-    from kev_backend.fused_scorer import Row
+    from kev_backend.gpu.scorer import Row
 
     return [Row(request, q, tokens, encoded.state) for q, tokens in enumerate(encoded.questions)]
 
@@ -987,7 +991,7 @@ def conv_scan() -> None:
     """The pass's conv (conv_tokens) on Kev-4B's 8,192 channels, by (tokens, channels, warps) a program: ms for new
     states (1, 8 and 24 of 2,200 tokens) and rows (6×31, 6×40, 192×39, 40×100), and the largest difference from the
     token-by-token conv_rows."""
-    from kev_backend import kernels
+    from kev_backend.gpu import kernels
 
     C = 8192
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -1012,8 +1016,8 @@ def long_case(lengths: list[int], new: bool) -> None:
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule
+    from kev_backend.gpu import kernels
+    from kev_backend.gpu.kernels import delta_rule
 
     mixed, q, k, v, a, b, a_log, dt_bias, pool, slots, cu_cpu, cu = segments_case(lengths)
     n = len(lengths)
@@ -1095,7 +1099,7 @@ def conv_tile_sweep(label: str, run) -> None:
     """Times `run` (conv_tokens for new states or rows) replayed from a CUDA graph (as a pass runs it: eager calls of
     small inputs are bound by their launches) at each of SCAN_CONFIGS (tokens, channels, warps); the largest
     difference from its output at the chosen configuration."""
-    from kev_backend.kernels import conv
+    from kev_backend.gpu.kernels import conv
 
     chosen = conv.SCAN_TOKENS, conv.SCAN_CHANNELS, conv.SCAN_WARPS, conv.SCAN_SMALL_TOKENS  # read at each launch
     reference = run()
@@ -1112,11 +1116,11 @@ def quick_latency() -> None:
     """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state, and
     requests/s at 64 clients (3 s each): a quick engine-level comparison of kernel choices (KEV_LONG_KERNELS,
     KEV_SHORT_DELTA_RULE)."""
-    from kev_backend import bench
-    from kev_backend.workloads import long5, short6
+    from kev_backend.dev import bench
+    from kev_backend.dev.workloads import long5, short6
 
     engine = kev4b_engine()
-    from kev_backend.kernels import delta_rule
+    from kev_backend.gpu.kernels import delta_rule
 
     options = engine.options
     print("kernels", options.long_kernels, options.short_delta_rule, "chunk", delta_rule.CHUNK, flush=True)
@@ -1169,10 +1173,10 @@ def coldstart() -> None:
 
     checkpoint = Path("/tmp/kev4b/kev")
     if not checkpoint.exists():
-        tiny = [sys.executable, "-m", "kev_backend.tiny", "/tmp/kev4b", "--kev4b", "--device", "cuda"]
+        tiny = [sys.executable, "-m", "kev_backend.dev.tiny", "/tmp/kev4b", "--kev4b", "--device", "cuda"]
         subprocess.run(tiny, check=True)
     imports = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import kev_backend.engine, kev_backend.fused, kev_backend.graphs"],
+        [sys.executable, "-X", "importtime", "-c", "import kev_backend.engine.engine, kev_backend.gpu.fused, kev_backend.gpu.graphs"],
         capture_output=True,
         text=True,
     ).stderr
@@ -1183,7 +1187,7 @@ def coldstart() -> None:
             top[match[2]] = int(match[1])
     ranked = sorted(top.items(), key=lambda item: -item[1])[:12]
     print("coldstart imports (s, top-level): " + ", ".join(f"{name} {us / 1e6:.2f}" for name, us in ranked), flush=True)
-    for modules in ("torch", "torch, triton", "torch, fla.ops.gated_delta_rule", "torch, kev_backend.kernels"):
+    for modules in ("torch", "torch, triton", "torch, fla.ops.gated_delta_rule", "torch, kev_backend.gpu.kernels"):
         timed = f"import time; t = time.perf_counter(); import {modules}; print(time.perf_counter() - t)"
         seconds = subprocess.run([sys.executable, "-c", timed], capture_output=True, text=True).stdout.strip()
         print(f"coldstart import {modules}: {seconds} s in a fresh process", flush=True)
@@ -1221,9 +1225,9 @@ def coldstart() -> None:
 
 def load_split(directory: Path) -> None:
     """The load phase's steps, timed one by one (each ends with a device synchronize)."""
-    from kev_backend import checkpoint as ck
-    from kev_backend.qwen35 import Qwen35Config
-    from kev_backend.weights import load_text_weights, read_config
+    from kev_backend.model import checkpoint as ck
+    from kev_backend.model.qwen35 import Qwen35Config
+    from kev_backend.model.weights import load_text_weights, read_config
 
     device = torch.device("cuda")
     steps = {}
@@ -1247,7 +1251,7 @@ def load_split(directory: Path) -> None:
 
 def coldstart_child(checkpoint: str) -> None:
     """One engine start as coldstart() describes (torch is already imported: diag.py imports it)."""
-    from kev_backend.engine import Engine, EngineOptions
+    from kev_backend.engine.engine import Engine, EngineOptions
 
     started = time.perf_counter()
     torch.cuda.init()
@@ -1272,7 +1276,7 @@ def coldstart_child(checkpoint: str) -> None:
 
 
 def host_profile() -> None:
-    from kev_backend.workloads import short6
+    from kev_backend.dev.workloads import short6
 
     engine = kev4b_engine()
     for _ in range(3):
@@ -1288,7 +1292,7 @@ def host_profile() -> None:
     profiler.disable()
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(25)
-    from kev_backend import kernels
+    from kev_backend.gpu import kernels
 
     x = torch.randn(40, 2560, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(2560, device="cuda")
@@ -1308,10 +1312,11 @@ def batch_invariance() -> None:
     """Where a question's answer depends on the batch it rides in (Kev-4B shapes): states computed in a batch (A)
     or alone (B, then C: the same batches again reading B's banked states), for fla's and our long kernels; compares
     answers and the picked hidden states the head reads, and names the worst requests' state and row lengths."""
-    from kev_backend import fused_scorer, tiny
-    from kev_backend.engine import Engine, EngineOptions
-    from kev_backend.parity import compare, scored
-    from kev_backend.workloads import realistic
+    from kev_backend.gpu import scorer
+    from kev_backend.dev import tiny
+    from kev_backend.engine.engine import Engine, EngineOptions
+    from kev_backend.dev.parity import compare, scored
+    from kev_backend.dev.workloads import realistic
 
     directory = Path(tempfile.mkdtemp())
     tiny.write_tokenizer(directory)
@@ -1369,7 +1374,9 @@ def gpu_gaps() -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kev_backend import bench, workloads
+    from kev_backend.dev import bench
+
+    from kev_backend.dev import workloads
 
     # KEV_GAPS_WORKLOAD: short6 (default) or long5, with seconds for warm-up and measurement to match its batches.
     workload = os.environ.get("KEV_GAPS_WORKLOAD", "short6")
@@ -1405,9 +1412,9 @@ def gpu_gaps() -> None:
             collections.append((info["generation"], time.perf_counter() - collecting[0]))
 
     bench.throughput(engine, make, 64, warm_s, True)
-    # Each measured batch's pipeline job (kev_backend/pipeline.py): its size, when submit was called and returned,
+    # Each measured batch's pipeline job (kev_backend/engine/pipeline.py): its size, when submit was called and returned,
     # and the job (taken, expected and actual done): whether the next batch reached the model thread in time.
-    from kev_backend.pipeline import Pipeline
+    from kev_backend.engine.pipeline import Pipeline
 
     jobs: list[tuple[int, float, float, object]] = []
     submit = Pipeline.submit
@@ -1540,8 +1547,8 @@ def gemm_layouts() -> None:
 def rows_chain_configs() -> None:
     """The chain for one short6's rows (6 of 31 tokens) in r192's 48 row slots, as a captured pass runs it (in turn),
     by (value block, warps, programs an SM): prep and chain µs a layer from a graph; outputs must be identical."""
-    from kev_backend import kernels
-    from kev_backend.kernels import delta_rule as R
+    from kev_backend.gpu import kernels
+    from kev_backend.gpu.kernels import delta_rule as R
 
     lengths, capacity = [31] * 6, 48
     _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
@@ -1572,7 +1579,7 @@ def rows_chain_configs() -> None:
 
 
 def flag_ab() -> None:
-    """A module flag read when a pass is captured (KEV_AB_FLAG="module:NAME", e.g. kev_backend.fused:ROWS_BESIDE),
+    """A module flag read when a pass is captured (KEV_AB_FLAG="module:NAME", e.g. kev_backend.gpu.fused:ROWS_BESIDE),
     off and on, in two engines built in turn in one process (KEV_GRAPHS=1), their requests interleaved: paired model
     times (medians of 30 rounds) for short6 and long5, new and same state, with far less of the noise between
     processes and machines than separate runs have. The two engines must answer alike (largest difference shown)."""
@@ -1580,8 +1587,8 @@ def flag_ab() -> None:
     import os
     import statistics
 
-    from kev_backend import bench
-    from kev_backend.workloads import long5, short6
+    from kev_backend.dev import bench
+    from kev_backend.dev.workloads import long5, short6
 
     module_name, flag = os.environ["KEV_AB_FLAG"].split(":")
     module = importlib.import_module(module_name)

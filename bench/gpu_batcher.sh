@@ -22,7 +22,7 @@ for delay in ${DELAYS:-0 500 2000}; do
 import asyncio, json, sys
 sys.path.insert(0, "loadtest")
 from loops import measured_loop
-from kev_backend.client import AsyncKevClient
+from kev_backend.serve.client import AsyncKevClient
 
 async def main() -> dict:
     async with AsyncKevClient("127.0.0.1:8001", "grpc") as kev:

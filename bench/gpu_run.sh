@@ -41,7 +41,7 @@
 #              the kept one with an eager pass before every capture; then graph replay vs eager (~4 min)
 #   coldstart  bench/diag.py coldstart: imports by package, then an engine from a Kev-4B checkpoint on disk on an empty and
 #              a kept kernel cache, the second profiled (~3 min)
-#   bench      python -m kev_backend.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
+#   bench      python -m kev_backend.dev.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
 # Environment: KEV_COMMIT (the commit the results name; pass it: the device's checkout may name an older HEAD),
@@ -130,7 +130,7 @@ Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc 
       ;;
     bench)
       # shellcheck disable=SC2086
-      python3 -m kev_backend.bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
+      python3 -m kev_backend.dev.bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
       ;;
     startup)
       timeout 200 python3 bench/diag.py startup 2>&1 | grep -E "^startup|Error" | tee "$out/diag-startup.log" || status=1

@@ -14,7 +14,7 @@ source "$(dirname "$0")/gpu_triton_env.sh"
 # at once. The bench JSON becomes issue 4's record (the start times are added below) and the in-process reference.
 # STARTUP_ONLY=1: only the two starts below (~2.5 minutes), their times in $out/triton-startup.json.
 if [[ ${STARTUP_ONLY:-0} != 1 ]]; then
-  KEV_CHECKPOINT=/tmp/kev4b/kev timeout 240 python3 -m kev_backend.bench --graphs --no-baseline \
+  KEV_CHECKPOINT=/tmp/kev4b/kev timeout 240 python3 -m kev_backend.dev.bench --graphs --no-baseline \
     --seconds "${BENCH_SECONDS:-3}" --out "$out" 2>&1 | tail -4
   bench_json=$(ls -t "$out"/*-graphs*.json 2>/dev/null | head -1)
   [[ -n $bench_json ]] || { echo "no bench JSON"; exit 1; }

@@ -20,7 +20,7 @@ printf '%s\n' /tmp/site "$PWD" "$image" > "$site/kev.pth"
 mkdir -p /tmp/ts /tmp/B/python
 tar -xJf .gpu/tritonserver-py312.tar.xz -C /tmp/ts
 cp /tmp/ts/pytriton/tritonserver/backends/python/* /tmp/ts/pytriton/tritonserver/python_backend_stubs/3.12/* /tmp/B/python/
-[[ -d /tmp/kev4b/kev ]] || python3 -m kev_backend.tiny /tmp/kev4b --kev4b --device cuda || exit 1
+[[ -d /tmp/kev4b/kev ]] || python3 -m kev_backend.dev.tiny /tmp/kev4b --kev4b --device cuda || exit 1
 
 # start_triton REPOSITORY LOG: tritonserver with configs/gpu.pbtxt (KIND_GPU, graphs on) in the background; sets
 # $server (its pid) and $started (its start time). START_ENV: more NAME=VALUE settings for the server.
@@ -38,8 +38,8 @@ start_triton() {
 wait_ready() {
   python3 - "$started" "$1" "$2" "${3:-}" <<'PY'
 import json, re, sys, time, urllib.request
-from kev_backend.client import KevClient
-from kev_backend.workloads import short6
+from kev_backend.serve.client import KevClient
+from kev_backend.dev.workloads import short6
 started, out, log, prefix = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 while True:
     try:

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from kev_backend.client import KevClient, KevError
-from kev_backend.workloads import short6
+from kev_backend.dev.workloads import short6
+from kev_backend.serve.client import KevClient, KevError
 
 REPO = Path(__file__).resolve().parents[1]
 

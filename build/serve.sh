@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serve Kev: tritonserver on the Kev model repository and the System One gateway beside it, both run and supervised
-# by kev_backend/supervisor.py (`kev-serve`). The command behind `make serve`; the end-to-end tests run it with
+# by kev_backend/serve/supervisor.py (`kev-serve`). The command behind `make serve`; the end-to-end tests run it with
 # GATEWAY=0.
 #
 # Topology: the gateway is the front door (request limits, bodies validated before Triton sees them, the bearer key
@@ -26,7 +26,7 @@
 #   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (build/.triton-cache)
 #   PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True)  MALLOC_ARENA_MAX (2)  memory that stays flat under load
 #   TRITON_ADMIN_KEY_FILE  file holding the admin key (letters, digits, ._~+/-); default: random per start
-# Supervision (kev_backend/supervisor.py says more):
+# Supervision (kev_backend/serve/supervisor.py says more):
 #   KEV_PROBE_INTERVAL_S (1; 0 = no inference probe)  KEV_PROBE_TIMEOUT_S (10)  KEV_PROBE_FAILURES (3)
 #     a one-question inference through Triton's gRPC port every interval; a dead Python stub, a probe told the stub
 #     is not healthy, that many failed probes in a row, or tritonserver exiting: Triton is restarted (one log line,
@@ -40,4 +40,4 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=$(realpath -m "${KEV_VENV:-$here/../.venv}")
 [[ -x $venv/bin/python ]] || { echo "error: $venv/bin/python not found (set KEV_VENV, or run: make setup)" >&2; exit 1; }
 export KEV_VENV=$venv
-exec "$venv/bin/python" -m kev_backend.supervisor "$@"
+exec "$venv/bin/python" -m kev_backend.serve.supervisor "$@"

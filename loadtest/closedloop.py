@@ -4,9 +4,9 @@
     python loadtest/closedloop.py triton --grpc 127.0.0.1:8001 --http 127.0.0.1:8000 --inprocess inprocess.json \\
         --out bench/results/<name>.json
 
-`--inprocess` also takes a bench JSON (python -m kev_backend.bench): its short6 figures at the same client count.
+`--inprocess` also takes a bench JSON (python -m kev_backend.dev.bench): its short6 figures at the same client count.
 
-`inprocess` answers from an Engine in this process, batched as Triton's dynamic batcher batches (kev_backend.bench
+`inprocess` answers from an Engine in this process, batched as Triton's dynamic batcher batches (kev_backend.dev.bench
 .throughput). `triton` drives a running tritonserver over gRPC and HTTP with async tritonclient and writes the JSON
 with its `triton` block: grpc_rps, http_rps, inprocess_rps, grpc_p50_overhead_ms (gRPC p50 minus in-process p50)
 and the same with one client (grpc_p50_overhead_1c_ms); each Triton run also records the server's breakdown (mean
@@ -24,16 +24,16 @@ from pathlib import Path
 
 from loops import measured_loop
 
-from kev_backend.bench import commit
-from kev_backend.client import AsyncKevClient
+from kev_backend.dev.bench import commit
+from kev_backend.serve.client import AsyncKevClient
 
 
 def inprocess(args: argparse.Namespace) -> dict:
     import torch
 
-    from kev_backend import bench
-    from kev_backend.engine import Engine, EngineOptions
-    from kev_backend.workloads import short6
+    from kev_backend.dev import bench
+    from kev_backend.dev.workloads import short6
+    from kev_backend.engine.engine import Engine, EngineOptions
 
     engine = Engine.from_checkpoint(args.checkpoint, EngineOptions(graphs=args.graphs))
     bench.throughput(engine, short6, args.clients, 2.0)  # warm-up: batch shapes, first launches
@@ -51,7 +51,7 @@ def inprocess(args: argparse.Namespace) -> dict:
 
 def inprocess_reference(record: dict, clients: int) -> dict:
     """The in-process figures Triton is compared with: a record of `closedloop.py inprocess` as it is, or a bench
-    JSON's (python -m kev_backend.bench) short6 requests/s and p50 at `clients`."""
+    JSON's (python -m kev_backend.dev.bench) short6 requests/s and p50 at `clients`."""
     if "workloads" not in record:
         return record
     short6 = record["workloads"]["short6"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 from loops import closed_loop
 
-from kev_backend.client import AsyncKevClient
+from kev_backend.serve.client import AsyncKevClient
 
 
 async def measure(args: argparse.Namespace) -> dict:

@@ -23,8 +23,8 @@ import time  # noqa: E402
 
 from locust import FastHttpUser, User, constant, events, task  # noqa: E402
 
-from kev_backend.client import KevClient, KevError  # noqa: E402
-from kev_backend.workloads import Traffic  # noqa: E402
+from kev_backend.dev.workloads import Traffic  # noqa: E402
+from kev_backend.serve.client import KevClient, KevError  # noqa: E402
 
 
 @events.init_command_line_parser.add_listener

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import tritonclient.http as httpclient
 
-from kev_backend.workloads import short6
+from kev_backend.dev.workloads import short6
 
 COUNTER = itertools.count(1)
 

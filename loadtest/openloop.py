@@ -21,8 +21,8 @@ from typing import Any
 
 from loops import server_breakdown, server_totals
 
-from kev_backend.client import AsyncKevClient, KevError
-from kev_backend.workloads import Traffic
+from kev_backend.dev.workloads import Traffic
+from kev_backend.serve.client import AsyncKevClient, KevError
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -43,8 +43,8 @@ from typing import Any
 
 import aiohttp
 
-from kev_backend.client import AsyncKevClient, KevError
-from kev_backend.workloads import Traffic
+from kev_backend.dev.workloads import Traffic
+from kev_backend.serve.client import AsyncKevClient, KevError
 
 REPO = Path(__file__).resolve().parents[1]
 

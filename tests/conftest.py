@@ -17,14 +17,14 @@ from types import ModuleType
 import pytest
 import torch
 
-from kev_backend import tiny
+from kev_backend.dev import tiny
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """base/, kev/ (LoRA) and kev-full/ checkpoints with random weights (kev_backend.tiny)."""
+    """base/, kev/ (LoRA) and kev-full/ checkpoints with random weights (kev_backend.dev.tiny)."""
     out = tmp_path_factory.mktemp("tiny")
     tiny.build(out)
     return out

@@ -12,8 +12,8 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from kev_backend.fused import PassKernels
-from kev_backend.qwen35 import apply_rope, causal_attention, gated_delta_rule, l2_normalize
+from kev_backend.gpu.fused import PassKernels
+from kev_backend.model.qwen35 import apply_rope, causal_attention, gated_delta_rule, l2_normalize
 
 
 def bounds(cu: torch.Tensor) -> list[tuple[int, int]]:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend.checkpoint import LoadOptions, Meta, load_checkpoint
-from kev_backend.engine import Engine, EngineOptions
-from kev_backend.head import pointer_probabilities
-from kev_backend.qwen35 import Qwen35Config
-from kev_backend.weights import load_text_weights
+from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.model.checkpoint import LoadOptions, Meta, load_checkpoint
+from kev_backend.model.qwen35 import Qwen35Config
+from kev_backend.model.weights import load_text_weights
+from kev_backend.scoring.head import pointer_probabilities
 
 from .conftest import hf_qwen35_torch_path
 
@@ -154,8 +154,8 @@ def test_config_reads_text_config_of_multimodal(tiny_dir: Path) -> None:
 
 
 def test_random_checkpoint_of_any_shape_loads(tmp_path: Path) -> None:
-    """`python -m kev_backend.tiny OUT --kev4b` writes Kev-4B shapes this way (bf16 base, LoRA, head.pt)."""
-    from kev_backend import tiny
+    """`python -m kev_backend.dev.tiny OUT --kev4b` writes Kev-4B shapes this way (bf16 base, LoRA, head.pt)."""
+    from kev_backend.dev import tiny
 
     config = {**tiny.TINY_CONFIG, "vocab_size": len(tiny.vocabulary())}
     tiny.build_random(tmp_path, config)

@@ -1,4 +1,4 @@
-"""kev_backend.client (sync and async, gRPC and HTTP) and `kev score` against the real tritonserver."""
+"""kev_backend.serve.client (sync and async, gRPC and HTTP) and `kev score` against the real tritonserver."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kev_backend.client import AsyncKevClient, KevClient, KevError
-from kev_backend.engine import Engine
+from kev_backend.engine.engine import Engine
+from kev_backend.serve.client import AsyncKevClient, KevClient, KevError
 
 from .conftest import TritonServer
 from .test_triton_e2e import assert_same_answer, make_request

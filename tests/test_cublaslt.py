@@ -1,4 +1,4 @@
-"""The pre-tuned cuBLASLt tables (kev_backend/cublaslt.py) on the CPU: every committed table reads back, covers only
+"""The pre-tuned cuBLASLt tables (kev_backend/gpu/cublaslt.py) on the CPU: every committed table reads back, covers only
 the fused path's projections at graph-bucket token counts, and is never used off CUDA. Their GEMMs against F.linear:
 tests/test_fused_gpu.py (GPU)."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend import cublaslt, tiny
-from kev_backend.graphs import all_buckets
+from kev_backend.dev import tiny
+from kev_backend.gpu import cublaslt
+from kev_backend.gpu.graphs import all_buckets
 
 TABLES = sorted(cublaslt.TABLES.glob("*.json"))
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kev_backend.encoding import Limits, StateTokens, token_ids
-from kev_backend.engine import Engine, EngineOptions
-from kev_backend.systemone import RequestError
+from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.protocol.encoding import Limits, StateTokens, token_ids
+from kev_backend.protocol.systemone import RequestError
 
 TICKET = "my card was charged twice for the same order , please refund one payment today"
 QUESTIONS = {
@@ -149,8 +149,8 @@ def test_bad_requests_fail_alone(tiny_dir: Path) -> None:
 
 def test_parity_report_plumbing(tiny_dir: Path) -> None:
     """The parity figures the GPU tests assert on, computed here reference vs reference (exactly equal)."""
-    from kev_backend.parity import parity_report
-    from kev_backend.workloads import realistic, short6
+    from kev_backend.dev.parity import parity_report
+    from kev_backend.dev.workloads import realistic, short6
 
     reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=1 << 26))
     other = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=1 << 26))
@@ -166,8 +166,8 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     """The fused path's bank logic (slots, pages, LRU, pinning) on CPU tensors; its kernels run on the GPU only."""
     import torch
 
-    from kev_backend.gpu_bank import GpuBank, StatePool
-    from kev_backend.qwen35 import Qwen35Config
+    from kev_backend.gpu.pool import GpuBank, StatePool
+    from kev_backend.model.qwen35 import Qwen35Config
 
     config = Qwen35Config.from_dict(json.loads((tiny_dir / "base" / "config.json").read_text()))
     # 3 slots and 4 pages to allocate, plus the scratch slot and page that padding in captured passes writes to.
@@ -195,7 +195,7 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
 
 
 def test_triton_parameters_and_instance_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
+    from kev_backend.serve.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
 
     config = {
         "parameters": {

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend.engine import Engine, EngineOptions
-from kev_backend.fused_scorer import FusedScorer
-from kev_backend.parity import compare
-from kev_backend.workloads import realistic, short6
+from kev_backend.dev.parity import compare
+from kev_backend.dev.workloads import realistic, short6
+from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.gpu.scorer import FusedScorer
 
 from .fused_cpu_ops import CALLS, TORCH_KERNELS
 
@@ -137,7 +137,7 @@ def test_a_trimmed_bucket_answers_like_the_reference(tiny_dir: Path, state_words
     """A long new state whose padding and its rows' hold a whole 128-token tile runs padded to a trimmed bucket (the
     rows right after the state, at the pass's end; torch stand-ins on the CPU), answering as the reference does; with
     940 words the state's own last tokens lie inside the rows' region (s1024r128t1024's starts at 896)."""
-    from kev_backend.graphs import Bucket
+    from kev_backend.gpu.graphs import Bucket
 
     reference, fused = engines(tiny_dir, graphs=True, long_kernels="ours", short_delta_rule="chunked")
     question = {"type": "noul", "instructions": " ".join(["order"] * 30)}

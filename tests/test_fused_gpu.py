@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend import bench, tiny
-from kev_backend.checkpoint import LoadOptions, load_checkpoint
-from kev_backend.engine import Engine, EngineOptions
-from kev_backend.kernels import delta_rule
-from kev_backend.parity import parity_report
-from kev_backend.workloads import realistic
+from kev_backend.dev import bench, tiny
+from kev_backend.dev.parity import parity_report
+from kev_backend.dev.workloads import realistic
+from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.gpu.kernels import delta_rule
+from kev_backend.model.checkpoint import LoadOptions, load_checkpoint
+from kev_backend.protocol.systemone import Limits
 
 pytestmark = pytest.mark.gpu
 QUESTIONS = int(os.environ.get("KEV_PARITY_QUESTIONS", "1000"))  # fewer only for a quick probe
@@ -87,8 +88,8 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
     """Issue 4: passes replayed from CUDA graphs answer like eager passes (≤ 0.01; the buckets keep ≥ 64 GEMM rows
     and every kernel's per-segment work is the same, so equality is expected), batched, alone and from the bank.
     On our long kernels, so passes with long new states are graphed too."""
-    from kev_backend.graphs import PassGraphs
-    from kev_backend.parity import compare, scored
+    from kev_backend.dev.parity import compare, scored
+    from kev_backend.gpu.graphs import PassGraphs
 
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     options = dict(backend="fused", bank_bytes=16 << 30, long_kernels="ours")
@@ -124,8 +125,8 @@ def test_after_a_failed_capture_passes_run_eagerly(tiny_dir: Path, monkeypatch: 
     """A capture that fails (here: a sync inside one bucket's capture) stops further captures, and the engine keeps
     answering: the graphs already captured replay, every other pass runs eagerly, with the answers of an engine
     without graphs."""
-    from kev_backend.graphs import Bucket
-    from kev_backend.parity import compare, scored
+    from kev_backend.dev.parity import compare, scored
+    from kev_backend.gpu.graphs import Bucket
 
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     options = dict(backend="fused", bank_bytes=4 << 30, long_kernels="ours")
@@ -155,7 +156,8 @@ def test_a_pass_with_more_row_segments_than_one_launch_holds(tiny_dir: Path) -> 
     a grid's second dimension, which the delta rule's launch refused ("invalid argument"); now it launches per span
     of segments (kernels.grid), and every answer equals the same question's in a request of 700."""
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
-    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, long_kernels="ours"))
+    limits = Limits(max_questions=2100)  # past the default cap on purpose: one pass with 2,100 rows
+    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, long_kernels="ours", limits=limits))
     state = "the invoice total was wrong and the refund is late"
     questions = {f"q{i}": {"type": "noul", "instructions": f"is item {i} urgent ?"} for i in range(2100)}
     whole = engine.answer([{"state": state, "questions": questions}])[0]
@@ -174,8 +176,8 @@ def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path) -
     reading them is still queued, every batch answers as it does through Engine.score, one batch at a time."""
     import threading
 
-    from kev_backend.parity import compare
-    from kev_backend.pipeline import Pipeline
+    from kev_backend.dev.parity import compare
+    from kev_backend.engine.pipeline import Pipeline
 
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     probe = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=1 << 30, warm=False))
@@ -232,7 +234,7 @@ def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:
     alone and in batches, with graphs on (the GPU configuration)."""
     import triton
 
-    from kev_backend.parity import scored
+    from kev_backend.dev.parity import scored
 
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30, graphs=True))
@@ -277,14 +279,15 @@ def test_fused_engine_serves_through_the_engine_api(tiny_dir: Path) -> None:
 
 
 def test_pretuned_gemm_algorithms_give_f_linear_outputs_bit_for_bit() -> None:
-    """kev_backend.cublaslt: a table's shapes run on cuBLASLt algorithms other than torch's (here each shape's fastest
+    """gpu.cublaslt: a table's shapes run on cuBLASLt algorithms other than torch's (here each shape's fastest
     non-split candidate, kept whatever its speed) and answer exactly as F.linear, eagerly and replayed from a graph;
     shapes not in the table, and inputs it cannot take, go to F.linear."""
-    from kev_backend import cublaslt
+    from kev_backend.dev import gemm_tuner
+    from kev_backend.gpu import cublaslt
 
     device = torch.device("cuda")
     shapes = [(192, 18432, 2560), (2688, 18432, 2560), (192, 2560, 9216)]
-    entries = cublaslt.tune(shapes, device, gain=-1.0)
+    entries = gemm_tuner.tune(shapes, device, gain=-1.0)
     assert [(e["m"], e["n"], e["k"]) for e in entries] == shapes  # every shape has a non-split candidate
     table = cublaslt.identity(device) | {"shapes": entries}
     path = Path(os.environ.get("KEV_RESULTS_DIR", "/tmp")) / "gemm-algos-test.json"

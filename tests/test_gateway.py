@@ -24,7 +24,7 @@ from typesafe_sdk import (
     TypeSafeUnprocessableEntityError,
 )
 
-from kev_backend.engine import Engine
+from kev_backend.engine.engine import Engine
 
 from .conftest import REPO, Gateway, TritonServer, start_gateway, start_triton, stop_gateway, stop_triton
 from .test_triton_e2e import assert_same_answer

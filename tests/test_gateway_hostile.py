@@ -21,8 +21,8 @@ import pytest
 from backports.zstd import ZstdCompressor, compress
 from starlette.testclient import TestClient
 
-from kev_backend import gateway as gateway_module
-from kev_backend.gateway import MAX_FRAMES, Refused, Settings, create_app, decompress
+from kev_backend.serve import gateway as gateway_module
+from kev_backend.serve.gateway import MAX_FRAMES, Refused, Settings, create_app, decompress
 
 from .conftest import Gateway, TritonServer, free_port, start_gateway, stop_gateway
 
@@ -408,7 +408,7 @@ def test_internal_errors_are_one_json_500_and_one_log_line(caplog: pytest.LogCap
     async def broken() -> None:
         raise RuntimeError("boom")
 
-    with TestClient(app) as client, caplog.at_level(logging.ERROR, logger="kev_backend.gateway"):
+    with TestClient(app) as client, caplog.at_level(logging.ERROR, logger="kev_backend.serve.gateway"):
         headers = {"authorization": "Bearer x", REQUEST_ID: "req-42", "origin": "https://app.example"}
         response = client.get("/v1/broken", headers=headers)
         assert response.status_code == 500 and response.json() == {"detail": "internal error (request id req-42)"}
@@ -416,7 +416,7 @@ def test_internal_errors_are_one_json_500_and_one_log_line(caplog: pytest.LogCap
         metrics = client.get("/metrics").text
     assert 'kev_gateway_errors_total{reason="internal"} 1' in metrics.splitlines()
     assert 'kev_gateway_requests_total{route="/v1/broken",status="500"} 1' in metrics.splitlines()
-    records = [r for r in caplog.records if r.name == "kev_backend.gateway"]
+    records = [r for r in caplog.records if r.name == "kev_backend.serve.gateway"]
     assert len(records) == 1 and records[0].exc_info is None
     assert records[0].getMessage() == "internal error (request id req-42) on GET /v1/broken: RuntimeError('boom')"
 
@@ -460,7 +460,7 @@ def test_clients_that_leave_are_not_scored(triton: TritonServer, gateway: Gatewa
     before, triton_before = gateway_metrics(gateway), triton_metrics(triton)
     assert in_flight() == 0
     long_result: list = []
-    long_state = f"long {nonce} " + "the refund is late " * 4000  # ~16,000 tokens: seconds of model work
+    long_state = f"long {nonce} " + "the refund is late " * 7000  # ~28,000 tokens: seconds of model work
     long_request = threading.Thread(target=lambda: long_result.append(ask(gateway, long_state)))
     long_request.start()
     wait_until(lambda: in_flight() == 1, "the long request to reach Triton")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kev_backend.graphs import MAX_PASS_STATES, Bucket, StaticInputs, all_buckets, smallest_bucket
-from kev_backend.passes import MIN_GEMM_ROWS, PassLayout
+from kev_backend.gpu.graphs import MAX_PASS_STATES, Bucket, StaticInputs, all_buckets, smallest_bucket
+from kev_backend.gpu.passes import MIN_GEMM_ROWS, PassLayout
 
 
 class ScratchPool:

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from kev_backend.systemone import MAX_QUESTIONS, MAX_REQUEST_BYTES, RequestError
+from kev_backend.protocol.systemone import MAX_QUESTIONS, MAX_REQUEST_BYTES, RequestError
 
 from .conftest import Gateway, TritonServer, start_gateway, stop_gateway
 from .test_triton_e2e import metric_values

@@ -22,12 +22,12 @@ if os.environ.get("KEV_KERNEL_DEVICE") == "cuda":
     TOL, REL = 3e-3, 1e-5
 else:
     TOL, REL = 1e-5, 1e-6
-from kev_backend.kernels import (
+from kev_backend.gpu.kernels import (
     chunked_rows, conv_rows, conv_tokens, gated_rms_norm, recurrent_rows, rms_norm, rms_norm_rope, rows_attention,
     sigmoid_gate, silu_mul,
 )
-from kev_backend.kernels import delta_rule as R, grid
-from kev_backend.qwen35 import gated_delta_rule, l2_normalize
+from kev_backend.gpu.kernels import delta_rule as R, grid
+from kev_backend.model.qwen35 import gated_delta_rule, l2_normalize
 
 
 # fn() equals itself with every launch that puts segments on the grid's second dimension split into one launch per
@@ -70,7 +70,7 @@ y = gated_rms_norm(x, z, w, 1e-6)
 ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w * torch.nn.functional.silu(z.reshape(-1, 32))
 assert ((y - ref).abs().max() / ref.abs().max()) < REL
 # q's norm and partial RoPE in one kernel, read in place from the [q | gate] per-head layout.
-from kev_backend.qwen35 import apply_rope
+from kev_backend.model.qwen35 import apply_rope
 
 angles = torch.rand(9, 4) * 6
 cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
@@ -89,7 +89,7 @@ ref = (out * torch.sigmoid(gate)).reshape(9, 96)
 assert y.shape == (9, 96) and ((y - ref).abs().max() / ref.abs().max()) < REL
 # New states' K and V into the bank's rows, V read in place from a wider projection: index_copy_ into each, exactly;
 # the other rows untouched.
-from kev_backend.kernels import bank_kv
+from kev_backend.gpu.kernels import bank_kv
 
 kv_proj = torch.randn(9, 4 * 2 * 32 + 3)
 k_new, v_new = kv_proj[:, : 4 * 32].reshape(9, 4, 32).contiguous(), kv_proj[:, 4 * 32 : 8 * 32].view(9, 4, 32)
@@ -102,7 +102,7 @@ ref_values.index_copy_(0, kv_dst, v_new)
 assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
 
 # Rows' conv continuing the window held in a pool, and rows' attention over pool K/V by index.
-from kev_backend.qwen35 import causal_attention
+from kev_backend.model.qwen35 import causal_attention
 
 cu = torch.tensor([0, 7, 27, 28])
 T = 28
@@ -147,7 +147,7 @@ for HQ, HKV in ((4, 2), (6, 2)):
     assert same_in_one_segment_launches(lambda: rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20))
 # A new state long enough for query blocks past the first, with and without the keys before a block's first token
 # unmasked (SPLIT_DIAGONAL) and base-2 exponentials (EXP2).
-from kev_backend.kernels import attention as A
+from kev_backend.gpu.kernels import attention as A
 
 HQ, HKV, D, L = 4, 2, 32, 150
 q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
@@ -297,7 +297,7 @@ assert torch.equal(long_group(True, lead=2), long_group(False))
 
 # The pointer softmax: questions of 1 to 40 options (several of the kernel's 16-option steps), a head width that is no
 # power of two, a temperature; each row zero past its question's options.
-from kev_backend.kernels.pointer import pointer_softmax
+from kev_backend.gpu.kernels.pointer import pointer_softmax
 
 dp, widths = 24, [2, 1, 40, 5, 17]
 decides = [sum(1 + n for n in widths[:i]) for i in range(len(widths))]
@@ -313,7 +313,7 @@ for i, (d, n) in enumerate(zip(decides, widths)):
 # last (a captured pass's long group) leave the other tokens alone.
 # In 32- and in 4-token slices, and in a small pass's (SCAN_SMALL): segments crossing many slices, scans starting
 # inside a segment.
-from kev_backend.kernels import conv as conv_kernels
+from kev_backend.gpu.kernels import conv as conv_kernels
 
 small_pass_tokens = conv_kernels.SCAN_SMALL_TOKENS
 for conv_kernels.SCAN_SMALL_TOKENS, conv_kernels.SCAN_TOKENS in ((0, 32), (0, 4), (108, 32)):
@@ -383,12 +383,12 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from kev_backend.kernels import attention as A
-    from kev_backend.kernels import bank as B
-    from kev_backend.kernels import conv as C
-    from kev_backend.kernels import delta_rule as R
-    from kev_backend.kernels import norms as N
-    from kev_backend.kernels import pointer as P
+    from kev_backend.gpu.kernels import attention as A
+    from kev_backend.gpu.kernels import bank as B
+    from kev_backend.gpu.kernels import conv as C
+    from kev_backend.gpu.kernels import delta_rule as R
+    from kev_backend.gpu.kernels import norms as N
+    from kev_backend.gpu.kernels import pointer as P
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):

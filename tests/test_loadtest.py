@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kev_backend.workloads import Traffic, jevbench_cases
+from kev_backend.dev.workloads import Traffic, jevbench_cases
 
 from .conftest import REPO, TritonServer, start_gateway, stop_gateway
 
@@ -45,7 +45,7 @@ def test_locust_users(triton: TritonServer, tmp_path: Path) -> None:
             "-r",
             "6",
             # gevent's clock starts before the locustfile is imported, so the import's time comes off the 5 s: when
-            # it imported torch (2.4 s, kev_backend.workloads through kev_backend.tiny) a user class at times sent
+            # it imported torch (2.4 s, dev.workloads through dev.tiny) a user class at times sent
             # nothing (seen at 3f25fc8: 2.6 s of run, gRPC 4, HTTP 2, gateway 0 requests). Now ~0.5 s.
             "-t",
             "5s",

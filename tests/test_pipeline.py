@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kev_backend.engine import Engine, EngineOptions
-from kev_backend.pipeline import Pipeline, parts_by_size
-from kev_backend.systemone import RequestError
+from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.engine.pipeline import Pipeline, parts_by_size
+from kev_backend.protocol.systemone import RequestError
 
 from .test_engine import request
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kev_backend.checkpoint import build_model
-from kev_backend.qwen35 import Qwen35Config
-from kev_backend.weights import load_text_weights
+from kev_backend.model.checkpoint import build_model
+from kev_backend.model.qwen35 import Qwen35Config
+from kev_backend.model.weights import load_text_weights
 
 from .conftest import hf_qwen35_torch_path
 

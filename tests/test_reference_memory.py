@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kev_backend import qwen35
-from kev_backend.engine import Engine, EngineOptions
-from kev_backend.qwen35 import SequenceCache, causal_attention
+from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.model import qwen35
+from kev_backend.model.qwen35 import SequenceCache, causal_attention
 
 from .test_engine import QUESTIONS, max_gap, request
 
@@ -164,8 +164,8 @@ def test_scorer_answers_the_same_in_chunks(tiny_dir: Path) -> None:
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 PROBE = r"""
 import json, sys, time
-from kev_backend.engine import Engine, EngineOptions
-from kev_backend.tiny import vocabulary
+from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.dev.tiny import vocabulary
 
 def status(key):
     for line in open("/proc/self/status"):

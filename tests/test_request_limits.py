@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from kev_backend import encoding
-from kev_backend.encoding import KevTokenizer, TextCache, safe_cuts
-from kev_backend.engine import Engine, EngineOptions, RequestFault
-from kev_backend.systemone import Limits, RequestError, parse_request
+from kev_backend.engine.engine import Engine, EngineOptions, RequestFault
+from kev_backend.protocol import encoding
+from kev_backend.protocol.encoding import KevTokenizer, TextCache, safe_cuts
+from kev_backend.protocol.systemone import Limits, RequestError, parse_request
 
 # Qwen2/3's pre-tokenizer: this split, then byte-level without its own regex.
 QWEN_SPLIT = (

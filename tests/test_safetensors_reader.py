@@ -1,4 +1,4 @@
-"""kev_backend.safetensors_reader against the safetensors library: the same tensors, bit for bit, whatever the chunking
+"""model.safetensors_reader against the safetensors library: the same tensors, bit for bit, whatever the chunking
 and worker count, and a clear refusal of malformed files."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kev_backend.safetensors_reader import read_index, read_tensors
+from kev_backend.model.safetensors_reader import read_index, read_tensors
 
 
 def mixed_tensors() -> dict[str, torch.Tensor]:

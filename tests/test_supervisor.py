@@ -1,4 +1,4 @@
-"""kev-serve (kev_backend/supervisor.py, run by build/serve.sh) around the real tritonserver and gateway: a killed
+"""kev-serve (kev_backend/serve/supervisor.py, run by build/serve.sh) around the real tritonserver and gateway: a killed
 Python stub or gateway is restarted and answering again, with errors (not silence) meanwhile; SIGTERM stops
 everything within seconds and leaves no shared memory; Triton binds loopback only; a start that never becomes ready
 exits non-zero with the reason."""
@@ -26,8 +26,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from kev_backend import supervisor
-from kev_backend.supervisor import SHM_DIR, SHM_PREFIX, RestartBudget, shm_prefix
+from kev_backend.serve import supervisor
+from kev_backend.serve.supervisor import SHM_DIR, SHM_PREFIX, RestartBudget, shm_prefix
 
 from .conftest import REPO, TritonServer, free_port, start_triton, stop_triton, wait_ready
 
@@ -86,9 +86,9 @@ def child_named(pid: int, comm: str) -> int:
 
 
 def gateway_child(pid: int) -> int:
-    """The gateway among the supervisor's children: a python running `-m kev_backend.gateway`."""
+    """The gateway among the supervisor's children: a python running `-m kev_backend.serve.gateway`."""
     (found,) = [
-        child for child in children(pid) if b"kev_backend.gateway" in Path(f"/proc/{child}/cmdline").read_bytes()
+        child for child in children(pid) if b"kev_backend.serve.gateway" in Path(f"/proc/{child}/cmdline").read_bytes()
     ]
     return found
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kev_backend.systemone import (
+from kev_backend.protocol.systemone import (
     MAX_ROW_TOKENS,
     MAX_STATE_TOKENS,
     Record,

@@ -1,10 +1,10 @@
-"""Host-to-device copies of a pass's index fields (kev_backend.transfer)."""
+"""Host-to-device copies of a pass's index fields (kev_backend.scoring.transfer)."""
 
 from __future__ import annotations
 
 import torch
 
-from kev_backend.transfer import device_int_fields, device_ints
+from kev_backend.scoring.transfer import device_int_fields, device_ints
 
 
 def test_device_int_fields_keep_each_field_in_order() -> None:
@@ -22,7 +22,7 @@ def test_device_int_fields_keep_each_field_in_order() -> None:
 def test_fields_start_on_16_bytes() -> None:
     """Triton specialises kernels on 16-byte aligned pointers: every field (and every bucket's input view) starts on
     16 bytes whatever the lengths before it, so the lengths of a pass's fields never pick a kernel variant."""
-    from kev_backend.graphs import StaticInputs, all_buckets
+    from kev_backend.gpu.graphs import StaticInputs, all_buckets
 
     for lengths in ([3, 1, 2], [1, 1, 1, 5], [7, 0, 9]):
         fields = [list(range(n)) for n in lengths]

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
-from kev_backend.engine import Engine
+from kev_backend.engine.engine import Engine
 
 from .conftest import REPO, TritonServer
 
@@ -287,7 +287,7 @@ def test_warmup_requests_run_before_ready(tiny_dir, tmp_path) -> None:
 
 
 def test_large_batches_are_scored_in_parts(tiny_dir, tmp_path, expected: list[dict]) -> None:
-    """A batch over KEV_SUBMIT_BYTES of JSON is scored and answered in parts (kev_backend.pipeline.parts_by_size):
+    """A batch over KEV_SUBMIT_BYTES of JSON is scored and answered in parts (pipeline.parts_by_size):
     here a budget of one request and a half, so Triton's batches of several requests run as several engine batches,
     and every answer is still the engine's."""
     from .conftest import start_triton, stop_triton

@@ -1,6 +1,6 @@
 """Triton Python-backend adapter for Kev: one System One JSON request per REQUEST element, Kev 1.0's response JSON
 per RESPONSE element. Each batch (in parts when large) goes to the engine through a pipeline that overlaps batches'
-host and GPU work (kev_backend/pipeline.py).
+host and GPU work (kev_backend/engine/pipeline.py).
 
 Every request gets exactly one response, whatever happens to its neighbours: a request Kev refuses gets INVALID_ARG
 with Kev's message, a fault while preparing or answering one request gets INTERNAL for that request alone, a
@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 
 def error_response(message, code):
-    from kev_backend.systemone import printable
+    from kev_backend.protocol.systemone import printable
 
     # A message quoting the request may hold text UTF-8 cannot encode; the stub could not send it at all.
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(printable(message), code))
@@ -29,11 +29,11 @@ def error_response(message, code):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from kev_backend.engine import Engine
-        from kev_backend.metrics import KevMetrics
-        from kev_backend.pipeline import Pipeline
-        from kev_backend.systemone import RequestError
-        from kev_backend.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
+        from kev_backend.engine.engine import Engine
+        from kev_backend.engine.pipeline import Pipeline
+        from kev_backend.protocol.systemone import RequestError
+        from kev_backend.serve.metrics import KevMetrics
+        from kev_backend.serve.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
 
         config = json.loads(args["model_config"])
         params = parameters(config)
@@ -57,7 +57,7 @@ class TritonPythonModel:
         # Responses go out through each request's sender once the pipeline has answered (execute returns None, so
         # Triton hands over the next batch while this one is on the GPU). A request cancelled while queued costs no
         # model work, here or just before its batch is scored.
-        from kev_backend.pipeline import parts_by_size
+        from kev_backend.engine.pipeline import parts_by_size
 
         bodies, senders = [], []
         for request in requests:
@@ -155,8 +155,8 @@ class Sender:
 def response(results):
     """One request's response and the reason it failed (None when answered): its answers, or the first refusal,
     fault or cancellation among them."""
-    from kev_backend.engine import RequestFault, dumps
-    from kev_backend.systemone import RequestError
+    from kev_backend.engine.engine import RequestFault, dumps
+    from kev_backend.protocol.systemone import RequestError
 
     if any(r is None for r in results):  # dropped before scoring
         return error_response("request cancelled", pb_utils.TritonError.CANCELLED), "cancelled"

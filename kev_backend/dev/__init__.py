@@ -1,0 +1,1 @@
+"""Developer tools: synthetic checkpoints, request shapes, parity figures, the in-process bench, the GEMM tuner."""

@@ -1,0 +1,398 @@
+"""In-process benchmark on the GPU: `python -m kev_backend.dev.bench` (`make bench`).
+
+Kev-4B shapes with random weights, or a real checkpoint with KEV_CHECKPOINT (and KEV_BASE). Workloads follow Kev's
+serving benchmark: `short6` (a ~34-token support ticket, 6 questions) and `long5` (~2,200-token document, 5
+questions), each on a new state (prefix "Ticket {i}. ") and on the same state: median model time of 20; then
+requests/s at 1, 8, 32 and 64 concurrent in-process clients on new states, batched the way the Triton dynamic
+batcher batches them (every request waiting when the engine frees up rides the next batch). Beside each: the
+floor (FLOPs at the measured bf16 GEMM rate, weight bytes at the measured copy bandwidth) and the naive
+transformers baseline (one full sequence per question) where the image has transformers.
+Writes bench/results/<date>-<gpu>-<commit>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import queue
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine.engine import Engine, EngineOptions, dumps
+from ..engine.pipeline import Pipeline, parts_by_size
+from ..gpu.kernels import delta_rule
+from ..model.checkpoint import load_checkpoint
+from . import tiny
+from .workloads import long5, short6
+
+CLIENTS = (1, 8, 32, 64)
+
+
+def ceilings(device: torch.device) -> dict[str, float]:
+    """Measured bf16 GEMM rate and device-to-device copy bandwidth (bytes read + written)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    src = torch.randn(1 << 28, device=device)
+    dst = torch.empty_like(src)
+
+    def timed(fn, repeat: int) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        return statistics.median(times)
+
+    gemm_s = timed(lambda: a @ b, 10)
+    copy_s = timed(lambda: dst.copy_(src), 10)
+    return {"bf16_gemm_tflops": 2 * 8192**3 / gemm_s / 1e12, "copy_tb_s": 2 * src.numel() * 4 / copy_s / 1e12}
+
+
+def model_time(engine: Engine, body: dict) -> float:
+    engine.answer([body])
+    return engine.last_batch.model_ms
+
+
+# Every "new" request of the run gets a number never used before, so it really misses the bank.
+NEW_STATE = itertools.count(1)
+
+
+def latency(engine: Engine, make, repeat: int = 20) -> dict[str, float]:
+    """Median model time of `repeat` requests on new states and on the same state; and the first of each after the
+    engine started (its own warm-up done; issue 4: within 2x the median), then two more warm-up requests. The first
+    request on the same state misses the bank like a new one; its first hit is the second."""
+    first_new = model_time(engine, make(next(NEW_STATE)))
+    model_time(engine, make(None))
+    first_same = model_time(engine, make(None))
+    for _ in range(2):
+        model_time(engine, make(next(NEW_STATE)))
+    new = [model_time(engine, make(next(NEW_STATE))) for _ in range(repeat)]
+    same = [model_time(engine, make(None)) for _ in range(repeat)]
+    new_ms, same_ms = statistics.median(new), statistics.median(same)
+    return {
+        "new_ms": new_ms,
+        "same_ms": same_ms,
+        "first_new_ms": first_new,
+        "first_same_ms": first_same,
+        "first_over_median": max(first_new / new_ms, first_same / same_ms),
+    }
+
+
+def pass_profile(engine: Engine, make, new: bool) -> dict[str, float]:
+    """One request (a new state, or the same state again) under torch's profiler: GPU kernels launched, their summed
+    GPU time and the wall time; a pass whose kernels keep the GPU busy a small part of its wall time is bound by
+    launching them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.answer([make(next(NEW_STATE) if new else None)])  # the profiler's own first-call costs stay out
+    torch.cuda.synchronize()
+    body = make(next(NEW_STATE) if new else None)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        engine.answer([body])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    return {"kernels": len(kernels), "gpu_busy_ms": busy_us / 1000, "wall_ms": wall * 1000}
+
+
+def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bool = True) -> dict[str, float]:
+    """Closed loop: `clients` threads each send a new-state request when their last one is answered; one batching
+    thread takes everything queued at once and hands it to the engine: through the pipeline Triton's model uses
+    (kev_backend/engine/pipeline.py: the next batch is prepared while this one is on the GPU), or with `pipelined` False
+    one `answer` call at a time."""
+    inbox: queue.Queue = queue.Queue()
+    stop = time.perf_counter() + seconds
+    done: list[float] = []
+    batches: list[int] = []
+    lock = threading.Lock()
+    pipeline = Pipeline(engine) if pipelined else None
+
+    def answered(events: list[threading.Event]) -> None:
+        for event in events:
+            event.set()
+
+    def model_loop() -> None:
+        while time.perf_counter() < stop or not inbox.empty():
+            try:
+                first = inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while True:
+                try:
+                    batch.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            bodies, events = [body for body, _ in batch], [event for _, event in batch]
+            if pipeline is None:
+                batches.append(len(batch))
+                engine.answer(bodies)
+                answered(events)
+                continue
+            for part in parts_by_size([len(dumps(body)) for body in bodies]):  # as model.py parts Triton's batches
+                batches.append(len(part))
+                part_events = [events[i] for i in part]
+                pipeline.submit([bodies[i] for i in part], lambda _, __, part_events=part_events: answered(part_events))
+
+    def client() -> None:
+        while time.perf_counter() < stop:
+            with lock:
+                i = next(NEW_STATE)
+            event = threading.Event()
+            started = time.perf_counter()
+            inbox.put((make(i), event))
+            event.wait()
+            done.append(time.perf_counter() - started)
+
+    worker = threading.Thread(target=model_loop)
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    begin = time.perf_counter()
+    worker.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    worker.join()
+    elapsed = time.perf_counter() - begin
+    if pipeline is not None:
+        pipeline.close()
+    latencies = sorted(done)
+    return {
+        "rps": len(done) / elapsed,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "mean_batch": statistics.fmean(batches) if batches else 0.0,
+    }
+
+
+def request_cost(engine: Engine, body: dict) -> dict[str, float]:
+    """Tokens, FLOPs (2·params per token + attention scores) and weight bytes of one request on a new state."""
+    _, encoded = engine.prepare(body)
+    model = engine.checkpoint.model
+    config = model.config
+    params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embed_tokens"))
+    state = len(encoded.state)
+    rows = [len(q.tokens) for q in encoded.questions]
+    tokens = state + sum(rows)
+    attn_layers = sum(t == "full_attention" for t in config.layer_types)
+    width = config.num_attention_heads * config.head_dim
+    # q·k and p·v: 4·width per (query, key) pair; causal state pass, rows over state + own prefix.
+    pairs = state * (state + 1) / 2 + sum(n * state + n * (n + 1) / 2 for n in rows)
+    flops = 2 * params * tokens + 4 * width * attn_layers * pairs
+    return {"tokens": tokens, "flops": flops, "weight_bytes": params * 2}
+
+
+def floor_rps(cost: dict[str, float], ceil: dict[str, float], clients: int = 64) -> float:
+    compute = clients * cost["flops"] / (ceil["bf16_gemm_tflops"] * 1e12)
+    weights = cost["weight_bytes"] / (ceil["copy_tb_s"] * 1e12)
+    return clients / max(compute, weights)
+
+
+def naive_baseline(engine: Engine, make, n: int) -> dict[str, Any]:
+    """transformers' Qwen3.5 with the same weights (bf16), one full sequence per question, no state reuse."""
+    try:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    except ImportError as error:
+        return {"rps": None, "error": f"transformers: {error}"}
+    try:
+        ours = engine.checkpoint.model
+        c = ours.config
+        keys = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+        )
+        rope = {"rope_type": "default", "rope_theta": c.rope_theta, "partial_rotary_factor": c.partial_rotary_factor}
+        config = Qwen3_5TextConfig(
+            **{k: getattr(c, k) for k in keys}, layer_types=list(c.layer_types), rope_parameters=rope
+        )
+        with torch.device("meta"):
+            hf = Qwen3_5ForCausalLM(config)
+        hf.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ours.state_dict().items()}, assign=True)
+        text_model = hf.model.eval()
+        pad = engine.tokenizer.delimiters.pad
+
+        def run(i: int) -> None:
+            _, encoded = engine.prepare(make(i))
+            rows = [encoded.state + q.tokens for q in encoded.questions]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for j, r in enumerate(rows):
+                ids[j, : len(r)] = torch.tensor(r)
+                mask[j, : len(r)] = 1
+            with torch.no_grad():
+                text_model(input_ids=ids.cuda(), attention_mask=mask.cuda())
+            torch.cuda.synchronize()
+
+        run(-1)
+        started = time.perf_counter()
+        for i in range(n):
+            run(i)
+        return {"rps": n / (time.perf_counter() - started)}
+    except Exception as error:  # the baseline is informative; its failure must not lose the run
+        return {"rps": None, "error": repr(error)[:300]}
+
+
+def commit() -> str:
+    if os.environ.get("KEV_COMMIT"):
+        return os.environ["KEV_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--seconds", type=float, default=6.0, help="per throughput level")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--backend", default="fused", help="fused (default) or reference")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs for passes of short segments")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    checkpoint_path = os.environ.get("KEV_CHECKPOINT")
+    options = EngineOptions(device="cuda", backend=args.backend, bank_bytes=24 << 30, graphs=args.graphs)
+    if checkpoint_path:
+        checkpoint = load_checkpoint(checkpoint_path, device)
+        name = checkpoint_path
+    else:
+        tokenizer_dir = Path(tempfile.mkdtemp(prefix="kev-bench-tokenizer-"))
+        tiny.write_tokenizer(tokenizer_dir)
+        checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, tokenizer_dir, device)
+        name = "random weights, Kev-4B shapes (Qwen3.5-4B text config, LoRA r=16 merged)"
+    started = time.perf_counter()
+    engine = Engine(checkpoint, options)  # with graphs: every bucket captured here
+    engine_s = time.perf_counter() - started
+    ceil = ceilings(device)
+    workloads: dict[str, Any] = {}
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit(),
+        "checkpoint": name,
+        "backend": engine.backend,
+        "graphs": args.graphs,
+        "long_kernels": options.long_kernels,
+        "short_delta_rule": options.short_delta_rule,
+        "chunk_tokens": delta_rule.CHUNK,
+        "pipelined": True,  # throughput through kev_backend/engine/pipeline.py; serial_rps_64 without it
+        "engine_start_s": engine_s,
+        "torch": torch.__version__,
+        "ceilings": ceil,
+        "complete": False,  # until every workload is in: the file is rewritten after each one
+        "workloads": workloads,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = result["gpu"].replace(" ", "-").lower()
+    variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
+    variant += "" if options.short_delta_rule == "chunked" else f"-{options.short_delta_rule}"
+    variant += f"-chunk{delta_rule.CHUNK}" if delta_rule.CHUNK != 16 else ""
+    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
+
+    def write() -> None:
+        stats = engine.bank_stats
+        result["bank"] = {
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "evictions": stats.evictions,
+            "bytes": stats.bytes,
+            "oom_retries": getattr(engine.scorer, "oom_retries", 0),
+        }
+        if workloads:
+            result["first_over_median"] = max(w["first_over_median"] for w in workloads.values())
+        result["gemm_algos"] = engine.gemm_algos
+        graphs = getattr(engine.scorer, "graphs", None)
+        if graphs is not None:
+            result["graphs_count"] = graphs.stats.count
+            result["graphs_bytes"] = graphs.stats.bytes
+            result["graph_stats"] = vars(graphs.stats)
+            result["graph_buckets_seen"] = sorted(b.name for b in graphs.seen)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
+    for label, make, seconds in (("short6", short6, args.seconds), ("long5", long5, 2 * args.seconds)):
+        entry: dict[str, Any] = dict(latency(engine, make))
+        print(f"{label} latency {entry}", flush=True)
+        try:
+            entry["profile_new"] = pass_profile(engine, make, new=True)
+            entry["profile_same"] = pass_profile(engine, make, new=False)
+            print(f"{label} profile new {entry['profile_new']} same {entry['profile_same']}", flush=True)
+        except Exception as error:  # informative only
+            entry["profile_error"] = repr(error)[:300]
+        entry["rps"] = {}
+        entry["p50_ms"] = {}
+        entry["mean_batch"] = {}
+        for clients in CLIENTS:
+            throughput(engine, make, clients, 1.0)  # first pass: new batch shapes, autotune
+            measured = throughput(engine, make, clients, seconds)
+            entry["rps"][str(clients)] = measured["rps"]
+            entry["p50_ms"][str(clients)] = measured["p50_ms"]
+            entry["mean_batch"][str(clients)] = measured["mean_batch"]
+            print(f"{label} clients={clients} {measured}", flush=True)
+        # 64 clients without the pipeline (one answer() call at a time): what overlapping batches buys.
+        throughput(engine, make, 64, 1.0, pipelined=False)
+        entry["serial_rps_64"] = throughput(engine, make, 64, seconds, pipelined=False)["rps"]
+        print(f"{label} clients=64 serial {entry['serial_rps_64']:.1f} req/s", flush=True)
+        # The same new-state latency and 64-client throughput with new states in a pass of their own before the
+        # rows: whether one shared pass through the weights pays.
+        if hasattr(engine.scorer, "split_passes"):
+            engine.scorer.split_passes = True
+            entry["split_passes"] = {"new_ms": latency(engine, make)["new_ms"]}
+            throughput(engine, make, 64, 1.0)
+            entry["split_passes"]["rps_64"] = throughput(engine, make, 64, seconds)["rps"]
+            engine.scorer.split_passes = False
+            print(f"{label} split passes {entry['split_passes']}", flush=True)
+        cost = request_cost(engine, make(0))
+        entry["tokens"] = cost["tokens"]
+        entry["floor_rps"] = floor_rps(cost, ceil)
+        entry["floor_new_ms"] = 1000 / floor_rps(cost, ceil, clients=1)
+        baseline = {"rps": None, "error": "skipped"} if args.no_baseline else naive_baseline(engine, make, 10)
+        entry["baseline_rps"] = baseline["rps"]
+        if baseline.get("error"):
+            entry["baseline_error"] = baseline["error"]
+        workloads[label] = entry
+        write()
+    result["complete"] = True
+    write()
+    print(
+        f"{'workload':8} {'new ms':>8} {'same ms':>8} "
+        + " ".join(f"{c:>7}c" for c in CLIENTS)
+        + f" {'floor':>7} {'naive':>7}"
+    )
+    for label, w in workloads.items():
+        rps = " ".join(f"{w['rps'][str(c)]:8.1f}" for c in CLIENTS)
+        naive = f"{w['baseline_rps']:7.1f}" if w["baseline_rps"] else "    n/a"
+        print(f"{label:8} {w['new_ms']:8.2f} {w['same_ms']:8.2f} {rps} {w['floor_rps']:7.1f} {naive}")
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Request shapes for benchmarks and parity checks.
+
+`short6` and `long5` follow Kev's own serving benchmark (kev-serving.md §3.1): a ~34-token support ticket with six
+questions, and a ~2,200-token document with five of them; a "new" state differs by a "Ticket {i}. " prefix.
+`realistic` draws a reproducible mix of states (text, objects, lists; 30 to 2,500 tokens) and 1 to 8 questions of
+every type.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+# The words of generated states and questions, and of the tiny checkpoints' word-level tokenizer (kev_backend.dev.tiny,
+# which imports them from here: this module stays free of torch, so a Locust file that draws traffic starts fast).
+WORDS = """
+a an the and or but not no yes is are was were be been has have had do does did can could will would should may might
+must of to in on at by for with from as about into over after before under between through during without within up
+down out off again then once here there when where why how all any both each few more most other some such only own
+same so than too very just now this that these those it its i me my we our you your he him his she her they them
+their what which who whom whose if because while until against above below customer user account order invoice
+payment refund charge charged billing card credit price plan subscription cancel renew upgrade downgrade trial free
+ticket support issue problem error bug crash outage login password reset email phone address shipping delivery
+package late lost damaged broken return exchange item product service app website page server database api request
+response timeout slow fast failed failure success urgent priority high medium low critical minor major question
+answer help please thanks thank hello hi dear team agent manager sales technical billing legal security privacy data
+report log warning info debug status open closed pending resolved escalated spam abuse fraud risk policy terms
+contract renewal discount coupon tax fee amount total balance due overdue paid unpaid month year week day today
+yesterday tomorrow time date hour minute second january february march april june july august september october
+november december monday tuesday wednesday thursday friday saturday sunday new old same again still already never
+always sometimes often good bad great terrible happy angry frustrated satisfied unhappy neutral positive negative
+sentiment category topic label intent tone language english spanish french german sure maybe unknown other none
+true false valid invalid correct incorrect complete incomplete document section clause party agreement name title
+description summary note notes comment comments message text body subject from to cc id number code version
+release update feature request improvement question praise complaint feedback review rating score level one two
+three four five six seven eight nine ten zero first second third last next previous is it does should we route
+""".split()
+
+TICKET = (
+    "Shoes arrived two weeks late and in the wrong size. Also I see two charges on my card. "
+    "What are you going to do about this?"
+)
+PARAGRAPH = (
+    "The customer reports that the order was placed on the first of the month and paid with a credit card. "
+    "The package was marked as delivered but the box was damaged and one item was missing. The customer called "
+    "support twice, was promised a refund within five days, and has not received it. The account shows a second "
+    "charge for the same amount, and the customer asks whether the subscription renewal was also billed twice. "
+)
+SUPPORT_QUESTIONS: dict[str, dict[str, Any]] = {
+    "department": {
+        "type": "choice",
+        "instructions": "Which department should handle this ticket?",
+        "criteria": {
+            "billing": "charges, refunds and invoices",
+            "shipping": "late, lost or damaged deliveries",
+            "product": "sizing, defects and product questions",
+        },
+    },
+    "return_reason": {
+        "type": "choice",
+        "instructions": "Why does the customer want to return the item?",
+        "criteria": {
+            "wrong_size": "the item does not fit",
+            "damaged": "the item arrived broken",
+            "late": "the item arrived too late",
+            "not_as_described": None,
+            "no_return": "the customer does not want a return",
+        },
+    },
+    "requested_resolution": {
+        "type": "choice",
+        "instructions": "What resolution does the customer ask for?",
+        "criteria": {"refund": None, "exchange": None, "store_credit": None, "apology": "only an apology"},
+    },
+    "tone": {
+        "type": "choice",
+        "instructions": "What is the tone of the message?",
+        "criteria": {"calm": None, "annoyed": None, "furious": None},
+    },
+    "escalate": {
+        "type": "noul",
+        "instructions": "Should this ticket be escalated to a manager?",
+        "criteria": {"true": "the customer is at risk of leaving", "false": "support can resolve it"},
+    },
+    "frustration": {
+        "type": "score",
+        "instructions": "How frustrated is the customer?",
+        "criteria": ["not frustrated", "somewhat frustrated", "very frustrated"],
+    },
+}
+FIVE = {k: v for k, v in SUPPORT_QUESTIONS.items() if k != "tone"}
+
+
+def short6(i: int | None = None) -> dict[str, Any]:
+    """Kev's support ticket with its six questions; `i` makes a new state ("Ticket {i}. " prefix)."""
+    state = TICKET if i is None else f"Ticket {i}. {TICKET}"
+    return {"state": state, "questions": SUPPORT_QUESTIONS}
+
+
+def long5(i: int | None = None, paragraphs: int = 30) -> dict[str, Any]:
+    """A ~2,200-token document (Kev's PARAGRAPH x30) with five questions."""
+    text = PARAGRAPH * paragraphs
+    return {"state": text if i is None else f"Ticket {i}. {text}", "questions": FIVE}
+
+
+def _sentence(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _state(rng: random.Random, n_words: int) -> Any:
+    kind = rng.choice(["text", "object", "list"])
+    if kind == "text":
+        return _sentence(rng, n_words)
+    parts = max(1, n_words // 40)
+    chunks = [_sentence(rng, max(1, n_words // parts)) for _ in range(parts)]
+    if kind == "list":
+        return [{"note": c, "id": rng.randint(1, 9999)} if rng.random() < 0.3 else c for c in chunks]
+    return {f"field_{j}": c for j, c in enumerate(chunks)} | {"priority": rng.choice([1, 2.5, True, None])}
+
+
+def _question(rng: random.Random) -> dict[str, Any]:
+    kind = rng.choice(["noul", "choice", "choice", "score"])
+    instructions = _sentence(rng, rng.randint(3, 14))
+    if kind == "noul":
+        criteria = {"true": _sentence(rng, 4)} if rng.random() < 0.5 else None
+        return {"type": "noul", "instructions": instructions, "criteria": criteria}
+    if kind == "choice":
+        names = rng.sample(WORDS, rng.randint(2, 8))
+        return {
+            "type": "choice",
+            "instructions": instructions,
+            "criteria": {n: (_sentence(rng, rng.randint(1, 6)) if rng.random() < 0.6 else None) for n in names},
+        }
+    return {
+        "type": "score",
+        "instructions": instructions,
+        "criteria": [_sentence(rng, rng.randint(1, 4)) for _ in range(rng.randint(3, 5))],
+    }
+
+
+def realistic(n_questions: int, seed: int = 0, min_words: int = 30, max_words: int = 2_500) -> list[dict[str, Any]]:
+    """Requests until `n_questions` questions: log-uniform state sizes, 1–8 questions, some states repeated."""
+    rng = random.Random(seed)
+    requests: list[dict[str, Any]] = []
+    total = 0
+    while total < n_questions:
+        if requests and rng.random() < 0.15:
+            state = rng.choice(requests)["state"]  # several requests about the same document
+        else:
+            words = int(round(min_words * (max_words / min_words) ** rng.random()))
+            state = _state(rng, words)
+        questions = {f"q{j}": _question(rng) for j in range(rng.randint(1, 8))}
+        requests.append({"state": state, "questions": questions})
+        total += len(questions)
+    return requests
+
+
+def jevbench_cases() -> list[dict[str, Any]]:
+    """The 240 cases of jevbench-240 (PyPI `jevbench`, Apache-2.0), read from the installed package: tickets, logs
+    and documents with several typed questions each."""
+    from jevbench.suites import load_suite
+
+    return [{"state": case.state, "questions": case.questions} for case in load_suite("jevbench-240").cases]
+
+
+class Traffic:
+    """An endless, reproducible stream of requests of one shape: `short6`, `long5` or `mix` (jevbench-240).
+    `repeat` is the share of requests that reuse a state already sent (the rest are new states)."""
+
+    SHAPES = ("short6", "long5", "mix")
+
+    def __init__(self, shape: str = "short6", repeat: float = 0.0, seed: int = 0) -> None:
+        if shape not in self.SHAPES:
+            raise ValueError(f"shape must be one of {self.SHAPES}, not {shape!r}")
+        if not 0.0 <= repeat <= 1.0:
+            raise ValueError("repeat must be in [0, 1]")
+        self.shape, self.repeat = shape, repeat
+        self.rng = random.Random(seed)
+        self.cases = jevbench_cases() if shape == "mix" else []
+        self.sent = 0
+        self.history: list[dict[str, Any]] = []
+
+    def next(self) -> dict[str, Any]:
+        if self.history and self.rng.random() < self.repeat:
+            return self.rng.choice(self.history)
+        self.sent += 1
+        if self.shape == "mix":
+            case = self.rng.choice(self.cases)
+            # A new state: the same document under a fresh request number.
+            state = case["state"]
+            fresh = (
+                f"Request {self.sent}. {state}" if isinstance(state, str) else {"request": self.sent, "state": state}
+            )
+            request = {"state": fresh, "questions": case["questions"]}
+        else:
+            request = (short6 if self.shape == "short6" else long5)(self.rng.randrange(10**9))
+        self.history.append(request)
+        return request

@@ -1,0 +1,1 @@
+"""The batch-first engine (options, stages, per-request faults) and the pipeline that overlaps batches."""

@@ -1,0 +1,362 @@
+"""The batch-first engine: many System One requests in, one response body, RequestError or RequestFault each out.
+
+Parsing, Kev's limits and answer assembly live here; the probabilities come from a scorer. One request never affects
+the others of its batch: a request Kev refuses gets its RequestError, and any other exception while preparing or
+answering one request becomes that request's RequestFault (an internal error), never its neighbours'.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
+from ..protocol.encoding import Encoded, KevTokenizer, encode
+from ..protocol.systemone import (
+    Limits,
+    Record,
+    RequestError,
+    answers_from_probabilities,
+    answers_json,
+    parse_request,
+    response_body,
+)
+from ..scoring.bank import BankStats, StateBank
+from ..scoring.reference import ReferenceScorer
+
+Body = str | bytes | dict
+log = logging.getLogger(__name__)
+
+
+class RequestFault(Exception):
+    """An unexpected failure while preparing or answering one request (a server fault, not the client's): that
+    request alone gets an internal error naming it."""
+
+    @classmethod
+    def of(cls, stage: str, error: BaseException) -> RequestFault:
+        log.error("kev: %s failed for one request: %r", stage, error)
+        return cls(f"{stage} failed: {type(error).__name__}")
+
+
+Result = dict | RequestError | RequestFault | None
+
+
+class Pending(Protocol):
+    def result(self) -> list[list[list[float]]]: ...
+
+
+class Scorer(Protocol):
+    bank: Any
+
+    def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]: ...
+
+    def launch(self, batch: Sequence[Encoded]) -> Pending: ...
+
+    def warm_head(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "auto"  # "auto": CUDA when available, else CPU
+    # "auto": the fused GPU path on CUDA with fla and a bf16/fp16 model, else the reference path.
+    backend: str = "auto"
+    pass_tokens: int = 32_768  # fused path: tokens per pass (states, counted once, and their rows)
+    split_passes: bool = False  # fused path: new states in a pass of their own before the rows
+    bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
+    row_pass_tokens: int = 16_384
+    # fused path: CUDA graphs (kev_backend/gpu/graphs.py) for passes of short rows and short new states (long new states
+    # too with long_kernels "ours"), buckets up to graph_max_tokens tokens (105 up to 4,096), at most max_graphs kept.
+    graphs: bool = False
+    graph_max_tokens: int = 4096
+    max_graphs: int = 112
+    # fused path: an eager pass before every graph capture (True), or only before the first (False, graphs.py: H200,
+    # kept kernel cache, 94 buckets: graphs phase 3.5 s against 9.0, the same answers); KEV_GRAPH_WARM_PASSES=1: True
+    graph_warm_passes: bool = field(default_factory=lambda: os.environ.get("KEV_GRAPH_WARM_PASSES") == "1")
+    # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
+    # autotuning), so no request pays for them
+    warm: bool = True
+    # fused path: new states over 64 tokens on fla's delta rule ("fla") or ours ("ours"); KEV_LONG_KERNELS overrides
+    long_kernels: str = field(default_factory=lambda: os.environ.get("KEV_LONG_KERNELS", "fla"))
+    # fused path: segments of up to 64 tokens on our chunked delta rule ("chunked", the default: two or three chunk
+    # steps instead of ~31 token steps for a short6 row), our token-by-token one ("recurrent"), or chunked for new
+    # states only ("chunked-states"): fused.SHORT_DELTA_RULES has the measurements
+    short_delta_rule: str = field(default_factory=lambda: os.environ.get("KEV_SHORT_DELTA_RULE", "chunked"))
+    limits: Limits = field(default_factory=Limits)
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+    def resolved_bank_bytes(self, device: torch.device) -> int:
+        if self.bank_bytes is not None:
+            return self.bank_bytes
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory // 5
+        return 1 << 30
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass
+class BatchReport:
+    """What the last `answer` call did, for metrics and tests."""
+
+    requests: int = 0
+    errors: int = 0
+    questions: int = 0
+    state_tokens: int = 0
+    row_tokens: int = 0
+    model_ms: float = 0.0
+
+
+@dataclass
+class PreparedBatch:
+    """A batch between answer()'s stages: each request's place in `results` holds its RequestError if refused;
+    `accepted` the rest, in order; `probabilities` and `report` come from `collect` (after `launch`)."""
+
+    results: list[Result]
+    accepted: list[tuple[int, Record, Encoded]] = field(default_factory=list)
+    dropped: int = 0  # requests taken out before scoring (cancelled): not counted in the report
+    probabilities: list[list[list[float]]] = field(default_factory=list)
+    report: BatchReport = field(default_factory=BatchReport)
+    pending: Pending | None = None  # launched, not yet collected
+    launched_at: float = 0.0
+
+    @property
+    def refused(self) -> int:
+        return sum(isinstance(r, (RequestError, RequestFault)) for r in self.results)
+
+    def drop(self, indices: set[int]) -> None:
+        """Takes the requests at `indices` out before scoring: their places stay None and they cost no model work."""
+        self.accepted = [a for a in self.accepted if a[0] not in indices]
+        for i in indices:
+            self.results[i] = None
+        self.dropped += len(indices)
+
+
+class Engine:
+    def __init__(self, checkpoint: KevCheckpoint, options: EngineOptions | None = None) -> None:
+        self.options = options or EngineOptions()
+        self.checkpoint = checkpoint
+        # Seconds spent per start-up phase (load, build, graphs, warm_batch), logged at model load: issue 4's time to
+        # ready is their sum plus the server's own start.
+        self.startup: dict[str, float] = {}
+        started = time.perf_counter()
+        self.tokenizer = KevTokenizer(checkpoint.tokenizer_dir)
+        self.device = next(checkpoint.model.parameters()).device
+        self.backend = self._choose_backend()
+        pad = self.tokenizer.delimiters.pad
+        if self.backend == "fused":
+            from ..gpu.scorer import FusedScorer
+
+            self.scorer: Scorer = FusedScorer(
+                checkpoint.model,
+                checkpoint.head,
+                checkpoint.temperature,
+                pad,
+                self.options.resolved_bank_bytes(self.device),
+                pass_tokens=self.options.pass_tokens,
+                max_state_tokens=self.options.limits.max_state_tokens,
+                split_passes=self.options.split_passes,
+                graphs=self.options.graphs,
+                graph_max_tokens=self.options.graph_max_tokens,
+                max_graphs=self.options.max_graphs,
+                long_kernels=self.options.long_kernels,
+                short_delta_rule=self.options.short_delta_rule,
+                graph_warm_passes=self.options.graph_warm_passes,
+            )
+        else:
+            self.scorer = ReferenceScorer(
+                checkpoint.model,
+                checkpoint.head,
+                checkpoint.temperature,
+                pad,
+                StateBank(self.options.resolved_bank_bytes(self.device)),
+                self.options.row_pass_tokens,
+            )
+        self.startup["build"] = time.perf_counter() - started
+        if self.backend == "fused" and self.options.warm:
+            self.warm()
+        self.last_batch = BatchReport()
+
+    def _choose_backend(self) -> str:
+        requested = self.options.backend
+        if requested not in ("auto", "fused", "reference"):
+            raise ValueError(f"unknown backend {requested!r}: auto, fused or reference")
+        if requested == "reference":
+            return "reference"
+        from ..gpu.fused import FLA_VERSION, fused_available
+
+        usable = self.device.type == "cuda" and fused_available(self.options.long_kernels)
+        if requested == "fused":
+            if not usable:
+                raise RuntimeError(
+                    f"the fused path needs CUDA and, with long_kernels 'fla', torch's varlen attention and "
+                    f"fla-core=={FLA_VERSION} (device: {self.device})"
+                )
+            return "fused"
+        return "fused" if usable and self.checkpoint.dtype != torch.float32 else "reference"
+
+    def _wide_states(self) -> int:
+        """Long new states (each with a long question) for one pass of the chunked delta rule's wide configuration
+        (kernels.delta_rule.segments_for_wide; Kev-4B on an H200: 3), at most 8: a toy model's few heads would need
+        hundreds, and it compiles that configuration on its first busy pass instead."""
+        from ..gpu.kernels.delta_rule import segments_for_wide
+
+        c = self.scorer.model.c
+        return min(8, segments_for_wide(self.device, c.linear_num_value_heads, c.linear_value_head_dim))
+
+    def warm(self) -> None:
+        """Captures the graph buckets, runs one batch with a short and a long state and question and one with enough
+        long states and questions that the chunked delta rule runs in its configuration for many (every kernel
+        family and configuration compiles and tunes now, not on a request), and the pointer head at every row count
+        up to 512."""
+        started = time.perf_counter()
+        if getattr(self.scorer, "graphs", None) is not None:
+            self.scorer.graphs.warm()
+        self.startup["graphs"] = time.perf_counter() - started
+        words = ("one two three four five six seven eight nine ten " * 20).strip()
+        question = {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": None}}
+        long_question = {"type": "noul", "instructions": words}
+        # Best effort: under limits tighter than these ~200 tokens the long request is refused like any other, and
+        # its kernels compile on the first request that needs them.
+        started = time.perf_counter()
+        self.answer(
+            [
+                {"state": "a short warm-up state", "questions": {"q": question}},
+                {"state": words, "questions": {"q": question, "r": long_question}},
+            ]
+        )
+        self.answer([{"state": f"{words} {i}", "questions": {"r": long_question}} for i in range(self._wide_states())])
+        self.scorer.warm_head()
+        self.startup["warm_batch"] = time.perf_counter() - started
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:
+        options = options or EngineOptions()
+        started = time.perf_counter()
+        checkpoint = load_checkpoint(path, options.resolved_device(), options.load)
+        loaded = time.perf_counter() - started
+        engine = cls(checkpoint, options)
+        engine.startup = {"load": loaded, **engine.startup}
+        return engine
+
+    def summary(self) -> str:
+        """One line for the server's log: device, path, CUDA graphs and the seconds of each start-up phase."""
+        graphs = getattr(self.scorer, "graphs", None)
+        held = f"{graphs.stats.count} CUDA graphs ({graphs.stats.capture_failures} failed to capture)" if graphs else ""
+        algos = self.gemm_algos
+        tuned = f"{algos['shapes']} GEMM shapes on pre-tuned cuBLASLt algorithms ({algos['table']}); " if algos else ""
+        phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
+        return f"on {self.device}, {self.backend} path; {held or 'no CUDA graphs'}; {tuned}start-up seconds {phases}"
+
+    @property
+    def gemm_algos(self) -> dict[str, object] | None:
+        """The pre-tuned cuBLASLt table the fused path uses (kev_backend/gpu/cublaslt.py): its file and shape count."""
+        algos = getattr(getattr(self.scorer, "model", None), "gemm_algos", None)
+        return {"table": algos.source, "shapes": len(algos.algos)} if algos is not None else None
+
+    @property
+    def bank(self):
+        return self.scorer.bank
+
+    @property
+    def bank_stats(self) -> BankStats:
+        return self.scorer.bank.stats
+
+    def prepare(self, body: Body) -> tuple[Record, Encoded]:
+        """Validates and encodes one request; raises RequestError with Kev's 422 message."""
+        record = parse_request(body, self.options.limits)
+        return record, encode(record, self.tokenizer, self.options.limits)
+
+    def answer(self, bodies: Sequence[Body]) -> list[Result]:
+        """One response body (a dict, Kev 1.0's JSON), RequestError or RequestFault per request, in order."""
+        return self.finish(self.score(self.prepare_batch(bodies)))
+
+    # answer() in three stages, so a pipeline (engine/pipeline.py) can run them on different threads: one batch's host
+    # work (parsing, tokenizing; answers and their token counts) overlaps another's GPU work. Only `score` touches the
+    # model and the bank; `prepare_batch` and `finish` read the tokenizer, which is safe to share.
+
+    def prepare_batch(self, bodies: Sequence[Body]) -> PreparedBatch:
+        """Validates and encodes each request (host work only); a refused one keeps its RequestError, one that failed
+        otherwise its RequestFault."""
+        batch = PreparedBatch(results=[None] * len(bodies))
+        for i, body in enumerate(bodies):
+            try:
+                record, encoded = self.prepare(body)
+            except RequestError as error:
+                batch.results[i] = error
+            except Exception as error:  # noqa: BLE001 - one request's fault is its own
+                batch.results[i] = RequestFault.of("preparing the request", error)
+            else:
+                batch.accepted.append((i, record, encoded))
+        return batch
+
+    def score(self, batch: PreparedBatch) -> PreparedBatch:
+        """Runs the model on the batch's accepted requests (none: nothing runs) and records the batch's report."""
+        self.launch(batch)
+        return self.collect(batch)
+
+    def launch(self, batch: PreparedBatch) -> None:
+        """Enqueues the model work of the batch's accepted requests and returns without waiting for the GPU, so the
+        next batch can be enqueued behind it (kev_backend/engine/pipeline.py); `collect` waits for the answers."""
+        batch.launched_at = time.perf_counter()
+        if batch.accepted:
+            batch.pending = self.scorer.launch([e for _, _, e in batch.accepted])
+
+    def collect(self, batch: PreparedBatch) -> PreparedBatch:
+        """Waits for a launched batch's probabilities and records its report. model_ms runs from its launch to
+        its probabilities on the host: Kev's latency_ms, the model time of the whole batch (with batches enqueued
+        back to back, it includes the wait behind the one before)."""
+        report = BatchReport(requests=len(batch.results) - batch.dropped, errors=batch.refused)
+        if batch.pending is not None:
+            batch.probabilities = batch.pending.result()
+            batch.pending = None
+            report.model_ms = (time.perf_counter() - batch.launched_at) * 1000.0
+            encoded = [e for _, _, e in batch.accepted]
+            report.questions = sum(len(e.questions) for e in encoded)
+            report.state_tokens = sum(len(state) for state in {e.state for e in encoded})
+            report.row_tokens = sum(len(q.tokens) for e in encoded for q in e.questions)
+        batch.report = self.last_batch = report
+        return batch
+
+    def finish(self, batch: PreparedBatch) -> list[Result]:
+        """The scored batch's response bodies, with refusals in place (a dropped request's place stays None)."""
+        results = list(batch.results)
+        answered: list[tuple[int, Record, Encoded, dict]] = []
+        for (i, record, encoded), probabilities in zip(batch.accepted, batch.probabilities):
+            try:
+                answered.append((i, record, encoded, answers_from_probabilities(record, probabilities)))
+            except Exception as error:  # noqa: BLE001
+                results[i] = RequestFault.of("building the answers", error)
+        texts = [answers_json(answers) for *_, answers in answered]
+        try:
+            output_tokens: list[int | None] = list(self.tokenizer.count_tokens_batch(texts))
+        except Exception:  # noqa: BLE001 - find the one text at fault
+            output_tokens = [self._count_tokens(text) for text in texts]
+        for (i, record, encoded, answers), tokens in zip(answered, output_tokens):
+            if tokens is None:
+                results[i] = RequestFault("counting the output tokens failed")
+            else:
+                results[i] = response_body(record.model, answers, encoded.input_tokens, tokens, batch.report.model_ms)
+        return results
+
+    def _count_tokens(self, text: str) -> int | None:
+        try:
+            return self.tokenizer.count_tokens(text)
+        except Exception as error:  # noqa: BLE001
+            RequestFault.of("counting the output tokens", error)
+            return None
+
+
+def dumps(body: dict) -> str:
+    """The response as FastAPI's JSONResponse renders it."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))

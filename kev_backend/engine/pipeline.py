@@ -1,0 +1,199 @@
+"""answer() as a three-stage pipeline over one engine, so one batch's host work overlaps another's GPU work.
+
+The caller's thread prepares a batch (parsing, Kev's limits, tokenizing) and hands it over; a model thread launches
+batches one at a time (the only thread that touches the model and the bank): it enqueues the batch's passes and
+head on the GPU and returns without waiting for them (Engine.launch); a delivery thread waits for each batch's
+probabilities (Engine.collect, the GIL released), builds their answers and hands them to the batch's callback.
+So the next batch's host work before its first kernel (planning, bank slots, layout, uploads) and its launches run
+while the GPU still works on this one, and the GPU need not idle between batches. While the GPU runs batch N, batch
+N+1 is being prepared or enqueued and batch N-1's answers built.
+
+When `submit` returns decides how many batches are in flight, and so how large they grow: its caller (Triton's
+execute; the bench's batching thread) forms the next batch from the requests waiting by then. Returning as soon as
+the model thread takes a batch splits the clients into three groups (scoring, prepared and waiting, arriving), and
+at 64 short6 clients batches of ~21 instead of ~32 lost more than the overlap gained (H200, 228 against 236
+req/s in process). So `submit` returns when the next batch, formed and prepared from then on, should reach the
+model thread just as this one is done (`lead_s` earlier, KEV_PIPELINE_LEAD_MS, default 0): this one is expected
+done a service time after it was taken or after the batch before it is done, whichever is later (recent medians),
+and the next batch's arrival takes the recent time from a return to the next batch being prepared (Triton's
+batching, its IPC, decoding and preparing). Requests keep waiting where they arrived (Triton's queue, with its size
+limit and timeouts) meanwhile.
+
+A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
+which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
+answers each `is_cancelled` through its IPC; asking for every request of every batch would cost the model thread
+milliseconds per batch, and the caller has just asked.)
+
+An engine fault fails only its own batch, delivered as the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..protocol.systemone import RequestError
+from .engine import Body, Engine, PreparedBatch
+
+Results = list[dict | RequestError | None]
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    batch: PreparedBatch
+    # Called on the delivery thread with the results (a dropped request's place is None) or the engine's exception.
+    deliver: Callable[[Results | Exception, PreparedBatch], None]
+    # Called on the model thread just before scoring: the indices of requests to drop (cancelled meanwhile).
+    cancelled: Callable[[], set[int]] | None = None
+    queued: float = field(default_factory=time.perf_counter)
+    taken: float = 0.0  # when the model thread took it
+    expected_done: float = 0.0  # when submit expects its answers on the host
+    done: float = 0.0  # when they were
+    launched: bool = False  # the model thread launched it (every request refused or dropped: it runs nothing)
+    error: Exception | None = field(default=None)
+    scored: threading.Event = field(default_factory=threading.Event)  # set once its answers are on the host
+
+
+_STOP = object()
+
+# A batch whose bodies hold more than this many bytes of JSON goes to `submit` in parts (parts_by_size), each scored
+# and answered on its own. Why: at 64 closed-loop long5 clients a batch of 63 (~2.2 s of GPU work) alternated with a
+# batch of one, and the 63 came back together: the GPU idled while they were tokenized and planned (H200, cfdcf9a:
+# 92.7 % busy, four idle gaps of 10 ms or more, 496 ms in 7.5 s). In parts, the first part's clients are back and
+# prepared while the later parts run. 256 KiB: up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each)
+# stay one batch.
+SUBMIT_BYTES = int(os.environ.get("KEV_SUBMIT_BYTES", str(256 << 10)))
+
+
+def parts_by_size(sizes: Sequence[int], budget: int = SUBMIT_BYTES) -> list[range]:
+    """Consecutive ranges of the items (by their sizes, in order) each holding at most `budget` (an item larger
+    than that: a part of its own), as even as the fewest parts allow: 20 items of 16 under a budget of 256 make two
+    parts of 10, not 16 and 4."""
+    total = sum(sizes)
+    if total <= budget or len(sizes) <= 1:
+        return [range(len(sizes))] if sizes else []
+    target = total / -(-total // budget)  # the same total over the fewest parts the budget allows
+    parts, start, held = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (held + size > budget or held >= target):
+            parts.append(range(start, i))
+            start, held = i, 0
+        held += size
+    parts.append(range(start, len(sizes)))
+    return parts
+
+
+class Recent:
+    """The median of the last few values: one idle pause or one odd batch does not move it. One thread adds, another
+    reads."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self.lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        with self.lock:
+            self.values.append(value)
+
+    def median(self) -> float | None:
+        with self.lock:
+            return statistics.median(self.values) if self.values else None
+
+
+class Pipeline:
+    def __init__(self, engine: Engine, recheck_after_s: float = 0.005, lead_s: float | None = None) -> None:
+        self.engine = engine
+        self.recheck_after_s = recheck_after_s
+        self.lead_s = float(os.environ.get("KEV_PIPELINE_LEAD_MS", "0")) / 1000 if lead_s is None else lead_s
+        # A batch's service time: from when it was taken, or when the batch before it was done if later, to its
+        # answers on the host.
+        self.service_s = Recent()
+        self.arrival_s = Recent()  # from submit returning to the next batch being prepared
+        self._returned: float | None = None
+        self._previous: Job | None = None  # the last batch submitted
+        self._last_done = 0.0  # delivery thread: when the last batch was done
+        self._to_model: queue.Queue = queue.Queue(maxsize=1)
+        self._to_delivery: queue.Queue = queue.Queue(maxsize=1)
+        self._threads = [
+            threading.Thread(target=self._model_loop, name="kev-model", daemon=True),
+            threading.Thread(target=self._delivery_loop, name="kev-delivery", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(
+        self,
+        bodies: Sequence[Body],
+        deliver: Callable[[Results | Exception, PreparedBatch], None],
+        cancelled: Callable[[], set[int]] | None = None,
+    ) -> None:
+        """Prepares the batch on this thread, hands it to the model thread, and returns once the next batch, formed
+        from now on, would arrive about when this one is scored (or once it is, or at once without a history)."""
+        job = Job(self.engine.prepare_batch(bodies), deliver, cancelled)
+        if self._returned is not None:
+            self.arrival_s.add(time.perf_counter() - self._returned)
+        self._to_model.put(job)
+        self._to_model.join()  # taken: the model thread is on it
+        service, arrival = self.service_s.median(), self.arrival_s.median()
+        previous, self._previous = self._previous, job
+        if service is not None:
+            # It starts once taken and once the batch before it is done (its work is queued behind that one's).
+            before = 0.0
+            if previous is not None:
+                before = previous.done if previous.scored.is_set() else previous.expected_done
+            job.expected_done = max(job.taken, before) + service
+            job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - self.lead_s - time.perf_counter()))
+        self._returned = time.perf_counter()
+
+    def close(self) -> None:
+        """Finishes the queued batches, then stops the threads."""
+        self._to_model.put(_STOP)
+        for thread in self._threads:
+            thread.join()
+
+    def _model_loop(self) -> None:
+        while (job := self._to_model.get()) is not _STOP:
+            job.taken = time.perf_counter()
+            self._to_model.task_done()
+            try:
+                if job.cancelled is not None and job.taken - job.queued >= self.recheck_after_s:
+                    if dropped := job.cancelled():
+                        job.batch.drop(dropped)
+                if len(job.batch.results) > job.batch.dropped:  # not everyone dropped out
+                    self.engine.launch(job.batch)
+                    job.launched = True
+            except Exception as error:  # noqa: BLE001 - one batch's fault goes to its own requests
+                log.exception("kev: batch failed")
+                job.error = error
+            self._to_delivery.put(job)  # blocks while the delivery thread has one waiting already
+        self._to_delivery.put(_STOP)
+
+    def _delivery_loop(self) -> None:
+        while (job := self._to_delivery.get()) is not _STOP:
+            if job.error is None and job.launched:
+                try:
+                    self.engine.collect(job.batch)  # waits for the GPU (the GIL released); the batch's report
+                except Exception as error:  # noqa: BLE001 - a fault surfacing at the sync fails its own batch
+                    log.exception("kev: batch failed")
+                    job.error = error
+            job.done = time.perf_counter()
+            self.service_s.add(job.done - max(job.taken, self._last_done))
+            self._last_done = job.done
+            job.scored.set()
+            try:
+                results: Results | Exception = job.error or self.engine.finish(job.batch)
+            except Exception as error:  # noqa: BLE001
+                log.exception("kev: answers failed")
+                results = error
+            try:
+                job.deliver(results, job.batch)
+            except Exception:  # noqa: BLE001 - a failing callback must not stop the pipeline
+                log.exception("kev: delivery failed")

@@ -1,0 +1,488 @@
+"""Fused GPU path: Qwen3.5 in bf16 on fla kernels and varlen attention, with the state bank on the GPU.
+
+One pass through the weights per batch: the tokens of every new state and of every question row share each layer's
+GEMMs (concatenated projections after the LoRA merge); inside a layer the mixers run per segment kind — first the
+new states (varlen, from empty caches; their conv windows, fp32 DeltaNet states and K/V are written into the bank
+pool), then the rows (varlen, each continuing its state read from the pool). fp32 where Kev needs it: DeltaNet
+recurrent state, norm statistics and the residual stream, the picked hidden states and the pointer head. There is
+no LM head: after the last mixer only the tokens at `</opt>` and `<decide>` go on.
+
+The pass's inputs are described in passes.py; the scorer that plans passes and reads the head is fused_scorer.py.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..model.qwen35 import FULL_ATTENTION, Qwen35TextModel
+from . import cublaslt
+from .kernels.streams import beside
+from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, pad_rows
+from .pool import StatePool
+
+FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
+
+
+def fused_available(long_kernels: str) -> bool:
+    """What the fused path needs: a CUDA device and, when new long states run on fla's chunked delta rule and torch's
+    varlen attention (long_kernels "fla"), those two, with exactly the pinned fla-core (never on a CPU: its kernels
+    crash there). With "ours" neither is imported: fla's package imports all of its layers and models (transformers
+    among them; 6.4-7.2 s in a fresh process on the H200), and varlen_attn imports torch._dynamo (1.8 s on a CPU
+    host): together most of the start-up's build phase."""
+    if not torch.cuda.is_available():
+        return False
+    if long_kernels == "ours":
+        return True
+    try:
+        if importlib.metadata.version("fla-core") != FLA_VERSION:
+            return False
+        import fla.ops.gated_delta_rule  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:  # PackageNotFoundError among them
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# weights
+
+
+@dataclass
+class LayerWeights:
+    kind: str
+    input_norm: torch.Tensor  # (1 + w), fp32
+    post_norm: torch.Tensor  # (1 + w), fp32
+    in_proj: torch.Tensor  # GDN: [qkv | z | b | a]; attention: [q+gate | k | v]
+    out_proj: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    conv: torch.Tensor | None = None  # [conv_dim, W]
+    a_log: torch.Tensor | None = None  # fp32
+    dt_bias: torch.Tensor | None = None  # fp32
+    gated_norm: torch.Tensor | None = None  # plain weight, fp32
+    q_norm: torch.Tensor | None = None  # (1 + w), fp32
+    k_norm: torch.Tensor | None = None
+
+
+class FusedWeights:
+    """Concatenated bf16 projections built from a (merged) reference model; norm weights kept in fp32."""
+
+    def __init__(self, model: Qwen35TextModel, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.config = model.config
+        self.dtype = dtype
+        self.embed = model.embed_tokens.weight.detach().to(dtype)
+        self.final_norm = 1.0 + model.norm.weight.detach().float()
+        self.layers: list[LayerWeights] = []
+        for layer in model.layers:
+            common = dict(
+                input_norm=1.0 + layer.input_layernorm.weight.detach().float(),
+                post_norm=1.0 + layer.post_attention_layernorm.weight.detach().float(),
+                gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().to(dtype),
+                down=layer.mlp.down_proj.weight.detach().to(dtype),
+            )
+            if layer.layer_type == FULL_ATTENTION:
+                a = layer.self_attn
+                self.layers.append(
+                    LayerWeights(
+                        kind=FULL_ATTENTION,
+                        in_proj=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().to(dtype),
+                        out_proj=a.o_proj.weight.detach().to(dtype),
+                        q_norm=1.0 + a.q_norm.weight.detach().float(),
+                        k_norm=1.0 + a.k_norm.weight.detach().float(),
+                        **common,
+                    )
+                )
+            else:
+                g = layer.linear_attn
+                proj = [g.in_proj_qkv.weight, g.in_proj_z.weight, g.in_proj_b.weight, g.in_proj_a.weight]
+                self.layers.append(
+                    LayerWeights(
+                        kind=layer.layer_type,
+                        in_proj=torch.cat(proj).detach().to(dtype),
+                        out_proj=g.out_proj.weight.detach().to(dtype),
+                        conv=g.conv1d.weight.detach().squeeze(1).to(dtype).contiguous(),
+                        a_log=g.A_log.detach().float(),
+                        dt_bias=g.dt_bias.detach().float(),
+                        gated_norm=g.norm.weight.detach().float(),
+                        **common,
+                    )
+                )
+
+
+@dataclass(frozen=True)
+class PassKernels:
+    """The GPU kernels of a pass: fla's chunked delta rule and torch's varlen attention for new states over
+    RECURRENT_MAX_LEN tokens (unless long_kernels is "ours"); ours (kev_backend.gpu.kernels) for everything else:
+    norms, the causal conv, the delta rules and the attention of short segments and rows, which read (rows) or write
+    (new states) the bank in place. A CPU test substitutes torch references with the same signatures to check the
+    pass's plumbing."""
+
+    chunk: Callable
+    attention: Callable
+    rms_norm: Callable
+    rms_norm_rope: Callable
+    gated_rms_norm: Callable
+    silu_mul: Callable
+    sigmoid_gate: Callable
+    recurrent_rows: Callable
+    chunked_rows: Callable
+    conv: Callable
+    rows_attention: Callable
+    bank_kv: Callable
+
+    @classmethod
+    def gpu(cls, long_kernels: str = "fla") -> PassKernels:
+        from . import kernels
+
+        if long_kernels == "fla":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+            from torch.nn.attention.varlen import varlen_attn as attention
+        else:  # not imported (fused_available says why) and never called
+            chunk = attention = _fla_kernels_only
+        return cls(
+            chunk,
+            attention,
+            kernels.rms_norm,
+            kernels.rms_norm_rope,
+            kernels.gated_rms_norm,
+            kernels.silu_mul,
+            kernels.sigmoid_gate,
+            kernels.recurrent_rows,
+            kernels.chunked_rows,
+            kernels.conv_tokens,
+            kernels.rows_attention,
+            kernels.bank_kv,
+        )
+
+
+def _fla_kernels_only(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("fla's chunked delta rule and torch's varlen attention run only with long_kernels 'fla'")
+
+
+# A pass with long new states runs its rows' attention beside the states' own (FusedQwen35.attention). Over a long
+# prefix the rows' attention is a few programs bound by latency (one long5's rows over 2,465 keys: ~90 µs a layer,
+# bench/diag.py rowsattn), and a lone state's causal attention leaves SMs idle in its last blocks, so the two overlap.
+# H200, two engines in one process with requests interleaved (bench/diag.py flagab, 1851583): long5 new 38.18 → 37.75
+# ms, answers identical; with short new states forked too (db9c0fa) short6 new lost 0.07 ms, so those stay in turn.
+# Same-state passes have no new states. KEV_ROWS_BESIDE=0 turns it off (read at import; the module flag when a pass
+# is traced).
+ROWS_BESIDE = os.environ.get("KEV_ROWS_BESIDE", "1") != "0"
+
+# The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE):
+# token by token, chunked, or chunked for new states only. H200, Kev-4B from graphs (bench/diag.py latency, c748b82):
+# short6 new / same / 64 clients 6.28 ms / 5.23 ms / 262 req/s, 5.94 / 5.15 / 289, 6.13 / 5.30 / 269: chunked.
+SHORT_DELTA_RULES = ("recurrent", "chunked", "chunked-states")
+
+
+class FusedQwen35:
+    """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
+
+    def __init__(
+        self,
+        weights: FusedWeights,
+        pool: StatePool,
+        kernels: PassKernels | None = None,
+        long_kernels: str = "fla",
+        short_delta_rule: str = "chunked",
+    ) -> None:
+        # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
+        # would then move with the batch they ride in.
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        if weights.embed.is_cuda:
+            torch.backends.cuda.preferred_blas_library("cublaslt")  # see MIN_GEMM_ROWS (a process-wide setting)
+        if long_kernels not in ("fla", "ours"):
+            raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
+        k = kernels or PassKernels.gpu(long_kernels)
+        self.w = weights
+        self.pool = pool
+        self.c = weights.config
+        self._chunk, self._attn = k.chunk, k.attention
+        self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
+        self._sigmoid_gate = k.sigmoid_gate
+        self._norm_rope = k.rms_norm_rope
+        self._chunked_rows, self._conv = k.chunked_rows, k.conv
+        # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
+        # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
+        # in place, no host chunk maps, so capturable; faster on the H200 from session 9: bench/NOTES.md).
+        self.long_kernels = long_kernels
+        # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule ("recurrent"), our chunked one
+        # ("chunked"), or the chunked one for new states and token by token for rows ("chunked-states": a new state's
+        # chain is a few chunk steps where token by token is one step a token, while rows start from a banked state).
+        # Both read and write the bank in place; the choice is global and by segment kind, so an answer never
+        # depends on its batch.
+        if short_delta_rule not in SHORT_DELTA_RULES:
+            raise ValueError(f"short_delta_rule must be one of {SHORT_DELTA_RULES}, not {short_delta_rule!r}")
+        self.short_rows_recurrent = short_delta_rule in ("recurrent", "chunked-states")
+        self.short_states_recurrent = short_delta_rule == "recurrent"
+        self._recurrent_rows, self._rows_attention, self._bank_kv = k.recurrent_rows, k.rows_attention, k.bank_kv
+        # The projections: F.linear, with the shapes of a pre-tuned table for this GPU on their cuBLASLt algorithms
+        # (the same outputs, bit for bit: kev_backend/gpu/cublaslt.py).
+        self.gemm_algos = cublaslt.pretuned(weights.embed.device)
+        self._linear = self.gemm_algos.linear if self.gemm_algos is not None else F.linear
+        c = self.c
+        self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+        dim = c.rotary_dim
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.inv_freq = inv_freq.to(weights.embed.device)  # no host copy inside a pass (it may be captured)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
+        """Residual add + RMSNorm in one kernel; the residual stream stays fp32. A bf16 stream, each out projection
+        adding into it in its GEMM, cut long5 new's norms from 1.25 to 0.55 ms but broke the parity bars (Kev-4B
+        shapes: 0.050 against the fp32 reference, 0.042 alone against batched; H200, ba6d5f2, reverted)."""
+        return self._rms_norm(x, weight, self.c.rms_norm_eps, residual, store_residual=True)
+
+    @torch.no_grad()
+    def forward(self, p: PassInput) -> torch.Tensor:
+        w = self.w
+        freqs = p.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        rope = (emb.cos(), emb.sin())  # fp32, [T, rotary dims]
+        hidden = F.embedding(p.ids, w.embed)
+        residual = None
+        gdn = attn = 0
+        last = len(w.layers) - 1
+        for i, layer in enumerate(w.layers):
+            x, residual = self.norm(hidden, layer.input_norm, residual)
+            if i == last and layer.kind == FULL_ATTENTION:
+                # Qwen3.5's last layer: only the picks' outputs are read, and only the new states' K/V are kept.
+                picked = self.last_attention(layer, attn, x, rope, p)
+                if picked is None:  # no rows, so no picks (below)
+                    break
+                return self.head_inputs(residual[p.picks] + picked.float(), layer)
+            if layer.kind == FULL_ATTENTION:
+                hidden = self.attention(layer, attn, x, rope, p)
+                attn += 1
+            else:
+                hidden = self.gated_deltanet(layer, gdn, x, p)
+                gdn += 1
+            if i == last:
+                break
+            x, residual = self.norm(hidden, layer.post_norm, residual)
+            hidden = self.mlp(layer, x)
+        if p.picks.numel() == 0:  # a pass of new states only: their caches are in the bank now
+            return x.new_empty(0, x.shape[-1], dtype=torch.float32)
+        return self.head_inputs(residual[p.picks] + hidden[p.picks].float(), w.layers[last])
+
+    def head_inputs(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """The picked tokens' residual stream after the last mixer (fp32) through the last MLP and the final norm:
+        what the pointer head reads."""
+        w = self.w
+        x = self.rms_fp32(h, layer.post_norm)
+        h = h + self.mlp(layer, pad_rows(x.to(w.dtype)))[: h.shape[0]].float()
+        return self.rms_fp32(h, w.final_norm)
+
+    def rms_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps) * weight
+
+    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(self._silu_mul(self._linear(x, layer.gate_up)), layer.down)
+
+    # -- Gated DeltaNet ------------------------------------------------------------------------------------------
+
+    def gated_deltanet(self, layer: LayerWeights, index: int, x: torch.Tensor, p: PassInput) -> torch.Tensor:
+        c = self.c
+        proj = self._linear(x, layer.in_proj)
+        qkv, z, b, a = proj.split([c.conv_dim, self.value_dim, c.linear_num_value_heads, c.linear_num_value_heads], -1)
+        # Padding tokens belong to no segment: their rows keep whatever is here, row by row, and are never read.
+        out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
+        conv_pool, state_pool = self.pool.conv[index], self.pool.recurrent[index]
+        # New states start from zero and leave their conv window and DeltaNet state in their (fresh) bank slots;
+        # rows continue theirs, read in place by slot, and write nothing back.
+        for seg, new in ((p.states, True), (p.rows, False)):
+            for group in seg.groups if seg is not None else ():
+                span = group.span
+                # Tokens in parallel, each finding its segment; windows read or written in place.
+                mixed = self._conv(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
+                self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
+        normed = self._gated_norm(
+            out.view(-1, c.linear_value_head_dim),
+            z.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)),  # read in place
+            layer.gated_norm,
+            c.rms_norm_eps,
+        )
+        return self._linear(normed.view(x.shape[0], self.value_dim), layer.out_proj)
+
+    def delta_rule(
+        self,
+        layer: LayerWeights,
+        group: KernelGroup,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        state_pool: torch.Tensor,
+        new: bool,
+        out: torch.Tensor,
+    ) -> None:
+        """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
+        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
+        on our chunked kernel or the token-by-token one (by `short_delta_rule`); rows over 64 tokens on our chunked
+        kernel (reading their states in place, no gathered copy; fla's answers for a row moved with the other rows of
+        its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`)."""
+        c = self.c
+        T = mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
+        k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
+        v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
+        args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
+        if group.short and (self.short_states_recurrent if new else self.short_rows_recurrent):
+            self._recurrent_rows(*args, new_states=new, out=out, padded=group.padded)
+            return
+        if group.short or not new or self.long_kernels == "ours":
+            # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a
+            # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
+            # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments.
+            lead_apart = group.padded and new and not group.short  # a captured pass's long new states
+            self._chunked_rows(
+                *args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart, lead=group.short_segments
+            )
+            return
+        g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
+        o, final = self._chunk(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g=g,
+            beta=torch.sigmoid(b).unsqueeze(0),
+            initial_state=None,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=group.cu,
+            cu_seqlens_cpu=group.cu_cpu,
+        )
+        state_pool.index_copy_(0, group.slots, final)
+        out.copy_(o[0].view(T, c.linear_num_value_heads, c.linear_value_head_dim))
+
+    # -- gated attention -----------------------------------------------------------------------------------------
+
+    def attention(self, layer: LayerWeights, index: int, x: torch.Tensor, rope, p: PassInput) -> torch.Tensor:
+        c = self.c
+        T, Hq, Hkv, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        proj = self._linear(x, layer.in_proj)
+        qg, k, v = proj.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, gate = qg.view(T, Hq, 2 * D).chunk(2, dim=-1)
+        # Per-head norm and partial RoPE in one kernel each, reading the projection's per-head views in place.
+        q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, *rope)
+        k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
+        v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (fla's long kernels) gets a copy
+        out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens' rows: never read
+        keys, values = self.pool.keys[index], self.pool.values[index]
+        self._bank_states_kv(p, keys, values, k, v)  # first: the rows read the new states' K/V from the bank
+        if (r := p.rows) is None:
+            self._states_attention(p, q, k, v, keys, values, out)
+        else:
+            rows = slice(r.start, r.end)
+
+            def attend_rows() -> None:
+                self._attend_rows(p, q[rows], k[rows], v[rows], keys, values, out[rows])
+
+            if self._rows_beside_states(p):  # the same kernels and arithmetic at once: the same answers
+                with beside(x.device) as lead:
+                    lead(attend_rows)
+                    self._states_attention(p, q, k, v, keys, values, out)
+            else:
+                self._states_attention(p, q, k, v, keys, values, out)
+                attend_rows()
+        return self._linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
+
+    def _rows_beside_states(self, p: PassInput) -> bool:
+        """Whether the rows' attention runs beside the new states' (ROWS_BESIDE): in a pass with long new states, on
+        our kernels (varlen attention writes its whole span, which a trimmed bucket's rows overlap)."""
+        if not ROWS_BESIDE or p.states is None or self.long_kernels != "ours":
+            return False
+        return any(not group.short for group in p.states.groups)
+
+    def _states_attention(
+        self,
+        p: PassInput,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The new states' causal attention over their own tokens, into `out`'s state rows."""
+        if (s := p.states) is not None:
+            for group in s.groups:
+                span = group.span
+                if group.short_segments or group.short or self.long_kernels == "ours":  # ours: causal, own tokens
+                    # A captured pass's short and long new states in one group: by class, as in two groups.
+                    n = group.short_segments
+                    classes = [(group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)]
+                    for cu, max_len in classes if n else [(group.cu, group.max_len)]:
+                        self._rows_attention(
+                            q[span], k[span], v[span], keys, values, None, None, None, cu, max_len, out[span]
+                        )
+                else:  # varlen attention writes its whole span: in a graph, the short group (next) rewrites its tokens
+                    cu32 = group.cu32 if group.cu32 is not None else group.cu.to(torch.int32)
+                    out[span] = self._attn(
+                        q[span],
+                        k[span],
+                        v[span].contiguous(),
+                        cu32,
+                        cu32,
+                        group.max_len,
+                        group.max_len,
+                        window_size=(-1, 0),
+                    )
+
+    def _bank_states_kv(
+        self, p: PassInput, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """The new states' K and V (of the pass's tokens) into their pages of the layer's bank pool."""
+        if (s := p.states) is not None:
+            self._bank_kv(keys, values, p.state_kv_dst, k[s.start : s.end], v[s.start : s.end])
+
+    def _attend_rows(
+        self,
+        p: PassInput,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Each row (q, k, v and out: the rows' tokens) attends to [its state's K/V, read in place from the bank |
+        its own K/V], bottom-right causal."""
+        r = p.rows
+        self._rows_attention(
+            q, k, v, keys, values, p.row_prefix, p.row_prefix_start, p.row_prefix_len, r.cu, r.max_len, out
+        )
+
+    def last_attention(
+        self, layer: LayerWeights, index: int, x: torch.Tensor, rope, p: PassInput
+    ) -> torch.Tensor | None:
+        """The last layer's gated attention for what is read after it: the new states' K/V into the bank, and the
+        attention output (through the gate and o_proj) at the picks alone. New states' queries, their attention and
+        every other token's output projection are skipped (on a 2,200-token state: 80 % of the layer's input
+        projection, all of its attention and its output projection). Returns [picks, hidden], or None for a pass
+        without rows."""
+        c = self.c
+        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        queries = 2 * Hq * D  # the [q+gate | k | v] projection's first rows
+        k, v = self._linear(x, layer.in_proj[queries:]).split([Hkv * D, Hkv * D], dim=-1)
+        k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
+        v = v.unflatten(-1, (Hkv, D))
+        keys, values = self.pool.keys[index], self.pool.values[index]
+        self._bank_states_kv(p, keys, values, k, v)
+        if (r := p.rows) is None:
+            return None
+        rows = slice(r.start, r.end)
+        n = r.end - r.start
+        qg = self._linear(pad_rows(x[rows]), layer.in_proj[:queries])[:n]
+        q, gate = qg.view(n, Hq, 2 * D).chunk(2, dim=-1)
+        q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, rope[0][rows], rope[1][rows])
+        out = torch.empty(n, Hq, D, device=x.device, dtype=x.dtype)
+        self._attend_rows(p, q, k[rows], v[rows], keys, values, out)
+        picks = p.picks - r.start  # a captured pass pads its picks with the rows' first token (never read)
+        gated = self._sigmoid_gate(out[picks], gate[picks])
+        return self._linear(pad_rows(gated), layer.out_proj)[: picks.shape[0]]

@@ -1,0 +1,452 @@
+"""CUDA graphs of the fused pass: one per bucket of pass shapes, replayed with the pass's indices in fixed buffers.
+
+A pass is padded to a bucket: its new states' tokens to one size of STATE_BUCKETS (or none), its rows' tokens to one
+of ROW_BUCKETS. Segment, pick and prefix capacities follow from the bucket, so the bucket alone fixes every shape and
+grid. Rows must all be short (at most RECURRENT_MAX_LEN tokens). New states may be long too when the long-state
+kernels are capturable (`long_kernels` "ours": the conv and the chunked delta rule find segments by binary search
+on the device, kernels/segments.py); fla's chunked kernel builds chunk maps on the host, so with it passes with a
+long new state run eagerly. In a graph the short and the long new states each form
+one kernel group over the whole state region, with offsets counted from the region's start (short states first, as
+in an eager pass); each group's kernels touch only its own segments' tokens.
+
+With the chunked delta rule for short new states too (FusedQwen35.short_delta_rule), the two are one group for the
+conv and the delta rule's prep, short segments first (Bucket.states of them), then long: a pass with new states of
+one class only would otherwise run the other group's conv and prep over empty segments every DeltaNet layer (long5
+new on the H200: its empty short group's conv, prep and chain took 11.9 µs a layer). Attention still runs per class,
+and the chain takes the short segments in a launch of their own beside the first long one's
+(kernels.delta_rule.LEAD_APART). What it saves is small: the conv and prep ~9 µs a layer on long5 new, while its
+latency against the two groups stayed within the machines' noise (bench/NOTES.md, sessions 20 and 21).
+
+Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
+padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on
+the row count, so a replayed pass answers exactly like an eager one. All graphs share one memory pool (they never
+run at once); the LRU keeps at most `max_graphs`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..scoring.transfer import aligned_size
+from .fused import FusedQwen35
+from .passes import (
+    MIN_GEMM_ROWS,
+    RECURRENT_MAX_LEN,
+    KernelGroup,
+    PassInput,
+    PassLayout,
+    Segments,
+    is_short,
+    offsets,
+)
+from .pool import StatePool
+
+# Row tokens by powers of two, with 1.5x steps where rows fill most of the pass (ROW_STEPS, only with a state
+# region no larger than the rows); state tokens finer above 1,024, where one long state fills a pass and padding it
+# costs GEMM rows (2,200 tokens pad to 2,560, not 4,096). Why the 1.5x steps: cuBLASLt's GEMMs run in 64-row tiles
+# and their time follows the padded total. One short6 request (a 33-token state and 185 row tokens) took s64r256,
+# 320 tokens; s64r192 is 256 (H200, bench/diag.py kernels: the pass's GEMMs took 5.0 ms at 320 rows, 3.0 at 256).
+ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+ROW_STEPS = (192, 384, 768, 1536, 3072, 6144)
+STATE_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 8192)
+# Fewest tokens per segment assumed when sizing a bucket's segment capacities; a pass with more (shorter) segments
+# than that takes a larger bucket. Long states (over RECURRENT_MAX_LEN) get their own, smaller capacity: each of
+# their kernels' grids grows with it.
+MIN_STATE_TOKENS = 8
+MIN_ROW_TOKENS = 4
+MIN_LONG_STATE_TOKENS = 128
+# At most this many short new states in any bucket: a request brings one state, and Triton's batches hold at most
+# max_batch_size (64) requests. Every kernel of the short group runs programs for its padding segments too: without
+# the cap s2560 (long5's bucket) held 320 empty short slots, 82k token-by-token delta-rule programs per layer for
+# nothing. A pass with more short new states runs eagerly.
+MAX_PASS_STATES = 64
+# Trimmed buckets: a long-state bucket of 128 or more row tokens also comes TRIM tokens shorter, its rows ending at
+# the pass's end (right after the new states' tokens when the two regions' paddings add up to TRIM or more). Why:
+# cuBLASLt's kernels at these sizes tile the tokens by 128 (nvjet 256x128, 144x128, 320x128 on the H200), and the two
+# regions' paddings can hold a whole tile: long5 (2,465 + 166 tokens) padded to s2560r256 is 2,816 tokens, 22 tiles,
+# where its 2,631 need 21 (GEMMs ~24.7 ms a pass).
+TRIM = 128
+TRIMMED_FROM_STATES = 1024
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    state_tokens: int  # 0: a pass of rows only
+    row_tokens: int  # 0: a pass of new states only
+    # Tokens cut from the pass's end (TRIM, or 0): the rows' region [tokens − row_tokens, tokens) then overlaps the
+    # states' [0, state_tokens), and the rows sit at its end, after the new states' tokens (`fits` checks the total).
+    trim: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.state_tokens + self.row_tokens - self.trim
+
+    @property
+    def row_start(self) -> int:
+        """Where the rows' region starts in the pass."""
+        return self.tokens - self.row_tokens
+
+    @property
+    def states(self) -> int:
+        return min(self.state_tokens // MIN_STATE_TOKENS, MAX_PASS_STATES)
+
+    @property
+    def long_states(self) -> int:
+        return self.state_tokens // MIN_LONG_STATE_TOKENS
+
+    @property
+    def rows(self) -> int:
+        return self.row_tokens // MIN_ROW_TOKENS
+
+    @property
+    def picks(self) -> int:
+        return self.row_tokens // 2  # a row is ≥ 2 tokens per pick (<decide> and each option's </opt>)
+
+    def fits(self, layout: PassLayout, long_states: int) -> bool:
+        """Whether the pass fits; `long_states`: how many of its new states are long (counted once by the caller)."""
+        return (
+            len(layout.state_ids) <= self.state_tokens
+            and len(layout.state_lengths) - long_states <= self.states
+            and long_states <= self.long_states
+            and len(layout.row_ids) <= self.row_tokens
+            and len(layout.row_lengths) <= self.rows
+            and len(layout.row_picks) <= self.picks
+            and len(layout.state_ids) + len(layout.row_ids) <= self.tokens
+        )
+
+    def rows_at(self, row_tokens: int) -> int:
+        """Where a pass's rows (row_tokens of them) start: the rows' region's start, or in a trimmed bucket at the
+        pass's end (the region then starts inside the states' padding)."""
+        return self.tokens - row_tokens if self.trim else self.state_tokens
+
+    @property
+    def name(self) -> str:
+        return f"s{self.state_tokens}r{self.row_tokens}" + (f"t{self.tokens}" if self.trim else "")
+
+
+def all_buckets(max_tokens: int) -> list[Bucket]:
+    """Every bucket up to `max_tokens` tokens, smallest first (105 up to 4,096, 148 up to 8,192), a trimmed one
+    (TRIM) before its untrimmed twin. Each has at least MIN_GEMM_ROWS tokens."""
+    shapes = [(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS)]
+    shapes += [(s, r) for s in (0, *STATE_BUCKETS) for r in ROW_STEPS if s <= r]
+    buckets = [Bucket(s, r) for s, r in shapes if 0 < s + r <= max_tokens]
+    trimmed = [Bucket(s, r, TRIM) for s, r in shapes if s >= TRIMMED_FROM_STATES and TRIM <= r <= 2 * TRIM]
+    buckets += [b for b in trimmed if b.tokens <= max_tokens]  # (at the top, without its twin)
+    buckets.sort(key=lambda b: (b.state_tokens, b.row_tokens, -b.trim))
+    assert all(b.tokens >= MIN_GEMM_ROWS for b in buckets)
+    return buckets
+
+
+def smallest_bucket(
+    buckets: list[Bucket], layout: PassLayout, prefix_tokens: int, long_states: bool = False
+) -> Bucket | None:
+    """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a long new state
+    without `long_states`, a prefix index over `prefix_tokens`, or too large for any (the pass runs eagerly)."""
+    if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
+        return None
+    long = sum(not is_short(n) for n in layout.state_lengths)
+    if long and not long_states:
+        return None
+    return next((b for b in buckets if b.fits(layout, long)), None)
+
+
+class StaticInputs:
+    """Device buffers at fixed addresses for every bucket's inputs (views of one int64 tensor, sized for the
+    largest bucket), filled from one pinned host tensor by one copy per pass."""
+
+    def __init__(self, largest: Bucket, prefix_tokens: int, device: torch.device) -> None:
+        sizes = {
+            "ids": largest.tokens,
+            "positions": largest.tokens,
+            # the short states' segments, then the long ones' (a bucket's capacities: Bucket.states, .long_states)
+            "state_cu": largest.states + largest.long_states + 1,
+            "state_slots": largest.states + largest.long_states,
+            "state_kv_dst": largest.state_tokens,
+            "row_cu": largest.rows + 1,
+            "row_slots": largest.rows,
+            "prefix_start": largest.rows,
+            "prefix_len": largest.rows,
+            "picks": largest.picks,
+            "prefix": prefix_tokens,
+        }
+        self.offsets: dict[str, tuple[int, int]] = {}
+        total = 0
+        for name, n in sizes.items():  # each starting on 16 bytes (transfer.ALIGNED_INTS)
+            self.offsets[name] = (total, max(n, 1))
+            total += aligned_size(max(n, 1))
+        self.device = device
+        self.prefix_tokens = prefix_tokens
+        self.flat = torch.zeros(total, dtype=torch.int64, device=device)
+        # Two host buffers, used in turn: filling one waits only for the copy out of it two passes back, which has run
+        # unless the model thread is two batches ahead of the GPU.
+        self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.arrays = [host.numpy() for host in self.hosts]  # the same memory
+        # Each buffer's last host→device copy (events made once, recorded once here so that waiting on them is valid
+        # from the start: creating one costs ~13 µs of host time on the H200's machine, bench/diag.py hostops).
+        self.copied = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else [None, None]
+        for event in self.copied:
+            if event is not None:
+                event.record()
+        self.turn = 0
+
+    def view(self, name: str, n: int, at: int = 0) -> torch.Tensor:
+        """n entries of a field from its entry `at`."""
+        start, size = self.offsets[name]
+        assert at + n <= size
+        return self.flat[start + at : start + at + n]
+
+    def pass_input(self, bucket: Bucket, long_states: bool = False, one_group: bool = False) -> PassInput:
+        """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. With `long_states` the
+        state region holds the long new states too (capacity bucket.long_states, each up to the whole region): with
+        `one_group` in the short states' group (short segments first; see the module's doc), otherwise in a second
+        group listed first (their varlen attention writes the whole region, the short group's after it only its own
+        tokens)."""
+        s, r = bucket.state_tokens, bucket.row_tokens
+
+        def group(
+            start: int, tokens: int, cu: str, slots: str, n: int, short: bool, at: int = 0, short_segments: int = 0
+        ) -> KernelGroup:
+            return KernelGroup(
+                short=short,
+                start=start,
+                end=start + tokens,
+                max_len=RECURRENT_MAX_LEN if short else tokens,
+                cu=self.view(cu, n + 1, at),
+                slots=self.view(slots, n, at),
+                padded=True,
+                short_segments=short_segments,
+            )
+
+        states = None
+        if s:
+            n_short, n_long = bucket.states, bucket.long_states if long_states else 0
+            if n_long and one_group:
+                groups = [group(0, s, "state_cu", "state_slots", n_short + n_long, short=False, short_segments=n_short)]
+            else:
+                groups = [group(0, s, "state_cu", "state_slots", n_short, short=True)]
+                if n_long:  # the long states' segments follow the short ones' in the same buffers
+                    groups.insert(0, group(0, s, "state_cu", "state_slots", n_long, short=False, at=n_short))
+            states = Segments(0, s, s, groups[-1].cu, groups)  # `cu` of a region is read for rows only
+        rows = None
+        if r:
+            row_group = group(bucket.row_start, r, "row_cu", "row_slots", bucket.rows, short=True)
+            rows = Segments(bucket.row_start, bucket.tokens, RECURRENT_MAX_LEN, row_group.cu, [row_group])
+        return PassInput(
+            ids=self.view("ids", bucket.tokens),
+            positions=self.view("positions", bucket.tokens),
+            states=states,
+            state_kv_dst=self.view("state_kv_dst", s) if s else None,
+            rows=rows,
+            row_prefix=self.view("prefix", self.prefix_tokens),
+            row_prefix_start=self.view("prefix_start", bucket.rows),
+            row_prefix_len=self.view("prefix_len", bucket.rows),
+            picks=self.view("picks", bucket.picks),
+        )
+
+    def fill(self, bucket: Bucket, layout: PassLayout, pool: StatePool, pad_id: int) -> None:
+        """Writes the layout, padded to the bucket, into the buffers: one copy to the device. numpy writes each list
+        into the pinned buffer in place and each run of padding as one value (a tensor and a copy per field cost
+        ~10x more host time, and padded lists ~2x: all of it before the replay can start)."""
+        self.turn ^= 1
+        if (copied := self.copied[self.turn]) is not None:
+            copied.synchronize()  # the copy out of this host buffer has read it
+        host = self.arrays[self.turn]
+        end = 0
+
+        def put(name: str, values, n: int, pad: int, at: int = 0) -> None:
+            """values at the field's position `at`, then `pad` up to its n-th place (nothing past n)."""
+            nonlocal end
+            start, size = self.offsets[name]
+            filled = at + len(values)
+            assert filled <= n <= size
+            host[start + at : start + filled] = values
+            host[start + filled : start + n] = pad
+            if n:
+                end = max(end, start + n)
+
+        s = bucket.state_tokens
+        at = bucket.rows_at(len(layout.row_ids))  # the rows' first token in the pass
+        put("ids", layout.state_ids, at, pad_id)
+        put("ids", layout.row_ids, bucket.tokens, pad_id, at=at)
+        put("positions", layout.state_positions(), at, 0)
+        put("positions", layout.row_positions, bucket.tokens, 0, at=at)
+        # Short new states first, then long ones (as the scorer orders them); both groups count from the region's start.
+        n_short = sum(is_short(n) for n in layout.state_lengths)
+        short, long = layout.state_lengths[:n_short], layout.state_lengths[n_short:]
+        assert all(is_short(n) for n in short) and not any(is_short(n) for n in long)
+        # Each class's segments end in empty ones (its padding), the long states' after the short states' capacity.
+        cu = offsets(short)
+        put("state_cu", cu, bucket.states + 1, cu[-1])
+        put("state_slots", layout.state_slots[:n_short], bucket.states, pool.scratch_slot)
+        capacity = bucket.states + bucket.long_states
+        cu = offsets(long, start=cu[-1])
+        put("state_cu", cu[1:], capacity + 1, cu[-1], at=bucket.states + 1)
+        put("state_slots", layout.state_slots[n_short:], capacity, pool.scratch_slot, at=bucket.states)
+        put("state_kv_dst", layout.state_kv_dst, s, pool.scratch_token)
+        cu = offsets(layout.row_lengths, start=at - bucket.row_start)  # from the rows' region's start
+        put("row_cu", cu, bucket.rows + 1, cu[-1])
+        put("row_slots", layout.row_slots, bucket.rows, pool.scratch_slot)
+        put("prefix_start", layout.prefix_start, bucket.rows, 0)
+        put("prefix_len", layout.prefix_len, bucket.rows, 0)
+        # Padding picks name the rows' region's first token: a valid index counted from the pass or from the rows.
+        put("picks", [at + i for i in layout.row_picks] if at else layout.row_picks, bucket.picks, bucket.row_start)
+        put("prefix", layout.prefix, len(layout.prefix), 0)
+        self.flat[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
+        if copied is not None:
+            copied.record()
+
+
+@dataclass
+class GraphStats:
+    runs: int = 0  # passes run padded to a bucket (replayed, or eagerly without CUDA)
+    long_runs: int = 0  # of which with a long new state
+    captures: int = 0
+    replays: int = 0
+    evictions: int = 0
+    capture_failures: int = 0
+    count: int = 0
+    bytes: int = 0  # memory the graphs' pool holds (reserved while capturing)
+    warm_s: float = 0.0  # seconds in eager passes before captures (first launches stay out of the graphs)
+    capture_s: float = 0.0  # seconds capturing and instantiating
+
+
+class PassGraphs:
+    """Captures and replays the fused forward per bucket. With `capture` False (no CUDA) the same padded passes run
+    eagerly from the same buffers: tests check the padding and the buffers on a CPU. `long_states`: passes with long
+    new states are graphed too (only with capturable long-state kernels: FusedQwen35.long_kernels "ours")."""
+
+    def __init__(
+        self,
+        model: FusedQwen35,
+        pool: StatePool,
+        pad_id: int,
+        max_tokens: int = 4096,
+        prefix_tokens: int = 32_768,
+        max_graphs: int = 112,
+        capture: bool = True,
+        long_states: bool = False,
+        warm_passes: bool = False,
+    ) -> None:
+        self.model = model
+        # An eager pass before each capture (True), or only before the first (False): kernels a later bucket runs
+        # for the first time compile inside its capture (H200: 94 buckets captured on an empty and on a kept kernel
+        # cache, none failed; graphs phase 3.5 s against 9.0 on the kept one).
+        self.warm_passes = warm_passes
+        self.long_states = long_states  # passes with long new states too (their kernels are capturable)
+        # Short and long new states in one group when both run the chunked delta rule (the module's doc).
+        self.one_group = long_states and not model.short_states_recurrent
+        self.pool = pool
+        self.pad_id = pad_id
+        self.buckets = all_buckets(max_tokens)
+        self.max_graphs = max_graphs
+        self.capture = capture
+        device = pool.recurrent.device
+        self.device = device
+        largest_rows = max(b.row_tokens for b in self.buckets)
+        largest_states = max(b.state_tokens for b in self.buckets)
+        self.inputs = StaticInputs(Bucket(largest_states, largest_rows), prefix_tokens, device)
+        self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor]] = OrderedDict()
+        self.seen: set[Bucket] = set()  # buckets passes have used (what a warm-up list could name)
+        self.failed: dict[Bucket, str] = {}  # buckets whose capture failed, and why
+        # One pool and one capture stream for every graph. A graph may reuse memory that an earlier capture freed,
+        # including where another graph's output lives; replays never overlap and the caller of `run` reads a graph's
+        # output (enqueues the head's projection of it) before anything else replays, so any replay order is safe.
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream(device) if capture else None
+        self.stats = GraphStats()
+
+    def bucket_for(self, layout: PassLayout) -> Bucket | None:
+        return smallest_bucket(self.buckets, layout, self.inputs.prefix_tokens, self.long_states)
+
+    def run(self, bucket: Bucket, layout: PassLayout) -> torch.Tensor:
+        """The pass's picked hidden states [picks, hidden] (fp32), replaying (or first capturing) its bucket: a view of
+        the graph's output, which the caller reads (enqueues its reads) before anything else replays."""
+        entry = self.graphs.get(bucket)
+        if entry is None and self.capture and bucket not in self.failed:
+            entry = self._try_capture(bucket)
+        self.inputs.fill(bucket, layout, self.pool, self.pad_id)
+        self.stats.runs += 1
+        self.stats.long_runs += not all(is_short(n) for n in layout.state_lengths)
+        self.seen.add(bucket)
+        if entry is None:  # no CUDA, or the capture failed: the padded pass, eagerly
+            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states, self.one_group))
+        else:
+            self.graphs.move_to_end(bucket)
+            graph, out = entry
+            graph.replay()  # type: ignore[attr-defined]
+            self.stats.replays += 1
+        return out[: len(layout.row_picks)]
+
+    def warm(self, buckets: list[Bucket] | None = None) -> None:
+        """Captures the given buckets (all of them by default) before traffic arrives."""
+        if not self.capture:
+            return
+        for bucket in buckets if buckets is not None else self.buckets[: self.max_graphs]:
+            if bucket not in self.graphs and bucket not in self.failed:
+                self._try_capture(bucket)
+
+    def _try_capture(self, bucket: Bucket) -> tuple[object, torch.Tensor] | None:
+        """Captures the bucket, or records why it could not be (an operation that refuses capture): its passes then
+        run padded and eagerly, with the same kernels, and the server keeps starting and serving. After a failed
+        capture no more are tried: torch's capture_end throws on an invalidated capture before it stops routing the
+        stream's allocations to the graphs' pool and before it ends the CUDA generator's capture, so every later
+        capture failed too ("already recording to mempool_id"; H200, torch 2.11, a bucket whose grid the driver
+        refused), and ending the routing by hand did not bring them back."""
+        if self.failed:
+            return None
+        try:
+            return self._capture(bucket, warm=self.warm_passes or not self.stats.captures)
+        except RuntimeError as error:
+            self.failed[bucket] = repr(error)[:500]
+            self.stats.capture_failures += 1
+            log.error(
+                "kev: CUDA graph capture of bucket %s failed: %r; no more graphs are captured, passes without one "
+                "run eagerly",
+                bucket.name,
+                error,
+            )
+            return None
+
+    def _capture(self, bucket: Bucket, warm: bool = True) -> tuple[object, torch.Tensor]:
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.stats.evictions += 1
+        inputs = self.inputs.pass_input(bucket, self.long_states, self.one_group)
+        # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
+        self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
+        stream = self.stream
+        started = time.perf_counter()
+        if warm:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # first launches (Triton compiles, cuBLASLt picks) stay out of the graph
+                self.model.forward(inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # torch.cuda.graph empties the allocator's cache on entry: measured from an empty cache, what capture adds to
+        # the reserved memory is what the graphs' pool grew by (it keeps its segments while any graph lives).
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
+        captured = time.perf_counter()
+        current = torch.cuda.current_stream(self.device)
+        try:
+            # thread_local: the pipeline's delivery thread may be waiting on a batch's event meanwhile, which a
+            # "global" capture forbids in every thread (a capture after warm-up: a bucket evicted, or warm off).
+            with torch.cuda.graph(graph, pool=self.mempool, stream=stream, capture_error_mode="thread_local"):
+                out = self.model.forward(inputs)
+        finally:
+            torch.cuda.set_stream(current)  # torch.cuda.graph leaves its stream current when capture_end raises
+        self.stats.warm_s += captured - started
+        self.stats.capture_s += time.perf_counter() - captured
+        self.stats.bytes += torch.cuda.memory_reserved(self.device) - reserved
+        self.stats.captures += 1
+        self.graphs[bucket] = (graph, out)
+        self.stats.count = len(self.graphs)
+        return graph, out

@@ -1,0 +1,971 @@
+"""The gated delta rule for segments read from or written to the bank in place: token by token (short segments)
+or in chunks (any length, graph-capturable)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .segments import search_steps, segment_of
+from .streams import beside
+
+
+@triton.jit
+def _delta_rule_inputs(q, k, v, a, b, t, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V):
+    """Token t's q, k [K], v [BV] and raw gate inputs a, b in fp32; zeros once t reaches eos (nothing read)."""
+    m = t < eos
+    b_q = tl.load(q + t * stride_t + hk * K + o_k, mask=m, other=0.0).to(tl.float32)
+    b_k = tl.load(k + t * stride_t + hk * K + o_k, mask=m, other=0.0).to(tl.float32)
+    b_v = tl.load(v + t * stride_vt + hv * V + o_v, mask=m, other=0.0).to(tl.float32)
+    b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)
+    b_b = tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, b_a, b_b
+
+
+# Value columns per program and warps per program of the delta rule: narrow blocks on one warp keep each step's two
+# reductions over the key dim inside a warp (as fla's fused_recurrent does). bench/diag.py recurrent on the H200,
+# 192 rows of 39 tokens: 16/1 1.65 ms, 8/1 2.05, 32/2 2.08, 32/4 3.16.
+RECURRENT_BV = 16
+RECURRENT_WARPS = 1
+# The token-by-token kernel keeps its state as h_scale · h (see _recurrent_rows_kernel) with h_scale ≥ 2^-80 ≈ 8e-25:
+# h stays within 2^80 of the true state, inside fp32's range (2^128) with room for its products with unnormalised q
+# and k.
+RESCALE_BELOW: tl.constexpr = tl.constexpr(2.0**-80)
+
+
+@triton.jit
+def _delta_rule_program(
+    item,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    """What a delta-rule item (segment n, value head hv, value block i_v) works on: its key and value heads, its
+    segment [bos, eos), its key and value offsets, the head's gate constants, where its state block lives in the
+    pool and that block's start value."""
+    i_nh, i_v = item // (V // BV), item % (V // BV)
+    n, hv = i_nh // HV, i_nh % HV
+    hk = hv // (HV // H)  # each key head serves HV // H consecutive value heads
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    slot = tl.load(slots + n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # The gate: g = -exp(A_log) · softplus(a + dt_bias) (log decay, fp32) and beta = sigmoid(b), as Qwen3.5 has them.
+    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
+    bias = tl.load(dt_bias + hv).to(tl.float32)
+    state = pool + ((slot * HV + hv) * K + o_k[:, None]) * V + o_v[None, :]
+    if CONTINUE:  # a row: the state it continues, read in place from its bank slot ([K, BV] of [Hv, K, V], fp32);
+        # not for an empty segment (a captured pass's padding: most of a bucket's row slots), which reads nothing
+        h = tl.load(state, mask=eos > bos, other=0.0)
+    else:  # a new state: from zero
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    return hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h
+
+
+@triton.jit
+def _next_item(item, bos, end, items):
+    """A program's item after `item` (whose segment starts at bos): tl.num_programs(0) items on, or none (`items`)
+    once a segment starts where the segments' tokens end. Offsets only grow, so every later segment is empty there:
+    the padding of a captured pass's group (most of its capacity), which needs no program of its own."""
+    return tl.where(bos < end, item + tl.num_programs(0), items)
+
+
+@triton.jit
+def _log_decay(b_a, decay_rate, bias):
+    """g = -exp(A_log) · softplus(a + dt_bias), the log decay (fp32), as Qwen3.5 has it."""
+    b_a = b_a + bias
+    return -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a)))
+
+
+@triton.jit
+def _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale):
+    """One token of the gated delta rule on the decayed state h_scale · h [K, BV] (fp32): the new h and its output
+    [BV]. The loop is bound by the FP32 issue rate: every thread holds 64 of the state block's entries, so each op
+    on the whole state costs 64 instructions a token. This does three, all FMAs (two reductions over the key dim and
+    the update), where the plain form does four: the decay multiplies the scalar h_scale rather than h, and q and k
+    stay unnormalised, their norms applied to the reductions' [BV] results. sm_90a SASS: 528 → ~420 instructions."""
+    inv_q = scale * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+    inv_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    qk = tl.sum(b_k * b_q) * inv_q * inv_k
+    b_u = (b_v - tl.sum(h * b_k[:, None], axis=0) * (h_scale * inv_k)) * tl.sigmoid(b_b)
+    b_o = tl.sum(h * b_q[:, None], axis=0) * (h_scale * inv_q) + qk * b_u
+    h = h + b_k[:, None] * (b_u * tl.fdiv(inv_k, h_scale))[None, :]
+    return h, b_o
+
+
+@triton.jit
+def _recurrent_item(
+    item,
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    stride_ot,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    CONTINUE: tl.constexpr,
+):
+    """One item of _recurrent_rows_kernel; returns its segment's start."""
+    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h = _delta_rule_program(
+        item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
+    )
+    written = eos > bos  # empty segments (a captured pass's padding, on the scratch slot) store no end state
+    # Token t+1's inputs (and its decay) are loaded while token t is computed (they do not depend on the state), so
+    # the loop's critical path is the state update alone. The state is h_scale · h: the inner loop runs while the
+    # decays multiplied into h_scale keep it at RESCALE_BELOW or more; then h_scale is folded into h, and a token
+    # whose decay alone is below that decays h itself. The two token blocks are written out: the same work through
+    # one helper made ptxas spill 28 bytes in the new-state variant (sm_90a, 255 registers).
+    n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+        q, k, v, a, b, bos, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+    )
+    n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
+    h_scale = tl.full([], 1.0, tl.float32)
+    t = bos
+    while t < eos:
+        while (t < eos) & (h_scale * n_decay >= RESCALE_BELOW):
+            b_q, b_k, b_v, b_b, h_scale = n_q, n_k, n_v, n_b, h_scale * n_decay
+            n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+                q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+            )
+            n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
+            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale)
+            tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
+            t += 1
+        h = h * h_scale
+        h_scale = tl.full([], 1.0, tl.float32)
+        if (t < eos) & ~(n_decay >= RESCALE_BELOW):  # not `<`: a NaN decay (NaN inputs) must advance t as well
+            b_q, b_k, b_v, b_b, h = n_q, n_k, n_v, n_b, h * n_decay
+            n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
+                q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
+            )
+            n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
+            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale)
+            tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
+            t += 1
+    # A new state's end state goes into its (fresh) bank slot; a row writes nothing back. Empty segments (a captured
+    # pass's padding, hundreds in a large bucket) write nothing either.
+    if not CONTINUE:
+        tl.store(state, h, mask=written)
+    return bos
+
+
+@triton.jit(do_not_specialize=["N"])
+def _recurrent_rows_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    stride_ot,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    CONTINUE: tl.constexpr,
+    LOOP: tl.constexpr,
+    N,
+):
+    if LOOP:  # items in turn until the segments' tokens end (_next_item)
+        end = tl.load(cu + N).to(tl.int64)
+        item = tl.program_id(0)
+        while item < N * HV * (V // BV):
+            bos = _recurrent_item(
+                item,
+                q,
+                k,
+                v,
+                a,
+                b,
+                a_log,
+                dt_bias,
+                pool,
+                slots,
+                cu,
+                o,
+                scale,
+                stride_t,
+                stride_vt,
+                stride_at,
+                stride_ot,
+                H,
+                HV,
+                K,
+                V,
+                BV,
+                CONTINUE,
+            )
+            item = _next_item(item, bos, end, N * HV * (V // BV))
+    else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
+        _recurrent_item(
+            tl.program_id(0),
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            pool,
+            slots,
+            cu,
+            o,
+            scale,
+            stride_t,
+            stride_vt,
+            stride_at,
+            stride_ot,
+            H,
+            HV,
+            K,
+            V,
+            BV,
+            CONTINUE,
+        )
+
+
+def recurrent_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+    out: torch.Tensor | None = None,
+    padded: bool = False,
+) -> torch.Tensor:
+    """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it; or,
+    with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]`.
+
+    q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); a, b: [T, HV] raw
+    gate inputs (same token stride), with A_log and dt_bias [HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu:
+    [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
+    does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]). `padded`: the
+    segments may end in empty ones, a captured pass's padding (LAUNCH_ROUNDS); outputs do not depend on it.
+    """
+    return _launch_delta_rule(
+        _recurrent_rows_kernel,
+        RECURRENT_BV,
+        RECURRENT_WARPS,
+        RECURRENT_PER_SM if padded and RECURRENT_LOOP else None,
+        q,
+        k,
+        v,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        pool,
+        slots,
+        cu,
+        new_states,
+        out,
+    )
+
+
+# A captured pass's group counts its capacity, not its work: r192's 48 row slots hold one short6 request's 6 rows, and
+# a program per item (segment, value head, value block) ran 6,144 chain programs for 768 items of work, the empty
+# ones in waves after the real ones (H200: 44 µs a layer for two 16-token chunks a row). For such `padded` groups a
+# launch runs about LAUNCH_ROUNDS times the programs the GPU holds at once (per_sm: a kernel's programs an SM holds),
+# each taking items in turn (_next_item). The loop costs registers (sm_90a as launched: the chain at 32 columns
+# 202 → 250, still two programs an SM; at 64 it spills, and padded groups run narrow anyway; the token-by-token
+# kernel 166 → 214, nine one-warp programs an SM instead of twelve), so the token-by-token kernel takes it only
+# with RECURRENT_LOOP. One round, not two (bench/diag.py rounds at cfdcf9a, H200, prep and chain ms a layer, one
+# short6's rows in r192 / long5's rows in r256 / 32 short6's rows in r6144 / one long5 state in s2560): 1 round
+# 0.0314 / 0.0319 / 0.683 / 0.2535, 2 rounds 0.0332 / 0.0331 / 0.696 / 0.2536, 4 rounds 0.0357 / 0.0357 / 0.704 /
+# 0.2538; 16 columns on 2 or 1 warps lose (0.0349 / 0.0403 for one short6). Identical outputs.
+LAUNCH_ROUNDS = 1
+RECURRENT_PER_SM = 9
+CHUNK_PER_SM = 2
+RECURRENT_LOOP = False
+# A captured pass's lone long state (long5 new: one 2,465-token state in s2560's long group of 20 slots) chains ~19 %
+# slower than unpadded when its group's programs take items in turn: the GPU places two of its 128 programs on some
+# SMs (bench/diag.py padded, b708540, µs a layer for 2,200 tokens: unpadded 124.5, in turn two programs an SM 152.2,
+# one an SM 128.5, which loses for rows). With LEAD_APART a padded long group's first segment runs on a launch of its
+# own, a program per item (128 on an otherwise idle GPU: one an SM, as unpadded), and the group's other segments at
+# the same time on a side stream, in turn, CHUNK_PER_SM programs an SM. The items' arithmetic is the same.
+# KEV_LEAD_APART=0 turns it off (read at import; the module flag at each launch).
+# Cutting the apart segment in parts, each part's chain beside the next part's prep, lost (9074981, reverted: long5's
+# state 0.196 ms a layer apart, 0.204 in 2 parts, 0.206 in 3, 0.245 in 8; the parts' preps slow beside the chain).
+# Its chain in two halves at once (the second half's outputs corrected by its transition from the middle state) lost
+# too (f326e57, reverted: 0.196 against 0.285; three chain programs an SM each run far slower than one alone).
+LEAD_APART = os.environ.get("KEV_LEAD_APART", "1") != "0"
+
+
+def _launch_delta_rule(
+    kernel,
+    block_v: int,
+    warps: int,
+    per_sm: int | None,
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    new_states,
+    out,
+    **extra,
+) -> torch.Tensor:
+    """Checks the layouts both delta-rule kernels assume and launches one: a program per item (segment, value head,
+    value block), or with `per_sm` programs taking items in turn (LAUNCH_ROUNDS). `extra`: further arguments of the
+    kernel, by name (per token, never per segment)."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
+    assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous()
+    assert a.stride() == b.stride() and a.stride(1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
+    if out is None:
+        out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
+    assert out.shape == (T, HV, V) and out.is_contiguous()
+    BV = min(block_v, V)
+    n = slots.shape[0]
+    if n:
+        assert V % BV == 0
+        items = n * HV * (V // BV)
+        programs = items if per_sm is None else min(items, LAUNCH_ROUNDS * per_sm * _sm_count(q.device))
+        kernel[(programs,)](
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            pool,
+            slots,
+            cu,
+            out,
+            K**-0.5,
+            q.stride(0),
+            v.stride(0),
+            a.stride(0),
+            out.stride(0),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BV=BV,
+            CONTINUE=not new_states,
+            LOOP=per_sm is not None,
+            N=n,
+            num_warps=warps,
+            **extra,
+        )
+    return out
+
+
+# The chunked delta rule's fp32 products (the prep's always; the chain's unless CHUNK_DOTS is bf16)
+# take operands rounded to TF32 on tensor cores (10-bit mantissa) and accumulate in fp32; the state stays fp32. At
+# K = 128 and 32 value columns on 8 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v).
+PRECISION: tl.constexpr = tl.constexpr("tf32")
+
+
+def _chunk_tokens() -> int:
+    """Tokens per chunk of the chunked delta rule: 16, or 32 (KEV_CHUNK). Longer chunks put fewer steps on the
+    sequential chain for bigger products. H200 (bench/results/logs, 37abcc4): 32 within noise of 16 (short6 9.1 /
+    6.1 vs 9.4 / 6.5 ms, long5 58.0 vs 57.5 ms, from graphs); 64 needs 262 KB of shared memory (232 KB there)."""
+    tokens = int(os.environ.get("KEV_CHUNK", "16"))
+    if tokens not in (16, 32):
+        raise ValueError(f"KEV_CHUNK must be 16 or 32, not {tokens}")
+    return tokens
+
+
+# (I + A)⁻¹ of a strictly lower-triangular A [CHUNK, CHUNK] is a product of log2(CHUNK) factors (I + A^(2^j)).
+CHUNK = _chunk_tokens()
+# The chain's products: "bf16" or "tf32" operands (_dot; KEV_CHUNK_DOTS), read at each launch. H200
+# (bench/diag.py chunkvariants, 9a6af43), ms a layer, tf32 → bf16: 1 / 8 / 24 new 2,200-token states 0.432 → 0.297,
+# 2.27 → 1.64, 6.82 → 4.93; 40×100 rows 0.61 → 0.45. Kev-4B against the fp32 reference with bf16 (88ab874): max
+# |Δp| 0.0118, mean 0.0018, no decided flip (tf32 at 8262a34: 0.0147, 0.0018, 1). Triton's interpreter multiplies
+# bf16 operands as raw bits (numpy has no bf16), so the CPU tests run tf32 and the GPU tests bf16.
+CHUNK_DOTS = os.environ.get("KEV_CHUNK_DOTS", "bf16")
+if CHUNK_DOTS not in ("tf32", "bf16"):
+    raise ValueError(f"KEV_CHUNK_DOTS must be tf32 or bf16, not {CHUNK_DOTS!r}")
+# The sequential pass's (value columns per program, warps, register cap: ptxas's .maxnreg, None for up to 255), read
+# at each launch: NARROW while the pass has at most WIDE_ABOVE programs per SM at NARROW's value block, WIDE above.
+# One state wants short programs, one per SM; many states want programs that share SMs. Each value column's
+# arithmetic is the same in both, so a state answers alike alone and in a batch (identical outputs on the H200).
+# H200, Kev-4B heads, bf16 products, ms a layer (prep and chain) for 1 / 8 / 24 new 2,200-token states and 40×100
+# rows (bench/diag.py chunkvariants, 486fe6a, the prep holding the chain's elementwise terms): 32/4/none 0.219-0.336 /
+# 1.350 / 4.021 / 0.338; 64/4/none (228 registers, two programs an SM) 0.241 / 1.133 / 3.394 / 0.312; 64/4/168 (spills
+# 128 bytes) 0.331 / 1.350 / 3.553 / 0.326; 32/4/168 0.246 / 1.272 / 3.723 / 0.341; 128/8/none 0.333 / 1.253 / 3.758 /
+# 0.346. Before that change (4dd2e69, 32/4/none and 64/4/168 by the same rule): 0.276 / 1.358 / 3.404 / 0.312.
+CHUNK_NARROW: tuple[int, int, int | None] = (32, 4, None)
+CHUNK_WIDE: tuple[int, int, int | None] = (64, 4, None)
+WIDE_ABOVE = 2
+# Warps per prep program: 2. With whole chunks unmasked (ca82b56) it compiles without spills on 2 warps (230 registers
+# as launched: tests/test_kernels.py), and 2 run faster than 4: chunkvariants at f45a0ba, prep and
+# chain for 1 / 8 / 24 new 2,200-token states and 40×100 rows, 0.211 / 1.062 / 3.205 / 0.303 ms a layer against
+# 0.218 / 1.129 / 3.397 / 0.322 on 4, identical outputs. (At 486fe6a, masks everywhere, 2 warps lost at one state:
+# 0.338 against 0.219.)
+PREP_WARPS = 2
+# A register cap on the prep (None: none). Uncapped it takes 230 registers on 2 warps, four programs an SM (12.5 %
+# occupancy, no eligible warp 70 % of cycles: ncu at 9e908a1); at 168 six fit, for 60 bytes of spill stores.
+# bench/diag.py prepregs at 4db113d (H200, prep and chain, ms a layer, 1 / 8 / 24 new 2,465-token states and one
+# short6's rows): uncapped 0.229 / 1.211 / 3.620 / 0.0280, 168 0.221 / 1.112 / 3.314 / 0.0287, 192 (five an SM)
+# 0.230 / 1.217 / 3.641 / 0.0284, 128 0.236 / 1.214 / 3.614 / 0.0328; 4 warps lose (uncapped 0.242 / 1.313 / 3.958).
+# Identical outputs (a cap moves values between registers and memory, never changes the arithmetic).
+# Tried and removed (26898c8): the chain multiplying the raw q and k and scaling its products' rows, the prep storing
+# two [T, HV] row scales in place of Qs and Kd (half its bytes): prepregs at eba3ad0, 0.2455 / 1.0099 / 3.0545 / 0.0264
+# against 0.2171 / 1.0337 / 3.0803 / 0.0283, so 13 % slower for one state (the scaling sits on the chain) and 1-2 %
+# faster for many.
+PREP_MAXNREG: int | None = 168
+# A prep program looks for chunk starts in CHUNK tokens of the input, one per segment reaching into them: rows of ~31
+# tokens put two in most windows (one row's second chunk, the next row's first), so a short6's rows wait for two
+# chunks' terms in series. Half-chunk windows for rows (twice the programs, 2783a15, removed) lost in the engine: H200,
+# a short6 on a banked state (r192's rows), the prep's first layer 17.6 → 19.6 µs, the pass's GPU time 4.64 → 4.70 ms
+# (bench/diag.py kernels, ABBA), though a graph of the prep and chain alone had gained (padded: 15.7 → 12.8 µs);
+# larger rows buckets lost there too (r768 27.7 → 28.8, r6144 205 → 294).
+# The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
+# 67f5081). W, Qs, Kd, QK and U₀ are stored in bf16 when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16
+# (as fla stores its u) adds a rounding before U = U₀ − W S, which the chain's products round to bf16 anyway; it
+# halves U₀'s bytes, written here and read there. H200 (bench/diag.py prepregs, d3620c5), prep and chain, ms a layer,
+# 1 / 8 / 24 new 2,465-token states and one short6's rows: fp32 0.2195 / 1.1042 / 3.3015 / 0.0291, bf16 0.2171 /
+# 1.0371 / 3.1100 / 0.0277; outputs within 4.9e-4. (v loaded with q and k, its latency under the inverse's products,
+# lost: 0.2226 / 1.1349 / 3.4201 / 0.0287, 104 bytes spilled at the cap.)
+
+
+@triton.jit
+def _dot(x, y, BF16: tl.constexpr):
+    """x @ y for the chunked delta rule's chain: fp32 operands on TF32 tensor cores, or (BF16) rounded to bf16 as fla's
+    chunked kernels do, which halves the registers an MMA operand takes; fp32 accumulation either way."""
+    if BF16:
+        product = tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
+    else:  # (an else, not an early return: Triton would type-check the tf32 form on bf16 operands too)
+        product = tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision=PRECISION)
+    return product
+
+
+@triton.jit
+def _l2_normalised(x):
+    """Rows of x [BT, K] (fp32) over their L2 norm, as use_qk_l2norm_in_kernel does."""
+    return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias):
+    """A chunk's cumulative log decay γ (g summed from the chunk's start; g = 0 past the segment's end, so γ stays
+    at its last value there) and β, both [BT] fp32, 0 β past the end."""
+    b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32) + bias
+    g = tl.where(m, -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a))), 0.0)
+    beta = tl.where(m, tl.sigmoid(tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)), 0.0)
+    return tl.cumsum(g, axis=0), beta
+
+
+@triton.jit
+def _load_rows(ptrs, m, MASKED: tl.constexpr):
+    """A [BT, n] tile, its rows past a segment's end (~m) read as zeros when MASKED (a segment's last chunk), all
+    read otherwise: only a partial chunk pays for per-element masks."""
+    if MASKED:
+        x = tl.load(ptrs, mask=m[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_rows(ptrs, x, m, MASKED: tl.constexpr):
+    """_load_rows' store: rows past a segment's end are left alone when MASKED."""
+    if MASKED:
+        tl.store(ptrs, x, mask=m[:, None])
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
+def _chunk_terms(
+    q,
+    k,
+    v,
+    a,
+    b,
+    w,
+    u,
+    qs,
+    kd,
+    qk,
+    dend,
+    c0,
+    eos,
+    hk,
+    hv,
+    decay_rate,
+    bias,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    HV,
+    K,
+    V,
+    BT,
+    LOG2_BT,
+    MASKED,
+):
+    """One chunk's state-independent terms (tokens [c0, min(c0 + BT, eos)) of one segment; MASKED unless the chunk
+    is whole), written per token: W and U₀ (below), and everything else the chain multiplies by the state, so that
+    its loop holds only the products: Qs = q̂ exp(γ) scale, Kd = k̂ exp(γ_last − γ) [BT, K], QK = (q̂·k̂ᵀ ⊙ decay)
+    scale [BT, BT] and exp(γ_last) (dend, at the chunk's first token). Addresses are the chunk's scalar base plus
+    in-chunk offsets (int32)."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    t = c0 + o_t
+    m = t < eos
+    gam, beta = _chunk_gates(a, b, t, m, stride_at, hv, decay_rate, bias)
+    in_qk = o_t[:, None] * stride_t + o_k[None, :]  # q and k rows: [T, H, K] with token stride stride_t
+    in_k = o_t[:, None] * (HV * K) + o_k[None, :]  # the per-(token, value head) terms: [T, HV, K]
+    at_k = (c0 * HV + hv) * K
+    b_k = _l2_normalised(_load_rows(k + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
+    causal = o_t[:, None] >= o_t[None, :]
+    decay = tl.where(causal, tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    # q's terms first, stored before the inverse (fewer tiles live at once: no register spills on sm_90a). The
+    # chain's bf16 products round q̂ and k̂ after these scalings (fp32 here), as it rounded them before. γ stays at its
+    # last value past the segment's end, so γ_last is the chunk's (or the segment's) end.
+    b_q = _l2_normalised(_load_rows(q + c0 * stride_t + hk * K + in_qk, m, MASKED).to(tl.float32))
+    QK = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * decay, 0.0) * scale
+    in_tt = o_t[:, None] * (HV * BT) + o_t[None, :]
+    _store_rows(qk + (c0 * HV + hv) * BT + in_tt, QK.to(qk.dtype.element_ty), m, MASKED)
+    _store_rows(qs + at_k + in_k, (b_q * (tl.exp(gam) * scale)[:, None]).to(qs.dtype.element_ty), m, MASKED)
+    last = tl.sum(tl.where(o_t == BT - 1, gam, 0.0), axis=0)
+    _store_rows(kd + at_k + in_k, (b_k * tl.exp(last - gam)[:, None]).to(kd.dtype.element_ty), m, MASKED)
+    tl.store(dend + c0 * HV + hv, tl.exp(last))
+    strict = o_t[:, None] > o_t[None, :]
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    A = tl.where(strict, beta[:, None] * decay * tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…, exact once A^BT = 0 (A is strictly lower-triangular).
+    T = eye - A
+    P = A
+    for _ in tl.static_range(LOG2_BT - 1):
+        P = tl.dot(P, P, input_precision=PRECISION)
+        T = tl.dot(T, eye + P, input_precision=PRECISION)
+    W = tl.dot(T, (beta * tl.exp(gam))[:, None] * b_k, input_precision=PRECISION)
+    _store_rows(w + at_k + in_k, W.to(w.dtype.element_ty), m, MASKED)
+    b_v = _load_rows(v + c0 * stride_vt + hv * V + o_t[:, None] * stride_vt + o_v[None, :], m, MASKED)
+    U0 = tl.dot(T, beta[:, None] * b_v.to(tl.float32), input_precision=PRECISION)
+    _store_rows(u + (c0 * HV + hv) * V + o_t[:, None] * (HV * V) + o_v[None, :], U0.to(u.dtype.element_ty), m, MASKED)
+
+
+# The segment count varies per pass: one compiled variant for any (no specialisation on its value).
+@triton.jit(do_not_specialize=["N", "steps"])
+def _chunk_prep_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    cu,
+    w,
+    u,
+    qs,
+    kd,
+    qk,
+    dend,
+    N,
+    scale,
+    stride_t,
+    stride_vt,
+    stride_at,
+    steps,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    LOG2_BT: tl.constexpr,
+):
+    """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
+    T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
+    W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
+    (as the chain multiplies them: CHUNK_DOTS), so that the sequential pass gets U = U₀ − W S; and the scaled q̂
+    and k̂, the chunk's q̂·k̂ᵀ and its end decay (_chunk_terms). Chunks start at their segment's first token and
+    every BT tokens after; a program takes the chunks that start in its BT tokens of the input (at most one per
+    segment, found from the first segment reaching into them)."""
+    i_t, hv = tl.program_id(0), tl.program_id(1)
+    hk = hv // (HV // H)
+    start = i_t.to(tl.int64) * BT
+    decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
+    bias = tl.load(dt_bias + hv).to(tl.float32)
+    # A window at or past the tokens' end has nothing to do, and returns before the segment search: a captured
+    # pass's padding windows, and every window of an empty group (a long5 pass's empty short group: 11 µs a layer
+    # for 5,120 such programs, H200 at 4db113d).
+    end = tl.load(cu + N).to(tl.int64)
+    n = start * 0 + N
+    if start < end:
+        n = segment_of(cu, N, start, steps)
+    # Segments in turn while they start in this window and before the tokens end: a captured pass's padding
+    # segments all start at the end, and the window holding it would otherwise walk every one of them (a long5
+    # pass's long group: 19 in series; not what its 0.027 ms a layer against unpadded was, H200 at 4db113d).
+    while (n < N) & (tl.load(cu + n).to(tl.int64) < tl.minimum(start + BT, end)):
+        bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+        c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
+        if c0 < tl.minimum(eos, start + BT):
+            # Two compiled bodies, one run: masks only for a segment's last, partial chunk.
+            for partial in tl.static_range(2):
+                if (c0 + BT > eos) == (partial == 1):
+                    _chunk_terms(
+                        q,
+                        k,
+                        v,
+                        a,
+                        b,
+                        w,
+                        u,
+                        qs,
+                        kd,
+                        qk,
+                        dend,
+                        c0,
+                        eos,
+                        hk,
+                        hv,
+                        decay_rate,
+                        bias,
+                        scale,
+                        stride_t,
+                        stride_vt,
+                        stride_at,
+                        HV,
+                        K,
+                        V,
+                        BT,
+                        LOG2_BT,
+                        partial == 1,
+                    )
+        n += 1
+
+
+@triton.jit
+def _chain_chunk(
+    S, qs, kd, w, u, qk, dend, o, c0, hv, in_k, in_qk, in_u, in_o, stride_ut, stride_ot, HV, K, V, BT, BF16, m, MASKED
+):
+    """One chunk of the chain from c0 (its rows m, read and written only where m holds when MASKED): its output
+    stored, the next state returned."""
+    at_k = (c0 * HV + hv) * K
+    b_qs = _load_rows(qs + at_k + in_k, m, MASKED)
+    b_kd = _load_rows(kd + at_k + in_k, m, MASKED)
+    b_w = _load_rows(w + at_k + in_k, m, MASKED)
+    b_u = _load_rows(u + c0 * stride_ut + hv * V + in_u, m, MASKED)
+    b_qk = _load_rows(qk + (c0 * HV + hv) * BT + in_qk, m, MASKED)
+    U = b_u - _dot(b_w, S, BF16)
+    out = _dot(b_qs, S, BF16) + _dot(b_qk, U, BF16)
+    _store_rows(o + c0 * stride_ot + hv * V + in_o, out.to(o.dtype.element_ty), m, MASKED)
+    return tl.load(dend + c0 * HV + hv) * S + _dot(tl.trans(b_kd), U, BF16)
+
+
+@triton.jit
+def _chain_item(
+    item,
+    u,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    stride_ut,
+    stride_ot,
+    w,
+    qs,
+    kd,
+    qk,
+    dend,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    CONTINUE: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """One item of _chunked_delta_rule_kernel; returns its segment's start."""
+    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
+        item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
+    )
+    written = eos > bos  # as in _recurrent_rows_kernel
+    o_t = tl.arange(0, BT)
+    # Offsets within a chunk (the same for every chunk) and the chunk's base: only a segment's last chunk can be
+    # partial, so the others (a first pass over the whole chunks) load and store without per-element masks.
+    in_k = (o_t[:, None] * HV) * K + o_k[None, :]
+    in_qk = (o_t[:, None] * HV) * BT + o_t[None, :]
+    in_u = o_t[:, None] * stride_ut + o_v[None, :]
+    in_o = o_t[:, None] * stride_ot + o_v[None, :]
+    full_end = bos + (eos - bos) // BT * BT
+    for partial in tl.static_range(2):
+        for c0 in range(full_end if partial == 1 else bos, eos if partial == 1 else full_end, BT):
+            S = _chain_chunk(
+                S,
+                qs,
+                kd,
+                w,
+                u,
+                qk,
+                dend,
+                o,
+                c0,
+                hv,
+                in_k,
+                in_qk,
+                in_u,
+                in_o,
+                stride_ut,
+                stride_ot,
+                HV,
+                K,
+                V,
+                BT,
+                BF16,
+                o_t < eos - c0,
+                partial == 1,
+            )
+    if not CONTINUE:
+        tl.store(state, S, mask=written)
+    return bos
+
+
+@triton.jit(do_not_specialize=["N"])
+def _chunked_delta_rule_kernel(
+    q,
+    k,
+    u,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    o,
+    scale,
+    stride_t,
+    stride_ut,
+    stride_at,
+    stride_ot,
+    w,
+    qs,
+    kd,
+    qk,
+    dend,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    CONTINUE: tl.constexpr,
+    BF16: tl.constexpr,
+    LOOP: tl.constexpr,
+    N,
+):
+    """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
+    added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
+    o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
+    the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
+    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
+    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
+    if LOOP:  # items in turn until the segments' tokens end (_next_item)
+        end = tl.load(cu + N).to(tl.int64)
+        item = tl.program_id(0)
+        while item < N * HV * (V // BV):
+            bos = _chain_item(
+                item,
+                u,
+                a_log,
+                dt_bias,
+                pool,
+                slots,
+                cu,
+                o,
+                stride_ut,
+                stride_ot,
+                w,
+                qs,
+                kd,
+                qk,
+                dend,
+                H,
+                HV,
+                K,
+                V,
+                BV,
+                BT,
+                CONTINUE,
+                BF16,
+            )
+            item = _next_item(item, bos, end, N * HV * (V // BV))
+    else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
+        _chain_item(
+            tl.program_id(0),
+            u,
+            a_log,
+            dt_bias,
+            pool,
+            slots,
+            cu,
+            o,
+            stride_ut,
+            stride_ot,
+            w,
+            qs,
+            kd,
+            qk,
+            dend,
+            H,
+            HV,
+            K,
+            V,
+            BV,
+            BT,
+            CONTINUE,
+            BF16,
+        )
+
+
+def chunked_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+    out: torch.Tensor | None = None,
+    padded: bool = False,
+    lead_apart: bool = False,
+    lead: int = 0,
+) -> torch.Tensor:
+    """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
+    chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
+    the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
+    segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass runs CHUNK_WIDE or
+    CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
+    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS);
+    with `lead_apart` (a padded group of long new states) too, its first long segment on a launch of its own
+    (LEAD_APART): segment `lead` (a captured pass's group of short and long new states: its short slots come first)."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    n = slots.shape[0]
+    # The chain's operands (W, Qs, Kd, QK, U₀) are stored as it multiplies them: bf16, or fp32 for tf32 products.
+    operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
+    w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
+    qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
+    u = torch.empty(T, HV, V, device=q.device, dtype=operands)
+    dend = torch.empty(T, HV, device=q.device, dtype=torch.float32)  # at each chunk's first token
+    if n:
+        assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1 and v.stride(1) == V
+        assert a.stride() == b.stride() and a.stride(1) == 1
+        _chunk_prep_kernel[(triton.cdiv(T, CHUNK), HV)](
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            cu,
+            w,
+            u,
+            qs,
+            kd,
+            qk,
+            dend,
+            n,
+            K**-0.5,
+            q.stride(0),
+            v.stride(0),
+            a.stride(0),
+            search_steps(n),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BT=CHUNK,
+            LOG2_BT=CHUNK.bit_length() - 1,
+            num_warps=PREP_WARPS,
+            **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
+        )
+    wide = not padded and n >= segments_for_wide(q.device, HV, V)
+    block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
+    extra = dict(w=w, qs=qs, kd=kd, qk=qk, dend=dend, BT=CHUNK, BF16=CHUNK_DOTS == "bf16")
+    if maxnreg is not None:
+        extra["maxnreg"] = maxnreg
+
+    def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None) -> torch.Tensor:
+        """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them)."""
+        run_slots, run_cu = slots[first:last], cu[first : last + 1]
+        args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
+        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra)
+
+    if not (padded and lead_apart and LEAD_APART and n > lead + 1):
+        return chain(0, n, CHUNK_PER_SM if padded else None, out)
+    out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
+    with beside(q.device) as apart:
+        apart(lambda: chain(lead, lead + 1, None, out))
+        for first, last in ((0, lead), (lead + 1, n)):  # the others in turn, beside it
+            if last > first:
+                chain(first, last, CHUNK_PER_SM, out)
+    return out
+
+
+def segments_for_wide(device: torch.device, value_heads: int, value_dim: int) -> int:
+    """The fewest segments of one pass that run the sequential pass in its CHUNK_WIDE configuration (the engine's
+    warm-up runs that many so that neither configuration compiles on a request)."""
+    return WIDE_ABOVE * _sm_count(device) // (value_heads * triton.cdiv(value_dim, CHUNK_NARROW[0])) + 1
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the interpreter's CPU tensors: 1)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

@@ -1,0 +1,159 @@
+"""What one fused pass works on, described on the host (PassLayout) and on the device (PassInput): new states'
+tokens first, then question rows' tokens, each kind split into kernel groups by segment length (short segments,
+then long ones), plus the bank pool indices the mixers read and write. Eager passes size it exactly; captured
+passes (graphs.py) pad it to a bucket.
+
+fla hazards (../shared/docs/qwen35-and-kernels.md §4.7): fla memoises results derived from `cu_seqlens` by tensor
+identity, so every eager pass builds fresh `cu_seqlens` tensors and never mutates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..scoring.transfer import device_ints
+
+# A segment this short runs the recurrent delta rule (fp32 state throughout), a longer one the chunked kernel. The
+# choice depends on the segment alone, never on what shares its pass, so a question's answer does not depend on
+# its batch.
+RECURRENT_MAX_LEN = 64
+
+# Batch invariance of the GEMMs: cuBLAS picks split-K by the row count M, and a split changes the summation order, so
+# a row's bf16 output would depend on what shares its pass. Measured on the H200 (bench/diag.py sweep, Kev-4B
+# projections, M = 1..4,096 against M = 8,192): cuBLASLt's results are identical for every M >= 52, cuBLAS's only
+# from M = 257. So the fused path prefers cuBLASLt and gives every GEMM at least MIN_GEMM_ROWS rows (pad rows that
+# nothing reads); at these sizes the GEMMs are bound by reading the weights, so the padding costs nothing.
+MIN_GEMM_ROWS = 64
+
+
+def pad_rows(x: torch.Tensor, rows: int = MIN_GEMM_ROWS) -> torch.Tensor:
+    """x with zero rows appended up to `rows` (x itself when it has enough)."""
+    return x if x.shape[0] >= rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+
+
+def is_short(length: int) -> bool:
+    return length <= RECURRENT_MAX_LEN
+
+
+@dataclass
+class KernelGroup:
+    """Segments of one kind and one length class, contiguous in the pass: tokens [start, end). Short ones (up to
+    RECURRENT_MAX_LEN tokens) run our kernels (the delta rule chunked or token by token: short_delta_rule), which read
+    or write the bank in place; longer ones chunked kernels (fla's or ours, FusedQwen35.long_kernels) and torch's
+    varlen attention. The class depends on a segment's own length, never on its company."""
+
+    short: bool
+    start: int
+    end: int
+    max_len: int  # longest segment (for a captured pass, the bound its grids are sized for)
+    cu: torch.Tensor  # int64 offsets from `start`, [segments + 1]; fresh per eager pass (fla caches by identity)
+    slots: torch.Tensor  # the pool slot of each segment (its own, or the state a row continues)
+    cu_cpu: torch.Tensor | None = None  # long groups: the same on the host, so fla builds its chunk maps unsynced
+    cu32: torch.Tensor | None = None  # long new states: int32 for varlen attention
+    padded: bool = False  # a captured pass's group: `slots` and `cu` are its capacity, mostly empty segments
+    # A captured pass's new states in one group (graphs.StaticInputs.pass_input): its first `short_segments`
+    # segments are the short states' slots, the rest the long ones'. 0: one length class, as `short` says.
+    short_segments: int = 0
+
+    @property
+    def span(self) -> slice:
+        return slice(self.start, self.end)
+
+    @classmethod
+    def build(cls, start: int, lengths: list[int], slots: list[int], device: torch.device) -> KernelGroup:
+        short = all(is_short(n) for n in lengths)
+        assert short or not any(is_short(n) for n in lengths)
+        cu_host = offsets(lengths)
+        cu = device_ints(cu_host, device)
+        return cls(
+            short=short,
+            start=start,
+            end=start + cu_host[-1],
+            max_len=max(lengths),
+            cu=cu,
+            slots=device_ints(slots, device),
+            cu_cpu=None if short else torch.tensor(cu_host, dtype=torch.int64),
+            cu32=None if short else cu.to(torch.int32),
+        )
+
+
+def offsets(lengths: list[int], start: int = 0) -> list[int]:
+    """Cumulative offsets [start, start + n0, start + n0 + n1, ...] of consecutive segments (cu_seqlens)."""
+    out = [start]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+@dataclass
+class Segments:
+    """The new states, or the question rows, of a pass: tokens [start, end), short segments first, then long ones;
+    `cu` and `max_len` cover them all (rows' attention runs over every row at once)."""
+
+    start: int
+    end: int
+    max_len: int
+    cu: torch.Tensor  # int64 offsets from `start` of every segment
+    groups: list[KernelGroup]
+
+    @classmethod
+    def build(cls, start: int, lengths: list[int], slots: list[int], device: torch.device) -> Segments:
+        """Segments in the given order, which must put every short one before every long one."""
+        n_short = sum(is_short(n) for n in lengths)
+        assert all(is_short(n) for n in lengths[:n_short])
+        groups = []
+        offset = start
+        for part in (slice(0, n_short), slice(n_short, len(lengths))):
+            if lengths[part]:
+                group = KernelGroup.build(offset, lengths[part], slots[part], device)
+                groups.append(group)
+                offset = group.end
+        # One length class (the usual case): the region's offsets are its group's, already on the device.
+        cu = groups[0].cu if len(groups) == 1 else device_ints(offsets(lengths), device)
+        return cls(start, offset, max(lengths), cu, groups)
+
+
+@dataclass
+class PassLayout:
+    """A pass on the host: new states' tokens first, then the rows'. Row picks count from the first row token."""
+
+    state_ids: list[int] | np.ndarray = field(default_factory=list)  # numpy from the scorer (StateTokens' ids)
+    state_lengths: list[int] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)
+    # Pool K/V index of each state token (a long state's are thousands: numpy, as the bank gives them, or a list).
+    state_kv_dst: list[int] | np.ndarray = field(default_factory=list)
+    row_ids: list[int] = field(default_factory=list)
+    row_positions: list[int] = field(default_factory=list)
+    row_lengths: list[int] = field(default_factory=list)
+    row_slots: list[int] = field(default_factory=list)
+    prefix: list[int] | np.ndarray = field(default_factory=list)  # each continued state's tokens' pool K/V index
+    prefix_start: list[int] = field(default_factory=list)
+    prefix_len: list[int] = field(default_factory=list)
+    row_picks: list[int] = field(default_factory=list)
+
+    def state_positions(self) -> np.ndarray:
+        """Each new state's token positions, 0 … n − 1, one state after another (int64)."""
+        if not self.state_lengths:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(n, dtype=np.int64) for n in self.state_lengths])
+
+    @property
+    def all_short(self) -> bool:
+        return all(is_short(n) for n in self.state_lengths) and all(is_short(n) for n in self.row_lengths)
+
+
+@dataclass
+class PassInput:
+    ids: torch.Tensor  # [T]: new-state tokens, then row tokens, then any padding
+    positions: torch.Tensor  # [T]
+    states: Segments | None  # new states computed in this pass
+    state_kv_dst: torch.Tensor | None  # pool K/V index of each new-state token
+    rows: Segments | None  # question rows (None: a pass of new states only)
+    row_prefix: torch.Tensor  # pool K/V index of the tokens of each state the rows continue, one run per state
+    row_prefix_start: torch.Tensor  # where each row's state run starts in row_prefix
+    row_prefix_len: torch.Tensor  # its length (the state's tokens)
+    picks: torch.Tensor  # pass token index of every </opt> and <decide> read by the head

@@ -1,0 +1,309 @@
+"""The fused path's scorer: plans a batch into passes (whole states at a time, within a token budget and the bank's
+room), finds or allocates each state's bank slot, runs the passes (replayed from CUDA graphs when one fits) and
+reads the pointer head. Same interface as the reference scorer."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model.qwen35 import Qwen35TextModel
+from ..protocol.encoding import Encoded, EncodedQuestion, token_ids
+from ..scoring.head import PendingProbabilities, batch_questions
+from ..scoring.transfer import device_int_fields
+from .fused import FusedQwen35, FusedWeights, PassKernels
+from .head import PointerHead
+from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
+from .pool import GpuBank, Slot, StatePool
+
+
+@dataclass
+class Row:
+    request: int
+    question: int
+    tokens: EncodedQuestion
+    state: tuple[int, ...]
+
+
+class FusedScorer:
+    """Same interface as ReferenceScorer: per request, per question, the option probabilities."""
+
+    def __init__(
+        self,
+        model: Qwen35TextModel,
+        head: dict[str, torch.Tensor],
+        temperature: float,
+        pad_id: int,
+        bank_bytes: int,
+        pass_tokens: int = 32_768,
+        max_state_tokens: int = 65_536,
+        dtype: torch.dtype = torch.bfloat16,
+        kernels: PassKernels | None = None,
+        split_passes: bool = False,
+        graphs: bool = False,
+        graph_max_tokens: int = 4096,
+        max_graphs: int = 112,
+        long_kernels: str = "fla",
+        short_delta_rule: str = "recurrent",
+        graph_warm_passes: bool = False,
+    ) -> None:
+        self.device = next(model.parameters()).device
+        self.long_kernels = long_kernels
+        self.short_delta_rule = short_delta_rule
+        self.weights = FusedWeights(model, dtype)
+        self.pointer = PointerHead(head, temperature)
+        self.pad_id = pad_id
+        self.pass_tokens = pass_tokens
+        self.max_state_tokens = max_state_tokens
+        self.bank_bytes = bank_bytes
+        self.dtype = dtype
+        self.kernels = kernels
+        # One pass per batch: new states' and rows' tokens share every GEMM (False), or states then rows (True).
+        self.split_passes = split_passes
+        # CUDA graphs for passes that fit a bucket (graphs.py; with long new states only on our long kernels); off,
+        # or no CUDA: every pass eagerly (on a CPU with graphs on, the padded passes run eagerly from the graphs'
+        # buffers).
+        self.use_graphs = graphs
+        self.graph_max_tokens = graph_max_tokens
+        self.max_graphs = max_graphs
+        self.graph_warm_passes = graph_warm_passes
+        self.bank = self._new_bank()
+        self.model = self._new_model()
+        self.graphs = self._new_graphs()
+        self.oom_retries = 0
+
+    def _new_bank(self) -> GpuBank:
+        pool = StatePool.sized(
+            self.weights.config,
+            self.bank_bytes,
+            self.device,
+            self.dtype,
+            min_slots=1,
+            min_tokens=self.max_state_tokens + 64,
+        )
+        return GpuBank(pool)
+
+    def _new_model(self) -> FusedQwen35:
+        return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels, self.short_delta_rule)
+
+    def _new_graphs(self):
+        if not self.use_graphs:
+            return None
+        from .graphs import PassGraphs
+
+        return PassGraphs(
+            self.model,
+            self.bank.pool,
+            self.pad_id,
+            max_tokens=self.graph_max_tokens,
+            prefix_tokens=self.pass_tokens,
+            max_graphs=self.max_graphs,
+            capture=self.device.type == "cuda",
+            long_states=self.long_kernels == "ours",  # fla's chunk maps live on the host: not capturable
+            warm_passes=self.graph_warm_passes,
+        )
+
+    @property
+    def graph_replays(self) -> int:
+        return self.graphs.stats.replays if self.graphs is not None else 0
+
+    @property
+    def graph_captures(self) -> int:
+        return self.graphs.stats.captures if self.graphs is not None else 0
+
+    def warm_head(self) -> None:
+        self.pointer.warm()
+
+    def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+        return self.launch(batch).result()
+
+    def launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
+        """Enqueues the batch's passes and head on the GPU without waiting for them (nor for earlier work): the
+        result waits. Its bank slots are taken now; work enqueued earlier that read or wrote them runs first."""
+        try:
+            return self._launch(batch)
+        except torch.cuda.OutOfMemoryError:
+            # Drop the bank (and its pool), free the failed pass, retry once; a second failure fails the batch.
+            self.oom_retries += 1
+            self.bank.clear()
+            del self.model
+            self.bank = None  # type: ignore[assignment]
+            self.graphs = None
+            torch.cuda.empty_cache()
+            self.bank = self._new_bank()
+            self.model = self._new_model()
+            self.graphs = self._new_graphs()
+            return self._launch(batch)
+
+    def _launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
+        rows = [Row(r, q, tokens, e.state) for r, e in enumerate(batch) for q, tokens in enumerate(e.questions)]
+        if not rows:
+            return PendingProbabilities(len(batch))
+        projected: list[torch.Tensor] = []
+        decide_at: dict[tuple[int, int], int] = {}  # each question's <decide> row in the projections
+        base = 0
+        for group in self.plan(rows):
+            picked, decides = self.run_group(group)
+            # Projected now: a replayed pass's picks live in its graph's output until the next replay.
+            projected.append(self.pointer.project(picked))
+            decide_at.update((key, base + row) for key, row in decides.items())
+            base += picked.shape[0]
+        order, widths = batch_questions(batch)
+        probs = self.pointer.softmax(
+            projected[0] if len(projected) == 1 else torch.cat(projected), [decide_at[key] for key in order], widths
+        )
+        return PendingProbabilities.copying(len(batch), order, widths, probs)
+
+    def plan(self, rows: list[Row]) -> list[list[Row]]:
+        """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted
+        whether it is new or banked, plus its rows' tokens) and by the bank's capacity (states pinned in one pass)."""
+        by_state: OrderedDict[tuple[int, ...], list[Row]] = OrderedDict()
+        for row in rows:
+            by_state.setdefault(row.state, []).append(row)
+        groups: list[list[Row]] = []
+        current: list[Row] = []
+        cost = 0
+        states = 0
+        # The slots the bank can give (all but its scratch slot); a model without DeltaNet layers has none to lack.
+        max_states = self.bank.pool.scratch_slot if len(self.bank.pool.recurrent) else 1 << 30
+        for state, members in by_state.items():
+            need = len(state) + sum(len(m.tokens.tokens) for m in members)
+            if current and (cost + need > self.pass_tokens or states + 1 > max_states):
+                groups.append(current)
+                current, cost, states = [], 0, 0
+            current.extend(members)
+            cost += need
+            states += 1
+        if current:
+            groups.append(current)
+        return groups
+
+    def run_group(self, rows: list[Row]) -> tuple[torch.Tensor, dict[tuple[int, int], int]]:
+        """One pass: the hidden states it picked [picks, d] (a replayed pass's: its graph's output, read before the
+        next pass), and where each (request, question)'s <decide> is among them (its options follow it)."""
+        states = list(OrderedDict.fromkeys(row.state for row in rows))
+        pinned = set(states)
+        slots: dict[tuple[int, ...], Slot] = {}
+        new: list[tuple[int, ...]] = []
+        for state in states:
+            slot = self.bank.get(state)
+            if slot is None:
+                slot = self.bank.allocate(state, pinned)
+                if slot is None:
+                    raise RuntimeError("the state bank cannot hold one pass's states: raise bank_bytes")
+                new.append(state)
+            slots[state] = slot
+        # Short segments before long ones, within the states and within the rows (stable): each length class is one
+        # contiguous kernel group.
+        new.sort(key=lambda state: not is_short(len(state)))
+        rows = sorted(rows, key=lambda row: not is_short(len(row.tokens.tokens)))
+        try:
+            if self.split_passes and new:
+                # States first, in their own pass through the weights; then every row from the bank.
+                self.forward(self.layout([], new, slots))
+                new_in_pass: list[tuple[int, ...]] = []
+            else:
+                new_in_pass = new
+            picked = self.forward(self.layout(rows, new_in_pass, slots))
+        except BaseException:
+            for state in new:
+                self.bank.forget(state)
+            raise
+        decides = {}
+        offset = 0
+        for row in rows:  # in the layout's order: each row's <decide>, then its options' </opt> (PassLayout.row_picks)
+            decides[(row.request, row.question)] = offset
+            offset += 1 + len(row.tokens.option_ends)
+        return picked, decides
+
+    def forward(self, layout: PassLayout) -> torch.Tensor:
+        """One pass: replayed from its bucket's CUDA graph when it has one, else eagerly."""
+        if self.graphs is not None and (bucket := self.graphs.bucket_for(layout)) is not None:
+            return self.graphs.run(bucket, layout)
+        return self.model.forward(self.pass_input(layout))
+
+    def layout(self, rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, ...], Slot]) -> PassLayout:
+        page = self.bank.pool.page_size
+        out = PassLayout()
+        kv_dst: list[np.ndarray] = []
+        state_ids: list[np.ndarray] = []
+        for state in new:
+            state_ids.append(token_ids(state))
+            out.state_lengths.append(len(state))
+            out.state_slots.append(slots[state].slot)
+            kv_dst.append(slots[state].kv_index(page))
+        # Each state's pool K/V index once; every row points at its state's run. A request's rows share its state's
+        # tuple, so the run and slot are found by the tuple's identity first: hashing a 2,400-token tuple takes ~4 µs,
+        # and four lookups a row cost ~1.6 ms of a batch of 22 long5 requests (CPU host).
+        runs: dict[tuple[int, ...], int] = {}
+        by_identity: dict[int, tuple[int, Slot]] = {}  # the tuples stay alive (in `rows`) while this runs
+        prefix: list[np.ndarray] = []
+        prefix_tokens = 0
+        for row in rows:
+            if (found := by_identity.get(id(row.state))) is None:
+                slot = slots[row.state]
+                if (run := runs.get(row.state)) is None:
+                    run = runs[row.state] = prefix_tokens
+                    prefix.append(slot.kv_index(page))
+                    prefix_tokens += len(prefix[-1])
+                found = by_identity[id(row.state)] = (run, slot)
+            run, slot = found
+            out.prefix_start.append(run)
+            out.prefix_len.append(len(row.state))
+            start = len(out.row_ids)
+            tokens = row.tokens.tokens
+            out.row_ids.extend(tokens)
+            out.row_positions.extend(range(len(row.state), len(row.state) + len(tokens)))
+            out.row_lengths.append(len(tokens))
+            out.row_slots.append(slot.slot)
+            out.row_picks.append(start + row.tokens.decide)
+            out.row_picks.extend(start + i for i in row.tokens.option_ends)
+        # The new states' ids and K/V indices stay numpy arrays (a long state's are thousands; lists of them cost ~60
+        # µs each to write into the pinned buffer for a 2,465-token state, against ~1.5 from an array: CPU host).
+        if new:
+            out.state_ids = np.concatenate(state_ids)
+            out.state_kv_dst = np.concatenate(kv_dst)
+        if prefix:
+            out.prefix = np.concatenate(prefix)
+        return out
+
+    def pass_input(self, layout: PassLayout) -> PassInput:
+        """The pass on the device, exactly sized (padded only to MIN_GEMM_ROWS tokens)."""
+        n_state = len(layout.state_ids)
+        padding = max(0, MIN_GEMM_ROWS - n_state - len(layout.row_ids))
+        device = self.device
+        ids, positions, state_kv_dst, prefix, prefix_start, prefix_len, picks = device_int_fields(
+            [
+                np.concatenate(
+                    [
+                        np.asarray(layout.state_ids, np.int64),
+                        np.asarray(layout.row_ids, np.int64),
+                        np.full(padding, self.pad_id, np.int64),
+                    ]
+                ),
+                np.concatenate(
+                    [layout.state_positions(), np.asarray(layout.row_positions, np.int64), np.zeros(padding, np.int64)]
+                ),
+                layout.state_kv_dst,
+                layout.prefix,
+                layout.prefix_start,
+                layout.prefix_len,
+                [n_state + i for i in layout.row_picks],
+            ],
+            device,
+        )
+        return PassInput(
+            ids=ids,
+            positions=positions,
+            states=Segments.build(0, layout.state_lengths, layout.state_slots, device) if n_state else None,
+            state_kv_dst=state_kv_dst if n_state else None,
+            rows=Segments.build(n_state, layout.row_lengths, layout.row_slots, device) if layout.row_ids else None,
+            row_prefix=prefix,
+            row_prefix_start=prefix_start,
+            row_prefix_len=prefix_len,
+            picks=picks,
+        )

@@ -1,0 +1,120 @@
+"""Reference scorer: the PyTorch model run eagerly (fp32 on CPU by default), with the state bank.
+
+Each distinct state of a batch runs once (or comes from the bank); every question is a row continuing from its
+state's cache, with positions after the state. Rows of a state are right-padded into passes bounded by a token
+budget that counts the state once per row, as Kev's eager path does. It is the oracle the fast paths are held to.
+
+Memory is linear in the state, never quadratic: every pass (a state, a row pass, a row-form row) runs through the
+model in chunks of `chunk_tokens` tokens across its rows (qwen35.Qwen35TextModel.forward_in_chunks), and attention
+never materialises an L×T tensor (qwen35.causal_attention). A state of N tokens needs, beyond the weights and its
+cache, about one layer's share of the cache (the previous chunk's, released layer by layer), activations of one
+chunk, and 2 × ATTENTION_CHUNK_ELEMENTS attention scores; in fp32 with s = 4 bytes:
+
+    cache(N)   = N · n_attention_layers · 2 · Hkv · Dh · s  +  n_deltanet_layers · (conv_dim · (W-1) + Hv · Dk · Dv) · s
+    peak extra ≈ cache(N) + cache(N) / n_attention_layers + chunk_tokens · a · s + 2 · ATTENTION_CHUNK_ELEMENTS · s
+
+where a ≈ 3 · intermediate_size + 4 · hidden_size + 3 · max(2 · H · Dh, conv_dim + Hv · Dv) floats of live
+activations per token (MLP gate, up and product; residual stream; a mixer's projections). A row pass adds its rows'
+copies of the state's K/V (bounded by the row-pass budget, or one row of at most max_row_tokens). For the tiny model
+(kev_backend.dev.tiny) at Kev's 65,536-token limit: 32 MiB cache + 32 MiB + 22 MiB + 32 MiB ≈ 118 MiB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..model.qwen35 import PASS_CHUNK_TOKENS, Qwen35TextModel, SequenceCache
+from ..protocol.encoding import Encoded, EncodedQuestion
+from .bank import StateBank
+from .head import PendingProbabilities, Picked, launch_batch_probabilities, pointer_probabilities, warm_pointer_head
+
+
+class ReferenceScorer:
+    def __init__(
+        self,
+        model: Qwen35TextModel,
+        head: dict[str, torch.Tensor],
+        temperature: float,
+        pad_id: int,
+        bank: StateBank[SequenceCache],
+        row_pass_tokens: int = 16_384,
+        chunk_tokens: int = PASS_CHUNK_TOKENS,
+    ) -> None:
+        self.model = model
+        self.head = head
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.bank = bank
+        self.row_pass_tokens = row_pass_tokens
+        self.chunk_tokens = chunk_tokens  # tokens a pass runs at a time, across its rows (activations scale with it)
+        self.device = next(model.parameters()).device
+
+    def state_cache(self, state: tuple[int, ...]) -> SequenceCache:
+        cache = self.bank.get(state)
+        if cache is None:
+            ids = torch.tensor([state], device=self.device)
+            _, cache = self.model.forward_in_chunks(ids, chunk_tokens=self.chunk_tokens, keep_hidden=False)
+            self.bank.put(state, cache)
+        return cache
+
+    def warm_head(self) -> None:
+        warm_pointer_head(self.head)
+
+    def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
+        """Per request, per question, the option probabilities."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
+        """The model runs eagerly here; only the head's copy to the host is left to wait for (none on a CPU)."""
+        by_state: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for r, encoded in enumerate(batch):
+            for q in range(len(encoded.questions)):
+                by_state.setdefault(encoded.state, []).append((r, q))
+        picked: dict[tuple[int, int], Picked] = {}
+        for state, items in by_state.items():
+            cache = self.state_cache(state)
+            rows = [batch[r].questions[q] for r, q in items]
+            for chunk in self.row_passes(len(state), rows):
+                hidden = self.row_pass(cache, [rows[i] for i in chunk])
+                for j, i in enumerate(chunk):
+                    row = rows[i]
+                    picked[items[i]] = (hidden[j, row.decide], hidden[j, list(row.option_ends)])
+        return launch_batch_probabilities(self.head, self.temperature, batch, picked)
+
+    def row_passes(self, state_len: int, rows: Sequence[EncodedQuestion]) -> list[list[int]]:
+        """Row indices per pass: as many rows as fit the budget counting the state once per row."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
+        passes: list[list[int]] = []
+        current: list[int] = []
+        for i in order:
+            longest = len(rows[i].tokens)  # rows are sorted, so the newest is the longest
+            if current and (len(current) + 1) * (state_len + longest) > self.row_pass_tokens:
+                passes.append(current)
+                current = []
+            current.append(i)
+        if current:
+            passes.append(current)
+        return passes
+
+    def row_pass(self, cache: SequenceCache, rows: Sequence[EncodedQuestion]) -> torch.Tensor:
+        """Final-norm hidden states [R, L, d] of right-padded rows continuing `cache`, in fp32."""
+        width = max(len(row.tokens) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for j, row in enumerate(rows):
+            ids[j, : len(row.tokens)] = torch.tensor(row.tokens)
+        hidden, _ = self.model.forward_in_chunks(ids.to(self.device), cache, self.chunk_tokens)
+        return hidden.float()
+
+    def row_form_probabilities(self, encoded: Encoded) -> list[list[float]]:
+        """Kev's row form, the oracle: each question as one causal row state + branch from an empty cache."""
+        decide, options, counts = [], [], []
+        for row in encoded.questions:
+            ids = torch.tensor([encoded.state + row.tokens], device=self.device)
+            hidden = self.model.forward_in_chunks(ids, chunk_tokens=self.chunk_tokens)[0][0].float()
+            offset = len(encoded.state)
+            decide.append(hidden[offset + row.decide])
+            options.append(hidden[[offset + i for i in row.option_ends]])
+            counts.append(len(row.option_ends))
+        return pointer_probabilities(self.head, self.temperature, torch.stack(decide), torch.cat(options), counts)

@@ -1,0 +1,667 @@
+"""kev-serve: runs tritonserver on the Kev model repository and the System One gateway beside it, and keeps them
+answering (what `make serve` runs, through build/serve.sh).
+
+Topology: the gateway (`kev-gateway`, BIND_ADDRESS) is the front door: request limits, bodies validated before they
+reach Triton, the bearer key (KEV_API_KEY). Triton's HTTP, gRPC and metrics ports (TRITON_ADDRESS) stay on loopback
+by default: Triton's own HTTP front end is not meant to face clients, and its admin key travels in its argv.
+
+Supervision, once Triton is ready:
+- the Python backend's stub processes (children of tritonserver) are watched: tritonserver 2.51 never restarts a
+  stub that died (kill -9, the OOM killer), it keeps answering "ready" while every request fails, so a dead stub
+  means a Triton restart;
+- every KEV_PROBE_INTERVAL_S a real inference (a one-question System One request to the model) goes through Triton's
+  gRPC port. A reply saying the stub is not healthy restarts Triton at once; KEV_PROBE_FAILURES failures in a row
+  do too. A probe that timed out or was refused by the full queue counts as a failure only when Triton completed no
+  inference at all over the probe timeout (its statistics): a busy server is not restarted. The probe is one request
+  a second in Triton's and Kev's metrics; KEV_PROBE_INTERVAL_S=0 turns it off (the stub watch stays);
+- tritonserver or the gateway exiting on its own is restarted too.
+A restart: SIGTERM, SIGKILL of its process group after a short grace, its shared-memory regions removed, a fresh
+start. Every restart is one log line (what was seen, the count); recovery is another ("answering again after X s").
+More than KEV_MAX_RESTARTS restarts within KEV_RESTART_WINDOW_S exits non-zero: a crash loop is not hidden. A start
+that does not become ready (exits, or is not ready within KEV_START_TIMEOUT_S) exits non-zero with the reason.
+
+SIGTERM, SIGINT or SIGHUP stop everything within KEV_STOP_TIMEOUT_S (SIGKILL at the deadline, or at a second
+signal), remove the shared-memory regions and exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+SHM_DIR = Path("/dev/shm")
+# Every region of a start is named f"{SHM_PREFIX}{supervisor pid}_{start number}_<uuid>" (the Python backend adds
+# the uuid), so a start's regions, this supervisor's, and those of a supervisor no longer running can be found.
+SHM_PREFIX = "kev_serve_"
+PROBE_BODY = b'{"state":"probe","questions":{"ok":{"type":"noul","instructions":"ok?"}}}'
+UNHEALTHY = "is not healthy"  # the Python backend's refusal once its stub is gone
+QUEUE_FULL = "Exceeds maximum queue size"
+STUB_COMM = "triton_python_b"  # triton_python_backend_stub, as /proc/<pid>/stat spells it (15 characters)
+TICK_S = 0.1
+# A server being restarted is broken (its stub is dead or hung): nothing it holds is worth waiting for, so it is
+# killed at once (a grace of 2 s was 2 s more of outage on every restart) and its shared memory removed here.
+RESTART_GRACE_S = 0.0
+# Run in place of each child before it execs its command: SIGKILL when the supervisor dies, whatever kills it, so a
+# killed supervisor leaves no server holding its ports (PR_SET_PDEATHSIG survives exec; 1 = PR_SET_PDEATHSIG).
+PDEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def log(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} kev-serve: {message}", file=sys.stderr, flush=True)
+
+
+class GiveUp(Exception):
+    """Supervision cannot go on: the reason is logged, everything is stopped, the exit code is 1."""
+
+
+@dataclass(frozen=True)
+class Config:
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    gateway_port: int = 8009
+    gateway: bool = True
+    triton_address: str = "127.0.0.1"
+    bind_address: str = "127.0.0.1"
+    model_repository: Path = REPO / "model_repository"
+    venv: Path = REPO / ".venv"
+    model: str = "kev"
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 10.0
+    probe_failures: int = 3
+    start_timeout_s: float = 600.0
+    stop_timeout_s: float = 5.0
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, env: dict[str, str], argv: Iterable[str]) -> Config:
+        def number(name: str, default: float, kind: type = float) -> float:
+            try:
+                value = kind(env.get(name, default))
+            except ValueError:
+                raise GiveUp(f"{name}={env[name]!r} is not a number") from None
+            if value < 0:
+                raise GiveUp(f"{name} must not be negative")
+            return value
+
+        return cls(
+            http_port=int(number("HTTP_PORT", cls.http_port, int)),
+            grpc_port=int(number("GRPC_PORT", cls.grpc_port, int)),
+            metrics_port=int(number("METRICS_PORT", cls.metrics_port, int)),
+            gateway_port=int(number("GATEWAY_PORT", cls.gateway_port, int)),
+            gateway=env.get("GATEWAY", "1") != "0",
+            triton_address=env.get("TRITON_ADDRESS") or cls.triton_address,
+            bind_address=env.get("BIND_ADDRESS") or cls.bind_address,
+            model_repository=Path(env.get("MODEL_REPOSITORY") or cls.model_repository).resolve(),
+            venv=Path(env.get("KEV_VENV") or cls.venv).resolve(),
+            model=env.get("KEV_TRITON_MODEL") or cls.model,
+            probe_interval_s=number("KEV_PROBE_INTERVAL_S", cls.probe_interval_s),
+            probe_timeout_s=number("KEV_PROBE_TIMEOUT_S", cls.probe_timeout_s),
+            probe_failures=max(1, int(number("KEV_PROBE_FAILURES", cls.probe_failures, int))),
+            start_timeout_s=number("KEV_START_TIMEOUT_S", cls.start_timeout_s),
+            stop_timeout_s=max(2.0, number("KEV_STOP_TIMEOUT_S", cls.stop_timeout_s)),
+            max_restarts=int(number("KEV_MAX_RESTARTS", cls.max_restarts, int)),
+            restart_window_s=number("KEV_RESTART_WINDOW_S", cls.restart_window_s),
+            extra_args=tuple(argv),
+        )
+
+    @property
+    def triton_host(self) -> str:
+        """Where the supervisor and the gateway reach Triton: loopback when Triton binds every address."""
+        if self.triton_address in ("0.0.0.0", "::", ""):
+            return "127.0.0.1"
+        return f"[{self.triton_address}]" if ":" in self.triton_address else self.triton_address
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.triton_host}:{self.grpc_port}"
+
+
+def admin_key(env: dict[str, str]) -> str:
+    """The value of the `admin-key` header Triton's restricted APIs require.
+
+    TRITON_ADMIN_KEY_FILE names a file holding a chosen key; TRITON_ADMIN_KEY (an environment variable, readable only
+    by the same user) is still accepted; otherwise a random key per supervisor start, which is never printed.
+    tritonserver 2.51 takes the key only in its argv, where local users of the host can read it: see build/serve.sh.
+    """
+    if path := env.get("TRITON_ADMIN_KEY_FILE"):
+        try:
+            key = Path(path).read_text().strip()
+        except OSError as error:
+            raise GiveUp(f"TRITON_ADMIN_KEY_FILE: {error}") from None
+    else:
+        key = env.get("TRITON_ADMIN_KEY") or secrets.token_hex(16)
+    # The key sits inside "<apis>:admin-key=<key>", which Triton splits on ',', ':' and '='.
+    if not re.fullmatch(r"[A-Za-z0-9._~+/-]+", key):
+        raise GiveUp("the admin key must be non-empty and use only letters, digits and ._~+/-")
+    return key
+
+
+def shm_prefix(supervisor_pid: int, start: int) -> str:
+    return f"{SHM_PREFIX}{supervisor_pid}_{start}_"
+
+
+def remove_shm(prefix: str) -> list[str]:
+    """Removes the shared-memory regions whose names start with `prefix`; their names."""
+    removed = []
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def remove_stale_shm() -> list[str]:
+    """Regions of this user left by supervisors no longer running (one killed by SIGKILL cannot clean up). Unlinking
+    a region a process still maps is safe: the memory lives until it is unmapped."""
+    removed = []
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        match = re.match(rf"{SHM_PREFIX}(\d+)_", path.name)
+        try:
+            if not match or path.stat().st_uid != os.getuid() or pid_alive(int(match[1])):
+                continue
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def proc_stat(pid: int) -> tuple[str, str, int] | None:
+    """(comm, state, ppid) of a process from /proc, or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+    return comm, rest[0], int(rest[1])
+
+
+def python_stubs(parent: int) -> dict[int, str]:
+    """The Python backend's stub processes of tritonserver `parent`: pid -> instance name (e.g. kev_0_0)."""
+    stubs = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = proc_stat(int(entry))
+        # A zombie is kept: a stub that died before this scan is found dead by the watch at once.
+        if stat is None or stat[2] != parent or stat[0] != STUB_COMM:
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # The stub's argv ends with "<instance name> <runtime>" (then an empty string after the last NUL).
+        stubs[int(entry)] = argv[-3].decode(errors="replace") if len(argv) >= 3 else "?"
+    return stubs
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Child:
+    """A child process in its own process group (which its own children share: Triton's stubs), so terminal
+    signals reach only the supervisor and SIGKILL of the group leaves nothing behind."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        launcher = [sys.executable, "-I", "-S", "-c", PDEATHSIG_EXEC, str(os.getpid())]
+        self.process = subprocess.Popen([*launcher, *command], env=env, stdin=subprocess.DEVNULL, process_group=0)
+        self.pid = self.process.pid
+        self.started = time.monotonic()
+
+    def exited(self) -> bool:
+        """True once the process has exited. It is not reaped here: its pid, and so its process group id, stays
+        reserved until `reap`, so `kill_group` can never reach an unrelated group that reused the number."""
+        if self.process.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def terminate(self) -> None:
+        if not self.exited():
+            os.kill(self.pid, signal.SIGTERM)
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def reap(self) -> int:
+        """SIGKILL to what is left of the group (a stub outlives a killed tritonserver by ~2 s), then the exit code."""
+        if self.process.returncode is not None:
+            return self.process.returncode
+        self.kill_group()
+        return self.process.wait()
+
+
+def stop_children(children: list[Child], deadline: float, hurry: Callable[[], bool]) -> bool:
+    """SIGTERM to each, SIGKILL to the groups of those still running at `deadline` (or once `hurry()`); True if all
+    exited on their own."""
+    for child in children:
+        child.terminate()
+    while not all(child.exited() for child in children) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.02)
+    graceful = all(child.exited() for child in children)
+    for child in children:
+        child.reap()
+    return graceful
+
+
+class Probe:
+    """Triton's gRPC API through futures: the supervisor's loop never blocks on Triton. One per Triton start (a new
+    channel, whose reconnect backoff is kept short so a restarted server is seen at once)."""
+
+    def __init__(self, target: str, model: str) -> None:
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 250),
+        ]
+        self.channel = grpc.insecure_channel(target, options=options)
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.model = model
+        request = service_pb2.ModelInferRequest(model_name=model)
+        tensor = request.inputs.add(name="REQUEST", datatype="BYTES")
+        tensor.shape.extend([1, 1])
+        request.outputs.add(name="RESPONSE")
+        request.raw_input_contents.append(struct.pack("<I", len(PROBE_BODY)) + PROBE_BODY)
+        self.request = request
+
+    def ready(self) -> grpc.Future:
+        return self.stub.ServerReady.future(service_pb2.ServerReadyRequest(), timeout=2.0)
+
+    def infer(self, timeout_s: float) -> grpc.Future:
+        return self.stub.ModelInfer.future(self.request, timeout=timeout_s)
+
+    def statistics(self) -> grpc.Future:
+        return self.stub.ModelStatistics.future(service_pb2.ModelStatisticsRequest(name=self.model), timeout=2.0)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def answered(reply: service_pb2.ModelInferResponse) -> bool:
+    """The probe's reply holds a Kev answer to its question."""
+    try:
+        raw = reply.raw_output_contents[0]
+        (length,) = struct.unpack_from("<I", raw)
+        return "ok" in json.loads(raw[4 : 4 + length])["answers"]
+    except (IndexError, struct.error, ValueError, KeyError, TypeError):
+        return False
+
+
+@dataclass
+class RestartBudget:
+    """At most `limit` restarts within any `window_s` seconds."""
+
+    limit: int
+    window_s: float
+    times: deque[float] = field(default_factory=deque)
+
+    def spend(self, now: float) -> int:
+        """Records a restart at `now`; returns the restarts within the window, this one included."""
+        self.times.append(now)
+        while self.times and self.times[0] <= now - self.window_s:
+            self.times.popleft()
+        return len(self.times)
+
+    def exhausted(self) -> bool:
+        return len(self.times) > self.limit
+
+
+class Supervisor:
+    def __init__(self, config: Config, env: dict[str, str], key: str) -> None:
+        self.config = config
+        self.env = env
+        self.key = key  # only ever in tritonserver's argv
+        self.stop_signal: int | None = None
+        self.hurry = False  # a second signal: SIGKILL without waiting for the deadline
+        self.budget = RestartBudget(config.max_restarts, config.restart_window_s)
+        self.triton: Child | None = None
+        self.gateway: Child | None = None
+        self.gateway_restarts = 0
+        self.triton_restarts = 0
+        self.starts = 0
+        self.ready = False
+        self.start_deadline = 0.0
+        self.outage_since: float | None = None  # when the failure behind the current restart was seen
+        self.stubs: dict[int, str] = {}
+        self.probe: Probe | None = None
+        self.readiness: grpc.Future | None = None
+        self.inference: grpc.Future | None = None
+        self.inference_sent = 0.0
+        self.statistics: grpc.Future | None = None
+        self.statistics_sent = 0.0
+        self.next_check = 0.0
+        self.next_probe = 0.0
+        self.next_statistics = 0.0
+        self.failures = 0
+        self.successes: deque[tuple[float, int]] = deque(maxlen=256)  # (time, Triton's successful inferences)
+
+    # Processes
+
+    def triton_command(self) -> list[str]:
+        c = self.config
+        restricted = f"model-repository,shared-memory,trace,logging:admin-key={self.key}"
+        return [
+            str(REPO / "build" / "tritonserver.sh"),
+            f"--model-repository={c.model_repository}",
+            "--model-control-mode=none",
+            "--strict-readiness=true",
+            "--disable-auto-complete-config",  # config.pbtxt is complete: no short-lived stub process at model load
+            f"--http-address={c.triton_address}",
+            f"--http-port={c.http_port}",
+            f"--grpc-address={c.triton_address}",
+            f"--grpc-port={c.grpc_port}",
+            f"--metrics-address={c.triton_address}",
+            f"--metrics-port={c.metrics_port}",
+            f"--http-restricted-api={restricted}",
+            f"--grpc-restricted-protocol={restricted}",
+            # At SIGTERM Triton waits at most this long for in-flight requests and the model unloads together (its
+            # default, 30 s, is also what a dead stub costs); its teardown then takes ~0.5 s, within the second left
+            # before the supervisor's SIGKILL at 1 s before the stop timeout.
+            f"--exit-timeout-secs={max(1, int(c.stop_timeout_s) - 2)}",
+            *c.extra_args,
+            # Last, so an extra argument cannot rename the regions the supervisor removes.
+            f"--backend-config=python,shm-region-prefix-name={shm_prefix(os.getpid(), self.starts)}",
+        ]
+
+    def start_triton(self) -> None:
+        self.starts += 1
+        self.triton = Child("tritonserver", self.triton_command(), self.env)
+        now = time.monotonic()
+        self.ready = False
+        self.start_deadline = now + self.config.start_timeout_s
+        self.stubs = {}
+        if self.probe is not None:
+            self.probe.close()
+        self.probe = Probe(self.config.grpc_target, self.config.model)
+        self.readiness = self.inference = self.statistics = None
+        self.failures = 0
+        self.successes.clear()
+        self.next_check = now
+        c = self.config
+        log(
+            f"tritonserver pid {self.triton.pid} starting (start {self.starts}): {c.triton_address} http {c.http_port}"
+            f" grpc {c.grpc_port} metrics {c.metrics_port}, repository {c.model_repository}"
+        )
+
+    def stop_triton(self) -> None:
+        assert self.triton is not None
+        deadline = time.monotonic() + RESTART_GRACE_S
+        graceful = stop_children([self.triton], deadline, lambda: self.hurry or self.stop_signal is not None)
+        code = self.triton.process.returncode
+        removed = remove_shm(shm_prefix(os.getpid(), self.starts))
+        how = describe_exit(code) if graceful else "was killed"
+        log(f"tritonserver pid {self.triton.pid} {how}; {len(removed)} shared-memory region(s) removed")
+        self.triton, self.ready = None, False
+
+    def start_gateway(self) -> None:
+        c = self.config
+        # `python -m`: runs wherever the project imports, with or without its console scripts installed
+        gateway = [str(c.venv / "bin" / "python"), "-m", "kev_backend.serve.gateway"]
+        command = [*gateway, "--host", c.bind_address, "--port", str(c.gateway_port)]
+        self.gateway = Child("kev-gateway", [*command, "--triton", c.grpc_target], self.env)
+        log(f"System One gateway pid {self.gateway.pid} on {c.bind_address}:{c.gateway_port}")
+
+    def spend_restart(self, what: str, reason: str) -> int:
+        recent = self.budget.spend(time.monotonic())
+        if self.budget.exhausted():
+            raise GiveUp(
+                f"{what}: {reason}; {recent} restarts within {self.config.restart_window_s:g} s exceed the limit of"
+                f" {self.config.max_restarts} (KEV_MAX_RESTARTS): giving up"
+            )
+        return recent
+
+    def restart_triton(self, reason: str) -> None:
+        if not self.ready:  # a start that fails is not retried: its cause (a model that fails to load) stays
+            raise GiveUp(f"tritonserver did not become ready: {reason}")
+        recent = self.spend_restart("tritonserver", reason)
+        self.triton_restarts += 1
+        self.outage_since = self.outage_since or time.monotonic()
+        log(
+            f"TRITON RESTART {self.triton_restarts}: {reason}; restarting tritonserver ({recent} restart(s) within the"
+            f" last {self.config.restart_window_s:g} s, limit {self.config.max_restarts})"
+        )
+        self.stop_triton()
+        if self.stop_signal is None:
+            self.start_triton()
+
+    # Supervision
+
+    def step(self, now: float) -> None:
+        assert self.triton is not None and self.probe is not None
+        if self.triton.exited():
+            self.restart_triton(f"tritonserver pid {self.triton.pid} {describe_exit(self.triton.reap())}")
+            return
+        if self.gateway is not None and self.gateway.exited():
+            reason = f"gateway pid {self.gateway.pid} {describe_exit(self.gateway.reap())}"
+            recent = self.spend_restart("gateway", reason)
+            self.gateway_restarts += 1
+            log(f"GATEWAY RESTART {self.gateway_restarts}: {reason}; restarting it ({recent} restart(s) in the window)")
+            self.start_gateway()
+        if not self.ready:
+            self.step_starting(now)
+            return
+        if any(self.stub_dead(pid) for pid in self.stubs):
+            dead = ", ".join(f"{name} (pid {pid})" for pid, name in self.stubs.items() if self.stub_dead(pid))
+            self.restart_triton(f"Python backend stub {dead} died")
+            return
+        if self.config.probe_interval_s > 0:
+            self.step_probing(now)
+
+    def step_starting(self, now: float) -> None:
+        assert self.probe is not None
+        if self.readiness is not None and self.readiness.done():
+            try:
+                ready = self.readiness.result().ready
+            except grpc.RpcError:
+                ready = False
+            self.readiness = None
+            if ready:
+                self.became_ready(now)
+                return
+        if now > self.start_deadline:
+            raise GiveUp(f"tritonserver not ready within {self.config.start_timeout_s:g} s (KEV_START_TIMEOUT_S)")
+        if self.readiness is None and now >= self.next_check:
+            self.readiness = self.probe.ready()
+            self.next_check = now + 0.2
+
+    def became_ready(self, now: float) -> None:
+        assert self.triton is not None
+        self.ready = True
+        self.stubs = python_stubs(self.triton.pid)
+        stubs = ", ".join(f"{name} pid {pid}" for pid, name in self.stubs.items()) or "none"
+        log(f"tritonserver ready after {now - self.triton.started:.1f} s (pid {self.triton.pid}; stubs: {stubs})")
+        self.next_probe = self.next_statistics = now
+        if self.config.probe_interval_s <= 0:
+            self.recovered(now)
+
+    def recovered(self, now: float) -> None:
+        if self.outage_since is not None:
+            log(f"tritonserver answering again after {now - self.outage_since:.1f} s (restart {self.triton_restarts})")
+            self.outage_since = None
+
+    def stub_dead(self, pid: int) -> bool:
+        assert self.triton is not None
+        stat = proc_stat(pid)
+        return stat is None or stat[1] == "Z" or stat[2] != self.triton.pid
+
+    def step_probing(self, now: float) -> None:
+        assert self.probe is not None
+        c = self.config
+        if self.statistics is not None and self.statistics.done():
+            try:
+                stats = self.statistics.result().model_stats
+                self.successes.append((self.statistics_sent, sum(s.inference_stats.success.count for s in stats)))
+            except grpc.RpcError:
+                pass  # no sample: no evidence of progress
+            self.statistics = None
+        if self.statistics is None and now >= self.next_statistics:
+            self.statistics, self.statistics_sent = self.probe.statistics(), now
+            self.next_statistics = now + c.probe_interval_s
+        if self.inference is not None and (self.inference.done() or now > self.inference_sent + c.probe_timeout_s + 2):
+            self.judge(self.inference, now)
+            self.inference = None
+            if not self.ready:  # judged broken: restarted
+                return
+        if self.inference is None and now >= self.next_probe:
+            self.inference, self.inference_sent = self.probe.infer(c.probe_timeout_s), now
+            self.next_probe = now + c.probe_interval_s
+
+    def judge(self, reply: grpc.Future, now: float) -> None:
+        if not reply.done():
+            reply.cancel()
+            error = f"no reply within {self.config.probe_timeout_s:g} s"
+            busy = self.progressing(now)
+        else:
+            try:
+                ok = answered(reply.result())
+                error = "" if ok else "the reply holds no answer"
+                busy = False
+            except grpc.RpcError as rpc_error:
+                error = f"{rpc_error.code().name}: {rpc_error.details()}"
+                if UNHEALTHY in error:
+                    self.restart_triton(f"probe: {error}")
+                    return
+                timed_out = rpc_error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                busy = (timed_out or QUEUE_FULL in error) and self.progressing(now)
+        if not error:
+            self.failures = 0
+            self.recovered(now)
+        elif not busy:  # a busy server (inferences completing) that queued or refused the probe is not failing
+            self.failures += 1
+            if self.failures >= self.config.probe_failures:
+                self.restart_triton(f"{self.failures} probes failed in a row, the last: {error}")
+
+    def progressing(self, now: float) -> bool:
+        """Triton completed inferences within the last probe timeout (by its statistics, sampled every interval)."""
+        window = self.config.probe_timeout_s
+        fresh = [count for t, count in self.successes if t >= now - window]
+        older = [count for t, count in self.successes if t < now - window]
+        if not fresh:
+            return False
+        return max(fresh) > (older[-1] if older else min(fresh))
+
+    # Lifecycle
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        else:
+            self.hurry = True
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self.on_signal)
+        if stale := remove_stale_shm():
+            log(f"removed {len(stale)} shared-memory region(s) left by supervisors no longer running")
+        if self.config.triton_address not in ("127.0.0.1", "::1", "localhost"):
+            log(
+                f"WARNING: Triton's ports bind {self.config.triton_address}: they face the network, and the admin key"
+                " guarding its restricted APIs is readable by local users in tritonserver's argv"
+            )
+        code = 0
+        try:
+            self.start_triton()
+            if self.config.gateway:
+                self.start_gateway()
+            while self.stop_signal is None:
+                self.step(time.monotonic())
+                time.sleep(TICK_S)
+            log(f"{signal.Signals(self.stop_signal).name} received: stopping")
+        except GiveUp as error:
+            log(f"EXITING: {error}")
+            code = 1
+        finally:
+            self.shutdown()
+        return code
+
+    def shutdown(self) -> None:
+        started = time.monotonic()
+        children = [child for child in (self.gateway, self.triton) if child is not None]
+        # SIGKILL 1 s before the stop timeout: the supervisor's own exit fits in what is left.
+        graceful = stop_children(children, started + self.config.stop_timeout_s - 1.0, lambda: self.hurry)
+        removed = remove_shm(f"{SHM_PREFIX}{os.getpid()}_")
+        if self.probe is not None:
+            self.probe.close()
+        killed = "" if graceful else "; SIGKILL to what had not exited by the deadline"
+        log(f"stopped in {time.monotonic() - started:.1f} s ({len(removed)} shared-memory region(s) removed{killed})")
+
+
+def child_env(env: dict[str, str], config: Config) -> dict[str, str]:
+    env = dict(env)
+    env.pop("TRITON_ADMIN_KEY", None)  # the children have no use for it
+    env["KEV_VENV"] = str(config.venv)  # the stub's environment (build/tritonserver.sh)
+    # Triton-language kernels (ours, fla's) compile once per shape class; keep them for the next start. fla stores
+    # its autotuning results there too; TRITON_CACHE_AUTOTUNING=1 does the same for any other autotuned kernel.
+    env.setdefault("TRITON_CACHE_DIR", str(REPO / "build" / ".triton-cache"))
+    env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    # Memory that stays flat under mixed traffic. torch's caching allocator, holding fixed-size segments, keeps
+    # reserving more as pass shapes vary while the memory in use stays flat; expandable segments grow one mapping
+    # instead (CUDA graphs capture as before). glibc's per-thread arenas keep tritonserver's and the stub's RSS
+    # climbing; two arenas bound them. docs/operations.md has the soak that measured both.
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    return env
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Arguments go to tritonserver; everything else comes from the environment (build/serve.sh lists it)."""
+    env = dict(os.environ)
+    try:
+        config = Config.from_env(env, sys.argv[1:] if argv is None else argv)
+        key = admin_key(env)
+    except GiveUp as error:
+        log(f"EXITING: {error}")
+        sys.exit(2)
+    sys.exit(Supervisor(config, child_env(env, config), key).run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The package layout's dependency order, read from the source: each package imports only those below it, kernels
+import nothing of ours outside kernels/, and the protocol package never imports torch."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kev_backend"
+# Top to bottom: a package may import itself and those after it.
+ORDER = ["serve", "dev", "engine", "gpu", "scoring", "model", "protocol"]
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the file, those inside functions included."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    package = ".".join(parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else ""
+            base = base or node.module or ""
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return found
+
+
+def modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_module_lives_in_a_concept_package() -> None:
+    loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules outside the concept packages: {loose}"
+    assert sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(ORDER)
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(path: Path) -> None:
+    rel = path.relative_to(PACKAGE).parts
+    if len(rel) == 1:
+        return
+    own = rel[0]
+    kernel = rel[:2] == ("gpu", "kernels")
+    wrong = []
+    for line, name in imports(path):
+        if not name.startswith("kev_backend."):
+            if own == "protocol" and name.split(".")[0] == "torch":
+                wrong.append(f"{line}: {name} (the protocol package has no torch)")
+            continue
+        target = name.split(".")[1]
+        if kernel and not name.startswith("kev_backend.gpu.kernels"):
+            wrong.append(f"{line}: {name} (kernels are leaves)")
+        elif target in ORDER and ORDER.index(target) < ORDER.index(own):
+            wrong.append(f"{line}: {name} ({own} is below {target})")
+    assert not wrong, "\n".join(wrong)
