@@ -42,16 +42,37 @@ def traffic(user: User) -> Traffic:
     return Traffic(o.shape, o.repeat, seed=hash((os.getpid(), id(user))) & 0xFFFFFFFF)
 
 
-# The Triton clients users opened and have not closed. An open gRPC channel keeps the process from exiting: each
-# user closes its own on stop, and whatever a user stopped before its on_stop left open is closed when locust quits
-# (once, in a full `make test`, locust printed its summary and did not exit within two minutes).
+# The Triton clients users opened and have not closed: each user closes its own on stop, and whatever a user stopped
+# before its on_stop left open is closed when locust quits.
 OPEN_CLIENTS: set[KevClient] = set()
 
 
+def close(kev: KevClient) -> None:
+    """Close `kev`'s channel, and make sure nothing closes it again.
+
+    tritonclient's InferenceServerClient.__del__ closes its gRPC channel once more when it is collected, and under
+    grpc's gevent mode every close counts a channel off (cygrpc.gevent_decrement_channel_count) under a C++ mutex,
+    g_greenlets_mu. The thread in gevent's threadpool that waits for gRPC's callbacks holds that mutex while it waits
+    for the GIL; when the interpreter starts finalizing then, CPython ends that thread with the mutex still held, and
+    the collection of the clients during finalization then blocks on it forever: locust printed its summary and never
+    exited, and SIGTERM did nothing (the main thread sits in a futex, never back in Python; seen about one run in
+    five). Closed here once, the collected client has nothing left to close.
+    """
+    OPEN_CLIENTS.discard(kev)
+    kev.close()
+    inner = getattr(kev, "_client", None)  # KevClient's tritonclient client
+    if inner is not None:
+        inner.close = lambda: None  # __del__ calls self.close(): the instance's no-op, not the method
+
+
 @events.quitting.add_listener
-def close_open_clients(**_kwargs) -> None:
+def close_open_clients(environment, **_kwargs) -> None:
+    if OPEN_CLIENTS and environment.runner is not None:
+        # SIGTERM: locust fires quitting before it stops the users. Stopped first, their on_stop closes their clients,
+        # and no request in flight is cut off by its channel closing (a failure in the summary).
+        environment.runner.stop()
     while OPEN_CLIENTS:
-        OPEN_CLIENTS.pop().close()
+        close(next(iter(OPEN_CLIENTS)))
 
 
 class TritonUser(User):
@@ -69,8 +90,7 @@ class TritonUser(User):
     def on_stop(self) -> None:
         kev = getattr(self, "kev", None)  # None: stopped before on_start had made it
         if kev in OPEN_CLIENTS:
-            OPEN_CLIENTS.discard(kev)
-            kev.close()
+            close(kev)
 
     @task
     def score(self) -> None:
