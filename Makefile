@@ -31,8 +31,8 @@ test: setup lint
 	$(PY) -m pytest -q -rs tests
 
 lint: setup
-	$(VENV)/bin/ruff check kev_backend tests model_repository loadtest
-	$(VENV)/bin/ruff format --check kev_backend tests model_repository loadtest
+	$(VENV)/bin/ruff check kev_backend tests model_repository loadtest bench
+	$(VENV)/bin/ruff format --check kev_backend tests model_repository loadtest bench
 
 # GPU benchmark, in-process (on the GPU machine: the image's python3 with fla-core from requirements-gpu.txt).
 bench:

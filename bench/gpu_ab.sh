@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# A against B on the GPU machine: a bench/diag.py step run in turn from a base tree and from this one (ABBA rounds),
-# so that a change's gain is measured on one machine in one call, not across machines (whose GPUs differ by ~1 ms on
-# long5 new). The base tree is made here and carried:
+# A against B on the GPU machine: a diagnostic (python -m bench.diag SUBCOMMAND) run in turn from a base tree and from
+# this one (ABBA rounds), so that a change's gain is measured on one machine in one call, not across machines. The
+# base tree is made here and carried:
 #   bash bench/gpu_ab.sh prepare REV         here: .ab/ (git-ignored) holds REV's kev_backend/ and bench/; carry
-#                                            ".ab" with ".whl"
-#   bash bench/gpu_ab.sh run [STEP] [ROUNDS] there: STEP (default latency) from .ab/ then this tree, then this tree
-#                                            then .ab/, ROUNDS times (default 1); each run's output into $OUT/ab-STEP.log
-# Environment as bench/gpu_run.sh (KEV_COMMIT names this tree); KEV_GRAPHS=1 and KEV_LONG_KERNELS=ours as the GPU
-# config runs.
+#                                            ".ab" with the wheels
+#   bash bench/gpu_ab.sh run [--out DIR] [--wheels DIR] [STEP] [ROUNDS]
+#                                            there: STEP (default latency) from .ab/ then this tree, then this tree
+#                                            then .ab/, ROUNDS times (default 1); each run's output into DIR/ab-STEP.log
+# --out DIR (or OUT; default /tmp/out), --wheels DIR (or WHEELS; default .whl): as bench/gpu_run.sh. Environment as
+# bench/gpu_run.sh (KEV_COMMIT names this tree); KEV_GRAPHS=1 and KEV_LONG_KERNELS=ours as the GPU config runs.
 set -uo pipefail
 case ${1:-} in
   prepare)
@@ -17,11 +18,21 @@ case ${1:-} in
     echo "base $(cat .ab/REV) in .ab/"
     ;;
   run)
-    step=${2:-latency} rounds=${3:-1}
+    shift
     out=${OUT:-/tmp/out}
+    wheels=${WHEELS:-.whl}
+    positional=()
+    while (($#)); do
+      case $1 in
+        --out) out=${2:?--out DIR}; shift 2 ;;
+        --wheels) wheels=${2:?--wheels DIR}; shift 2 ;;
+        *) positional+=("$1"); shift ;;
+      esac
+    done
+    step=${positional[0]:-latency} rounds=${positional[1]:-1}
     mkdir -p "$out"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$wheels"/*.whl || exit 1
     export PYTHONUNBUFFERED=1 KEV_GRAPHS=1 KEV_LONG_KERNELS=ours
     log=$out/ab-$step.log
     status=0
@@ -29,16 +40,18 @@ case ${1:-} in
       for side in base this this base; do
         if [[ $side == base ]]; then tree=$PWD/.ab name="base $(cat .ab/REV)"; else tree=$PWD name="this ${KEV_COMMIT:-?}"; fi
         echo "== $name" | tee -a "$log"
-        # The tree's own diag.py and kev_backend (the script's directory comes first on sys.path, then PYTHONPATH).
-        # The whole output into the log; the lines naming a workload or an error on the terminal.
-        PYTHONPATH=/tmp/site:$tree timeout 200 python3 "$tree/bench/diag.py" "$step" 2>&1 | tee -a "$log" \
+        # The tree's own diagnostics and kev_backend (run from the tree: it comes first on sys.path); a base from
+        # before bench/diag/ has bench/diag.py. The whole output into the log; the lines naming a workload or an
+        # error on the terminal.
+        if [[ -d $tree/bench/diag ]]; then diag=(-m bench.diag); else diag=(bench/diag.py); fi
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 200 python3 "${diag[@]}" "$step") 2>&1 | tee -a "$log" \
           | grep -E "^(short6|long5|== |$step)|Error" || status=1
       done
     done
     exit $status
     ;;
   *)
-    echo "usage: bench/gpu_ab.sh prepare REV | run [STEP] [ROUNDS]" >&2
+    echo "usage: bench/gpu_ab.sh prepare REV | run [--out DIR] [--wheels DIR] [STEP] [ROUNDS]" >&2
     exit 2
     ;;
 esac

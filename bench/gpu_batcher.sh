@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# One device call: Triton's dynamic-batcher delay and model instances per GPU chosen by measurement (issue 6). For each
+# One device call: Triton's dynamic-batcher delay and model instances per GPU chosen by measurement. For each
 # instance count in INSTANCES and max_queue_delay in DELAYS (µs), a copy of the model repository with those settings in
 # configs/gpu.pbtxt, the server started afresh (kernel cache kept), and short6 on new states through gRPC at 1, 8 and
-# 64 closed-loop clients with the server's breakdown (loadtest/loops.py). Writes $OUT/batcher.json
-# ({"<instances>x<delay>": {clients: {rps, p50_ms, p99_ms, server}}}). Setup: bench/gpu_triton_env.sh (carry .whl and
-# .gpu). Each setting takes ~50 s once the first start has filled the kernel cache.
-#   INSTANCES="1 2" DELAYS="500" bench/gpu_batcher.sh
+# 64 closed-loop clients with the server's breakdown (loadtest/loops.py). Writes batcher.json into the output directory
+# ({"<instances>x<delay>": {clients: {rps, p50_ms, p99_ms, server}}}). Setup: bench/gpu_triton_env.sh (carry the
+# wheels and .gpu). Each setting takes ~50 s once the first start has filled the kernel cache.
+#   INSTANCES="1 2" DELAYS="500" bench/gpu_batcher.sh [--out DIR] [--wheels DIR]
+# --out DIR (or OUT; default /tmp/out), --wheels DIR (or WHEELS; default .whl): as bench/gpu_run.sh.
 set -uo pipefail
+rest=()
+while (($#)); do
+  case $1 in
+    --out) export OUT=${2:?--out DIR}; shift 2 ;;
+    --wheels) export WHEELS=${2:?--wheels DIR}; shift 2 ;;
+    *) rest+=("$1"); shift ;;
+  esac
+done
+set -- ${rest[@]+"${rest[@]}"}
 source "$(dirname "$0")/gpu_triton_env.sh"
 echo '{}' > /tmp/batcher.json
 for instances in ${INSTANCES:-1}; do

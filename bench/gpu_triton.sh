@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # One device call: the real tritonserver 2.51 on the GPU machine with the Kev model on random Kev-4B weights
-# (setup: bench/gpu_triton_env.sh; carry .whl and .gpu). Writes logs and JSON under $OUT.
-#   bench/gpu_triton.sh [short6 open-loop rates] [mix open-loop rates]
-# Measures (issues 4 and 6): the bench in-process with graphs on, then tritonserver with configs/gpu.pbtxt (KIND_GPU,
-# graphs on): time to ready and to the first answer with an empty kernel cache and again with the cache the first
-# start filled, each with its start-up phases (added to the bench JSON); gRPC and HTTP at 64 closed-loop clients
-# against the bench's in-process figures; open-loop sweeps for short6 and the realistic mix; Triton's and our
-# metrics. Files under $OUT (at most 8 come back); about 5.5 minutes (5.1 at aa82118, before the one-client run
-# and the fourth mix rate).
+# (setup: bench/gpu_triton_env.sh; carry the wheels and .gpu). Writes logs and JSON under the output directory.
+#   bench/gpu_triton.sh [--out DIR] [--wheels DIR] [short6 open-loop rates] [mix open-loop rates]
+# --out DIR (or OUT; default /tmp/out), --wheels DIR (or WHEELS; default .whl): as bench/gpu_run.sh.
+# Measures: the bench in-process with graphs on, then tritonserver with configs/gpu.pbtxt (KIND_GPU, graphs on): time
+# to ready and to the first answer with an empty kernel cache and again with the cache the first start filled, each
+# with its start-up phases (added to the bench JSON); gRPC and HTTP at 64 closed-loop clients against the bench's
+# in-process figures; open-loop sweeps for short6 and the realistic mix; Triton's and our metrics. About 5.5 minutes.
 set -uo pipefail
+rest=()
+while (($#)); do
+  case $1 in
+    --out) export OUT=${2:?--out DIR}; shift 2 ;;
+    --wheels) export WHEELS=${2:?--wheels DIR}; shift 2 ;;
+    *) rest+=("$1"); shift ;;
+  esac
+done
+set -- ${rest[@]+"${rest[@]}"}
 source "$(dirname "$0")/gpu_triton_env.sh"
 # The engine alone first (the bench in this process, graphs on, nothing else on the GPU), then the server: never both
-# at once. The bench JSON becomes issue 4's record (the start times are added below) and the in-process reference.
+# at once. The bench JSON gets the start times (below) and is the in-process reference.
 # STARTUP_ONLY=1: only the two starts below (~2.5 minutes), their times in $out/triton-startup.json.
 if [[ ${STARTUP_ONLY:-0} != 1 ]]; then
   KEV_CHECKPOINT=/tmp/kev4b/kev timeout 240 python3 -m kev_backend.dev.bench --graphs --no-baseline \

@@ -1,10 +1,11 @@
 # Sourced by the device scripts that run the real tritonserver 2.51 on the GPU machine (bench/gpu_triton.sh,
-# bench/gpu_batcher.sh), by the recipe of ../shared/docs/triton.md §0.1: our wheels for the clients, a venv with numpy
-# 1.26 over the image's torch for the 3.12 stub, the trimmed server, random Kev-4B weights in /tmp/kev4b.
-# Carry .whl (build/gpu_wheels.sh) and .gpu (build/gpu_bundle.sh). Defines start_triton and wait_ready.
+# bench/gpu_batcher.sh, bench/gpu_hardening.sh): our wheels for the clients, a venv with numpy 1.26 over the image's
+# torch for the 3.12 stub, the trimmed server, random Kev-4B weights in /tmp/kev4b.
+# Carry the wheels (build/gpu_wheels.sh) and .gpu (build/gpu_bundle.sh). Defines start_triton and wait_ready.
+# OUT: where results go (default /tmp/out; $out after sourcing). WHEELS: the wheel directory (default .whl).
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS:-.whl}"/*.whl \
   .gpu/wheels/tritonclient-*.whl .gpu/wheels/python_rapidjson-*.whl .gpu/wheels/jevbench-*.whl \
   .gpu/wheels/gevent*.whl .gpu/wheels/greenlet-*.whl .gpu/wheels/zope*.whl .gpu/wheels/[Bb]rotli-*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

@@ -1,5 +1,5 @@
 """Adds the top-level keys of JSON objects to a results JSON in place: e.g. the Triton start times (ready_s,
-first_answer_s, ...) to the bench JSON of the same device call, for issue 4's record.
+first_answer_s, ...) to the bench JSON of the same device call.
     python3 bench/merge_json.py TARGET.json EXTRA.json [EXTRA.json ...]"""
 
 from __future__ import annotations

@@ -1,0 +1,8 @@
+"""Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
+timed against each other and fla's, start-up phases, and whether answers depend on the batch.
+
+    python -m bench.diag SUBCOMMAND [OPTIONS]      (from the repository root; `--help` lists the subcommands)
+
+One module per family: `passes` (latency, GPU time by kernel, idle gaps, batch invariance, flag A/B), `sweeps` (kernel
+configurations and fla's kernels), `gemm` (the projections' GEMMs), `host` (the host's work around a pass), `startup`
+(start-up phases); shared helpers in `common`. bench/gpu_run.sh runs them as steps."""

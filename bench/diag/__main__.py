@@ -1,0 +1,39 @@
+"""python -m bench.diag SUBCOMMAND: see bench/diag/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __doc__ as summary
+from . import gemm, host, passes, startup, sweeps
+
+FAMILIES = {
+    "passes and latency": passes,
+    "kernel sweeps": sweeps,
+    "GEMMs": gemm,
+    "host path": host,
+    "start-up": startup,
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    main = argparse.ArgumentParser(
+        prog="python -m bench.diag",
+        description=summary.split("\n\n")[0],
+        epilog="KEV_GRAPHS=1 makes the Kev-4B engines replay CUDA graphs as the GPU config does; KEV_LONG_KERNELS, "
+        "KEV_SHORT_DELTA_RULE choose kernels. bench/gpu_run.sh runs these as steps.",
+    )
+    sub = main.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    for family in FAMILIES.values():
+        family.register(sub)
+    return main
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

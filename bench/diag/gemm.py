@@ -1,0 +1,70 @@
+"""The projections' GEMMs at Kev-4B's shapes: the row counts from which a row's output stops depending on the pass's
+size (batch invariance) and each library's speed, and the cost of each row count a graph bucket may give."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import KEV4B_PROJECTIONS, command, cuda_ms, graph_ms
+
+
+def gemm(args) -> None:
+    """For cuBLASLt (the fused path's) and cuBLAS: the pass sizes M at which a row's GEMM output differs from the
+    same row in a pass of 8,192 tokens (split-K chosen by M), over M = 1..4,096, and ms at M from one short request
+    to a busy long batch (TFLOP/s)."""
+    print("default blas library", torch.backends.cuda.preferred_blas_library(), flush=True)
+    sizes = sorted(set(range(1, 129)) | set(range(129, 4097, 13)) | {256, 512, 1024, 2048, 4096})
+    previous = torch.backends.cuda.preferred_blas_library()
+    try:
+        for library in ("cublaslt", "cublas"):
+            torch.backends.cuda.preferred_blas_library(library)
+            for name, (n, k) in KEV4B_PROJECTIONS.items():
+                torch.manual_seed(0)
+                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
+                full = F.linear(x, w)
+                differ = [m for m in sizes if not torch.equal(F.linear(x[:m], w), full[:m])]
+                ranges = f"{differ[0]}..{differ[-1]} ({len(differ)} sizes)" if differ else "none"
+                times = []
+                for m in (40, 64, 218, 1000, 6540):
+                    xm = x[:m].contiguous()
+                    ms = cuda_ms(lambda xm=xm, w=w: F.linear(xm, w), repeat=20)
+                    times.append(f"{m}:{ms:.3f}/{2 * m * n * k / ms / 1e9:.0f}TF")
+                print(f"gemm {library} {name}: differ at M={ranges}; ms {' '.join(times)}", flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def gemmpad(args) -> None:
+    """Each Kev-4B projection's GEMM (cuBLASLt, as the fused path runs it) by row count M, 64 to 3,328 in steps of
+    32: µs a GEMM, weights cold (cycling through 4 copies, more than L2 holds), from a graph. Then, for the row
+    counts the graph buckets give, the fastest M' ≥ M within 256 rows and whether its rows equal the M-row GEMM's
+    (cuBLASLt's are the same from ~52 rows on): what padding a bucket's GEMMs would gain on this GPU."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        torch.manual_seed(0)
+        counts = range(64, 3328 + 1, 32)
+        targets = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560, 2688, 2816, 3072)
+        for name, (n, k) in KEV4B_PROJECTIONS.items():
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+            x = torch.randn(counts[-1], k, device="cuda", dtype=torch.bfloat16)
+            us = {}
+            for m in counts:
+                gemms = lambda m=m, x=x, weights=weights: [F.linear(x[:m], w) for w in weights]  # noqa: E731
+                us[m] = graph_ms(gemms, repeat=2) * 1000 / 4
+            print(f"gemmpad {name} " + " ".join(f"{m}:{t:.1f}" for m, t in us.items()), flush=True)
+            best = []
+            for m in targets:
+                pad = min((c for c in counts if m <= c <= m + 256), key=lambda c: us[c])
+                same = torch.equal(F.linear(x[:pad], weights[0])[:m], F.linear(x[:m], weights[0]))
+                best.append(f"{m}->{pad} {us[m]:.1f}->{us[pad]:.1f}{'' if same else ' DIFFERS'}")
+            print(f"gemmpad {name} best: " + ", ".join(best), flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def register(sub) -> None:
+    command(sub, "gemm", gemm, "each projection's GEMM: batch invariance by row count and speed, by BLAS library")
+    command(sub, "gemmpad", gemmpad, "each projection's GEMM by row count, and the fastest padding of each bucket")
