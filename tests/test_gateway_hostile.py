@@ -303,6 +303,21 @@ def test_byte_limits_come_from_the_environment(triton: TritonServer, tmp_path: P
         stop_gateway(small)
 
 
+def test_depth_and_question_limits_follow_the_models_variables(triton: TritonServer, tmp_path: Path) -> None:
+    """KEV_MAX_QUESTIONS and KEV_MAX_JSON_DEPTH, the model's overrides, set the gateway's limits too."""
+    small = start_gateway(triton, tmp_path / "gateway.log", KEV_MAX_QUESTIONS="2", KEV_MAX_JSON_DEPTH="4")
+    try:
+        three = {"state": "x", "questions": {q: URGENT for q in ("a", "b", "c")}}
+        status, _, reply = call_json(small, "/v1/systemone", json.dumps(three).encode(), key=None)
+        assert status == 422 and reply["detail"] == "request has 3 questions, over the limit of 2"
+        deep = {"state": [[[["too deep"]]]], "questions": {"a": URGENT}}  # the body is level 1
+        status, _, reply = call_json(small, "/v1/systemone", json.dumps(deep).encode(), key=None)
+        assert status == 422 and reply["detail"] == "request JSON is nested more than 4 levels deep"
+        assert_answered(call_json(small, "/v1/systemone", BODY, key=None))
+    finally:
+        stop_gateway(small)
+
+
 # --- CORS, auth, operations ----------------------------------------------------------------------------------------
 
 

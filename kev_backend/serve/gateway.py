@@ -28,6 +28,7 @@ Settings (environment):
   KEV_GATEWAY_TIMEOUT_S (120)       how long a request may wait on Triton; then 504
   KEV_GATEWAY_MAX_BODY_BYTES (4 MiB) bytes a request body may have on the wire
   KEV_GATEWAY_MAX_DECODED_BYTES (4 MiB) bytes a compressed body may decode to
+  KEV_MAX_JSON_DEPTH (64)  KEV_MAX_QUESTIONS (256)  the same limits the model reads, so both doors agree
   GATEWAY_HOST (127.0.0.1)  GATEWAY_PORT (8009)  the listening address (`--host`, `--port`)
 Both byte limits default to Kev's 65,536-token state at ~64 bytes a token, so no request Kev would answer is refused
 for its size.
@@ -110,6 +111,8 @@ class Settings:
     release_date: str = "2026-10-01"
     max_body_bytes: int = MAX_BODY_BYTES  # a request body on the wire; more is a 413
     max_decoded_bytes: int = MAX_BODY_BYTES  # a compressed body once decoded; more is a 413
+    max_json_depth: int = Limits.max_json_depth  # as the model's KEV_MAX_JSON_DEPTH, so both doors agree
+    max_questions: int = Limits.max_questions  # as the model's KEV_MAX_QUESTIONS
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_decoded_bytes"):
@@ -128,6 +131,8 @@ class Settings:
             release_date=env.get("KEV_RELEASE_DATE", cls.release_date),
             max_body_bytes=int(env.get("KEV_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes)),
             max_decoded_bytes=int(env.get("KEV_GATEWAY_MAX_DECODED_BYTES", cls.max_decoded_bytes)),
+            max_json_depth=int(env.get("KEV_MAX_JSON_DEPTH") or cls.max_json_depth),
+            max_questions=int(env.get("KEV_MAX_QUESTIONS") or cls.max_questions),
         )
 
 
@@ -404,9 +409,13 @@ class Readiness:
 class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        # The body limit the gateway enforces is the decoded one; depth, Unicode and question limits are Kev's
-        # defaults here, and Triton checks its own configured ones again.
-        self.limits = Limits(max_request_bytes=settings.max_decoded_bytes)
+        # The body limit the gateway enforces is the decoded one; depth and question limits follow the same
+        # KEV_MAX_* variables as the model's overrides, and the model checks its own configured ones again.
+        self.limits = Limits(
+            max_request_bytes=settings.max_decoded_bytes,
+            max_json_depth=settings.max_json_depth,
+            max_questions=settings.max_questions,
+        )
         self.kev: AsyncKevClient | None = None
         self.in_flight = 0
         self.metrics = Metrics()
