@@ -3,7 +3,7 @@
 # python 3.12 with numpy 2, which the 2.51 stub cannot use), assembled here into .gpu/ (git-excluded, ~50 MB, under
 # the 64 MiB a call carries with the tree and .whl/):
 #   .gpu/tritonserver-py312.tar.xz  the nvidia-pytriton 0.7.0 server: bin, backends, caches, the 3.12 stub and the
-#                                   bundled libraries (without the 3.13 libpython), as ../shared/docs/triton.md §0.1
+#                                   bundled libraries (without the 3.13 libpython, which only the 3.13 stub needs)
 #   .gpu/wheels/                    numpy 1.26.4 (cp312) for the stub's venv, tritonclient with what its HTTP client
 #                                   needs and the image lacks (gevent, geventhttpclient, greenlet, zope.*, brotli),
 #                                   python-rapidjson and jevbench (the realistic mix)

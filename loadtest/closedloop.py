@@ -1,4 +1,4 @@
-"""Triton's front doors against the engine in-process (issue 6): short6 on new states, closed loop, N clients.
+"""Triton's front doors against the engine in-process: short6 on new states, closed loop, N clients.
 
     python loadtest/closedloop.py inprocess --checkpoint DIR [--graphs] --out inprocess.json
     python loadtest/closedloop.py triton --grpc 127.0.0.1:8001 --http 127.0.0.1:8000 --inprocess inprocess.json \\

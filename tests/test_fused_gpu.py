@@ -85,7 +85,7 @@ def test_kev4b_shapes_parity(tiny_dir: Path) -> None:
 
 
 def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
-    """Issue 4: passes replayed from CUDA graphs answer like eager passes (≤ 0.01; the buckets keep ≥ 64 GEMM rows
+    """Passes replayed from CUDA graphs answer like eager passes (≤ 0.01; the buckets keep ≥ 64 GEMM rows
     and every kernel's per-segment work is the same, so equality is expected), batched, alone and from the bank.
     On our long kernels, so passes with long new states are graphed too."""
     from kev_backend.dev.parity import compare, scored
@@ -153,8 +153,9 @@ def test_after_a_failed_capture_passes_run_eagerly(tiny_dir: Path, monkeypatch: 
 
 def test_a_pass_with_more_row_segments_than_one_launch_holds(tiny_dir: Path) -> None:
     """2,100 questions on one state, Kev-4B shapes: 2,100 row segments × 32 value heads pass CUDA's 65,535 limit on
-    a grid's second dimension, which the delta rule's launch refused ("invalid argument"); now it launches per span
-    of segments (kernels.grid), and every answer equals the same question's in a request of 700."""
+    a grid's second dimension (a launch over it is refused: "invalid argument"); the kernels launch per span of
+    segments (kernels.grid) or put items on the first dimension, and every answer equals the same question's in a
+    request of 700."""
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     limits = Limits(max_questions=2100)  # past the default cap on purpose: one pass with 2,100 rows
     engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, long_kernels="ours", limits=limits))
@@ -229,7 +230,7 @@ def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path) -
 
 
 def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:
-    """Issue 4: once the engine has warmed up (graphs captured, a short and a long batch run), no request compiles
+    """Once the engine has warmed up (graphs captured, a short and a long batch run), no request compiles
     a Triton kernel: no new specialisation of ours, no autotuning run of fla's. Realistic requests of every size,
     alone and in batches, with graphs on (the GPU configuration)."""
     import triton
@@ -256,7 +257,7 @@ def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:
 
 
 def test_cuda_eager_reference_matches_cpu(tiny_dir: Path) -> None:
-    """Issue 2's reference path on CUDA (fp32, eager) gives the CPU's probabilities."""
+    """The reference path on CUDA (fp32, eager) gives the CPU's probabilities."""
     requests = realistic(60, seed=3, max_words=400)
     cpu = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(device="cpu"))
     cuda = Engine.from_checkpoint(

@@ -366,9 +366,9 @@ def test_kernels_compiled_on_the_gpu() -> None:
 
 
 # Spills measured to pay, by (kernel, CONTINUE, register cap, BM): the prep capped at 168 registers (six programs an
-# SM, not four: faster on the H200, kernels.delta_rule.PREP_MAXNREG). Compiled as a launch specialises them (aligned
-# pointers and strides), no other kernel spills; compiled without that, as this test did before session 12, rows'
-# attention spilled 232 bytes with 64-row tiles and 848 with 128-row ones, and no loop loaded by async copies.
+# SM, not four: kernels.delta_rule.PREP_MAXNREG). Compiled as a launch specialises them (aligned pointers and strides),
+# no other kernel spills; compiled without that specialisation, rows' attention would spill and no loop would load by
+# async copies.
 SPILL_ALLOWED: dict[tuple[str, bool | None, int | None, int | None], int] = {
     ("_chunk_prep_kernel", None, 168, None): 60,
 }

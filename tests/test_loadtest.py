@@ -46,9 +46,8 @@ def test_locust_users(triton: TritonServer, tmp_path: Path) -> None:
             "6",
             "-r",
             "6",
-            # gevent's clock starts before the locustfile is imported, so the import's time comes off the 5 s: when
-            # it imported torch (2.4 s, kev_backend.dev.workloads through kev_backend.dev.tiny) a user class at times
-            # sent nothing (seen at 3f25fc8: 2.6 s of run, gRPC 4, HTTP 2, gateway 0 requests). Now ~0.5 s.
+            # gevent's clock starts before the locustfile is imported, so the import's time comes off the 5 s: the
+            # locustfile must not import torch (dev.workloads stays torch-free), or a user class may send nothing.
             "-t",
             "5s",
             # Requests in flight at the 5 s mark finish and count (the mix's long states take seconds on the CPU

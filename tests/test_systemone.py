@@ -1,4 +1,4 @@
-"""The System One contract (../shared/docs/kev-model.md §2.5, §2.6, §4.1–§4.6): CPU only, no model."""
+"""The System One contract on a CPU, no model: rendering, escaping, parsing, errors, confidence, answers, limits."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def refused(raw: str | bytes | dict) -> RequestError:
     return info.value
 
 
-# --- render (§4.2) -----------------------------------------------------------------------------------------------
+# --- render -----------------------------------------------------------------------------------------------------------
 
 
 def test_render_worked_example():
@@ -66,7 +66,7 @@ def test_render_indent_argument():
     assert render({"a": {"b": 1}}, indent=1) == "  a:\n    b: 1"
 
 
-# --- escaping (§4.3) -----------------------------------------------------------------------------------------------
+# --- escaping ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_escape_user_text(text: str, expected: str):
     assert escape_user_text(text) == expected
 
 
-# --- parsing and option texts (§2.5, §4.1) -----------------------------------------------------------------------
+# --- parsing and option texts -----------------------------------------------------------------------------------------
 
 
 def test_noul_options():
@@ -165,7 +165,7 @@ def test_option_limits_accepted_at_the_edges():
         assert len(parse_request(body({"q": {"type": "score", "criteria": levels}})).questions[0].keys) == n
 
 
-# --- validation errors (§4.5) ----------------------------------------------------------------------------------------
+# --- validation errors ------------------------------------------------------------------------------------------------
 
 
 def test_missing_state():
@@ -265,7 +265,7 @@ def test_string_detail():
     assert error.body == {"detail": error.detail}
 
 
-# --- confidence and rounding (§2.6) ----------------------------------------------------------------------------------
+# --- confidence and rounding ------------------------------------------------------------------------------------------
 
 
 def test_choice_confidence():
@@ -306,7 +306,7 @@ def test_round4(x: float, expected: float):
     assert type(round4(x)) is float
 
 
-# --- answers (§2.5, §2.6, §4.6) ------------------------------------------------------------------------------------
+# --- answers ----------------------------------------------------------------------------------------------------------
 
 
 def three_questions() -> Record:
@@ -368,7 +368,7 @@ def test_answers_check_shapes():
         answers_from_probabilities(record, [[0.5, 0.5], [1.0, 0.0], [1.0, 0.0, 0.0]])
 
 
-# --- response and limits (§4.5, §4.6) ------------------------------------------------------------------------------
+# --- response and limits ----------------------------------------------------------------------------------------------
 
 
 def test_response_body_order_and_rounding():

@@ -279,7 +279,7 @@ def test_warmup_requests_run_before_ready(tiny_dir, tmp_path) -> None:
         assert values["kev_bank_entries"] >= 1
         log = server.log.read_text()
         assert "10 warm-up requests" in log
-        # Where the time to ready went, phase by phase (issue 4).
+        # Where the time to ready went, phase by phase.
         phases = re.search(r"start-up seconds load ([\d.]+), build ([\d.]+), warmup_requests ([\d.]+)", log)
         assert phases is not None and float(phases[3]) > 0, log[-2000:]  # the ten requests took time
     finally:

@@ -74,7 +74,7 @@ NEW_STATE = itertools.count(1)
 
 def latency(engine: Engine, make, repeat: int = 20) -> dict[str, float]:
     """Median model time of `repeat` requests on new states and on the same state; and the first of each after the
-    engine started (its own warm-up done; issue 4: within 2x the median), then two more warm-up requests. The first
+    engine started (its own warm-up done; the target: within 2x the median), then two more warm-up requests. The first
     request on the same state misses the bank like a new one; its first hit is the second."""
     first_new = model_time(engine, make(next(NEW_STATE)))
     model_time(engine, make(None))

@@ -68,7 +68,7 @@ def spread(probabilities: Probabilities) -> dict[str, float]:
 
 
 def parity_report(reference: Engine, fast: Engine, requests: Sequence[Any], batch_size: int = 32) -> dict[str, Any]:
-    """The figures issue 3 asks for: fast vs fp32 reference, alone vs batched, bank hit vs miss."""
+    """The parity figures: fast vs fp32 reference, alone vs batched, bank hit vs miss."""
     encoded = [reference.prepare(r)[1] for r in requests]
     seconds: dict[str, float] = {}
 

@@ -63,7 +63,6 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-# Qwen3.5-4B's text config (../shared/docs/qwen35-and-kernels.md §3): random weights of Kev-4B shapes.
 # Small but with Qwen3.5's proportions: width 256, attention and DeltaNet heads of 64 (GPU parity; the 64-wide
 # TINY_CONFIG's bf16 rounding does not average out). vocab_size comes from the tokenizer it is used with.
 SMALL_CONFIG: dict[str, Any] = {
@@ -76,6 +75,8 @@ SMALL_CONFIG: dict[str, Any] = {
     "pad_token_id": 1,
 }
 
+# Qwen3.5-4B's text config (24 Gated DeltaNet and 8 gated attention layers, GQA 16/4, 32 DeltaNet value heads over 16
+# key heads): random weights of Kev-4B shapes.
 KEV4B_CONFIG: dict[str, Any] = {
     **TINY_CONFIG,
     "hidden_size": 2560,

@@ -1,6 +1,6 @@
 """Request shapes for benchmarks and parity checks.
 
-`short6` and `long5` follow Kev's own serving benchmark (kev-serving.md §3.1): a ~34-token support ticket with six
+`short6` and `long5` follow Kev's own serving benchmark (docs/benchmarking.md): a ~34-token support ticket with six
 questions, and a ~2,200-token document with five of them; a "new" state differs by a "Ticket {i}. " prefix.
 `realistic` draws a reproducible mix of states (text, objects, lists; 30 to 2,500 tokens) and 1 to 8 questions of
 every type.

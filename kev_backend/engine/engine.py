@@ -77,8 +77,8 @@ class EngineOptions:
     graphs: bool = False
     graph_max_tokens: int = 4096
     max_graphs: int = 112
-    # fused path: an eager pass before every graph capture (True), or only before the first (False, graphs.py: H200,
-    # kept kernel cache, 94 buckets: graphs phase 3.5 s against 9.0, the same answers); KEV_GRAPH_WARM_PASSES=1: True
+    # fused path: an eager pass before every graph capture (True), or only before the first (False: the same answers,
+    # a faster start, graphs.py); KEV_GRAPH_WARM_PASSES=1: True
     graph_warm_passes: bool = field(default_factory=lambda: os.environ.get("KEV_GRAPH_WARM_PASSES") == "1")
     # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
     # autotuning), so no request pays for them
@@ -87,7 +87,7 @@ class EngineOptions:
     long_kernels: str = field(default_factory=lambda: os.environ.get("KEV_LONG_KERNELS", "fla"))
     # fused path: segments of up to 64 tokens on our chunked delta rule ("chunked", the default: two or three chunk
     # steps instead of ~31 token steps for a short6 row), our token-by-token one ("recurrent"), or chunked for new
-    # states only ("chunked-states"): fused.SHORT_DELTA_RULES has the measurements
+    # states only ("chunked-states"): docs/kernels.md has the measurements
     short_delta_rule: str = field(default_factory=lambda: os.environ.get("KEV_SHORT_DELTA_RULE", "chunked"))
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)
@@ -146,8 +146,8 @@ class Engine:
     def __init__(self, checkpoint: KevCheckpoint, options: EngineOptions | None = None) -> None:
         self.options = options or EngineOptions()
         self.checkpoint = checkpoint
-        # Seconds spent per start-up phase (load, build, graphs, warm_batch), logged at model load: issue 4's time to
-        # ready is their sum plus the server's own start.
+        # Seconds spent per start-up phase (load, build, graphs, warm_batch), logged at model load: the time to ready
+        # is their sum plus the server's own start.
         self.startup: dict[str, float] = {}
         started = time.perf_counter()
         self.tokenizer = KevTokenizer(checkpoint.tokenizer_dir)

@@ -11,13 +11,12 @@ N+1 is being prepared or enqueued and batch N-1's answers built.
 When `submit` returns decides how many batches are in flight, and so how large they grow: its caller (Triton's
 execute; the bench's batching thread) forms the next batch from the requests waiting by then. Returning as soon as
 the model thread takes a batch splits the clients into three groups (scoring, prepared and waiting, arriving), and
-at 64 short6 clients batches of ~21 instead of ~32 lost more than the overlap gained (H200, 228 against 236
-req/s in process). So `submit` returns when the next batch, formed and prepared from then on, should reach the
-model thread just as this one is done (`lead_s` earlier, KEV_PIPELINE_LEAD_MS, default 0): this one is expected
-done a service time after it was taken or after the batch before it is done, whichever is later (recent medians),
-and the next batch's arrival takes the recent time from a return to the next batch being prepared (Triton's
-batching, its IPC, decoding and preparing). Requests keep waiting where they arrived (Triton's queue, with its size
-limit and timeouts) meanwhile.
+the smaller batches lose more than the overlap gains (docs/kernels.md, The pipeline). So `submit` returns when the
+next batch, formed and prepared from then on, should reach the model thread just as this one is done (`lead_s`
+earlier, KEV_PIPELINE_LEAD_MS, default 0): this one is expected done a service time after it was taken or after the
+batch before it is done, whichever is later (recent medians), and the next batch's arrival takes the recent time
+from a return to the next batch being prepared (Triton's batching, its IPC, decoding and preparing). Requests keep
+waiting where they arrived (Triton's queue, with its size limit and timeouts) meanwhile.
 
 A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
@@ -65,11 +64,10 @@ class Job:
 _STOP = object()
 
 # A batch whose bodies hold more than this many bytes of JSON goes to `submit` in parts (parts_by_size), each scored
-# and answered on its own. Why: at 64 closed-loop long5 clients a batch of 63 (~2.2 s of GPU work) alternated with a
-# batch of one, and the 63 came back together: the GPU idled while they were tokenized and planned (H200, cfdcf9a:
-# 92.7 % busy, four idle gaps of 10 ms or more, 496 ms in 7.5 s). In parts, the first part's clients are back and
-# prepared while the later parts run. 256 KiB: up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each)
-# stay one batch.
+# and answered on its own. Why: under closed-loop load of long requests a large batch alternates with a batch of one,
+# and the large batch's clients come back together: the GPU idles while they are tokenized and planned. In parts,
+# the first part's clients are back and prepared while the later parts run (docs/kernels.md, The pipeline). 256 KiB:
+# up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each) stay one batch.
 SUBMIT_BYTES = int(os.environ.get("KEV_SUBMIT_BYTES", str(256 << 10)))
 
 

@@ -7,7 +7,7 @@ pool), then the rows (varlen, each continuing its state read from the pool). fp3
 recurrent state, norm statistics and the residual stream, the picked hidden states and the pointer head. There is
 no LM head: after the last mixer only the tokens at `</opt>` and `<decide>` go on.
 
-The pass's inputs are described in passes.py; the scorer that plans passes and reads the head is fused_scorer.py.
+The pass's inputs are described in passes.py; the scorer that plans passes and reads the head is scorer.py.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def fused_available(long_kernels: str) -> bool:
     """What the fused path needs: a CUDA device and, when new long states run on fla's chunked delta rule and torch's
     varlen attention (long_kernels "fla"), those two, with exactly the pinned fla-core (never on a CPU: its kernels
     crash there). With "ours" neither is imported: fla's package imports all of its layers and models (transformers
-    among them; 6.4-7.2 s in a fresh process on the H200), and varlen_attn imports torch._dynamo (1.8 s on a CPU
-    host): together most of the start-up's build phase."""
+    among them), and varlen_attn imports torch._dynamo: together seconds of the start-up's build phase
+    (docs/kernels.md)."""
     if not torch.cuda.is_available():
         return False
     if long_kernels == "ours":
@@ -166,17 +166,15 @@ def _fla_kernels_only(*args: object, **kwargs: object) -> None:
 
 
 # A pass with long new states runs its rows' attention beside the states' own (FusedQwen35.attention). Over a long
-# prefix the rows' attention is a few programs bound by latency (one long5's rows over 2,465 keys: ~90 µs a layer,
-# bench/diag.py rowsattn), and a lone state's causal attention leaves SMs idle in its last blocks, so the two overlap.
-# H200, two engines in one process with requests interleaved (bench/diag.py flagab, 1851583): long5 new 38.18 → 37.75
-# ms, answers identical; with short new states forked too (db9c0fa) short6 new lost 0.07 ms, so those stay in turn.
-# Same-state passes have no new states. KEV_ROWS_BESIDE=0 turns it off (read at import; the module flag when a pass
-# is traced).
+# prefix the rows' attention is a few programs bound by latency, and a lone state's causal attention leaves SMs idle
+# in its last blocks, so the two overlap; answers are identical either way. Short new states' attention stays in turn
+# (forking it too is slower: docs/kernels.md). Same-state passes have no new states. KEV_ROWS_BESIDE=0 turns it off
+# (read at import; the module flag when a pass is traced).
 ROWS_BESIDE = os.environ.get("KEV_ROWS_BESIDE", "1") != "0"
 
 # The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE):
-# token by token, chunked, or chunked for new states only. H200, Kev-4B from graphs (bench/diag.py latency, c748b82):
-# short6 new / same / 64 clients 6.28 ms / 5.23 ms / 262 req/s, 5.94 / 5.15 / 289, 6.13 / 5.30 / 269: chunked.
+# token by token, chunked, or chunked for new states only. Chunked is the default: the fastest of the three for short
+# states and rows alike (docs/kernels.md).
 SHORT_DELTA_RULES = ("recurrent", "chunked", "chunked-states")
 
 
@@ -209,7 +207,7 @@ class FusedQwen35:
         self._chunked_rows, self._conv = k.chunked_rows, k.conv
         # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
         # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
-        # in place, no host chunk maps, so capturable; faster on the H200 from session 9: bench/NOTES.md).
+        # in place, no host chunk maps, so capturable; faster too: docs/kernels.md).
         self.long_kernels = long_kernels
         # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule ("recurrent"), our chunked one
         # ("chunked"), or the chunked one for new states and token by token for rows ("chunked-states": a new state's
@@ -233,9 +231,8 @@ class FusedQwen35:
         self.inv_freq = inv_freq.to(weights.embed.device)  # no host copy inside a pass (it may be captured)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
-        """Residual add + RMSNorm in one kernel; the residual stream stays fp32. A bf16 stream, each out projection
-        adding into it in its GEMM, cut long5 new's norms from 1.25 to 0.55 ms but broke the parity bars (Kev-4B
-        shapes: 0.050 against the fp32 reference, 0.042 alone against batched; H200, ba6d5f2, reverted)."""
+        """Residual add + RMSNorm in one kernel; the residual stream stays fp32: rounding it to bf16 would make it
+        follow the GEMMs' accumulation order and break the parity bars (docs/kernels.md)."""
         return self._rms_norm(x, weight, self.c.rms_norm_eps, residual, store_residual=True)
 
     @torch.no_grad()

@@ -11,11 +11,9 @@ in an eager pass); each group's kernels touch only its own segments' tokens.
 
 With the chunked delta rule for short new states too (FusedQwen35.short_delta_rule), the two are one group for the
 conv and the delta rule's prep, short segments first (Bucket.states of them), then long: a pass with new states of
-one class only would otherwise run the other group's conv and prep over empty segments every DeltaNet layer (long5
-new on the H200: its empty short group's conv, prep and chain took 11.9 µs a layer). Attention still runs per class,
-and the chain takes the short segments in a launch of their own beside the first long one's
-(kernels.delta_rule.LEAD_APART). What it saves is small: the conv and prep ~9 µs a layer on long5 new, while its
-latency against the two groups stayed within the machines' noise (bench/NOTES.md, sessions 20 and 21).
+one class only would otherwise run the other group's conv and prep over empty segments every DeltaNet layer.
+Attention still runs per class, and the chain takes the short segments in a launch of their own beside the first
+long one's (kernels.delta_rule.LEAD_APART). What it saves is small, within noise end to end (docs/kernels.md).
 
 Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
 padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on
@@ -49,8 +47,8 @@ from .pool import StatePool
 # Row tokens by powers of two, with 1.5x steps where rows fill most of the pass (ROW_STEPS, only with a state
 # region no larger than the rows); state tokens finer above 1,024, where one long state fills a pass and padding it
 # costs GEMM rows (2,200 tokens pad to 2,560, not 4,096). Why the 1.5x steps: cuBLASLt's GEMMs run in 64-row tiles
-# and their time follows the padded total. One short6 request (a 33-token state and 185 row tokens) took s64r256,
-# 320 tokens; s64r192 is 256 (H200, bench/diag.py kernels: the pass's GEMMs took 5.0 ms at 320 rows, 3.0 at 256).
+# and their time follows the padded total. One short6 request (a 33-token state and 185 row tokens) would take
+# s64r256, 320 tokens; s64r192 is 256 (docs/kernels.md).
 ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ROW_STEPS = (192, 384, 768, 1536, 3072, 6144)
 STATE_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 8192)
@@ -62,14 +60,14 @@ MIN_ROW_TOKENS = 4
 MIN_LONG_STATE_TOKENS = 128
 # At most this many short new states in any bucket: a request brings one state, and Triton's batches hold at most
 # max_batch_size (64) requests. Every kernel of the short group runs programs for its padding segments too: without
-# the cap s2560 (long5's bucket) held 320 empty short slots, 82k token-by-token delta-rule programs per layer for
-# nothing. A pass with more short new states runs eagerly.
+# the cap s2560 (long5's bucket) would hold 320 empty short slots, tens of thousands of delta-rule programs per layer
+# for nothing. A pass with more short new states runs eagerly.
 MAX_PASS_STATES = 64
 # Trimmed buckets: a long-state bucket of 128 or more row tokens also comes TRIM tokens shorter, its rows ending at
 # the pass's end (right after the new states' tokens when the two regions' paddings add up to TRIM or more). Why:
 # cuBLASLt's kernels at these sizes tile the tokens by 128 (nvjet 256x128, 144x128, 320x128 on the H200), and the two
 # regions' paddings can hold a whole tile: long5 (2,465 + 166 tokens) padded to s2560r256 is 2,816 tokens, 22 tiles,
-# where its 2,631 need 21 (GEMMs ~24.7 ms a pass).
+# where its 2,631 need 21.
 TRIM = 128
 TRIMMED_FROM_STATES = 1024
 
@@ -189,7 +187,7 @@ class StaticInputs:
         self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
         self.arrays = [host.numpy() for host in self.hosts]  # the same memory
         # Each buffer's last host→device copy (events made once, recorded once here so that waiting on them is valid
-        # from the start: creating one costs ~13 µs of host time on the H200's machine, bench/diag.py hostops).
+        # from the start: creating an event per pass would cost host time on the request path).
         self.copied = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else [None, None]
         for event in self.copied:
             if event is not None:
@@ -336,8 +334,7 @@ class PassGraphs:
     ) -> None:
         self.model = model
         # An eager pass before each capture (True), or only before the first (False): kernels a later bucket runs
-        # for the first time compile inside its capture (H200: 94 buckets captured on an empty and on a kept kernel
-        # cache, none failed; graphs phase 3.5 s against 9.0 on the kept one).
+        # for the first time compile inside its capture, with the same answers and a faster start (docs/kernels.md).
         self.warm_passes = warm_passes
         self.long_states = long_states  # passes with long new states too (their kernels are capturable)
         # Short and long new states in one group when both run the chunked delta rule (the module's doc).
@@ -397,8 +394,8 @@ class PassGraphs:
         run padded and eagerly, with the same kernels, and the server keeps starting and serving. After a failed
         capture no more are tried: torch's capture_end throws on an invalidated capture before it stops routing the
         stream's allocations to the graphs' pool and before it ends the CUDA generator's capture, so every later
-        capture failed too ("already recording to mempool_id"; H200, torch 2.11, a bucket whose grid the driver
-        refused), and ending the routing by hand did not bring them back."""
+        capture fails too ("already recording to mempool_id", torch 2.11), and ending the routing by hand does not
+        bring them back."""
         if self.failed:
             return None
         try:

@@ -15,7 +15,7 @@ class PointerHead:
     """The fused path's pointer head: one fp32 projection of each pass's picked tokens, [q | k] at once (a <decide>
     row's k and an option row's q are never read), read as soon as the pass is enqueued; then every question's
     pointer softmax in one kernel on a GPU (kernels.pointer; the head's torch ops on a CPU). After a captured pass
-    only these two and the copy to the host run (the head's torch ops were ~14 kernels there)."""
+    only these two and the copy to the host run (far fewer launches than the head's torch ops: docs/kernels.md)."""
 
     def __init__(self, head: dict[str, torch.Tensor], temperature: float) -> None:
         self.dim = head["q.weight"].shape[0]

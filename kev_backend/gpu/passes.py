@@ -3,8 +3,8 @@ tokens first, then question rows' tokens, each kind split into kernel groups by 
 then long ones), plus the bank pool indices the mixers read and write. Eager passes size it exactly; captured
 passes (graphs.py) pad it to a bucket.
 
-fla hazards (../shared/docs/qwen35-and-kernels.md §4.7): fla memoises results derived from `cu_seqlens` by tensor
-identity, so every eager pass builds fresh `cu_seqlens` tensors and never mutates them.
+fla hazard: fla memoises results derived from `cu_seqlens` by tensor identity, so every eager pass builds fresh
+`cu_seqlens` tensors and never mutates them.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from ..scoring.transfer import device_ints
 RECURRENT_MAX_LEN = 64
 
 # Batch invariance of the GEMMs: cuBLAS picks split-K by the row count M, and a split changes the summation order, so
-# a row's bf16 output would depend on what shares its pass. Measured on the H200 (bench/diag.py sweep, Kev-4B
-# projections, M = 1..4,096 against M = 8,192): cuBLASLt's results are identical for every M >= 52, cuBLAS's only
-# from M = 257. So the fused path prefers cuBLASLt and gives every GEMM at least MIN_GEMM_ROWS rows (pad rows that
-# nothing reads); at these sizes the GEMMs are bound by reading the weights, so the padding costs nothing.
+# a row's bf16 output would depend on what shares its pass. On Kev-4B's projections (M = 1..4,096 against
+# M = 8,192, docs/kernels.md) cuBLASLt's results are identical for every M >= 52, cuBLAS's only from M = 257. So the
+# fused path prefers cuBLASLt and gives every GEMM at least MIN_GEMM_ROWS rows (pad rows that nothing reads); at these
+# sizes the GEMMs are bound by reading the weights, so the padding costs nothing.
 MIN_GEMM_ROWS = 64
 
 

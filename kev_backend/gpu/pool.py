@@ -1,5 +1,5 @@
 """The fused path's state bank: a preallocated pool on the GPU (DeltaNet slots, paged attention K/V) behind an LRU
-keyed by exact state tokens. Fixed addresses, so passes (and later CUDA graphs) read states by index."""
+keyed by exact state tokens. Fixed addresses, so passes (and their CUDA graphs) read states by index."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Slot:
 class StatePool:
     """Preallocated bank storage: per GDN layer a conv window [slots, conv_dim, W] and an fp32 recurrent state
     [slots, Hv, Dk, Dv]; per attention layer K and V in pages of `page_size` tokens. Fixed addresses, so passes
-    (and later CUDA graphs) read states by index."""
+    (and their CUDA graphs) read states by index."""
 
     def __init__(
         self, config: Qwen35Config, n_slots: int, n_pages: int, page_size: int, device: torch.device, dtype: torch.dtype

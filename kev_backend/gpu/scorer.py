@@ -237,8 +237,8 @@ class FusedScorer:
             out.state_slots.append(slots[state].slot)
             kv_dst.append(slots[state].kv_index(page))
         # Each state's pool K/V index once; every row points at its state's run. A request's rows share its state's
-        # tuple, so the run and slot are found by the tuple's identity first: hashing a 2,400-token tuple takes ~4 µs,
-        # and four lookups a row cost ~1.6 ms of a batch of 22 long5 requests (CPU host).
+        # tuple, so the run and slot are found by the tuple's identity first: hashing a long state's tuple on every
+        # lookup would cost host time for each row.
         runs: dict[tuple[int, ...], int] = {}
         by_identity: dict[int, tuple[int, Slot]] = {}  # the tuples stay alive (in `rows`) while this runs
         prefix: list[np.ndarray] = []
@@ -262,8 +262,8 @@ class FusedScorer:
             out.row_slots.append(slot.slot)
             out.row_picks.append(start + row.tokens.decide)
             out.row_picks.extend(start + i for i in row.tokens.option_ends)
-        # The new states' ids and K/V indices stay numpy arrays (a long state's are thousands; lists of them cost ~60
-        # µs each to write into the pinned buffer for a 2,465-token state, against ~1.5 from an array: CPU host).
+        # The new states' ids and K/V indices stay numpy arrays (a long state's are thousands, and an array is written
+        # into the pinned buffer far faster than a list).
         if new:
             out.state_ids = np.concatenate(state_ids)
             out.state_kv_dst = np.concatenate(kv_dst)

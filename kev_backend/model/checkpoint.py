@@ -1,4 +1,4 @@
-"""Kev checkpoints (kev-model.md §3): head.pt metadata, a PEFT LoRA adapter merged into the base, or full weights.
+"""Kev checkpoints: head.pt metadata, a PEFT LoRA adapter merged into the base, or full weights.
 
 Loader rule: `adapter_config.json` present → LoRA on `head.pt["base"]`; else `config.json` + `model*.safetensors`
 → full weights. head.pt's `weights` must agree. The tokenizer always comes from the base. The merge adds the fp32

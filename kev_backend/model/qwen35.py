@@ -1,9 +1,9 @@
 """Qwen3.5 text model, reference PyTorch path (CPU or CUDA eager).
 
 Module and parameter names follow transformers' `Qwen3_5TextModel`, so HF-layout weights load by name. The
-math follows ../shared/docs/qwen35-and-kernels.md §2: zero-centred RMSNorms (x̂·(1+w)), gated full attention with
-per-head q/k norms and partial 1-D RoPE (text-only mRoPE reduces to it exactly), Gated DeltaNet layers with a
-depthwise causal conv and the gated delta rule in fp32, SwiGLU MLPs. There is no LM head: Kev reads the final-norm
+math is Qwen3.5's: zero-centred RMSNorms (x̂·(1+w)), gated full attention with per-head q/k norms and partial 1-D
+RoPE (text-only mRoPE reduces to it exactly), Gated DeltaNet layers with a depthwise causal conv and the gated delta
+rule in fp32, SwiGLU MLPs. There is no LM head: Kev reads the final-norm
 hidden states.
 
 The forward pass continues from a `SequenceCache` (attention K/V, DeltaNet conv window and fp32 recurrent state),
@@ -393,8 +393,7 @@ class Qwen35TextModel(nn.Module):
         super().__init__()
         self.config = config
         # Weights always come from a checkpoint: no init draw. Embedding's own (normal_) on the meta device, where
-        # build_model constructs the model, imports torch._dynamo: 1.7-2.5 s of a start on a CPU host, and on the H200
-        # the first build_model of a process took 5.65 s against 0.05 for the next (bench/diag.py coldstart).
+        # build_model constructs the model, imports torch._dynamo: seconds of a process's start.
         embed = torch.zeros(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embed)
         self.layers = nn.ModuleList(Qwen35DecoderLayer(config, t) for t in config.layer_types)

@@ -1,11 +1,10 @@
 """Reads the tensors of a safetensors file straight onto a device, several chunks at a time.
 
 `safetensors.safe_open(...).get_tensor` copies each tensor out of the memory-mapped file into a new host tensor, and
-`.to("cuda")` then copies it again from pageable memory, one tensor after another (on the H200 the `.to` calls alone
-took 1.27 s of a Kev-4B start). Here worker threads read the file's byte ranges with `os.preadv` into pinned buffers
-of their own and copy each buffer to the device on their own stream, so disk (or page cache) reads and host-to-device
-copies overlap, and the GIL is free during both: Kev-4B's base (8.4 GB) in 0.64-0.70 s on the H200 (bench/NOTES.md,
-session 24).
+`.to("cuda")` then copies it again from pageable memory, one tensor after another. Here worker threads read the
+file's byte ranges with `os.preadv` into pinned buffers of their own and copy each buffer to the device on their own
+stream, so disk (or page cache) reads and host-to-device copies overlap, and the GIL is free during both
+(docs/kernels.md, Start-up).
 
 The format (github.com/huggingface/safetensors): an 8-byte little-endian header length, a JSON header mapping each
 name to its dtype, shape and byte range relative to the data that follows the header, then the data. The header is

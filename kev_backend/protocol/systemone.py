@@ -281,7 +281,8 @@ def _option_text(name: str, description: Any) -> str:
 
 
 def render(value: Any, indent: int = 0) -> str:
-    """JSON -> the text the model reads (§4.2). Python str() of scalars is part of the contract (True, 532.0, 1e-07)."""
+    """JSON -> the text the model reads, as Kev renders it. Python str() of scalars is part of the contract (True,
+    532.0, 1e-07)."""
     pad = "  " * indent
     if value is None:
         return ""
@@ -302,7 +303,7 @@ _DELIMITER = re.compile(r"<\|([A-Za-z0-9_]+)\|>")
 
 
 def escape_user_text(text: str) -> str:
-    """<|name|> -> <¦name¦> (U+00A6), so caller text can never spell a delimiter token (§4.3)."""
+    """<|name|> -> <¦name¦> (U+00A6), so caller text can never spell a delimiter token."""
     return _DELIMITER.sub("<\u00a6\\1\u00a6>", text)
 
 

@@ -1,4 +1,4 @@
-"""Kev's pointer head (kev-model.md §2.4), always in fp32.
+"""Kev's pointer head, always in fp32.
 
 z_j = ((W_k h_j + b_k) · (W_q h_dec + b_q)) / √dp / T, softmax over the question's own options, where h_j is the
 final-norm hidden state at option j's </opt> and h_dec the one at <decide>.
@@ -127,9 +127,9 @@ def batch_questions(batch: Sequence[Encoded]) -> tuple[list[tuple[int, int]], li
 def warm_pointer_head(head: dict[str, torch.Tensor], rows: int = 512) -> None:
     """Runs the head's two projections once for every row count up to `rows` (questions, or options, of a batch).
     cuBLAS may pick another kernel for each count, and with CUDA's lazy module loading a kernel's first launch loads
-    it: done here, at start-up, not on a request. Why: on the H200 (5645976) the first request after start took
-    12-14 ms longer than the next ones whatever its shape (not the allocator, the GC, a graph's upload nor idle
-    clocks); the head is the one eager GEMM whose row counts the warm-up batch does not cover (unconfirmed)."""
+    it: done here, at start-up, not on a request. Why: without it the first requests after start are slower than
+    the next ones whatever their shape, and the head is the one eager GEMM whose row counts the warm-up batch does
+    not cover (docs/kernels.md, Pointer head)."""
     weight = head["q.weight"]
     for n in range(1, rows + 1):
         hidden = torch.zeros(n, weight.shape[1], device=weight.device, dtype=torch.float32)

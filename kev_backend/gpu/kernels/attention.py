@@ -10,43 +10,30 @@ import triton.language as tl
 from . import grid
 
 # Query rows per program (tokens × the query heads sharing a key/value head; tl.dot wants at least 16), and keys per
-# step and pipeline stages for heads over 128 wide (Qwen3.5's 256), all read at each launch. H200, Kev-4B heads
-# (bench/diag.py rowsattn), ms for one long5's rows (5 over a 2,200-token state), 17 of them, one short6 on its
-# banked state and 32: at e4604cf 64 rows × 32 keys 0.142 / 1.409 / 0.041 / 0.190; 32 × 32 0.222 / 1.732 / 0.044 /
-# 0.239; 16 × 32 (a program per query head) 0.155 / 2.273 / 0.044 / 0.322; 64 × 16 0.198 / 2.073 / 0.046 / 0.198. At
-# a853cc1, with the split and base-2 softmax below: 64 × 32, 3 stages 0.121 / 1.207 / 0.041 / 0.202 (neither: 0.140 /
-# 1.393 / 0.057 / 0.193); 64 × 64, 2 stages 0.091 / 0.891 / 0.038 / 0.214; 64 × 32, 2 stages 0.119 / 1.211 / 0.041 /
-# 0.192. 8 warps (as launched, no spills on sm_90a: tests/test_kernels.py).
+# step and pipeline stages for heads over 128 wide (Qwen3.5's 256), all read at each launch. 64 rows read a GQA
+# group's prefix once per tile, not once per head; 64 keys on 2 stages is the fastest of the tiles measured
+# (docs/kernels.md). 8 warps (as launched, no spills on sm_90a: tests/test_kernels.py).
 TILE_ROWS = 64
 WIDE_HEAD_KEYS = 64
 WIDE_HEAD_STAGES = 2
 WIDE_HEAD_WARPS = 8
 # Query rows per program for new states over LONG_ABOVE tokens (no prefix): every row attends to many keys, so bigger
-# tiles pay. H200 (bench/diag.py longattn), Kev-4B heads, 1 / 8 new 2,200-token states, ms: at 45dfefc / 6e77b20,
-# 128 rows × 32 keys on 8 warps, 3 stages 0.172 / 0.899-0.902; 2 stages 0.221 / 1.082; 128 × 64 (2 stages; 3 run out
-# of shared memory) 0.184 / 0.920; 64 × 32 0.246 / 1.689; 64 × 64 on 4 warps 0.197 / 1.353; torch's varlen attention
-# (FlashAttention 2) 0.201 / 0.991. At 074c80a / a853cc1, with the split and base-2 softmax below: 128 × 32, 3 stages
-# 0.146 / 0.767; 128 × 64, 2 stages 0.126 / 0.634 (316 / 442 TFLOP/s); 128 × 64 on 4 warps 0.467 / 2.413; 64 × 64,
-# 2 stages 0.194 / 1.316; cuDNN through SDPA 0.120-0.155 / 0.841-0.847. A row's arithmetic does not depend on the
-# tile's rows (keys per step and warps are the same), so a state's output does not depend on the states batched with
-# it.
+# tiles pay (128 rows × 64 keys on 2 stages, faster than torch's varlen attention: docs/kernels.md). A row's
+# arithmetic does not depend on the tile's rows (keys per step and warps are the same), so a state's output does not
+# depend on the states batched with it.
 LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
 # Pipeline stages of the key loop for heads up to 128 wide (Triton's default on sm_90), read at each launch.
 ATTENTION_STAGES = 3
 # Read at each launch. SPLIT_DIAGONAL walks whole key blocks without masks (a prefix's, and a tile's own keys before
 # its first token, which every row sees) and masks only the rest; EXP2 folds log2(e) into the scale and exponentiates
-# in base 2. longattn at 074c80a, 128 × 32 on 3 stages, 1 / 8 states: neither 0.172 / 0.893 ms, split 0.158 / 0.821,
-# base 2 0.167 / 0.863, both 0.147 / 0.767, the same largest difference from FlashAttention 2's output (3.9e-3 /
-# 7.8e-3). (Triton 3.6's warp_specialize on the unmasked loop changed nothing on sm_90: 0.146 / 0.765.)
+# in base 2. Each is faster, and together they keep the same largest difference from FlashAttention 2's output
+# (docs/kernels.md).
 SPLIT_DIAGONAL = True
 EXP2 = True
 LOG2_E = 1.4426950408889634
-# Rows over a long prefix with its keys in parts, a program each, merged by the tile's last part (7d8c2e5, reverted):
-# one long5's rows 0.090 ms a layer unsplit, 0.057 in 2 parts, 0.064 in 4, 0.085 in 8 (rowsattn from graphs, H200);
-# but in the engine long5 new / same 39.11 / 5.87 ms against 39.18 / 5.96, within noise, and splitting only passes of
-# up to 1,024 row tokens (the scratch) made a row's answer depend on its batch (graph replay alone against batched
-# eager 0.011, bar 0.01).
+# A row tile reads its whole prefix in one program: splitting the prefix's keys into parts merged afterwards gains
+# nothing in the engine, and splitting only some passes makes a row's answer depend on its batch (docs/kernels.md).
 
 
 @triton.jit
@@ -97,8 +84,8 @@ def _rows_attention_kernel(
 ):
     """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
-    rows masked), so each key tile is read once for all of them. With Kev-4B's 4 query heads per key/value head a
-    row's 2,200-token prefix was read by 4 programs of 16 rows, now by 1 of 64."""
+    rows masked), so each key tile is read once for all of them: with Kev-4B's 4 query heads per key/value head, a
+    row's prefix is read by one program of 64 rows, not by 4 programs of 16."""
     G: tl.constexpr = HQ // HKV
     # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
     i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)

@@ -1,7 +1,7 @@
 """Qwen3.5's depthwise causal conv (kernel 4) + SiLU for segments reading or writing their window in the bank.
 
-The pass uses conv_tokens for every segment; conv_rows (a program per segment, token by token: its predecessor for
-short segments) stays as the tests' and bench/diag.py's reference."""
+The pass uses conv_tokens for every segment; conv_rows (a program per segment, token by token) is the tests' and
+bench/diag.py's reference."""
 
 from __future__ import annotations
 
@@ -86,23 +86,16 @@ def conv_rows(
     return y
 
 
-# Tokens per program of the scanning conv, and channels per program on SCAN_WARPS warps (four per thread). H200,
-# Kev-4B's 8,192 channels (bench/diag.py convscan, 45dfefc; results/logs), ms for 192×39 / 40×100 rows and 1 / 8 / 24
-# new states of 2,200 tokens, four tokens a step: 32×256/2 0.092 / 0.050 and 0.032 / 0.190 / 0.553; 64×256/2 0.089 /
-# 0.053 and 0.039 / 0.185 / 0.531; 16×256/2 0.101 / 0.052 and 0.036 / 0.220 / 0.654. One token a step (d19e5d8):
-# 32×256/2 0.111 / 0.061 and 0.039 / 0.259 / 0.749. The tiled kernel before it ([tokens, channels] tiles, each token
-# finding its segment; 220-255 registers with spills) took 0.389 / 0.190 and 0.059 / 0.437 / 1.308. Outputs identical.
+# Tokens per program of the scanning conv, and channels per program on SCAN_WARPS warps (four per thread): the
+# fastest slice for one long state, within a few per cent of the best for many (docs/kernels.md). Outputs do not
+# depend on the slice.
 SCAN_TOKENS = 32
 SCAN_CHANNELS = 256
 SCAN_WARPS = 2
 # Passes of up to SCAN_SMALL_TOKENS tokens (a lone request's rows or short state: r192, s64) scan in SCAN_SMALL's
-# (tokens, channels, warps): a 192-token pass gave 32×256/2 only 192 programs of 2 warps, 8.7 µs a DeltaNet layer on
-# short6 same (bench/diag.py kernels, 92ab15d), where every program's path is a few load latencies in series (finding
-# its segment, four tokens a step). Shorter slices, more programs. H200, from graphs (bench/diag.py convscan, 4411401),
-# ms for one short6's rows (6×31): 8×128/1 0.0061, 8×256/2 0.0062, 8×64/1 0.0062, 16×128/1 0.0065, 4×128/1 0.0069,
-# 32×256/2 0.0080. With the inputs before a slice loaded at once too (ABBA against fa3c50b, diag.py kernels), the
-# conv's GPU ms a pass: short6 same 0.203 → 0.161, short6 new 0.346 → 0.263, long5 new 1.10 → 0.94, 8 new long5
-# 6.22 → 5.79, 32 new short6 2.44 → 2.25. Outputs identical.
+# (tokens, channels, warps): at 32×256/2 a 192-token pass would have only 192 programs of 2 warps, where every
+# program's path is a few load latencies in series (finding its segment, four tokens a step). Shorter slices, more
+# programs (docs/kernels.md). Outputs identical.
 SCAN_SMALL_TOKENS = 256
 SCAN_SMALL = (8, 128, 1)
 
@@ -169,13 +162,13 @@ def _conv_scan_kernel(
         lo, hi = tl.maximum(bos, first), tl.minimum(eos, last)
         start = tl.maximum(bos, lo - W)  # the segment's start, or W tokens before lo: no input before it is read
         base = pool + (tl.load(slots + n).to(tl.int64) * C + o_c) * W  # the window [C, W]: W - d holds x_{bos - d}
-        # The three inputs before lo, loaded at once (one token after another, they were three load latencies in
+        # The three inputs before lo, loaded at once (one token after another would put three load latencies in
         # series on every program's path).
         x3 = _input_before(x, stride_xt, o_c, m_c, lo - 3, start, bos, base, W, CONTINUE)
         x2 = _input_before(x, stride_xt, o_c, m_c, lo - 2, start, bos, base, W, CONTINUE)
         x1 = _input_before(x, stride_xt, o_c, m_c, lo - 1, start, bos, base, W, CONTINUE)
         # Four tokens a step, their inputs loaded a step ahead: eight loads in flight per program where one token
-        # a step kept two (the scan is bound by load latency, not bandwidth). Past `hi` loads give zeros and
+        # a step would keep two (the scan is bound by load latency, not bandwidth). Past `hi` loads give zeros and
         # stores are masked off.
         n0 = tl.load(x + lo * stride_xt + o_c, mask=m_c & (lo < hi), other=0.0)
         n1 = tl.load(x + (lo + 1) * stride_xt + o_c, mask=m_c & (lo + 1 < hi), other=0.0)

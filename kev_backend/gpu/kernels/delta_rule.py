@@ -27,8 +27,8 @@ def _delta_rule_inputs(q, k, v, a, b, t, eos, stride_t, stride_vt, stride_at, hk
 
 
 # Value columns per program and warps per program of the delta rule: narrow blocks on one warp keep each step's two
-# reductions over the key dim inside a warp (as fla's fused_recurrent does). bench/diag.py recurrent on the H200,
-# 192 rows of 39 tokens: 16/1 1.65 ms, 8/1 2.05, 32/2 2.08, 32/4 3.16.
+# reductions over the key dim inside a warp (as fla's fused_recurrent does); faster than wider blocks or more warps
+# (docs/kernels.md).
 RECURRENT_BV = 16
 RECURRENT_WARPS = 1
 # The token-by-token kernel keeps its state as h_scale · h (see _recurrent_rows_kernel) with h_scale ≥ 2^-80 ≈ 8e-25:
@@ -95,7 +95,7 @@ def _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale):
     [BV]. The loop is bound by the FP32 issue rate: every thread holds 64 of the state block's entries, so each op
     on the whole state costs 64 instructions a token. This does three, all FMAs (two reductions over the key dim and
     the update), where the plain form does four: the decay multiplies the scalar h_scale rather than h, and q and k
-    stay unnormalised, their norms applied to the reductions' [BV] results. sm_90a SASS: 528 → ~420 instructions."""
+    stay unnormalised, their norms applied to the reductions' [BV] results."""
     inv_q = scale * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
     inv_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
     qk = tl.sum(b_k * b_q) * inv_q * inv_k
@@ -140,7 +140,7 @@ def _recurrent_item(
     # the loop's critical path is the state update alone. The state is h_scale · h: the inner loop runs while the
     # decays multiplied into h_scale keep it at RESCALE_BELOW or more; then h_scale is folded into h, and a token
     # whose decay alone is below that decays h itself. The two token blocks are written out: the same work through
-    # one helper made ptxas spill 28 bytes in the new-state variant (sm_90a, 255 registers).
+    # one helper makes ptxas spill registers in the new-state variant (sm_90a).
     n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
         q, k, v, a, b, bos, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
     )
@@ -304,32 +304,23 @@ def recurrent_rows(
     )
 
 
-# A captured pass's group counts its capacity, not its work: r192's 48 row slots hold one short6 request's 6 rows, and
-# a program per item (segment, value head, value block) ran 6,144 chain programs for 768 items of work, the empty
-# ones in waves after the real ones (H200: 44 µs a layer for two 16-token chunks a row). For such `padded` groups a
-# launch runs about LAUNCH_ROUNDS times the programs the GPU holds at once (per_sm: a kernel's programs an SM holds),
-# each taking items in turn (_next_item). The loop costs registers (sm_90a as launched: the chain at 32 columns
-# 202 → 250, still two programs an SM; at 64 it spills, and padded groups run narrow anyway; the token-by-token
-# kernel 166 → 214, nine one-warp programs an SM instead of twelve), so the token-by-token kernel takes it only
-# with RECURRENT_LOOP. One round, not two (bench/diag.py rounds at cfdcf9a, H200, prep and chain ms a layer, one
-# short6's rows in r192 / long5's rows in r256 / 32 short6's rows in r6144 / one long5 state in s2560): 1 round
-# 0.0314 / 0.0319 / 0.683 / 0.2535, 2 rounds 0.0332 / 0.0331 / 0.696 / 0.2536, 4 rounds 0.0357 / 0.0357 / 0.704 /
-# 0.2538; 16 columns on 2 or 1 warps lose (0.0349 / 0.0403 for one short6). Identical outputs.
+# A captured pass's group counts its capacity, not its work (r192's 48 row slots may hold one short6 request's 6
+# rows): a program per item (segment, value head, value block) would run mostly empty programs, in waves after the
+# real ones. For such `padded` groups a launch runs about LAUNCH_ROUNDS times the programs the GPU holds at once
+# (per_sm: a kernel's programs an SM holds), each taking items in turn (_next_item). The loop costs registers (sm_90a
+# as launched: the chain at 32 columns still fits two programs an SM; at 64 it spills, and padded groups run narrow
+# anyway; the token-by-token kernel fits nine one-warp programs an SM instead of twelve), so the token-by-token kernel
+# takes it only with RECURRENT_LOOP. One round is faster than more (docs/kernels.md); outputs are identical.
 LAUNCH_ROUNDS = 1
 RECURRENT_PER_SM = 9
 CHUNK_PER_SM = 2
 RECURRENT_LOOP = False
-# A captured pass's lone long state (long5 new: one 2,465-token state in s2560's long group of 20 slots) chains ~19 %
+# A captured pass's lone long state (long5 new: one 2,465-token state in s2560's long group of 20 slots) chains
 # slower than unpadded when its group's programs take items in turn: the GPU places two of its 128 programs on some
-# SMs (bench/diag.py padded, b708540, µs a layer for 2,200 tokens: unpadded 124.5, in turn two programs an SM 152.2,
-# one an SM 128.5, which loses for rows). With LEAD_APART a padded long group's first segment runs on a launch of its
-# own, a program per item (128 on an otherwise idle GPU: one an SM, as unpadded), and the group's other segments at
-# the same time on a side stream, in turn, CHUNK_PER_SM programs an SM. The items' arithmetic is the same.
-# KEV_LEAD_APART=0 turns it off (read at import; the module flag at each launch).
-# Cutting the apart segment in parts, each part's chain beside the next part's prep, lost (9074981, reverted: long5's
-# state 0.196 ms a layer apart, 0.204 in 2 parts, 0.206 in 3, 0.245 in 8; the parts' preps slow beside the chain).
-# Its chain in two halves at once (the second half's outputs corrected by its transition from the middle state) lost
-# too (f326e57, reverted: 0.196 against 0.285; three chain programs an SM each run far slower than one alone).
+# SMs (and one program an SM for every padded group is slower for rows). With LEAD_APART a padded long group's first
+# segment runs on a launch of its own, a program per item (128 on an otherwise idle GPU: one an SM, as unpadded), and
+# the group's other segments at the same time on a side stream, in turn, CHUNK_PER_SM programs an SM. The items'
+# arithmetic is the same. KEV_LEAD_APART=0 turns it off (read at import; the module flag at each launch).
 LEAD_APART = os.environ.get("KEV_LEAD_APART", "1") != "0"
 
 
@@ -408,8 +399,8 @@ PRECISION: tl.constexpr = tl.constexpr("tf32")
 
 def _chunk_tokens() -> int:
     """Tokens per chunk of the chunked delta rule: 16, or 32 (KEV_CHUNK). Longer chunks put fewer steps on the
-    sequential chain for bigger products. H200 (bench/results/logs, 37abcc4): 32 within noise of 16 (short6 9.1 /
-    6.1 vs 9.4 / 6.5 ms, long5 58.0 vs 57.5 ms, from graphs); 64 needs 262 KB of shared memory (232 KB there)."""
+    sequential chain for bigger products, but the 32-token prep spills and is slower (docs/kernels.md); 64 would need
+    262 KB of shared memory (an H200 has 232 KB)."""
     tokens = int(os.environ.get("KEV_CHUNK", "16"))
     if tokens not in (16, 32):
         raise ValueError(f"KEV_CHUNK must be 16 or 32, not {tokens}")
@@ -418,56 +409,34 @@ def _chunk_tokens() -> int:
 
 # (I + A)⁻¹ of a strictly lower-triangular A [CHUNK, CHUNK] is a product of log2(CHUNK) factors (I + A^(2^j)).
 CHUNK = _chunk_tokens()
-# The chain's products: "bf16" or "tf32" operands (_dot; KEV_CHUNK_DOTS), read at each launch. H200
-# (bench/diag.py chunkvariants, 9a6af43), ms a layer, tf32 → bf16: 1 / 8 / 24 new 2,200-token states 0.432 → 0.297,
-# 2.27 → 1.64, 6.82 → 4.93; 40×100 rows 0.61 → 0.45. Kev-4B against the fp32 reference with bf16 (88ab874): max
-# |Δp| 0.0118, mean 0.0018, no decided flip (tf32 at 8262a34: 0.0147, 0.0018, 1). Triton's interpreter multiplies
-# bf16 operands as raw bits (numpy has no bf16), so the CPU tests run tf32 and the GPU tests bf16.
+# The chain's products: "bf16" or "tf32" operands (_dot; KEV_CHUNK_DOTS), read at each launch. bf16 is faster and
+# no further from the fp32 reference (docs/kernels.md). Triton's interpreter multiplies bf16 operands as raw bits
+# (numpy has no bf16), so the CPU tests run tf32 and the GPU tests bf16.
 CHUNK_DOTS = os.environ.get("KEV_CHUNK_DOTS", "bf16")
 if CHUNK_DOTS not in ("tf32", "bf16"):
     raise ValueError(f"KEV_CHUNK_DOTS must be tf32 or bf16, not {CHUNK_DOTS!r}")
 # The sequential pass's (value columns per program, warps, register cap: ptxas's .maxnreg, None for up to 255), read
 # at each launch: NARROW while the pass has at most WIDE_ABOVE programs per SM at NARROW's value block, WIDE above.
 # One state wants short programs, one per SM; many states want programs that share SMs. Each value column's
-# arithmetic is the same in both, so a state answers alike alone and in a batch (identical outputs on the H200).
-# H200, Kev-4B heads, bf16 products, ms a layer (prep and chain) for 1 / 8 / 24 new 2,200-token states and 40×100
-# rows (bench/diag.py chunkvariants, 486fe6a, the prep holding the chain's elementwise terms): 32/4/none 0.219-0.336 /
-# 1.350 / 4.021 / 0.338; 64/4/none (228 registers, two programs an SM) 0.241 / 1.133 / 3.394 / 0.312; 64/4/168 (spills
-# 128 bytes) 0.331 / 1.350 / 3.553 / 0.326; 32/4/168 0.246 / 1.272 / 3.723 / 0.341; 128/8/none 0.333 / 1.253 / 3.758 /
-# 0.346. Before that change (4dd2e69, 32/4/none and 64/4/168 by the same rule): 0.276 / 1.358 / 3.404 / 0.312.
+# arithmetic is the same in both, so a state answers alike alone and in a batch (identical outputs). Other blocks,
+# warp counts and register caps are slower (docs/kernels.md).
 CHUNK_NARROW: tuple[int, int, int | None] = (32, 4, None)
 CHUNK_WIDE: tuple[int, int, int | None] = (64, 4, None)
 WIDE_ABOVE = 2
-# Warps per prep program: 2. With whole chunks unmasked (ca82b56) it compiles without spills on 2 warps (230 registers
-# as launched: tests/test_kernels.py), and 2 run faster than 4: chunkvariants at f45a0ba, prep and
-# chain for 1 / 8 / 24 new 2,200-token states and 40×100 rows, 0.211 / 1.062 / 3.205 / 0.303 ms a layer against
-# 0.218 / 1.129 / 3.397 / 0.322 on 4, identical outputs. (At 486fe6a, masks everywhere, 2 warps lost at one state:
-# 0.338 against 0.219.)
+# Warps per prep program: 2, faster than 4 with identical outputs (docs/kernels.md). With whole chunks unmasked it
+# compiles without spills on 2 warps (230 registers as launched: tests/test_kernels.py).
 PREP_WARPS = 2
-# A register cap on the prep (None: none). Uncapped it takes 230 registers on 2 warps, four programs an SM (12.5 %
-# occupancy, no eligible warp 70 % of cycles: ncu at 9e908a1); at 168 six fit, for 60 bytes of spill stores.
-# bench/diag.py prepregs at 4db113d (H200, prep and chain, ms a layer, 1 / 8 / 24 new 2,465-token states and one
-# short6's rows): uncapped 0.229 / 1.211 / 3.620 / 0.0280, 168 0.221 / 1.112 / 3.314 / 0.0287, 192 (five an SM)
-# 0.230 / 1.217 / 3.641 / 0.0284, 128 0.236 / 1.214 / 3.614 / 0.0328; 4 warps lose (uncapped 0.242 / 1.313 / 3.958).
-# Identical outputs (a cap moves values between registers and memory, never changes the arithmetic).
-# Tried and removed (26898c8): the chain multiplying the raw q and k and scaling its products' rows, the prep storing
-# two [T, HV] row scales in place of Qs and Kd (half its bytes): prepregs at eba3ad0, 0.2455 / 1.0099 / 3.0545 / 0.0264
-# against 0.2171 / 1.0337 / 3.0803 / 0.0283, so 13 % slower for one state (the scaling sits on the chain) and 1-2 %
-# faster for many.
+# A register cap on the prep (None: none). Uncapped it takes 230 registers on 2 warps, four programs an SM; at 168 six
+# fit, for a few bytes of spill stores, and new states' prep and chain run faster (docs/kernels.md). Identical outputs
+# (a cap moves values between registers and memory, never changes the arithmetic).
 PREP_MAXNREG: int | None = 168
 # A prep program looks for chunk starts in CHUNK tokens of the input, one per segment reaching into them: rows of ~31
 # tokens put two in most windows (one row's second chunk, the next row's first), so a short6's rows wait for two
-# chunks' terms in series. Half-chunk windows for rows (twice the programs, 2783a15, removed) lost in the engine: H200,
-# a short6 on a banked state (r192's rows), the prep's first layer 17.6 → 19.6 µs, the pass's GPU time 4.64 → 4.70 ms
-# (bench/diag.py kernels, ABBA), though a graph of the prep and chain alone had gained (padded: 15.7 → 12.8 µs);
-# larger rows buckets lost there too (r768 27.7 → 28.8, r6144 205 → 294).
-# The prep multiplies in TF32 (bf16 operands there gained ~10 % at 24 states and changed the outputs: chunkvariants,
-# 67f5081). W, Qs, Kd, QK and U₀ are stored in bf16 when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16
-# (as fla stores its u) adds a rounding before U = U₀ − W S, which the chain's products round to bf16 anyway; it
-# halves U₀'s bytes, written here and read there. H200 (bench/diag.py prepregs, d3620c5), prep and chain, ms a layer,
-# 1 / 8 / 24 new 2,465-token states and one short6's rows: fp32 0.2195 / 1.1042 / 3.3015 / 0.0291, bf16 0.2171 /
-# 1.0371 / 3.1100 / 0.0277; outputs within 4.9e-4. (v loaded with q and k, its latency under the inverse's products,
-# lost: 0.2226 / 1.1349 / 3.4201 / 0.0287, 104 bytes spilled at the cap.)
+# chunks' terms in series (narrower windows for rows, with more programs, are slower in the engine: docs/kernels.md).
+# The prep multiplies in TF32 (bf16 operands there would change the outputs). W, Qs, Kd, QK and U₀ are stored in bf16
+# when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16 (as fla stores its u) adds a rounding before
+# U = U₀ − W S, which the chain's products round to bf16 anyway; it halves U₀'s bytes, written here and read there
+# (outputs within 4.9e-4 of an fp32 U₀).
 
 
 @triton.jit
@@ -634,15 +603,15 @@ def _chunk_prep_kernel(
     decay_rate = tl.exp(tl.load(a_log + hv).to(tl.float32))
     bias = tl.load(dt_bias + hv).to(tl.float32)
     # A window at or past the tokens' end has nothing to do, and returns before the segment search: a captured
-    # pass's padding windows, and every window of an empty group (a long5 pass's empty short group: 11 µs a layer
-    # for 5,120 such programs, H200 at 4db113d).
+    # pass's padding windows, and every window of an empty group (a long5 pass's empty short group: thousands of
+    # such programs).
     end = tl.load(cu + N).to(tl.int64)
     n = start * 0 + N
     if start < end:
         n = segment_of(cu, N, start, steps)
     # Segments in turn while they start in this window and before the tokens end: a captured pass's padding
     # segments all start at the end, and the window holding it would otherwise walk every one of them (a long5
-    # pass's long group: 19 in series; not what its 0.027 ms a layer against unpadded was, H200 at 4db113d).
+    # pass's long group: 19 in series).
     while (n < N) & (tl.load(cu + n).to(tl.int64) < tl.minimum(start + BT, end)):
         bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
         c0 = bos + tl.maximum(start - bos + BT - 1, 0) // BT * BT  # the segment's first chunk start >= start
@@ -808,9 +777,8 @@ def _chunked_delta_rule_kernel(
     """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
     o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
-    the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (they took ~3/4 of this loop's
-    instructions: 1,824 a chunk on sm_90a at 32 value columns on 4 warps, few of them MMAs; 626 without them, 318 with
-    unmasked whole chunks, all compiled without a launch's alignment; 233 as launched)."""
+    the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (in this loop they would be most of
+    its instructions, few of them MMAs), and whole chunks load and store without masks."""
     if LOOP:  # items in turn until the segments' tokens end (_next_item)
         end = tl.load(cu + N).to(tl.int64)
         item = tl.program_id(0)

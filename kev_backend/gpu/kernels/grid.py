@@ -1,11 +1,10 @@
 """CUDA's limit on a grid's second dimension, and launches split by segments to stay under it.
 
 The kernels that run a program per (segment, head) put segments × heads on the grid's second dimension, which CUDA
-caps at 65,535: with Kev-4B's 32 value heads the delta rule refused passes of 2,048 segments or more ("Triton Error
-[CUDA]: invalid argument"; H200, a graph bucket of 8,192 row tokens), which a batch with that many questions reaches
-eagerly too. Such passes launch once per span of segments instead; every program computes what it did before. (The
-delta rule has since put its items on the grid's first dimension, which holds 2^31 − 1: the conv and attention
-kernels use the spans.)
+caps at 65,535: with Kev-4B's 32 value heads a pass of 2,048 segments or more would be refused ("Triton Error
+[CUDA]: invalid argument"), and a batch with that many questions reaches it. Such passes launch once per span of
+segments instead; every program computes what it would in one launch. (The delta rule puts its items on the grid's
+first dimension, which holds 2^31 − 1: the conv and attention kernels use the spans.)
 """
 
 from __future__ import annotations

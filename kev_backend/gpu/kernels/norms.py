@@ -1,7 +1,7 @@
 """Norms and the MLP activation, with fixed launch configurations.
 
 fla's norm kernels autotune on a bucket of the row count (`NB`), so each new batch size compiles and benchmarks
-them again on the request path (seen: 64-client throughput collapsing while batches grew); these take the block
+them again on the request path (throughput collapses while batch sizes vary); these take the block
 size from the row width alone. Statistics in fp32, as Qwen3.5's norms compute them.
 """
 
