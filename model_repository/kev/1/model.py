@@ -28,29 +28,22 @@ def error_response(message, code):
 
 
 class TritonPythonModel:
+    """The model `kev`. Input REQUEST: TYPE_STRING [n, 1] per request, each element one System One request (JSON).
+    Output RESPONSE: TYPE_STRING [n, 1], each element Kev 1.0's response body (JSON) for the element at its place. A
+    request fails as a whole, naming the element (REQUEST[j]) when it carries several: INVALID_ARG for a request Kev
+    refuses, INTERNAL for a fault, CANCELLED when its client left. `max_batch_size` and the batcher come from
+    config.pbtxt."""
+
     def initialize(self, args):
-        from kev_backend.engine.engine import Engine
         from kev_backend.engine.pipeline import Pipeline
-        from kev_backend.protocol.systemone import RequestError
         from kev_backend.serve.metrics import KevMetrics
-        from kev_backend.serve.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
 
         config = json.loads(args["model_config"])
-        params = parameters(config)
-        gpu = args["model_instance_kind"] == "GPU"
-        device = f"cuda:{args['model_instance_device_id']}" if gpu else "auto"
-        path = checkpoint_path(params, Path(args["model_repository"]))
-        self.engine = Engine.from_checkpoint(path, engine_options(params, device))
-        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
-        self.metrics = KevMetrics(pb_utils, labels)
-        warmup = warmup_requests(params, Path(args["model_repository"]))
-        started = time.perf_counter()
-        for start in range(0, len(warmup), 64):  # in batches of up to max_batch_size, before the model is ready
-            results = self.engine.answer(warmup[start : start + 64])
-            self.metrics.record(self.engine)
-            self.metrics.count_error("invalid", sum(isinstance(r, RequestError) for r in results))
-        self.engine.startup["warmup_requests"] = time.perf_counter() - started
-        pb_utils.Logger.log_info(f"kev: {path}; {len(warmup)} warm-up requests; {self.engine.summary()}")
+        repository = Path(args["model_repository"])
+        self.engine, path = load_engine(config, args, repository)
+        self.metrics = KevMetrics(pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]})
+        warmed = warm_up(self.engine, self.metrics, config, repository)
+        pb_utils.Logger.log_info(f"kev: {path}; {warmed} warm-up requests; {self.engine.summary()}")
         self.pipeline = Pipeline(self.engine)
 
     def execute(self, requests):
@@ -111,6 +104,35 @@ class TritonPythonModel:
 
     def finalize(self):
         self.pipeline.close()
+
+
+def load_engine(config, args, repository):
+    """The engine on this instance's device (cuda:N for a KIND_GPU instance), from the model's parameters."""
+    from kev_backend.engine.engine import Engine
+    from kev_backend.serve.triton_config import checkpoint_path, engine_options, parameters
+
+    params = parameters(config)
+    gpu = args["model_instance_kind"] == "GPU"
+    device = f"cuda:{args['model_instance_device_id']}" if gpu else "auto"
+    path = checkpoint_path(params, repository)
+    return Engine.from_checkpoint(path, engine_options(params, device)), path
+
+
+def warm_up(engine, metrics, config, repository):
+    """Answers the `warmup_requests` JSONL before the model reports ready, in batches of up to max_batch_size; returns
+    how many there were."""
+    from kev_backend.protocol.systemone import RequestError
+    from kev_backend.serve.triton_config import parameters, warmup_requests
+
+    warmup = warmup_requests(parameters(config), repository)
+    size = max(1, config.get("max_batch_size", 1))
+    started = time.perf_counter()
+    for start in range(0, len(warmup), size):
+        results = engine.answer(warmup[start : start + size])
+        metrics.record(engine)
+        metrics.count_error("invalid", sum(isinstance(r, RequestError) for r in results))
+    engine.startup["warmup_requests"] = time.perf_counter() - started
+    return len(warmup)
 
 
 class Sender:
