@@ -4,7 +4,7 @@ Parity on >= 1,000 questions of realistic requests (noul/choice/score mix, state
 questions) with the tiny checkpoint and with random weights of Kev-4B shapes: bf16 fused vs fp32 reference
 max |Δp| <= 0.03 and argmax flips <= 1 in 300 (outside near-ties); alone vs batched <= 0.01; bank hit vs miss
 <= 0.01.
-KEV_RESULTS_DIR, when set, receives each report as JSON.
+The tests check the bars and print each report; `python -m kev_backend.dev.parity` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -34,9 +34,6 @@ def check(report: dict, name: str, max_abs: float | None = 0.03) -> None:
     report["chunk_dots"] = delta_rule.CHUNK_DOTS  # KEV_CHUNK_DOTS: our chunked delta rule's product operands
     report.update(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=bench.commit())
     print(name, json.dumps(report))
-    if os.environ.get("KEV_RESULTS_DIR"):
-        suffix = ("-ours" if report["long_kernels"] == "ours" else "") + f"-{delta_rule.CHUNK_DOTS}"
-        Path(os.environ["KEV_RESULTS_DIR"], f"parity-{name}{suffix}.json").write_text(json.dumps(report, indent=2))
     assert report["vs_reference"]["questions"] >= QUESTIONS
     if max_abs is not None:
         assert report["vs_reference"]["max_abs"] <= max_abs
@@ -111,8 +108,6 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
         "commit": bench.commit(),
     }
     print("graphs", json.dumps(report))
-    if os.environ.get("KEV_RESULTS_DIR"):
-        Path(os.environ["KEV_RESULTS_DIR"], "parity-graphs.json").write_text(json.dumps(report, indent=2))
     assert graphs.stats.replays > 0
     assert graphs.stats.long_runs > 0  # passes with long new states replayed
     for name in ("batched", "alone", "bank"):
@@ -279,7 +274,7 @@ def test_fused_engine_serves_through_the_engine_api(tiny_dir: Path) -> None:
     assert results[0].__class__.__name__ == "RequestError" and isinstance(results[1], dict)
 
 
-def test_pretuned_gemm_algorithms_give_f_linear_outputs_bit_for_bit() -> None:
+def test_pretuned_gemm_algorithms_give_f_linear_outputs_bit_for_bit(tmp_path: Path) -> None:
     """gpu.cublaslt: a table's shapes run on cuBLASLt algorithms other than torch's (here each shape's fastest
     non-split candidate, kept whatever its speed) and answer exactly as F.linear, eagerly and replayed from a graph;
     shapes not in the table, and inputs it cannot take, go to F.linear."""
@@ -291,7 +286,7 @@ def test_pretuned_gemm_algorithms_give_f_linear_outputs_bit_for_bit() -> None:
     entries = gemm_tuner.tune(shapes, device, gain=-1.0)
     assert [(e["m"], e["n"], e["k"]) for e in entries] == shapes  # every shape has a non-split candidate
     table = cublaslt.identity(device) | {"shapes": entries}
-    path = Path(os.environ.get("KEV_RESULTS_DIR", "/tmp")) / "gemm-algos-test.json"
+    path = tmp_path / "gemm-algos-test.json"
     path.write_text(json.dumps(table))
     algos = cublaslt.GemmAlgos.load(path, device)
     assert algos is not None and len(algos.algos) == 3

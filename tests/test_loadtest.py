@@ -280,20 +280,53 @@ def test_traffic_refuses_unknown_shapes(shape: str) -> None:
         Traffic(shape)
 
 
-def test_bench_results_compare_by_script() -> None:
-    """The committed bench JSON reads back through bench/compare.py: one row per run and workload, oldest first."""
-    results = sorted((REPO / "bench" / "results").glob("*nvidia-h200*.json"))
+def bench_record(commit: str, date: str, rps: float) -> dict:
+    """A bench JSON as python -m kev_backend.dev.bench writes it (the fields compare.py and closedloop.py read)."""
+
+    def workload(scale: float) -> dict:
+        return {
+            "new_ms": 5.7 * scale,
+            "same_ms": 5.1 * scale,
+            "rps": {"1": rps / 20 / scale, "64": rps / scale},
+            "p50_ms": {"1": 5.9 * scale, "64": 210.0 * scale},
+            "floor_rps": 2 * rps / scale,
+        }
+
+    return {
+        "gpu": "NVIDIA H200",
+        "date": date,
+        "commit": commit,
+        "backend": "fused",
+        "graphs": True,
+        "long_kernels": "ours",
+        "short_delta_rule": "chunked",
+        "chunk_tokens": 16,
+        "complete": True,
+        "workloads": {"short6": workload(1.0), "long5": workload(7.0)},
+    }
+
+
+def test_bench_results_compare_by_script(tmp_path: Path) -> None:
+    """Bench JSON reads back through bench/compare.py: one row per run and workload, oldest first; other JSON (a
+    soak's) is skipped."""
+    runs = [
+        bench_record("bbbbbbb", "2026-12-02T00:00:00Z", 290.0),
+        bench_record("aaaaaaa", "2026-12-01T00:00:00Z", 280),
+    ]
+    paths = []
+    for i, record in enumerate([*runs, {"gpu": "NVIDIA H200", "soak": {}}]):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(record))
     out = subprocess.run(
-        [str(Path(sys.prefix) / "bin" / "python"), str(REPO / "bench" / "compare.py"), *map(str, results)],
+        [str(Path(sys.prefix) / "bin" / "python"), str(REPO / "bench" / "compare.py"), *map(str, paths)],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     ).stdout.splitlines()
-    runs = [json.loads(p.read_text()) for p in results]
-    runs = [r for r in runs if "workloads" in r]
-    assert len(out) == 1 + sum(len(r["workloads"]) for r in runs) and "short6" in out[1]
-    assert out[0].split()[:3] == ["commit", "variant", "workload"]
+    assert len(out) == 1 + 4 and out[0].split()[:3] == ["commit", "variant", "workload"]
+    assert [line.split()[0] for line in out[1:]] == ["aaaaaaa", "aaaaaaa", "bbbbbbb", "bbbbbbb"]  # oldest first
+    assert "short6" in out[1] and "290" in out[3]
 
 
 def test_closedloop_takes_a_bench_json_as_its_inprocess_reference() -> None:
@@ -303,8 +336,7 @@ def test_closedloop_takes_a_bench_json_as_its_inprocess_reference() -> None:
         import closedloop
     finally:
         sys.path.remove(str(REPO / "loadtest"))
-    path = REPO / "bench" / "results" / "2026-11-30-nvidia-h200-8a29af68.json"
-    bench = json.loads(path.read_text())
+    bench = bench_record("ccccccc", "2026-12-02T00:00:00Z", 290.0)
     local = closedloop.inprocess_reference(bench, 64)
     assert local["rps"] == bench["workloads"]["short6"]["rps"]["64"] > 0
     assert local["p50_ms"] == bench["workloads"]["short6"]["p50_ms"]["64"] > 0

@@ -93,3 +93,43 @@ def parity_report(reference: Engine, fast: Engine, requests: Sequence[Any], batc
         "bank_hit_vs_miss": compare(hits, batched),
         "spread_reference": spread(expected),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m kev_backend.dev.parity CHECKPOINT --out DIR: the fused path's parity report on realistic requests,
+    as JSON (the GPU tests check the same figures against their bars)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from ..engine.engine import EngineOptions
+    from ..model.checkpoint import load_checkpoint
+    from . import bench
+    from .workloads import realistic
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--questions", type=int, default=1000)
+    parser.add_argument("--max-words", type=int, default=2500)
+    args = parser.parse_args(argv)
+    checkpoint = load_checkpoint(args.checkpoint, torch.device("cuda"))
+    reference = Engine(checkpoint, EngineOptions(backend="reference", bank_bytes=0))
+    fused = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30))
+    report = parity_report(reference, fused, realistic(args.questions, seed=0, max_words=args.max_words))
+    report.update(
+        gpu=torch.cuda.get_device_name(),
+        date=time.strftime("%Y-%m-%d"),
+        commit=bench.commit(),
+        long_kernels=fused.options.long_kernels,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{time.strftime('%Y-%m-%d')}-parity-{args.checkpoint.name}-{report['commit']}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["vs_reference"]), path)
+
+
+if __name__ == "__main__":
+    main()
