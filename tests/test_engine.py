@@ -216,9 +216,35 @@ def test_triton_parameters_and_instance_device(tmp_path: Path, monkeypatch: pyte
         not options.graphs and engine_options({**params, "graphs": "on", "max_graphs": "9"}, "cuda:0").max_graphs == 9
     )
     assert engine_options({**params, "graphs": "on"}, "cuda:0").graphs
-    with pytest.raises(ValueError, match="graphs must be on or off"):
-        engine_options({**params, "graphs": "yes"}, "cuda:0")
+    with pytest.raises(ValueError, match="graphs must be one of"):
+        engine_options({**params, "graphs": "maybe"}, "cuda:0")
     (tmp_path / "w.jsonl").write_text('{"state": 1}\n\n{"state": 2}\n')
     assert warmup_requests(params, tmp_path) == ['{"state": 1}', '{"state": 2}']
     monkeypatch.setenv("KEV_CHECKPOINT", "/abs/kev")
     assert checkpoint_path(params, tmp_path) == Path("/abs/kev")
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("on", True),
+        ("1", True),
+        ("TRUE", True),
+        ("yes", True),
+        ("off", False),
+        ("0", False),
+        ("False", False),
+        ("", False),
+    ],
+)
+def test_graphs_take_one_boolean_grammar(value: str, expected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KEV_GRAPHS and the `graphs` parameter read the same spellings; a typo fails the load instead of meaning off."""
+    from kev_backend.serve.triton_config import engine_options
+
+    monkeypatch.delenv("KEV_GRAPHS", raising=False)
+    assert engine_options({"graphs": value}, "auto").graphs is expected
+    monkeypatch.setenv("KEV_GRAPHS", value or "off")
+    assert engine_options({}, "auto").graphs is (expected if value else False)
+    monkeypatch.delenv("KEV_GRAPHS")
+    with pytest.raises(ValueError, match="graphs must be one of"):
+        engine_options({"graphs": "onn"}, "cpu")

@@ -15,6 +15,8 @@ from types import ModuleType
 
 import torch
 
+from kev_backend.serve.triton_config import boolean
+
 # DeltaNet key heads, value heads, key dim, value dim of Kev-4B.
 KEV4B_HEADS = (16, 32, 128, 128)
 
@@ -127,12 +129,13 @@ def kev4b_checkpoint():
 
 def kev4b_engine(checkpoint=None, **options):
     """An engine on random Kev-4B weights (8 GiB bank; `checkpoint`: kev4b_checkpoint's, made here if not given).
-    KEV_GRAPHS=1 replays CUDA graphs as the GPU config does (an explicit `graphs` wins), KEV_GRAPH_MAX_TOKENS sets
+    KEV_GRAPHS=on (or 1) replays CUDA graphs as the GPU config does (an explicit `graphs` wins), KEV_GRAPH_MAX_TOKENS sets
     their largest bucket (all of them kept)."""
     from kev_backend.engine.engine import Engine, EngineOptions
 
     checkpoint = checkpoint or kev4b_checkpoint()
-    options = {"bank_bytes": 8 << 30, "graphs": os.environ.get("KEV_GRAPHS") == "1", **options}
+    graphs = boolean("KEV_GRAPHS", os.environ.get("KEV_GRAPHS", ""), False)
+    options = {"bank_bytes": 8 << 30, "graphs": graphs, **options}
     if "KEV_GRAPH_MAX_TOKENS" in os.environ:
         options.update(graph_max_tokens=int(os.environ["KEV_GRAPH_MAX_TOKENS"]), max_graphs=200)
     return Engine(checkpoint, EngineOptions(device="cuda", backend="fused", **options))

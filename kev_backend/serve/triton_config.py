@@ -13,6 +13,20 @@ from ..engine.engine import EngineOptions
 from ..model.checkpoint import LoadOptions
 from ..protocol.systemone import Limits
 
+TRUE = ("1", "on", "true", "yes")
+FALSE = ("0", "off", "false", "no")
+
+
+def boolean(name: str, value: str, default: bool) -> bool:
+    """The one grammar of a switch, in config.pbtxt and in the environment alike: 1/on/true/yes or 0/off/false/no
+    (any case); empty is the default."""
+    value = value.strip().lower()
+    if not value:
+        return default
+    if value in TRUE or value in FALSE:
+        return value in TRUE
+    raise ValueError(f"{name} must be one of {'/'.join(TRUE)} or {'/'.join(FALSE)}, not {value!r}")
+
 
 def parameters(model_config: dict[str, Any]) -> dict[str, str]:
     return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
@@ -43,14 +57,12 @@ def engine_options(params: dict[str, str], device: str) -> EngineOptions:
         max_row_tokens=integer("max_row_tokens", Limits.max_row_tokens),
     )
     load = LoadOptions.from_env(dtype=params.get("dtype") or None, base=params.get("base") or None)
-    graphs = (os.environ.get("KEV_GRAPHS") or params.get("graphs", "")).lower()
-    if graphs not in ("", "on", "off"):
-        raise ValueError(f"graphs must be on or off, not {graphs!r}")
+    graphs = boolean("graphs", os.environ.get("KEV_GRAPHS") or params.get("graphs", ""), EngineOptions.graphs)
     return EngineOptions(
         device=device if params.get("device", "auto") in ("", "auto") else params["device"],
         bank_bytes=integer("bank_bytes", EngineOptions.bank_bytes),
         row_pass_tokens=integer("row_pass_tokens", EngineOptions.row_pass_tokens),
-        graphs=graphs == "on",
+        graphs=graphs,
         graph_max_tokens=integer("graph_max_tokens", EngineOptions.graph_max_tokens),
         max_graphs=integer("max_graphs", EngineOptions.max_graphs),
         long_kernels=os.environ.get("KEV_LONG_KERNELS") or params.get("long_kernels") or "fla",
