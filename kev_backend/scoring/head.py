@@ -18,14 +18,15 @@ from .transfer import HostCopy, device_ints
 Picked = tuple[torch.Tensor, torch.Tensor]
 
 
-def pointer_softmax(
+def head_softmax(
     head: dict[str, torch.Tensor],
     temperature: float,
     decide_hidden: torch.Tensor,
     option_hidden: torch.Tensor,
     options_per_question: Sequence[int],
 ) -> torch.Tensor:
-    """decide_hidden [Q, d] and option_hidden [sum K_i, d] (questions' options in order) → p [Q, max K_i] on their
+    """Kev's pointer head in torch ops (the kernel of the same math is gpu/kernels/pointer.py): decide_hidden [Q, d]
+    and option_hidden [sum K_i, d] (questions' options in order) → p [Q, max K_i] on their
     device, each question's row zero past its options. A fixed number of kernels for every question, and nothing
     that waits for the GPU: the option indices are built on the host."""
     q = torch.nn.functional.linear(decide_hidden.float(), head["q.weight"], head["q.bias"])
@@ -68,8 +69,8 @@ def pointer_probabilities(
     option_hidden: torch.Tensor,
     options_per_question: Sequence[int],
 ) -> list[list[float]]:
-    """pointer_softmax on the host: per question, its options' probabilities."""
-    probs = pointer_softmax(head, temperature, decide_hidden, option_hidden, options_per_question).cpu().tolist()
+    """head_softmax on the host: per question, its options' probabilities."""
+    probs = head_softmax(head, temperature, decide_hidden, option_hidden, options_per_question).cpu().tolist()
     return [row[:n] for row, n in zip(probs, options_per_question)]
 
 
@@ -108,7 +109,7 @@ def launch_batch_probabilities(
     order, widths = batch_questions(batch)
     if not order:
         return PendingProbabilities(len(batch))
-    probs = pointer_softmax(
+    probs = head_softmax(
         head,
         temperature,
         torch.stack([picked[key][0] for key in order]),
