@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +21,48 @@ import torch
 from kev_backend.dev import tiny
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Our Triton kernels' tests (tests/test_kernel_*.py) run in the pytest process: compiled where CUDA is, else in
+# Triton's interpreter. triton.jit picks the interpreter when it decorates a kernel, at its module's import, so it is
+# set here, before any test module is imported; nothing imported above decorates one (a check, not a hope: below).
+if not torch.cuda.is_available():
+    if any(name.startswith("kev_backend.gpu.kernels") for name in sys.modules):
+        raise RuntimeError("kev_backend.gpu.kernels was imported before tests/conftest.py set TRITON_INTERPRET=1")
+    os.environ["TRITON_INTERPRET"] = "1"
+KERNELS_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if KERNELS_INTERPRETED:  # the interpreter's own use of numpy (triton 3.6), warned at each launch
+        config.addinivalue_line(
+            "filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+        )
+
+
+@dataclass(frozen=True)
+class KernelRun:
+    """How tests/test_kernel_*.py run the kernels, and the tolerances that follow. In the interpreter everything is
+    exact fp32; compiled on a GPU, tl.dot on fp32 runs in TF32 and norms use fast reciprocal square roots."""
+
+    interpreted: bool
+    tol: float  # largest absolute difference from the torch reference
+    rel: float  # largest difference relative to the reference's largest magnitude
+
+
+@pytest.fixture
+def kernel_run() -> Iterator[KernelRun]:
+    """Seeds torch; compiled, makes new tensors CUDA tensors for the test (torch.set_default_device)."""
+    torch.manual_seed(0)
+    if KERNELS_INTERPRETED:
+        yield KernelRun(interpreted=True, tol=1e-5, rel=1e-6)
+        return
+    if not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET is off and there is no CUDA device")
+    torch.set_default_device("cuda")
+    try:
+        yield KernelRun(interpreted=False, tol=3e-3, rel=1e-5)
+    finally:
+        torch.set_default_device(None)
 
 
 @pytest.fixture(scope="session")

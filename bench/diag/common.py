@@ -129,8 +129,8 @@ def kev4b_checkpoint():
 
 def kev4b_engine(checkpoint=None, **options):
     """An engine on random Kev-4B weights (8 GiB bank; `checkpoint`: kev4b_checkpoint's, made here if not given).
-    KEV_GRAPHS=on (or 1) replays CUDA graphs as the GPU config does (an explicit `graphs` wins), KEV_GRAPH_MAX_TOKENS sets
-    their largest bucket (all of them kept)."""
+    KEV_GRAPHS=on (or 1) replays CUDA graphs as the GPU config does (an explicit `graphs` wins),
+    KEV_GRAPH_MAX_TOKENS sets their largest bucket (all of them kept)."""
     from kev_backend.engine.engine import Engine, EngineOptions
 
     checkpoint = checkpoint or kev4b_checkpoint()

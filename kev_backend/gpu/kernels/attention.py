@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from . import grid
+from .segments import segment_bounds
 
 # Query rows per program (tokens × the query heads sharing a key/value head; tl.dot wants at least 16), and keys per
 # step and pipeline stages for heads over 128 wide (Qwen3.5's 256), all read at each launch. 64 rows read a GQA
@@ -215,4 +216,42 @@ def rows_attention(
             num_warps=warps,
             num_stages=stages,
         )
+    return o
+
+
+def reference_segment_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one segment's queries [L, Hq, D] over keys and values [S, Hkv, D], bottom-right aligned
+    (query i sees keys 0..S-L+i), GQA (query head h reads key/value head h // (Hq/Hkv)), in one softmax."""
+    L, S = q.shape[0], keys.shape[0]
+    rep = q.shape[1] // keys.shape[1]
+    kk, vv = (t.float().repeat_interleave(rep, 1).transpose(0, 1) for t in (keys, values))  # [Hq, S, D]
+    scores = q.float().transpose(0, 1) @ kk.transpose(1, 2) * q.shape[-1] ** -0.5  # [Hq, L, S]
+    hidden = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(S - L + 1)
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return (probs @ vv).transpose(0, 1).to(q.dtype)
+
+
+def reference_rows_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    prefix: torch.Tensor | None,
+    prefix_start: torch.Tensor | None,
+    prefix_len: torch.Tensor | None,
+    cu: torch.Tensor,
+    max_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """rows_attention in torch (tests/test_kernel_attention.py, tests/fused_cpu_ops.py), segment by segment: over
+    [k_pool/v_pool at the row's prefix run | its own K/V]. Tokens outside the segments are zeros (or `out`'s)."""
+    o = torch.zeros_like(q) if out is None else out
+    for n, (lo, hi) in enumerate(segment_bounds(cu)):
+        assert hi - lo <= max_len
+        if hi == lo:
+            continue
+        idx = prefix[prefix_start[n] : prefix_start[n] + prefix_len[n]] if prefix is not None else []
+        keys, values = torch.cat([k_pool[idx], k[lo:hi]]), torch.cat([v_pool[idx], v[lo:hi]])
+        o[lo:hi] = reference_segment_attention(q[lo:hi], keys, values)
     return o

@@ -37,3 +37,11 @@ def bank_kv(keys: torch.Tensor, values: torch.Tensor, dst: torch.Tensor, k: torc
     _bank_kv_kernel[(T, triton.cdiv(width, block))](
         k, v, keys, values, dst, k.stride(0), v.stride(0), WIDTH=width, BLOCK=block, num_warps=4
     )
+
+
+def reference_bank_kv(
+    keys: torch.Tensor, values: torch.Tensor, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """bank_kv in torch (tests/test_kernel_bank.py): index_copy_ along dim 0 for both."""
+    keys.index_copy_(0, dst, k)
+    values.index_copy_(0, dst, v)

@@ -6,11 +6,12 @@ bench/diag.py's reference."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import grid
-from .segments import search_steps, segment_of
+from .segments import search_steps, segment_bounds, segment_of
 
 
 @triton.jit
@@ -236,4 +237,27 @@ def conv_tokens(
             CONTINUE=not new_states,
             num_warps=warps,
         )
+    return y
+
+
+def reference_conv_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+) -> torch.Tensor:
+    """conv_rows' and conv_tokens' job in torch (tests/test_kernel_conv.py, tests/fused_cpu_ops.py), segment by
+    segment: silu(depthwise conv1d) over [the window | the segment's inputs]; with `new_states` from a zero window,
+    writing the last W inputs into pool[slot] (an empty segment writes its zero window). Tokens outside the segments
+    are zeros."""
+    y = torch.zeros_like(x)
+    for (lo, hi), slot in zip(segment_bounds(cu), slots.tolist()):
+        window = torch.zeros_like(pool[slot]) if new_states else pool[slot]
+        seq = torch.cat([window, x[lo:hi].T], dim=1)
+        if hi > lo:
+            y[lo:hi] = F.silu(F.conv1d(seq[None, :, 1:], weight[:, None, :], groups=weight.shape[0]))[0].T
+        if new_states:
+            pool[slot] = seq[:, -weight.shape[1] :]
     return y

@@ -7,10 +7,11 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .segments import search_steps, segment_of
+from .segments import search_steps, segment_bounds, segment_of
 from .streams import beside
 
 
@@ -937,3 +938,70 @@ def segments_for_wide(device: torch.device, value_heads: int, value_dim: int) ->
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the interpreter's CPU tensors: 1)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+# Plain torch references (tests/test_kernel_delta_rule.py, tests/fused_cpu_ops.py): the gated delta rule in fp32,
+# token by token, segment by segment (model.qwen35.gated_delta_rule computes the same in chunks).
+
+
+def reference_segment_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    h0: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One segment's gated delta rule as the kernels compute it (q, k L2-normalised inside, q scaled by K^-0.5), one
+    token at a time: S_t = e^{g_t} S_{t-1} + k_t u_tᵀ, u_t = β_t (v_t − (e^{g_t} S_{t-1})ᵀ k_t), o_t = S_tᵀ q_t.
+    q, k [L, H, K]; v [L, HV, V]; g, beta [L, HV]; h0 [HV, K, V] or None (zero; never written). Returns (o [L, HV, V]
+    fp32, final state [HV, K, V])."""
+    rep = v.shape[1] // q.shape[1]
+    qq, kk = (t.float().repeat_interleave(rep, 1) for t in (q, k))
+    qq = qq * torch.rsqrt((qq * qq).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    kk = kk * torch.rsqrt((kk * kk).sum(-1, keepdim=True) + 1e-6)
+    HV, K, V = v.shape[1], q.shape[-1], v.shape[-1]
+    state = torch.zeros(HV, K, V, device=v.device) if h0 is None else h0.float().clone()
+    o = torch.empty(v.shape[0], HV, V, device=v.device)
+    for t in range(v.shape[0]):
+        state = state * g[t].float().exp()[:, None, None]
+        u = beta[t].float()[:, None] * (v[t].float() - torch.einsum("hk,hkv->hv", kk[t], state))
+        state = state + kk[t][:, :, None] * u[:, None, :]
+        o[t] = torch.einsum("hk,hkv->hv", qq[t], state)
+    return o, state
+
+
+def reference_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu: torch.Tensor,
+    new_states: bool = False,
+    out: torch.Tensor | None = None,
+    segment_rule=reference_segment_delta_rule,
+) -> torch.Tensor:
+    """recurrent_rows' and chunked_rows' job in torch (same arguments, less their launch options): rows from
+    pool[slots[n]] (read, never written), or new states from zero writing their final state into it (an empty new
+    segment writes a zero state). Tokens outside the segments are zeros (or `out`'s). `segment_rule`: one segment's
+    rule, reference_segment_delta_rule's arguments and results (tests/fused_cpu_ops.py passes the engine's)."""
+    T, HV, V = v.shape
+    o = torch.zeros(T, HV, V, device=v.device, dtype=v.dtype) if out is None else out
+    g = -a_log.exp() * F.softplus(a.float() + dt_bias)
+    for (lo, hi), slot in zip(segment_bounds(cu), slots.tolist()):
+        if hi == lo:
+            if new_states:
+                pool[slot] = 0.0
+            continue
+        h0 = None if new_states else pool[slot]
+        beta = torch.sigmoid(b[lo:hi].float())
+        y, final = segment_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta, h0)
+        o[lo:hi] = y.to(o.dtype)
+        if new_states:
+            pool[slot] = final
+    return o

@@ -8,6 +8,7 @@ size from the row width alone. Statistics in fp32, as Qwen3.5's norms compute th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -273,3 +274,51 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             R=NORM_ROPE_ROWS,
         )
     return y
+
+
+# Plain torch references, one per kernel above (fp32 inside, one rounding to x's dtype, as the kernels): what
+# tests/test_kernel_norms.py compares the kernels with, and the fused pass's CPU stand-ins (tests/fused_cpu_ops.py).
+
+
+def reference_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    store_residual: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rms_norm in torch: (RMSNorm(x + residual) · weight in x's dtype, x + residual in fp32 with `store_residual`)."""
+    h = x.float() + (residual if residual is not None else 0.0)
+    y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+    return y, (h if store_residual else None)
+
+
+def reference_rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """rms_norm_rope in torch: per-head RMSNorm, then NeoX RoPE (rotate half) on the first cos.shape[-1] dims of each
+    head, as model.qwen35.apply_rope. x [tokens, heads, D]; cos, sin [tokens, rotary dims]."""
+    h = x.float()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
+    dim, half = cos.shape[-1], cos.shape[-1] // 2
+    rot, rest = y[..., :dim], y[..., dim:]
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos[:, None] + rotated * sin[:, None], rest), dim=-1).contiguous().to(x.dtype)
+
+
+def reference_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gated_rms_norm in torch: RMSNorm(x) · weight · silu(z), z reshaped as x."""
+    h = x.float()
+    gate = F.silu(z.float().reshape(h.shape))
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight * gate).to(x.dtype)
+
+
+def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul in torch: silu(gate) · up of [gate | up]."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def reference_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid_gate in torch: x · sigmoid(gate) as [tokens, heads · D]."""
+    return (x.float() * torch.sigmoid(gate.float())).to(x.dtype).reshape(x.shape[0], -1)

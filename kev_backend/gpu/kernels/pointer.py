@@ -64,3 +64,16 @@ def pointer_softmax(
             BW=OPTIONS_PER_STEP,
         )
     return out
+
+
+def reference_pointer_softmax(
+    projected: torch.Tensor, decides: torch.Tensor, widths: torch.Tensor, n_cols: int, temperature: float
+) -> torch.Tensor:
+    """pointer_softmax in torch (tests/test_kernel_pointer.py): question by question, softmax over its options of
+    (k_j · q) / √dp / T; zeros past them."""
+    dp = projected.shape[1] // 2
+    out = torch.zeros(decides.shape[0], n_cols, device=projected.device, dtype=torch.float32)
+    for i, (d, n) in enumerate(zip(decides.tolist(), widths.tolist())):
+        z = projected[d + 1 : d + 1 + n, dp:].float() @ projected[d, :dp].float() / dp**0.5 / temperature
+        out[i, :n] = torch.softmax(z, 0)
+    return out

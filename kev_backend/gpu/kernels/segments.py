@@ -5,6 +5,7 @@ host-side maps, capturable in a CUDA graph for any lengths."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -34,3 +35,18 @@ def segment_of(cu, N, t, steps):
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & ~right, mid, hi)
     return lo
+
+
+# Plain torch references (tests/test_kernel_segments.py), and the segments' bounds the other kernels' references walk.
+
+
+def reference_segment_of(cu: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """segment_of in torch: for each token position in t, the first segment whose end cu[n + 1] is past it (N past
+    cu[N])."""
+    return torch.searchsorted(cu[1:].contiguous(), t, right=True)
+
+
+def segment_bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
+    """Each segment's [start, end) token offsets, from cu [N + 1]."""
+    offsets = cu.tolist()
+    return list(zip(offsets[:-1], offsets[1:]))

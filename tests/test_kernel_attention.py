@@ -1,0 +1,94 @@
+"""kernels.attention.rows_attention against its torch reference (model.qwen35's causal attention, segment by
+segment): in Triton's interpreter on a CPU, compiled on a GPU (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kev_backend.gpu.kernels import attention as A  # noqa: E402
+from kev_backend.gpu.kernels import grid  # noqa: E402
+from kev_backend.gpu.kernels.attention import reference_rows_attention, rows_attention  # noqa: E402
+from kev_backend.model.qwen35 import causal_attention  # noqa: E402
+
+D, T, POOL = 32, 28, 200
+CU = [0, 7, 27, 28]
+RUNS = [[3, 4, 5, 6, 100, 101], list(range(40, 77))]  # the states' tokens in the pool
+ROW_RUNS = [0, 1, 0]  # rows 0 and 2 continue the same state
+# Query heads per key/value head: 2, and 3 (Qwen3.5-27B has 6: a program's tile pads the group to a power of two).
+GROUPS = pytest.mark.parametrize(("HQ", "HKV"), [(4, 2), (6, 2)], ids=["gqa2", "gqa3"])
+
+
+def rows(HQ: int, HKV: int):
+    """Rows' inputs: q, k, v (v a slice of a wider projection, read in place), the pool's K/V, and the prefix."""
+    kp, vp = torch.randn(POOL, HKV, D), torch.randn(POOL, HKV, D)
+    prefix = torch.tensor(RUNS[0] + RUNS[1])
+    start, length = torch.tensor([0, 6, 0]), torch.tensor([6, 37, 6])
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HKV, D)
+    v = torch.randn(T, HKV * D + 5)[:, : HKV * D].view(T, HKV, D)
+    return q, k, v, kp, vp, prefix, start, length
+
+
+def formula(q, keys, values) -> torch.Tensor:
+    return causal_attention(*(t.transpose(0, 1)[None] for t in (q, keys, values)), D**-0.5)[0].transpose(0, 1)
+
+
+@GROUPS
+def test_rows_over_their_prefix_in_the_pool(kernel_run, HQ: int, HKV: int) -> None:
+    q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
+    cu = torch.tensor(CU)
+    o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    ref = reference_rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    for n in range(3):
+        a, b = CU[n], CU[n + 1]
+        idx = RUNS[ROW_RUNS[n]]
+        keys, values = torch.cat([kp[idx], k[a:b]]), torch.cat([vp[idx], v[a:b]])
+        assert torch.allclose(ref[a:b], formula(q[a:b], keys, values), atol=1e-6), n  # the reference is the formula
+        assert (o[a:b] - ref[a:b]).abs().max() < kernel_run.tol, n
+
+
+@GROUPS
+def test_new_states_over_their_own_tokens_into_out(kernel_run, HQ: int, HKV: int) -> None:
+    """New states: causal attention over their own tokens only, into a given output."""
+    q, k, v, kp, vp, *_ = rows(HQ, HKV)
+    cu = torch.tensor(CU)
+    dst = torch.empty_like(q)
+    o = rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20, out=dst)
+    assert o is dst
+    ref = reference_rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20)
+    for n in range(3):
+        a, b = CU[n], CU[n + 1]
+        assert (o[a:b] - ref[a:b]).abs().max() < kernel_run.tol, n
+
+
+@GROUPS
+@pytest.mark.parametrize("has_prefix", [True, False], ids=["rows", "new-states"])
+def test_rows_attention_in_one_segment_launches(kernel_run, monkeypatch, HQ: int, HKV: int, has_prefix: bool) -> None:
+    """The same answers when every launch is split into one launch per segment (kernels.grid: CUDA caps the grid's
+    second dimension at 65,535)."""
+    q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
+    if not has_prefix:
+        prefix = start = length = None
+    cu = torch.tensor(CU)
+    whole = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    monkeypatch.setattr(grid, "MAX_GRID_Y", 1)
+    assert torch.equal(whole, rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
+
+
+@pytest.mark.parametrize(
+    ("split_diagonal", "exp2"), [(False, False), (True, False), (True, True)], ids=["plain", "split", "split-exp2"]
+)
+def test_long_new_state(kernel_run, monkeypatch, split_diagonal: bool, exp2: bool) -> None:
+    """A new state long enough for query blocks past the first, with and without the keys before a block's first
+    token unmasked (SPLIT_DIAGONAL) and base-2 exponentials (EXP2)."""
+    HQ, HKV, L = 4, 2, 150
+    q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
+    monkeypatch.setattr(A, "SPLIT_DIAGONAL", split_diagonal)
+    monkeypatch.setattr(A, "EXP2", exp2)
+    cu = torch.tensor([0, L])
+    o = rows_attention(q, k, v, k, v, None, None, None, cu, max_len=L)
+    ref = reference_rows_attention(q, k, v, k, v, None, None, None, cu, max_len=L)
+    assert torch.allclose(ref, formula(q, k, v), atol=1e-6)
+    assert (o - ref).abs().max() < kernel_run.tol
