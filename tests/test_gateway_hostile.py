@@ -479,6 +479,12 @@ def test_clients_that_leave_are_not_scored(triton: TritonServer, gateway: Gatewa
     long_request = threading.Thread(target=lambda: long_result.append(ask(gateway, long_state)))
     long_request.start()
     wait_until(lambda: in_flight() == 1, "the long request to reach Triton")
+    # Its batch must have left Triton's queue before any client's call arrives, or a call could share the long
+    # request's batch and be scored with it before it is cancelled: Triton counts the batch once execute took it.
+    executions = triton_before.get("nv_inference_exec_count", 0.0)
+    wait_until(
+        lambda: triton_metrics(triton).get("nv_inference_exec_count", 0.0) > executions, "the long request's batch"
+    )
     sockets = [raw_request(gateway, path, body) for path, body in clients]
     wait_until(lambda: in_flight() == 1 + calls, "every client's Triton calls to be under way")
     for sock in sockets:
