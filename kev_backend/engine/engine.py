@@ -205,15 +205,6 @@ class Engine:
             return "fused"
         return "fused" if usable and self.checkpoint.dtype != torch.float32 else "reference"
 
-    def _wide_states(self) -> int:
-        """Long new states (each with a long question) for one pass of the chunked delta rule's wide configuration
-        (kernels.delta_rule.segments_for_wide; Kev-4B on an H200: 3), at most 8: a toy model's few heads would need
-        hundreds, and it compiles that configuration on its first busy pass instead."""
-        from ..gpu.kernels.delta_rule import segments_for_wide
-
-        c = self.scorer.model.c
-        return min(8, segments_for_wide(self.device, c.linear_num_value_heads, c.linear_value_head_dim))
-
     def warm(self) -> None:
         """Captures the graph buckets, runs one batch with a short and a long state and question and one with enough
         long states and questions that the chunked delta rule runs in its configuration for many (every kernel
@@ -235,7 +226,8 @@ class Engine:
                 {"state": words, "questions": {"q": question, "r": long_question}},
             ]
         )
-        self.answer([{"state": f"{words} {i}", "questions": {"r": long_question}} for i in range(self._wide_states())])
+        wide = self.scorer.wide_states()  # type: ignore[attr-defined]  # warm() runs on the fused path only
+        self.answer([{"state": f"{words} {i}", "questions": {"r": long_question}} for i in range(wide)])
         self.scorer.warm_head()
         self.startup["warm_batch"] = time.perf_counter() - started
 

@@ -115,6 +115,15 @@ class FusedScorer:
     def graph_captures(self) -> int:
         return self.graphs.stats.captures if self.graphs is not None else 0
 
+    def wide_states(self) -> int:
+        """Long new states (each with a long question) for one pass of the chunked delta rule's wide configuration
+        (kernels.delta_rule.segments_for_wide; Kev-4B on an H200: 3), at most 8: a toy model's few heads would need
+        hundreds, and it compiles that configuration on its first busy pass instead."""
+        from .kernels.delta_rule import segments_for_wide
+
+        c = self.model.c
+        return min(8, segments_for_wide(self.device, c.linear_num_value_heads, c.linear_value_head_dim))
+
     def warm_head(self) -> None:
         self.pointer.warm()
 
