@@ -19,17 +19,9 @@ case ${1:-} in
     ;;
   run)
     shift
-    out=${OUT:-/tmp/out}
-    wheels=${WHEELS:-.whl}
-    positional=()
-    while (($#)); do
-      case $1 in
-        --out) out=${2:?--out DIR}; shift 2 ;;
-        --wheels) wheels=${2:?--wheels DIR}; shift 2 ;;
-        *) positional+=("$1"); shift ;;
-      esac
-    done
-    step=${positional[0]:-latency} rounds=${positional[1]:-1}
+    source "$(dirname "$0")/device_args.sh" "$@"
+    out=$OUT wheels=$WHEELS
+    step=${ARGS[0]:-latency} rounds=${ARGS[1]:-1}
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$wheels"/*.whl || exit 1

@@ -8,15 +8,8 @@
 #   INSTANCES="1 2" DELAYS="500" bench/gpu_batcher.sh [--out DIR] [--wheels DIR]
 # --out DIR (or OUT; default /tmp/out), --wheels DIR (or WHEELS; default .whl): as bench/gpu_run.sh.
 set -uo pipefail
-rest=()
-while (($#)); do
-  case $1 in
-    --out) export OUT=${2:?--out DIR}; shift 2 ;;
-    --wheels) export WHEELS=${2:?--wheels DIR}; shift 2 ;;
-    *) rest+=("$1"); shift ;;
-  esac
-done
-set -- ${rest[@]+"${rest[@]}"}
+source "$(dirname "$0")/device_args.sh" "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
 source "$(dirname "$0")/gpu_triton_env.sh"
 echo '{}' > /tmp/batcher.json
 for instances in ${INSTANCES:-1}; do

@@ -46,16 +46,8 @@
 # PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE, KEV_CHUNK (kernel choices),
 # TIMELINE_SHAPES (timeline: e.g. short6,long5).
 set -uo pipefail
-out=${OUT:-/tmp/out}
-wheels=${WHEELS:-.whl}
-steps=()
-while (($#)); do
-  case $1 in
-    --out) out=${2:?--out DIR}; shift 2 ;;
-    --wheels) wheels=${2:?--wheels DIR}; shift 2 ;;
-    *) steps+=("$1"); shift ;;
-  esac
-done
+source "$(dirname "$0")/device_args.sh" "$@"
+out=$OUT wheels=$WHEELS steps=(${ARGS[@]+"${ARGS[@]}"})
 ((${#steps[@]})) || steps=(all)
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -8,15 +8,8 @@
 # with its start-up phases (added to the bench JSON); gRPC and HTTP at 64 closed-loop clients against the bench's
 # in-process figures; open-loop sweeps for short6 and the realistic mix; Triton's and our metrics. About 5.5 minutes.
 set -uo pipefail
-rest=()
-while (($#)); do
-  case $1 in
-    --out) export OUT=${2:?--out DIR}; shift 2 ;;
-    --wheels) export WHEELS=${2:?--wheels DIR}; shift 2 ;;
-    *) rest+=("$1"); shift ;;
-  esac
-done
-set -- ${rest[@]+"${rest[@]}"}
+source "$(dirname "$0")/device_args.sh" "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
 source "$(dirname "$0")/gpu_triton_env.sh"
 # The engine alone first (the bench in this process, graphs on, nothing else on the GPU), then the server: never both
 # at once. The bench JSON gets the start times (below) and is the in-process reference.
