@@ -21,30 +21,9 @@ from pathlib import Path
 
 from kev_backend.dev.workloads import short6
 from kev_backend.serve.client import KevClient, KevError
+from kev_backend.serve.procs import descendant_named
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
-
-
-def process_named(root: int, name: str) -> int | None:
-    """The first descendant of `root` whose command name starts with `name` (breadth first)."""
-    queue = [root]
-    while queue:
-        pid = queue.pop(0)
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip().startswith(name[:15]):
-                return pid
-        except OSError:
-            continue
-        queue.extend(children(pid))
-    return None
 
 
 def answers(url: str, timeout_s: float = 5.0) -> bool:
@@ -95,7 +74,7 @@ def main() -> None:
     }
     if wait_answering(args.grpc, 600) is None:
         sys.exit("the server never answered")
-    triton = process_named(args.serve_pid, "tritonserver")
+    triton = descendant_named(args.serve_pid, "tritonserver")
     if args.soak_minutes > 0 and triton is not None:
         soak = subprocess.run(
             [sys.executable, str(REPO / "loadtest" / "soak.py"), "--triton-grpc", args.grpc, "--gateway", args.gateway,
@@ -108,7 +87,7 @@ def main() -> None:
         if soak_json.exists():
             record["soak"] = json.loads(soak_json.read_text())["soak"]
             record["soak"].pop("samples", None)
-    stub = process_named(args.serve_pid, "triton_python_backend_stub")
+    stub = descendant_named(args.serve_pid, "triton_python_backend_stub")
     if stub is None:
         sys.exit("no Python stub found under the supervisor")
     os.kill(stub, signal.SIGKILL)
@@ -116,7 +95,7 @@ def main() -> None:
     time.sleep(0.5)
     recovered = wait_answering(args.grpc, 300)
     record["kill_to_answer_s"] = None if recovered is None else round(time.monotonic() - killed, 2)
-    record["new_stub"] = process_named(args.serve_pid, "triton_python_backend_stub") not in (None, stub)
+    record["new_stub"] = descendant_named(args.serve_pid, "triton_python_backend_stub") not in (None, stub)
     os.kill(args.serve_pid, signal.SIGTERM)
     stopping = time.monotonic()
     while time.monotonic() - stopping < 30:

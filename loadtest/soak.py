@@ -45,6 +45,7 @@ import aiohttp
 
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve.client import AsyncKevClient, KevError
+from kev_backend.serve.procs import STUB_COMM, children
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +67,6 @@ HISTORY_KEEP = 10_000
 EXAMPLES_KEPT = 20  # distinct unexpected errors described in the JSON, with their counts; others are only counted
 NVIDIA_SMI_TIMEOUT_S = 10.0
 METRICS_TIMEOUT_S = 5.0
-STUB_COMM = "triton_python_b"  # triton_python_backend_stub, as /proc/<pid>/stat spells it (15 characters)
 # The backend's gauges watched, by the name they get here, and Triton's metrics name (summed over model instances).
 GAUGES = {
     "bank_bytes": "kev_bank_bytes",
@@ -285,24 +285,6 @@ def proc_status_kb(pid: int, key: str) -> int | None:
     return None
 
 
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(comm, ppid) of a process, or None once it is gone. comm may hold spaces and parentheses: cut at the last ')'."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.index("(") + 1 : text.rindex(")")], int(text[text.rindex(")") + 2 :].split()[1])
-
-
-def children(pid: int, comm: str) -> list[int]:
-    """The child processes of `pid` named `comm` (as /proc spells it)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := proc_stat(int(entry))) is not None and stat == (comm, pid):
-            found.append(int(entry))
-    return found
-
-
 def rss_mb(pids: list[int]) -> float | None:
     """The summed VmRSS of `pids` in MiB; None when none could be read."""
     values = [kb for pid in pids if (kb := proc_status_kb(pid, "VmRSS")) is not None]
@@ -398,7 +380,8 @@ class Watch:
         }
         if self.server_pid is not None:
             figures["tritonserver_rss_mb"] = rss_mb([self.server_pid])
-            figures["stub_rss_mb"] = rss_mb(children(self.server_pid, STUB_COMM))
+            stubs = [pid for pid, comm in children(self.server_pid).items() if comm == STUB_COMM]
+            figures["stub_rss_mb"] = rss_mb(stubs)
         text = fetch_text(self.metrics_url)
         samples = parse_prometheus(text) if text is not None else []
         figures.update(gauge_sums(samples))

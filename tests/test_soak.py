@@ -5,10 +5,11 @@ checked."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from kev_backend.serve.procs import descendant_named
 
 from .conftest import REPO, TritonServer, start_gateway, stop_gateway
 
@@ -31,33 +32,11 @@ SAMPLE_KEYS = {
 }
 
 
-def descendants(root: int) -> list[int]:
-    """Every process below `root`, from the parent links in /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    found, frontier = [], [root]
-    while frontier:
-        below = [pid for pid, parent in parents.items() if parent in frontier]
-        found += below
-        frontier = below
-    return found
-
-
 def tritonserver_pid(triton: TritonServer) -> int:
     """The tritonserver process: `triton.process` is the supervisor that runs it (kev-serve through serve.sh)."""
-    for pid in descendants(triton.process.pid):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver":
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no tritonserver below pid {triton.process.pid}")
+    pid = descendant_named(triton.process.pid, "tritonserver")
+    assert pid is not None, f"no tritonserver below pid {triton.process.pid}"
+    return pid
 
 
 def test_soak_briefly(triton: TritonServer, tmp_path: Path) -> None:

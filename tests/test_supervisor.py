@@ -26,7 +26,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from kev_backend.serve import supervisor
+from kev_backend.serve import procs, supervisor
+from kev_backend.serve.procs import children
 from kev_backend.serve.supervisor import SHM_DIR, SHM_PREFIX, RestartBudget, shm_prefix
 
 from .conftest import REPO, TritonServer, free_port, start_triton, stop_triton, wait_ready
@@ -69,17 +70,6 @@ def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     stop_triton(server)
 
 
-def children(pid: int) -> dict[int, str]:
-    """pid -> comm of the live (not zombie) children of `pid`."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = supervisor.proc_stat(int(entry.name))
-            if stat is not None and stat[2] == pid and stat[1] != "Z":
-                found[int(entry.name)] = stat[0]
-    return found
-
-
 def child_named(pid: int, comm: str) -> int:
     (found,) = [child for child, name in children(pid).items() if name == comm]
     return found
@@ -94,7 +84,7 @@ def gateway_child(pid: int) -> int:
 
 
 def gone(pid: int) -> bool:
-    stat = supervisor.proc_stat(pid)
+    stat = procs.proc_stat(pid)
     return stat is None or stat[1] == "Z"
 
 
@@ -167,7 +157,7 @@ def test_killed_stub_is_restarted_and_answers_again(served: Served) -> None:
     before, error, _ = infer(served.triton.grpc_url, 30)
     assert before is not None, error
     triton = child_named(served.pid, "tritonserver")
-    stub = child_named(triton, supervisor.STUB_COMM)
+    stub = child_named(triton, procs.STUB_COMM)
     os.kill(stub, signal.SIGKILL)
     killed = time.monotonic()
     failures: list[tuple[str, float]] = []
@@ -194,7 +184,7 @@ def test_killed_stub_is_restarted_and_answers_again(served: Served) -> None:
 def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
     """A stopped stub is alive, so only the inference probe can tell: Triton refuses it as not healthy."""
     triton = child_named(served.pid, "tritonserver")
-    os.kill(child_named(triton, supervisor.STUB_COMM), signal.SIGSTOP)
+    os.kill(child_named(triton, procs.STUB_COMM), signal.SIGSTOP)
     stopped = time.monotonic()
     wait_for_log(served.triton, "TRITON RESTART 2: probe: INTERNAL: Stub process 'kev_0_0' is not healthy", 30)
     wait_for_log(served.triton, "tritonserver answering again after", 60, times=2)

@@ -43,6 +43,8 @@ from pathlib import Path
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from . import procs
+
 REPO = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")
 # Every region of a start is named f"{SHM_PREFIX}{supervisor pid}_{start number}_<uuid>" (the Python backend adds
@@ -51,7 +53,6 @@ SHM_PREFIX = "kev_serve_"
 PROBE_BODY = b'{"state":"probe","questions":{"ok":{"type":"noul","instructions":"ok?"}}}'
 UNHEALTHY = "is not healthy"  # the Python backend's refusal once its stub is gone
 QUEUE_FULL = "Exceeds maximum queue size"
-STUB_COMM = "triton_python_b"  # triton_python_backend_stub, as /proc/<pid>/stat spells it (15 characters)
 TICK_S = 0.1
 # A server being restarted is broken (its stub is dead or hung): nothing it holds is worth waiting for, so it is
 # killed at once (a grace of 2 s was 2 s more of outage on every restart) and its shared memory removed here.
@@ -202,32 +203,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def proc_stat(pid: int) -> tuple[str, str, int] | None:
-    """(comm, state, ppid) of a process from /proc, or None once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-    return comm, rest[0], int(rest[1])
-
-
 def python_stubs(parent: int) -> dict[int, str]:
     """The Python backend's stub processes of tritonserver `parent`: pid -> instance name (e.g. kev_0_0)."""
     stubs = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        stat = proc_stat(int(entry))
-        # A zombie is kept: a stub that died before this scan is found dead by the watch at once.
-        if stat is None or stat[2] != parent or stat[0] != STUB_COMM:
+    # A zombie is kept: a stub that died before this scan is found dead by the watch at once.
+    for pid, comm in procs.children(parent, zombies=True).items():
+        if comm != procs.STUB_COMM:
             continue
         try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         # The stub's argv ends with "<instance name> <runtime>" (then an empty string after the last NUL).
-        stubs[int(entry)] = argv[-3].decode(errors="replace") if len(argv) >= 3 else "?"
+        stubs[pid] = argv[-3].decode(errors="replace") if len(argv) >= 3 else "?"
     return stubs
 
 
@@ -529,7 +517,7 @@ class Supervisor:
 
     def stub_dead(self, pid: int) -> bool:
         assert self.triton is not None
-        stat = proc_stat(pid)
+        stat = procs.proc_stat(pid)
         return stat is None or stat[1] == "Z" or stat[2] != self.triton.pid
 
     def step_probing(self, now: float) -> None:
