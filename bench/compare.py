@@ -32,9 +32,7 @@ def rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     for run in runs:
         choices = (
             ("graphs", run.get("graphs")),
-            ("ours", run.get("long_kernels") == "ours"),
-            ("chunked", run.get("short_delta_rule") == "chunked"),
-            (f"chunk{run.get('chunk_tokens')}", run.get("chunk_tokens", 16) != 16),
+            ("fla", run.get("long_kernels") == "fla"),  # else this project's Triton kernels
             ("partial", run.get("complete") is False),  # a run cut short: some workloads missing
         )
         variant = "+".join(name for name, on in choices if on)

@@ -7,8 +7,9 @@
 #   bash bench/gpu_ab.sh run [--out DIR] [--wheels DIR] [STEP] [ROUNDS]
 #                                            there: STEP (default latency) from .ab/ then this tree, then this tree
 #                                            then .ab/, ROUNDS times (default 1); each run's output into DIR/ab-STEP.log
-# --out DIR (or OUT; default /tmp/out), --wheels DIR (or WHEELS; default .whl): as bench/gpu_run.sh. Environment as
-# bench/gpu_run.sh (KEV_COMMIT names this tree); KEV_GRAPHS=1 and KEV_LONG_KERNELS=ours as the GPU config runs.
+# --out DIR, --wheels DIR, --commit REV (the commit this tree is): as bench/gpu_run.sh. KEV_GRAPHS=1 and
+# KEV_LONG_KERNELS=ours are for a base tree from before the GPU choices became the defaults in code (this tree's
+# tools read no environment).
 set -uo pipefail
 case ${1:-} in
   prepare)
@@ -30,7 +31,7 @@ case ${1:-} in
     status=0
     for ((i = 0; i < rounds; i++)); do
       for side in base this this base; do
-        if [[ $side == base ]]; then tree=$PWD/.ab name="base $(cat .ab/REV)"; else tree=$PWD name="this ${KEV_COMMIT:-?}"; fi
+        if [[ $side == base ]]; then tree=$PWD/.ab name="base $(cat .ab/REV)"; else tree=$PWD name="this $COMMIT"; fi
         echo "== $name" | tee -a "$log"
         # The tree's own diagnostics and kev_backend (run from the tree: it comes first on sys.path); a base from
         # before bench/diag/ has bench/diag.py. The whole output into the log; the lines naming a workload or an

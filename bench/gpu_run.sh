@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: install the carried wheels (build/gpu_wheels.sh), then run the named steps in
 # order. Everything lands in the output directory.
-#   bench/gpu_run.sh [--out DIR] [--wheels DIR] STEP...        (default: all)
+#   bench/gpu_run.sh [--out DIR] [--wheels DIR] [--commit REV] STEP...        (default: all)
 # --out DIR (or OUT; default /tmp/out): where logs and results go. --wheels DIR (or WHEELS; default .whl): the wheels
-# to install, offline (pip --no-index).
+# to install, offline (pip --no-index). --commit REV: the commit the results name (a copy of the tree without its
+# history cannot tell).
 # Steps (the diagnostics are `python -m bench.diag SUBCOMMAND`; its --help describes each):
 #   tests      GPU tests but parity and graphs: compiled kernels, engine API, no compiles after warm-up (~2.5 min)
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
-#   latency    the engine's latency and 64-client throughput from graphs; LATENCY_CHOICES: settings to compare, e.g.
-#              "KEV_SHORT_DELTA_RULE=recurrent KEV_SHORT_DELTA_RULE=chunked" (default: the GPU config) (~1 min each)
+#   latency    the engine's latency and 64-client throughput from graphs (~1 min)
 #   long       diag long: our delta rule and conv against fla's (~2 min)
 #   diag       long, then latency
 #   profile    diag kernels: GPU time by kernel for busy and single short6 and long5 passes, from graphs (~2 min)
@@ -18,8 +18,6 @@
 #   gaps       diag gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients, from
 #              graphs; GAPS_WORKLOAD=long5 for long5 (~1 min)
 #   invariance diag invariance: where answers depend on the batch, fla's and our long kernels (~3 min)
-#   flagab     diag flagab: a captured flag (KEV_AB_FLAG=module:NAME) off and on, two engines, requests interleaved
-#   recurrent  diag recurrent: the token-by-token delta rule's value block and warps (~20 s)
 #   chunkvariants  diag chunkvariants: the chain by value block, warps and register cap (~1 min)
 #   chainwaves diag chainwaves: the chain narrow and wide by new long-state count (~2 min)
 #   prepregs   diag prepregs: the chunked delta rule by the prep's register cap (~1 min)
@@ -27,8 +25,8 @@
 #   rowsattn   diag rowsattn: rows' attention by query rows per program, keys per step and stages (~30 s)
 #   longattn   diag longattn: new long states' attention, varlen and SDPA against our kernel's tiles (~1 min)
 #   convscan   diag convscan: the pass's conv by tokens, channels and warps a program (~1 min)
-#   ncu        Nsight Compute (--set full, if the image has ncu) on the chunked delta rule's prep and chain (8 new
-#              2,200-token states) and the token-by-token one (6 rows of 40 tokens): diag ncuprobe (~2 min)
+#   ncu        Nsight Compute (--set full, if the image has ncu) on the chunked delta rule's prep and chain for 8 new
+#              2,200-token states and for 6 rows of 40 tokens: diag ncuprobe (~2 min)
 #   gemm       diag gemm: each projection's batch invariance by row count and speed, by BLAS library (~1 min)
 #   gemmpad    diag gemmpad: each projection's GEMM by row count, and the fastest padding (~2 min)
 #   hostsplit  diag hostsplit: one request's model time by host phase and GPU span, from graphs (~1 min)
@@ -39,12 +37,11 @@
 #              graph replay vs eager (~3 min)
 #   coldstart  diag coldstart: imports by package, then an engine from a Kev-4B checkpoint on disk on an empty and a
 #              kept kernel cache, the second profiled (~3 min)
-#   bench      python -m kev_backend.dev.bench; BENCH_ARGS adds arguments (e.g. "--graphs --seconds 4") (~4-5 min)
+#   bench      python -m kev_backend.dev.bench; BENCH_ARGS adds arguments (e.g. "--seconds 4") (~4-5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
-# Environment: KEV_COMMIT (the commit the results name; pass it: the device's checkout may name an older HEAD),
-# PARITY_SELECT (pytest -k for parity), KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE, KEV_CHUNK (kernel choices),
-# TIMELINE_SHAPES (timeline: e.g. short6,long5).
+# Environment: PARITY_SELECT (pytest -k for parity), TIMELINE_SHAPES (timeline: e.g. short6,long5), GAPS_WORKLOAD
+# (gaps: short6 or long5), BENCH_ARGS (bench).
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
 out=$OUT wheels=$WHEELS steps=(${ARGS[@]+"${ARGS[@]}"})
@@ -52,7 +49,7 @@ out=$OUT wheels=$WHEELS steps=(${ARGS[@]+"${ARGS[@]}"})
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   "$wheels"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KEV_RESULTS_DIR=$out
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'fla-core', m.version('fla-core'),
 'transformers', m.version('transformers'), 'triton', m.version('triton'))"
@@ -78,29 +75,19 @@ run_step() {
     graphtest) gpu_pytest gpu-graphs.log "graph_replay" "^graphs |passed|failed|Error" ;;
     long) diag 240 . long ;;
     diag) run_step long; run_step latency ;;
-    latency)
-      # LATENCY_CHOICES: settings (NAME=VALUE) compared one run each; "default" is the GPU config as it is.
-      for choice in ${LATENCY_CHOICES:-default}; do
-        echo "choice $choice" | tee -a "$out/diag-latency.log"
-        [[ $choice == default ]] && choice=
-        # shellcheck disable=SC2086
-        env KEV_GRAPHS=1 KEV_LONG_KERNELS=ours $choice timeout 120 python3 -m bench.diag latency 2>&1 \
-          | grep -E "^(kernels|short6|long5)" | tee -a "$out/diag-latency.log" || status=1
-      done
-      ;;
-    profile) KEV_GRAPHS=1 KEV_LONG_KERNELS=ours diag 180 "^==" kernels ;;
-    timeline) KEV_GRAPHS=1 KEV_LONG_KERNELS=ours diag 150 . timeline --shapes "${TIMELINE_SHAPES:-short6}" ;;
-    gaps) KEV_GRAPHS=1 KEV_LONG_KERNELS=ours diag 120 "^gaps|Error" gaps --workload "${GAPS_WORKLOAD:-short6}" ;;
+    latency) diag 120 "^(kernels|short6|long5)|Error" latency ;;
+    profile) diag 180 "^==" kernels ;;
+    timeline) diag 150 . timeline --shapes "${TIMELINE_SHAPES:-short6}" ;;
+    gaps) diag 120 "^gaps|Error" gaps --workload "${GAPS_WORKLOAD:-short6}" ;;
     invariance) diag 400 . invariance ;;
-    flagab) diag 400 "^flagab|Error" flagab ;;
-    recurrent | chunkvariants | chainwaves | prepregs | padded | rowsattn | longattn | convscan | gemm | gemmpad)
+    chunkvariants | chainwaves | prepregs | padded | rowsattn | longattn | convscan | gemm | gemmpad)
       diag 300 "^$1|Error" "$1" ;;
-    hostsplit | hostops | launch) KEV_GRAPHS=1 KEV_LONG_KERNELS=ours diag 150 "^$1|Error" "$1" ;;
-    hostprofile) KEV_GRAPHS=1 KEV_LONG_KERNELS=ours diag 150 . hostprofile ;;
+    hostsplit | hostops | launch) diag 150 "^$1|Error" "$1" ;;
+    hostprofile) diag 150 . hostprofile ;;
     ncu)
       ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       if [[ -z $ncu ]]; then echo "ncu: not in this image" | tee "$out/ncu.log"; return; fi
-      for filter in "_chunk:4:2" "_recurrent:2:1"; do
+      for filter in "_chunk:4:2" "_chunk:10:2"; do
         IFS=: read -r name skip count <<< "$filter"
         timeout 240 "$ncu" --set full -k "regex:$name" --launch-skip "$skip" --launch-count "$count" \
           python3 -m bench.diag ncuprobe >> "$out/ncu.log" 2>&1 || status=1
@@ -110,7 +97,7 @@ Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc 
       ;;
     bench)
       # shellcheck disable=SC2086
-      python3 -m kev_backend.dev.bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
+      python3 -m kev_backend.dev.bench --out "$out" --commit "$COMMIT" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
       ;;
     startup)
       diag 200 "^startup|Error" startup

@@ -15,9 +15,9 @@ source "$(dirname "$0")/gpu_triton_env.sh"
 # at once. The bench JSON gets the start times (below) and is the in-process reference.
 # STARTUP_ONLY=1: only the two starts below (~2.5 minutes), their times in $out/triton-startup.json.
 if [[ ${STARTUP_ONLY:-0} != 1 ]]; then
-  KEV_CHECKPOINT=/tmp/kev4b/kev timeout 240 python3 -m kev_backend.dev.bench --graphs --no-baseline \
+  timeout 240 python3 -m kev_backend.dev.bench --checkpoint /tmp/kev4b/kev --no-baseline --commit "$COMMIT" \
     --seconds "${BENCH_SECONDS:-3}" --out "$out" 2>&1 | tail -4
-  bench_json=$(ls -t "$out"/*-graphs*.json 2>/dev/null | head -1)
+  bench_json=$(ls -t "$out"/2[0-9][0-9][0-9]-*.json 2>/dev/null | head -1)
   [[ -n $bench_json ]] || { echo "no bench JSON"; exit 1; }
 fi
 # First start: an empty kernel cache (a fresh container). Second: the cache the first filled (Triton's compiled
@@ -34,7 +34,7 @@ wait_ready /tmp/restart.json "$out/tritonserver.log" cached_
 [[ -s /tmp/restart.json ]] || { kill $server; tail -40 "$out/tritonserver.log"; exit 1; }
 if [[ ${STARTUP_ONLY:-0} == 1 ]]; then
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-  echo "{\"gpu\": \"$gpu\", \"commit\": \"${KEV_COMMIT:-unknown}\", \"date\": \"$(date -u +%FT%TZ)\"}" \
+  echo "{\"gpu\": \"$gpu\", \"commit\": \"$COMMIT\", \"date\": \"$(date -u +%FT%TZ)\"}" \
     > "$out/triton-startup.json"
   python3 bench/merge_json.py "$out/triton-startup.json" /tmp/start.json /tmp/restart.json
   kill $server

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from kev_backend.dev.revision import commit
 from kev_backend.dev.workloads import short6
 from kev_backend.serve.client import KevClient, KevError
 from kev_backend.serve.procs import descendant_named
@@ -65,12 +66,13 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=100.0)
     parser.add_argument("--shape", default="mix")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--commit", help="the commit the record names (default: git's HEAD)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     record: dict = {
         "gpu": gpu_name(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": os.environ.get("KEV_COMMIT", "unknown"),
+        "commit": commit(args.commit),
     }
     if wait_answering(args.grpc, 600) is None:
         sys.exit("the server never answered")
@@ -79,7 +81,7 @@ def main() -> None:
         soak = subprocess.run(
             [sys.executable, str(REPO / "loadtest" / "soak.py"), "--triton-grpc", args.grpc, "--gateway", args.gateway,
              "--minutes", str(args.soak_minutes), "--rate", str(args.rate), "--shape", args.shape,
-             "--server-pid", str(triton), "--out", str(args.out)],
+             "--server-pid", str(triton), "--out", str(args.out), "--commit", record["commit"]],
             check=False,
         )  # fmt: skip
         record["soak_exit_code"] = soak.returncode

@@ -20,6 +20,9 @@
 #   GATEWAY (1; 0 = no gateway)  GATEWAY_PORT (8009)
 #   BIND_ADDRESS (127.0.0.1)  address the gateway binds; a container or host deployment sets 0.0.0.0
 #   MODEL_REPOSITORY (<repo>/model_repository)
+#   KEV_MODEL_CONFIG (auto)  auto: configs/gpu.pbtxt when KEV_VENV's torch sees a GPU (one instance per GPU), else
+#     config.pbtxt; "default": config.pbtxt; a name: that file of model_repository/kev/configs/. The first log line
+#     says which path, GPUs and configuration it chose.
 #   KEV_CHECKPOINT  Kev checkpoint directory (default: the model's `checkpoint` parameter, the embedded tiny one)
 #   KEV_API_KEY     bearer key the gateway requires on /v1/* (none: open)
 #   KEV_VENV        the venv that runs the supervisor, the gateway and the Python stub (<repo>/.venv)

@@ -25,6 +25,7 @@ from locust import FastHttpUser, User, constant, events, task  # noqa: E402
 
 from kev_backend.dev.workloads import Traffic  # noqa: E402
 from kev_backend.serve.client import KevClient, KevError  # noqa: E402
+from kev_backend.settings import api_key  # noqa: E402
 
 
 @events.init_command_line_parser.add_listener
@@ -126,7 +127,7 @@ class GatewayUser(FastHttpUser):
 
     def on_start(self) -> None:
         self.traffic = traffic(self)
-        key = os.environ.get("KEV_API_KEY")
+        key = api_key()
         self.headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
 
     @task

@@ -24,7 +24,6 @@ import datetime
 import ipaddress
 import itertools
 import json
-import os
 import random
 import re
 import shutil
@@ -43,6 +42,7 @@ from typing import Any
 
 import aiohttp
 
+from kev_backend.dev.revision import commit
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve.client import AsyncKevClient, KevError
 from kev_backend.serve.procs import STUB_COMM, children
@@ -559,26 +559,13 @@ def gpu_name() -> str:
     return names[0] if names else "cpu"
 
 
-def commit() -> str:
-    """KEV_COMMIT when set (a copy of the tree without its history names its commit so), else git's HEAD."""
-    if os.environ.get("KEV_COMMIT"):
-        return os.environ["KEV_COMMIT"]
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO, timeout=10
-        )
-        return done.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:
     tally, samples = soak.tally, soak.samples
     warmup_s = 60 * args.warmup_minutes
     return {
         "gpu": gpu_name(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": commit(),
+        "commit": commit(args.commit),
         "soak": {
             "minutes": args.minutes,
             "elapsed_s": samples[-1]["t_s"],
@@ -731,6 +718,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take before it counts")
     parser.add_argument("--max-requests", type=int, default=None, help="default: twice the expected count")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit", help="the commit the record names (default: git's HEAD)")
     parser.add_argument("--out", type=Path, default=Path("soak"), help="directory for soak.json and soak.png")
     args = parser.parse_args(argv)
     check_args(parser, args)

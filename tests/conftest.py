@@ -32,6 +32,13 @@ if not torch.cuda.is_available():
 KERNELS_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full-state", action="store_true", help="also answer a 65,536-token state on the CPU (1-2 min)")
+    parser.addoption(
+        "--parity-questions", type=int, default=1000, help="questions of the GPU fused-vs-fp32 parity test"
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if KERNELS_INTERPRETED:  # the interpreter's own use of numpy (triton 3.6), warned at each launch
         config.addinivalue_line(

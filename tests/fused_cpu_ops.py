@@ -90,18 +90,12 @@ CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing ch
 def chunked_rows(
     q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False, lead_apart=False, lead=0
 ):
-    """The same recurrence as recurrent_rows; the kernels differ only in how they walk it (`padded`, `lead_apart`
-    and `lead`, how the GPU kernel launches, change nothing here)."""
+    """The gated delta rule segment by segment (`padded`, `lead_apart` and `lead`, how the GPU kernel launches,
+    change nothing here)."""
     CALLS["chunked_rows"] += 1
     CALLS[f"chunked_rows padded={padded}"] += 1  # True: a captured pass's group
     CALLS[f"chunked_rows lead_apart={lead_apart}"] += 1  # True: a captured pass's long new states
     CALLS[f"chunked_rows lead={lead > 0}"] += 1  # True: a captured pass's short and long new states in one group
-    return reference_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, segment_delta_rule)
-
-
-def recurrent_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False):
-    CALLS["recurrent_rows"] += 1
-    CALLS[f"recurrent_rows new_states={new_states}"] += 1
     return reference_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, segment_delta_rule)
 
 
@@ -113,7 +107,6 @@ TORCH_KERNELS = PassKernels(
     gated_rms_norm=reference_gated_rms_norm,
     silu_mul=reference_silu_mul,
     sigmoid_gate=reference_sigmoid_gate,
-    recurrent_rows=recurrent_rows,
     chunked_rows=chunked_rows,
     conv=reference_conv_rows,  # conv_tokens' job, segment by segment
     rows_attention=reference_rows_attention,

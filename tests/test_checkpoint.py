@@ -85,10 +85,8 @@ def test_full_weight_checkpoint_answers_like_the_lora(tiny_dir: Path) -> None:
 def test_head_pt_defaults_and_temperature_override(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     meta = Meta.load(tiny_dir / "kev" / "head.pt")
     assert (meta.weights, meta.lora, meta.head_dim, meta.temperature) == ("lora", 16, 32, 2.0)
-    monkeypatch.setenv("KEV_TEMPERATURE", "1.0")
-    raw = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(load=LoadOptions.from_env()))
+    raw = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(load=LoadOptions(temperature=1.0)))
     assert raw.checkpoint.temperature == 1.0
-    monkeypatch.delenv("KEV_TEMPERATURE")
     calibrated = Engine.from_checkpoint(tiny_dir / "kev")
     _, encoded = raw.prepare(REQUEST)
     p_raw = raw.scorer.probabilities([encoded])[0][1]
@@ -144,8 +142,7 @@ def test_a_hub_base_needs_a_local_copy(tiny_dir: Path, tmp_path: Path, monkeypat
     torch.save({**meta, "base": "Qwen/Qwen3.5-4B-Base"}, directory / "head.pt")
     with pytest.raises(FileNotFoundError, match="KEV_BASE"):
         load_checkpoint(directory)
-    monkeypatch.setenv("KEV_BASE", str(tmp_path / "base"))
-    assert load_checkpoint(directory, options=LoadOptions.from_env()).kind == "lora"
+    assert load_checkpoint(directory, options=LoadOptions(base=str(tmp_path / "base"))).kind == "lora"
 
 
 def test_config_reads_text_config_of_multimodal(tiny_dir: Path) -> None:

@@ -162,6 +162,23 @@ def test_parity_report_plumbing(tiny_dir: Path) -> None:
     assert 0.0 < report["spread_reference"]["normalised_entropy_mean"] < 1.0
 
 
+def test_engine_options_default_to_the_shipped_configuration_and_refuse_unknown_values(tmp_path: Path) -> None:
+    """CUDA graphs and our long kernels by default (the fused GPU path's; the reference path ignores them), the
+    packaged pre-tuned GEMM tables; an unknown kernel choice or a table path that names no file fails when the options
+    are made, naming what is accepted."""
+    options = EngineOptions()
+    assert options.graphs and options.long_kernels == "triton" and options.gemm_algos == "auto"
+    table = tmp_path / "table.json"
+    table.write_text("{}")
+    for value in ("off", str(table)):
+        assert EngineOptions(gemm_algos=value).gemm_algos == value
+    assert EngineOptions(long_kernels="fla").long_kernels == "fla"
+    with pytest.raises(ValueError, match="long_kernels must be one of triton, fla, not 'ours'"):
+        EngineOptions(long_kernels="ours")
+    with pytest.raises(ValueError, match="gemm_algos must be auto, off or the path of a table JSON file"):
+        EngineOptions(gemm_algos=str(tmp_path / "missing.json"))
+
+
 def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     """The fused path's bank logic (slots, pages, LRU, pinning) on CPU tensors; its kernels run on the GPU only."""
     import torch
@@ -192,59 +209,3 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     assert bank.stats.bytes == sum(slot.nbytes for slot in (slot_a, bank.get(c)))
     bank.clear()
     assert len(pool.free_slots) == 3 and len(pool.free_pages) == 4 and bank.stats.bytes == 0
-
-
-def test_triton_parameters_and_instance_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kev_backend.serve.triton_config import checkpoint_path, engine_options, parameters, warmup_requests
-
-    config = {
-        "parameters": {
-            "checkpoint": {"string_value": "embedded/kev"},
-            "device": {"string_value": "auto"},
-            "bank_bytes": {"string_value": ""},
-            "max_state_tokens": {"string_value": "100"},
-            "warmup_requests": {"string_value": "w.jsonl"},
-        }
-    }
-    params = parameters(config)
-    monkeypatch.delenv("KEV_CHECKPOINT", raising=False)
-    assert checkpoint_path(params, tmp_path) == (tmp_path / "embedded" / "kev").resolve()
-    options = engine_options(params, "cuda:1")  # a KIND_GPU instance on GPU 1
-    assert options.device == "cuda:1" and options.bank_bytes is None and options.limits.max_state_tokens == 100
-    assert engine_options({**params, "device": "cpu"}, "cuda:1").device == "cpu"
-    assert (
-        not options.graphs and engine_options({**params, "graphs": "on", "max_graphs": "9"}, "cuda:0").max_graphs == 9
-    )
-    assert engine_options({**params, "graphs": "on"}, "cuda:0").graphs
-    with pytest.raises(ValueError, match="graphs must be one of"):
-        engine_options({**params, "graphs": "maybe"}, "cuda:0")
-    (tmp_path / "w.jsonl").write_text('{"state": 1}\n\n{"state": 2}\n')
-    assert warmup_requests(params, tmp_path) == ['{"state": 1}', '{"state": 2}']
-    monkeypatch.setenv("KEV_CHECKPOINT", "/abs/kev")
-    assert checkpoint_path(params, tmp_path) == Path("/abs/kev")
-
-
-@pytest.mark.parametrize(
-    "value, expected",
-    [
-        ("on", True),
-        ("1", True),
-        ("TRUE", True),
-        ("yes", True),
-        ("off", False),
-        ("0", False),
-        ("False", False),
-        ("", False),
-    ],
-)
-def test_graphs_take_one_boolean_grammar(value: str, expected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KEV_GRAPHS and the `graphs` parameter read the same spellings; a typo fails the load instead of meaning off."""
-    from kev_backend.serve.triton_config import engine_options
-
-    monkeypatch.delenv("KEV_GRAPHS", raising=False)
-    assert engine_options({"graphs": value}, "auto").graphs is expected
-    monkeypatch.setenv("KEV_GRAPHS", value or "off")
-    assert engine_options({}, "auto").graphs is (expected if value else False)
-    monkeypatch.delenv("KEV_GRAPHS")
-    with pytest.raises(ValueError, match="graphs must be one of"):
-        engine_options({"graphs": "onn"}, "cpu")

@@ -17,7 +17,8 @@ from .fused_cpu_ops import CALLS, TORCH_KERNELS
 
 
 def engines(tiny_dir: Path, bank_bytes: int = 1 << 26, **options) -> tuple[Engine, FusedScorer]:
-    """The reference engine on the tiny checkpoint and a fused scorer (fp32, torch stand-ins) on the same model."""
+    """The reference engine on the tiny checkpoint and a fused scorer (fp32, torch stand-ins) on the same model, with
+    FusedScorer's defaults (the shipped configuration: graphs, our long kernels) unless `options` say otherwise."""
     reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
     fused = FusedScorer(
@@ -34,34 +35,12 @@ def engines(tiny_dir: Path, bank_bytes: int = 1 << 26, **options) -> tuple[Engin
     return reference, fused
 
 
-@pytest.mark.parametrize(
-    "split_passes,graphs,long_kernels,short_delta_rule",
-    [
-        (False, False, "fla", "recurrent"),
-        (True, False, "fla", "recurrent"),
-        (False, True, "fla", "recurrent"),
-        (True, True, "fla", "recurrent"),
-        (False, False, "ours", "recurrent"),
-        (False, True, "ours", "recurrent"),
-        (False, True, "ours", "chunked"),
-        (False, True, "ours", "chunked-states"),
-    ],
-)
-def test_fused_pass_answers_like_the_reference(
-    tiny_dir: Path, split_passes: bool, graphs: bool, long_kernels: str, short_delta_rule: str
-) -> None:
+@pytest.mark.parametrize("graphs,long_kernels", [(False, "fla"), (True, "fla"), (False, "triton"), (True, "triton")])
+def test_fused_pass_answers_like_the_reference(tiny_dir: Path, graphs: bool, long_kernels: str) -> None:
     """With `graphs`, passes that fit a bucket run padded to it from the graphs' fixed buffers (eagerly: no CUDA
-    here), the others as usual; with long_kernels "ours" that includes passes with long new states. `long_kernels`:
-    which kernels new states over 64 tokens take; `short_delta_rule`, which delta rule segments up to 64 tokens
-    take (the stand-ins compute both alike: this checks the routing)."""
-    reference, fused = engines(
-        tiny_dir,
-        pass_tokens=600,
-        split_passes=split_passes,
-        graphs=graphs,
-        long_kernels=long_kernels,
-        short_delta_rule=short_delta_rule,
-    )
+    here), the others as usual; with long_kernels "triton" that includes passes with long new states. `long_kernels`:
+    which kernels new states over 64 tokens take (the stand-ins compute alike: this checks the routing)."""
+    reference, fused = engines(tiny_dir, pass_tokens=600, graphs=graphs, long_kernels=long_kernels)
     requests = realistic(60, seed=7, min_words=5, max_words=150) + [short6(1), short6(), short6()]
     # A question over 64 tokens takes the chunked delta rule, reading its state in place.
     long_question = {"type": "noul", "instructions": " ".join(["order"] * 70)}
@@ -78,25 +57,19 @@ def test_fused_pass_answers_like_the_reference(
     for result in (first, again, alone):
         report = compare(expected, result)
         assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
-    # Segments up to 64 tokens on the token-by-token kernel unless short_delta_rule says chunked (for every short
-    # segment, or for new states alone: "chunked-states"); longer rows always on the chunked one.
-    rows_recurrent = short_delta_rule != "chunked"
-    assert (CALLS["recurrent_rows new_states=False"] > 0) == rows_recurrent, CALLS
-    assert (CALLS["recurrent_rows new_states=True"] > 0) == (short_delta_rule == "recurrent"), CALLS
-    assert CALLS["chunked_rows"] > 0, CALLS
+    assert CALLS["chunked_rows"] > 0, CALLS  # every short segment and every row
     if graphs:
         stats = fused.graphs.stats
         assert stats.captures == 0 and stats.replays == 0  # nothing to capture without CUDA
         assert stats.runs > 0 and len(fused.graphs.seen) >= 2, (stats, fused.graphs.seen)
-        # Padded passes with a long new state: the long group shares the state region with the short one.
-        assert (long_kernels == "ours") == (stats.long_runs > 0)
+        # Padded passes with a long new state: the long states share the state region with the short ones.
+        assert (long_kernels == "triton") == (stats.long_runs > 0)
         # A padded group counts its capacity, not its work: the chunked kernel is told so there.
-        assert (long_kernels == "ours") <= (CALLS["chunked_rows padded=True"] > 0), CALLS
-        # Its long new states' first segment on a launch of its own (kernels.delta_rule.LEAD_APART).
-        assert (long_kernels == "ours") == (CALLS["chunked_rows lead_apart=True"] > 0), CALLS
-        # Short and long new states in one group, the first long one apart, when both run the chunked delta rule.
-        one_group = long_kernels == "ours" and short_delta_rule != "recurrent"
-        assert one_group == (CALLS["chunked_rows lead=True"] > 0), CALLS
+        assert CALLS["chunked_rows padded=True"] > 0, CALLS
+        # Its long new states' first segment on a launch of its own (kernels.delta_rule.chunked_rows' lead_apart),
+        # after the short states' slots of their one group.
+        assert (long_kernels == "triton") == (CALLS["chunked_rows lead_apart=True"] > 0), CALLS
+        assert (long_kernels == "triton") == (CALLS["chunked_rows lead=True"] > 0), CALLS
     assert CALLS["chunked_rows padded=False"] > 0, CALLS  # eager passes (the long rows at least)
 
 
@@ -139,7 +112,7 @@ def test_a_trimmed_bucket_answers_like_the_reference(tiny_dir: Path, state_words
     940 words the state's own last tokens lie inside the rows' region (s1024r128t1024's starts at 896)."""
     from kev_backend.gpu.graphs import Bucket
 
-    reference, fused = engines(tiny_dir, graphs=True, long_kernels="ours", short_delta_rule="chunked")
+    reference, fused = engines(tiny_dir, graphs=True, long_kernels="triton")
     question = {"type": "noul", "instructions": " ".join(["order"] * 30)}
     request = {"state": " ".join(["order"] * state_words), "questions": {"a": question, "b": question}}
     encoded = [reference.prepare(request)[1]]

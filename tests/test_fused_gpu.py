@@ -21,7 +21,6 @@ from kev_backend.dev import bench, tiny
 from kev_backend.dev.parity import parity_report
 from kev_backend.dev.workloads import realistic
 from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.gpu.kernels import delta_rule
 from kev_backend.model.checkpoint import LoadOptions, load_checkpoint
 from kev_backend.protocol.systemone import Limits
 
@@ -30,8 +29,7 @@ QUESTIONS = int(os.environ.get("KEV_PARITY_QUESTIONS", "1000"))  # fewer only fo
 
 
 def check(report: dict, name: str, max_abs: float | None = 0.03) -> None:
-    report["long_kernels"] = EngineOptions().long_kernels  # KEV_LONG_KERNELS: fla's or ours for new long states
-    report["chunk_dots"] = delta_rule.CHUNK_DOTS  # KEV_CHUNK_DOTS: our chunked delta rule's product operands
+    report["long_kernels"] = EngineOptions().long_kernels  # the fused engines run the defaults (engines)
     report.update(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=bench.commit())
     print(name, json.dumps(report))
     assert report["vs_reference"]["questions"] >= QUESTIONS
@@ -47,6 +45,8 @@ def check(report: dict, name: str, max_abs: float | None = 0.03) -> None:
 
 
 def engines(checkpoint, bank_bytes: int) -> tuple[Engine, Engine]:
+    """The reference engine and a fused one in the shipped configuration (EngineOptions' defaults: CUDA graphs, our
+    long kernels)."""
     reference = Engine(checkpoint, EngineOptions(backend="reference", bank_bytes=0))
     fused = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=bank_bytes))
     return reference, fused
@@ -84,13 +84,13 @@ def test_kev4b_shapes_parity(tiny_dir: Path) -> None:
 def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
     """Passes replayed from CUDA graphs answer like eager passes (≤ 0.01; the buckets keep ≥ 64 GEMM rows
     and every kernel's per-segment work is the same, so equality is expected), batched, alone and from the bank.
-    On our long kernels, so passes with long new states are graphed too."""
+    On our long kernels (the default), so passes with long new states are graphed too."""
     from kev_backend.dev.parity import compare, scored
     from kev_backend.gpu.graphs import PassGraphs
 
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
-    options = dict(backend="fused", bank_bytes=16 << 30, long_kernels="ours")
-    eager = Engine(checkpoint, EngineOptions(**options))
+    options = dict(backend="fused", bank_bytes=16 << 30)
+    eager = Engine(checkpoint, EngineOptions(**options, graphs=False))  # the eager reference: graphs off
     graphed = Engine(checkpoint, EngineOptions(**options, graphs=True))
     graphs = graphed.scorer.graphs
     assert isinstance(graphs, PassGraphs) and graphs.stats.captures == len(graphs.graphs) > 0
@@ -124,7 +124,7 @@ def test_after_a_failed_capture_passes_run_eagerly(tiny_dir: Path, monkeypatch: 
     from kev_backend.gpu.graphs import Bucket
 
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
-    options = dict(backend="fused", bank_bytes=4 << 30, long_kernels="ours")
+    options = dict(backend="fused", bank_bytes=4 << 30)
     engine = Engine(checkpoint, EngineOptions(**options, graphs=True, warm=False))
     graphs = engine.scorer.graphs
     doomed = Bucket(0, 128)
@@ -140,7 +140,7 @@ def test_after_a_failed_capture_passes_run_eagerly(tiny_dir: Path, monkeypatch: 
     graphs.warm([Bucket(0, 64), doomed, Bucket(0, 256)])
     assert set(graphs.failed) == {doomed} and set(graphs.graphs) == {Bucket(0, 64)}
     assert graphs.stats.capture_failures == 1
-    eager = Engine(checkpoint, EngineOptions(**options))
+    eager = Engine(checkpoint, EngineOptions(**options, graphs=False))  # an engine without graphs
     encoded = [eager.prepare(r)[1] for r in realistic(40, seed=6, max_words=300)]
     assert compare(scored(eager, encoded, 8), scored(engine, encoded, 8))["max_abs"] <= 0.01
     assert graphs.stats.captures == 1 and graphs.stats.runs > graphs.stats.replays
@@ -153,7 +153,8 @@ def test_a_pass_with_more_row_segments_than_one_launch_holds(tiny_dir: Path) -> 
     request of 700."""
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     limits = Limits(max_questions=2100)  # past the default cap on purpose: one pass with 2,100 rows
-    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, long_kernels="ours", limits=limits))
+    # Graphs off: passes this large fit no bucket, and capturing the buckets at start would only add time.
+    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, graphs=False, limits=limits))
     state = "the invoice total was wrong and the refund is late"
     questions = {f"q{i}": {"type": "noul", "instructions": f"is item {i} urgent ?"} for i in range(2100)}
     whole = engine.answer([{"state": state, "questions": questions}])[0]
@@ -176,11 +177,11 @@ def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path) -
     from kev_backend.engine.pipeline import Pipeline
 
     checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
-    probe = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=1 << 30, warm=False))
+    probe = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=1 << 30, graphs=False, warm=False))
     options = dict(backend="fused", bank_bytes=2 * 6 * probe.scorer.bank.pool.slot_bytes, graphs=True)
     del probe
-    serial = Engine(checkpoint, EngineOptions(**options, long_kernels="ours"))
-    piped = Engine(checkpoint, EngineOptions(**options, long_kernels="ours"))
+    serial = Engine(checkpoint, EngineOptions(**options))
+    piped = Engine(checkpoint, EngineOptions(**options))
     requests = realistic(QUESTIONS, seed=5, max_words=2300)[:48]
     batches = [requests[i : i + 1 + i % 5] for i in range(0, 40, 4)] + [requests[:3], requests[20:26], requests[::7]]
     expected = [serial.score(serial.prepare_batch(b)).probabilities for b in batches]
@@ -202,7 +203,9 @@ def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path) -
     piped.launch, piped.collect = counted_launch, counted_collect
     got: dict[int, list] = {}
     done = threading.Event()
-    pipeline = Pipeline(piped, lead_s=3600.0)  # submit returns at once: the model thread runs ahead of the GPU
+    pipeline = Pipeline(piped)
+    # No service history: submit returns once the model thread takes a batch, which runs ahead of the GPU.
+    pipeline.service_s.median = lambda: None
     try:
         for n, bodies in enumerate(batches):
 

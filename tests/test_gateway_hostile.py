@@ -22,7 +22,8 @@ from backports.zstd import ZstdCompressor, compress
 from starlette.testclient import TestClient
 
 from kev_backend.serve import gateway as gateway_module
-from kev_backend.serve.gateway import MAX_FRAMES, Refused, Settings, create_app, decompress
+from kev_backend.serve.gateway import MAX_FRAMES, Refused, create_app, decompress
+from kev_backend.settings import GatewaySettings
 
 from .conftest import Gateway, TritonServer, free_port, start_gateway, stop_gateway
 
@@ -417,7 +418,7 @@ def test_upstream_failures_are_json_and_counted(triton: TritonServer, tmp_path: 
 def test_internal_errors_are_one_json_500_and_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
     """Anything a handler does not expect: a JSON 500 naming the request id (with CORS headers), counted, and one
     log line without a traceback."""
-    app = create_app(Settings(triton_url="127.0.0.1:1"))
+    app = create_app(GatewaySettings(triton_url="127.0.0.1:1"))
 
     @app.get("/v1/broken")
     async def broken() -> None:

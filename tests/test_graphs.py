@@ -100,36 +100,28 @@ def test_padding_writes_only_scratch() -> None:
 
 
 def test_long_and_short_new_states_share_the_state_region() -> None:
-    """A padded pass with long new states: two kernel groups over the whole region, the long one first, offsets from
-    the region's start (short states first), padding segments empty and on the scratch slot. With `one_group` (the
-    chunked delta rule for both classes) one group holds both, the short states' slots first: each class's segments
-    as in two groups."""
+    """A padded pass with long new states: one kernel group over the whole region, the short states' slots first
+    (Bucket.states of them, `short_segments`), then the long ones', offsets from the region's start, padding segments
+    empty and on the scratch slot."""
     bucket = Bucket(2560, 64)
     inputs = StaticInputs(Bucket(4096, 4096), prefix_tokens=1000, device=torch.device("cpu"))
     inputs.fill(bucket, layout([34, 5, 100, 2000], [39]), ScratchPool(), pad_id=1)
+    (both,) = inputs.pass_input(bucket, long_states=True).states.groups
+    assert not both.short and both.padded and (both.start, both.end, both.max_len) == (0, 2560, 2560)
+    assert both.short_segments == bucket.states == 64 and len(both.slots) == 64 + bucket.long_states == 84
+    short_cu = [0, 34, 39] + [39] * (bucket.states - 2)
+    assert both.cu.tolist() == short_cu + [139, 2139] + [2139] * 18
+    assert both.slots.tolist() == [0, 1] + [9] * 62 + [2, 3] + [9] * 18
     p = inputs.pass_input(bucket, long_states=True)
-    long, short = p.states.groups
-    assert not long.short and short.short and (long.start, long.end) == (short.start, short.end) == (0, 2560)
-    assert long.max_len == 2560 and len(long.slots) == bucket.long_states == 20
-    assert long.padded and short.padded  # capacities, not counts (the chunked delta rule's configuration reads it)
-    assert long.cu.tolist() == [39, 139, 2139] + [2139] * 18
-    assert long.slots.tolist() == [2, 3] + [9] * 18
-    assert short.cu.tolist()[:4] == [0, 34, 39, 39] and short.slots.tolist()[:3] == [0, 1, 9]
-    assert long.short_segments == short.short_segments == 0
     assert p.positions[39:139].tolist() == list(range(100)) and p.positions[2139:2560].eq(0).all()
     assert p.state_kv_dst.tolist()[139:141] == [300, 301] and p.state_kv_dst[2139:].eq(640).all()
-    assert len(inputs.pass_input(bucket).states.groups) == 1  # without long states: the short group alone
-    (both,) = inputs.pass_input(bucket, long_states=True, one_group=True).states.groups
-    assert not both.short and both.padded and (both.start, both.end, both.max_len) == (0, 2560, 2560)
-    assert both.short_segments == bucket.states == 64 and len(both.slots) == 84
-    assert both.cu.tolist() == short.cu.tolist() + long.cu.tolist()[1:]
-    assert both.slots.tolist() == short.slots.tolist() + long.slots.tolist()
-    # A bucket too small for a long state: the short group alone, either way.
+    (short,) = inputs.pass_input(bucket).states.groups  # without long states: the short group alone
+    assert short.short and short.short_segments == 0 and short.cu.tolist() == short_cu
+    # A bucket too small for a long state: the short group alone.
     small = Bucket(64, 64)
     inputs.fill(small, layout([34, 5], [39]), ScratchPool(), pad_id=1)
-    for one_group in (False, True):
-        (group,) = inputs.pass_input(small, long_states=True, one_group=one_group).states.groups
-        assert group.short and group.short_segments == 0 and group.cu.tolist() == [0, 34, 39] + [39] * 6
+    (group,) = inputs.pass_input(small, long_states=True).states.groups
+    assert group.short and group.short_segments == 0 and group.cu.tolist() == [0, 34, 39] + [39] * 6
 
 
 def test_a_trimmed_bucket_puts_the_rows_at_the_pass_end() -> None:
@@ -147,4 +139,5 @@ def test_a_trimmed_bucket_puts_the_rows_at_the_pass_end() -> None:
     assert p.rows.cu.tolist()[3:] == [256] * (bucket.rows - 2)
     assert p.picks.tolist()[:6] == [at + i for i in (38, 37, 36, 50, 49, 48)] and p.picks[6:].eq(2432).all()
     assert (p.states.start, p.states.end) == (0, 2560) and p.state_kv_dst.shape == (2560,)
-    assert p.states.groups[0].cu.tolist()[:2] == [0, 2400]
+    (states,) = p.states.groups  # the long state after the bucket's (empty) short slots
+    assert states.cu.tolist()[bucket.states : bucket.states + 2] == [0, 2400]

@@ -1,7 +1,7 @@
-"""kernels.delta_rule (recurrent_rows: token by token; chunked_rows: in chunks of CHUNK tokens) against their torch
-reference (model.qwen35's fp32 chunked gated delta rule, segment by segment): in Triton's interpreter on a CPU,
-compiled on a GPU (tests/conftest.py). The chunked kernel's checks run with 16- and 32-token chunks (KEV_CHUNK: the
-chunk length bench/diag.py also times)."""
+"""kernels.delta_rule (chunked_rows: the gated delta rule in chunks of CHUNK tokens) against its torch reference
+(model.qwen35's fp32 chunked gated delta rule, segment by segment): in Triton's interpreter on a CPU, compiled on a
+GPU (tests/conftest.py). In the interpreter the chain multiplies fp32 operands (exact), compiled bf16 ones
+(delta_rule._bf16_chain: chosen by the tensors' device)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kev_backend.gpu.kernels import delta_rule as R  # noqa: E402
 from kev_backend.gpu.kernels.delta_rule import (  # noqa: E402
     chunked_rows,
-    recurrent_rows,
     reference_rows,
     reference_segment_delta_rule,
 )
@@ -25,28 +23,10 @@ H, HV, K, V = 2, 4, 16, 32
 NAN = float("nan")
 
 
-@pytest.fixture
-def run(kernel_run, monkeypatch):
-    """The interpreter multiplies bf16 tensors as raw bits (numpy has no bf16): there the chunked delta rule's chain
-    runs its TF32 form (exact fp32 in the interpreter); compiled, its bf16 default."""
-    if kernel_run.interpreted:
-        monkeypatch.setattr(R, "CHUNK_DOTS", "tf32")
-    return kernel_run
-
-
-@pytest.fixture(params=[16, 32], ids=["chunk16", "chunk32"])
-def chunked(run, monkeypatch, request):
-    """chunked_rows' checks with 16- and 32-token chunks (KEV_CHUNK, read at import; CHUNK at each launch)."""
-    monkeypatch.setattr(R, "CHUNK", request.param)
-    return run
-
-
 def inputs(cu: list[int], pool_scale: float = 1.0, saturate: bool = False) -> SimpleNamespace:
     """Segments at offsets `cu`: q, k, v read in place from one projection, the gates' inputs a and b strided views
-    (slices of it), and a pool of 6 states. The token-by-token kernel keeps the decay in a scalar scale and folds it
-    into the state once the scale falls under RESCALE_BELOW: head 1 decays by g ≈ -14 a token (a fold every few
-    tokens), head 2 by g ≈ -100 (each token's decay alone is under it: folded token by token), the others mildly.
-    `saturate`: a gate input in softplus's linear branch."""
+    (slices of it), and a pool of 6 states. Head 1 decays by g ≈ -14 a token, head 2 by g ≈ -100 (a chunk's decays
+    underflow fp32 within a few tokens), the others mildly. `saturate`: a gate input in softplus's linear branch."""
     T = cu[-1]
     mixed = torch.randn(T, 2 * H * K + HV * V + 3)
     q = mixed[:, : H * K].view(T, H, K)
@@ -88,52 +68,11 @@ def test_reference_is_the_engines_delta_rule(kernel_run, from_zero: bool) -> Non
     close(final, ref_final[0], 1e-5, "final state")
 
 
-# The token-by-token kernel: short segments (5, 1 and 9 tokens).
-SHORT_CU = [0, 5, 6, 15]
-
-
-def test_recurrent_rows_continue_states_in_place(run) -> None:
-    """Rows continuing states read in place from a pool (two rows on one slot), into a given output; nothing written
-    back."""
-    x = inputs(SHORT_CU, saturate=True)
-    before = x.pool.clone()
-    slots, cu = torch.tensor([4, 1, 4]), torch.tensor(SHORT_CU)
-    dst = torch.empty(SHORT_CU[-1], HV, V)
-    o = recurrent_rows(*args(x), slots, cu, out=dst)
-    assert o is dst and torch.equal(x.pool, before)
-    ref = reference_rows(*args(x, before.clone()), slots, cu)
-    for n in range(3):
-        a, b = SHORT_CU[n], SHORT_CU[n + 1]
-        close(o[a:b], ref[a:b], run.tol, n)
-
-
-def test_recurrent_rows_nan_gate(run) -> None:
-    """A NaN gate input (NaN activations) makes that head's outputs NaN from its token on, and the kernel still ends."""
-    x = inputs(SHORT_CU, saturate=True)
-    x.gates[2, 0] = NAN
-    o = recurrent_rows(*args(x), torch.tensor([4, 1, 4]), torch.tensor(SHORT_CU))
-    assert o[2:5, 0].isnan().all() and not o[:2].isnan().any() and not o[:, 1:].isnan().any()
-
-
-def test_recurrent_rows_new_states_from_zero(run) -> None:
-    """New states: from zero, each writing its end state into its slot (the other slots untouched)."""
-    x = inputs(SHORT_CU, saturate=True)
-    slots, cu = torch.tensor([2, 5]), torch.tensor(SHORT_CU[:3])
-    fresh, ref_states = torch.full((6, HV, K, V), NAN), torch.full((6, HV, K, V), NAN)
-    o = recurrent_rows(*args(x, fresh), slots, cu, new_states=True)
-    ref = reference_rows(*args(x, ref_states), slots, cu, new_states=True)
-    for n, slot in enumerate(slots.tolist()):
-        a, b = SHORT_CU[n], SHORT_CU[n + 1]
-        close(o[a:b], ref[a:b], run.tol, n)
-        close(fresh[slot], ref_states[slot], run.tol, n)
-    assert fresh[[0, 1, 3, 4]].isnan().all()
-
-
 # The chunked kernel: segments of any length (several chunks, a partial last one, a single token).
 LONG_CU = [0, 37, 38, 108]
 
 
-def test_chunked_rows_continue_states_in_place(chunked) -> None:
+def test_chunked_rows_continue_states_in_place(kernel_run) -> None:
     x = inputs(LONG_CU, pool_scale=0.3)
     before = x.pool.clone()
     slots, cu = torch.tensor([4, 1, 4]), torch.tensor(LONG_CU)
@@ -142,19 +81,19 @@ def test_chunked_rows_continue_states_in_place(chunked) -> None:
     ref = reference_rows(*args(x, before.clone()), slots, cu)
     for n in range(3):
         a, b = LONG_CU[n], LONG_CU[n + 1]
-        close(o[a:b], ref[a:b], 10 * chunked.tol, n)
+        close(o[a:b], ref[a:b], 10 * kernel_run.tol, n)
 
 
-def test_chunked_rows_new_states_from_zero(chunked) -> None:
-    x = inputs(LONG_CU, pool_scale=0.3)
+def test_chunked_rows_new_states_from_zero(kernel_run) -> None:
+    x = inputs(LONG_CU, pool_scale=0.3, saturate=True)
     slots, cu = torch.tensor([2, 5, 0]), torch.tensor(LONG_CU)
     fresh, ref_states = torch.full((6, HV, K, V), NAN), torch.full((6, HV, K, V), NAN)
     o = chunked_rows(*args(x, fresh), slots, cu, new_states=True)
     ref = reference_rows(*args(x, ref_states), slots, cu, new_states=True)
     for n, slot in enumerate(slots.tolist()):
         a, b = LONG_CU[n], LONG_CU[n + 1]
-        close(o[a:b], ref[a:b], 10 * chunked.tol, n)
-        close(fresh[slot], ref_states[slot], 10 * chunked.tol, n)
+        close(o[a:b], ref[a:b], 10 * kernel_run.tol, n)
+        close(fresh[slot], ref_states[slot], 10 * kernel_run.tol, n)
 
 
 # Many segments inside a wider input (tokens 0-4 and 77-107 in none; several in one 16-token tile; an empty one), as
@@ -162,78 +101,61 @@ def test_chunked_rows_new_states_from_zero(chunked) -> None:
 INNER_CU = [5, 8, 24, 41, 42, 42, 75, 77]
 
 
-def test_chunked_rows_many_segments_as_recurrent(chunked) -> None:
-    """The chunked kernel answers as the token-by-token one (and the reference), rows from their states."""
+def test_chunked_rows_many_segments(kernel_run) -> None:
+    """Rows from their states, several in one chunk's window, answer as the reference does."""
     x = inputs(LONG_CU, pool_scale=0.3)
     slots, cu = torch.tensor([0, 1, 2, 3, 4, 5, 0]), torch.tensor(INNER_CU)
-    o1 = chunked_rows(*args(x), slots, cu)
-    o2 = recurrent_rows(*args(x), slots, cu)
-    close(o1[5:77], o2[5:77], 10 * chunked.tol, "chunked vs recurrent")
-    close(o1[5:77], reference_rows(*args(x, x.pool.clone()), slots, cu)[5:77], 10 * chunked.tol, "reference")
+    o = chunked_rows(*args(x), slots, cu)
+    close(o[5:77], reference_rows(*args(x, x.pool.clone()), slots, cu)[5:77], 10 * kernel_run.tol, "reference")
 
 
-def test_chunked_rows_many_new_states_as_recurrent(chunked) -> None:
-    """New states: the same outputs and end states; the empty segment's slot (4) is left alone."""
+def test_chunked_rows_many_new_states(kernel_run) -> None:
+    """New states: the reference's outputs and end states; the empty segment's slot (4) is left alone."""
     x = inputs(LONG_CU, pool_scale=0.3)
     slots, cu = torch.arange(7), torch.tensor(INNER_CU)
-    states_1, states_2 = torch.full((8, HV, K, V), NAN), torch.full((8, HV, K, V), NAN)
-    o1 = chunked_rows(*args(x, states_1), slots, cu, new_states=True)
-    o2 = recurrent_rows(*args(x, states_2), slots, cu, new_states=True)
+    states, ref_states = torch.full((8, HV, K, V), NAN), torch.full((8, HV, K, V), NAN)
+    o = chunked_rows(*args(x, states), slots, cu, new_states=True)
     written = [0, 1, 2, 3, 5, 6]
-    close(o1[5:77], o2[5:77], 10 * chunked.tol, "outputs")
-    close(states_1[written], states_2[written], 10 * chunked.tol, "states")
-    assert states_1[4].isnan().all() and states_2[4].isnan().all()
-    ref_states = torch.full((8, HV, K, V), NAN)
-    close(o1[5:77], reference_rows(*args(x, ref_states), slots, cu, new_states=True)[5:77], 10 * chunked.tol, "ref")
-    close(states_1[written], ref_states[written], 10 * chunked.tol, "reference states")
+    assert states[4].isnan().all()
+    ref = reference_rows(*args(x, ref_states), slots, cu, new_states=True)
+    close(o[5:77], ref[5:77], 10 * kernel_run.tol, "outputs")
+    close(states[written], ref_states[written], 10 * kernel_run.tol, "states")
 
 
 # A captured pass's group ends in padding: empty segments on a scratch slot. With `padded` a few programs take the
-# items in turn (here, on the CPU's one "SM", 4 or 18 programs for all of them) and answer exactly as a program per
-# item does.
+# items in turn (here, on the CPU's one "SM", CHUNK_PER_SM programs for all of them) and answer exactly as a program
+# per item does.
 PADDED_CU = INNER_CU + [INNER_CU[-1]] * 9
 
 
-@pytest.fixture(params=["chunked-chunk16", "chunked-chunk32", "recurrent"])
-def padded_kernel(run, monkeypatch, request):
-    """chunked_rows with 16- and 32-token chunks, and recurrent_rows (which has no chunks) with its loop
-    (RECURRENT_LOOP)."""
-    monkeypatch.setattr(R, "RECURRENT_LOOP", True)
-    if request.param == "recurrent":
-        return recurrent_rows
-    monkeypatch.setattr(R, "CHUNK", int(request.param.removeprefix("chunked-chunk")))
-    return chunked_rows
-
-
-def test_padded_rows_as_unpadded(padded_kernel) -> None:
+def test_padded_rows_as_unpadded(kernel_run) -> None:
     x = inputs(LONG_CU, pool_scale=0.3)
     slots, cu = torch.tensor([0, 1, 2, 3, 4, 5, 0] + [5] * 9), torch.tensor(PADDED_CU)
-    rows = [padded_kernel(*args(x), slots, cu, padded=padded)[5:77] for padded in (False, True)]
+    rows = [chunked_rows(*args(x), slots, cu, padded=padded)[5:77] for padded in (False, True)]
     assert torch.equal(*rows)  # tokens in no segment: not written
 
 
-def padded_new_states(kernel, x: SimpleNamespace, **launch) -> torch.Tensor:
+def padded_new_states(x: SimpleNamespace, **launch) -> torch.Tensor:
     """New states of the padded group: outputs and written states, flattened; the empty segments' slots (the
     padding's and one inside) checked untouched."""
     states = torch.full((9, HV, K, V), NAN)
     slots = torch.tensor([*range(7)] + [8] * 9)
-    o = kernel(*args(x, states), slots, torch.tensor(PADDED_CU), new_states=True, **launch)
+    o = chunked_rows(*args(x, states), slots, torch.tensor(PADDED_CU), new_states=True, **launch)
     assert states[[4, 7, 8]].isnan().all()
     return torch.cat([o[5:77].flatten(), states[[0, 1, 2, 3, 5, 6]].flatten()])
 
 
-def test_padded_new_states_as_unpadded(padded_kernel) -> None:
+def test_padded_new_states_as_unpadded(kernel_run) -> None:
     x = inputs(LONG_CU, pool_scale=0.3)
-    padded = [padded_new_states(padded_kernel, x, padded=padded) for padded in (False, True)]
+    padded = [padded_new_states(x, padded=padded) for padded in (False, True)]
     assert torch.equal(*padded)
 
 
 @pytest.mark.parametrize("lead", [0, 2], ids=["lead-first", "lead-in-the-middle"])
-def test_lead_apart_as_one_launch(chunked, lead: int) -> None:
-    """A padded group of long new states with one segment on a launch of its own (LEAD_APART; here in order, no CUDA
-    streams) answers as one launch does: its first, or one from the middle of the group (a captured pass's short and
-    long new states in one group, its first long one apart), the segments before and after it in turn."""
-    assert R.LEAD_APART
+def test_lead_apart_as_one_launch(kernel_run, lead: int) -> None:
+    """A padded group of long new states with one segment on a launch of its own (`lead_apart`; here in order, no
+    CUDA streams) answers as one launch does: its first, or one from the middle of the group (a captured pass's short
+    and long new states in one group, its first long one apart), the segments before and after it in turn."""
     x = inputs(LONG_CU, pool_scale=0.3)
-    apart = padded_new_states(chunked_rows, x, padded=True, lead_apart=True, lead=lead)
-    assert torch.equal(apart, padded_new_states(chunked_rows, x, padded=True, lead_apart=False))
+    apart = padded_new_states(x, padded=True, lead_apart=True, lead=lead)
+    assert torch.equal(apart, padded_new_states(x, padded=True, lead_apart=False))

@@ -63,11 +63,10 @@ def compile_for_hopper(tmp: str) -> None:
     assert isinstance(N._rms_norm_kernel, JITFunction), "decorated for the interpreter (TRITON_INTERPRET=1)"
     tmp_path = Path(tmp)
     bf, f32, i64 = "*bf16", "*fp32", "*i64"
-    recurrent = {"q": bf, "k": bf, "v": bf, "a": bf, "b": bf, "a_log": f32, "dt_bias": f32, "pool": f32}
-    bf16_chain = R.CHUNK_DOTS == "bf16"
-    chunk_w = bf if bf16_chain else f32  # W, Qs, Kd, QK and U₀ are stored as the chain multiplies them
-    recurrent |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
-    chunk_terms = recurrent | {"dend": f32} | {name: chunk_w for name in ("w", "qs", "kd", "qk", "u")}
+    delta_rule = {"q": bf, "k": bf, "v": bf, "a": bf, "b": bf, "a_log": f32, "dt_bias": f32, "pool": f32}
+    delta_rule |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
+    # On a GPU the chain multiplies bf16 operands, and W, Qs, Kd, QK and U₀ are stored so (delta_rule._bf16_chain).
+    chunk_terms = delta_rule | {"dend": f32} | {name: bf for name in ("w", "qs", "kd", "qk", "u")}
     deltanet_heads = dict(H=16, HV=32, K=128, V=128)  # Kev-4B's DeltaNet heads
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
@@ -121,20 +120,10 @@ def compile_for_hopper(tmp: str) -> None:
             for continues in (True, False)
             for tokens, channels, warps in ((C.SCAN_TOKENS, C.SCAN_CHANNELS, C.SCAN_WARPS), C.SCAN_SMALL)
         ],
-        *[
-            (
-                R._recurrent_rows_kernel,
-                recurrent,
-                deltanet_heads | dict(BV=R.RECURRENT_BV, CONTINUE=continues, LOOP=loop),
-                R.RECURRENT_WARPS,
-            )
-            for continues in (True, False)
-            for loop in sorted({False, R.RECURRENT_LOOP})
-        ],
         (
             R._chunk_prep_kernel,
             chunk_terms,
-            deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=4),
+            deltanet_heads | dict(BT=R.CHUNK, LOG2_BT=R.CHUNK.bit_length() - 1),
             R.PREP_WARPS,
             R.PREP_MAXNREG,
         ),
@@ -142,7 +131,7 @@ def compile_for_hopper(tmp: str) -> None:
             (
                 R._chunked_delta_rule_kernel,
                 chunk_terms,
-                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=bf16_chain, LOOP=loop),
+                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=True, LOOP=loop),
                 warps,
                 maxnreg,
             )
@@ -158,8 +147,7 @@ def compile_for_hopper(tmp: str) -> None:
             (
                 A._rows_attention_kernel,
                 attention,
-                dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS, GP=4)
-                | dict(HAS_PREFIX=has_prefix, SPLIT=A.SPLIT_DIAGONAL, EXP2=A.EXP2),
+                dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS, GP=4, HAS_PREFIX=has_prefix),
                 A.WIDE_HEAD_WARPS,
             )
             for has_prefix, rows in ((True, A.TILE_ROWS), (False, A.TILE_ROWS), (False, A.LONG_TILE_ROWS))

@@ -298,9 +298,7 @@ def bench_record(commit: str, date: str, rps: float) -> dict:
         "commit": commit,
         "backend": "fused",
         "graphs": True,
-        "long_kernels": "ours",
-        "short_delta_rule": "chunked",
-        "chunk_tokens": 16,
+        "long_kernels": "triton",
         "complete": True,
         "workloads": {"short6": workload(1.0), "long5": workload(7.0)},
     }

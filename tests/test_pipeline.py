@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.engine.pipeline import Pipeline, parts_by_size
+from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline, parts_by_size
 from kev_backend.protocol.systemone import RequestError
 
 from .test_engine import request
@@ -110,3 +110,15 @@ def test_parts_by_size(sizes: list[int], budget: int, lengths: list[int]) -> Non
     assert [len(part) for part in parts] == lengths
     assert [i for part in parts for i in part] == list(range(len(sizes)))  # every item once, in order
     assert all(sum(sizes[i] for i in part) <= budget or len(part) == 1 for part in parts)
+
+
+def test_submit_bytes_is_the_pipelines_budget(engine: Engine) -> None:
+    """A pipeline's budget for parts_by_size is its `submit_bytes` (SUBMIT_BYTES unless given); under one byte is
+    refused."""
+    for pipeline, budget in ((Pipeline(engine), SUBMIT_BYTES), (Pipeline(engine, submit_bytes=1000), 1000)):
+        try:
+            assert pipeline.submit_bytes == budget
+        finally:
+            pipeline.close()
+    with pytest.raises(ValueError, match="submit_bytes"):
+        Pipeline(engine, submit_bytes=0)

@@ -249,8 +249,9 @@ def test_memory_is_linear_in_the_state(tiny_dir: Path, model: qwen35.Qwen35TextM
     assert long_row["branch_tokens"] > 8000 and set(long_row["answers"]) == {"q", "long"}
 
 
-@pytest.mark.skipif(not os.environ.get("KEV_FULL_STATE"), reason="1-2 minutes on 2 cores: set KEV_FULL_STATE=1")
-def test_a_state_at_kevs_limit(tiny_dir: Path, model: qwen35.Qwen35TextModel) -> None:
+def test_a_state_at_kevs_limit(tiny_dir: Path, model: qwen35.Qwen35TextModel, request: pytest.FixtureRequest) -> None:
     """A 65,536-token state (Kev's limit) answers within the same bound."""
+    if not request.config.getoption("--full-state"):
+        pytest.skip("1-2 minutes on 2 cores: pytest --full-state")
     (result,) = peak_growth(tiny_dir / "kev", [(65_536, 0)], timeout=600)
     check([result], model.config)

@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from kev_backend.serve import procs, supervisor
 from kev_backend.serve.procs import children
 from kev_backend.serve.supervisor import SHM_DIR, SHM_PREFIX, RestartBudget, shm_prefix
+from kev_backend.settings import ServeSettings
 
 from .conftest import REPO, TritonServer, free_port, start_triton, stop_triton, wait_ready
 
@@ -278,7 +279,7 @@ class Reply:
 def test_probe_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three failures in a row restart; a stub not healthy restarts at once; a probe the queue refused or that timed
     out counts only when Triton completed nothing over the probe timeout."""
-    config = supervisor.Config(probe_timeout_s=10, probe_failures=3)
+    config = ServeSettings(probe_timeout_s=10, probe_failures=3)
     sup = supervisor.Supervisor(config, {}, "key")
     restarts: list[str] = []
     monkeypatch.setattr(sup, "restart_triton", restarts.append)
@@ -306,14 +307,3 @@ def test_restart_budget() -> None:
     assert budget.spend(5) == 3 and budget.exhausted()
     budget = RestartBudget(limit=2, window_s=10)
     assert [budget.spend(t) for t in (0, 1, 10.5, 11.5)] == [1, 2, 2, 2] and not budget.exhausted()
-
-
-def test_admin_key_sources(tmp_path: Path) -> None:
-    (tmp_path / "key").write_text("s3cret-key\n")
-    assert supervisor.admin_key({"TRITON_ADMIN_KEY_FILE": str(tmp_path / "key")}) == "s3cret-key"
-    assert supervisor.admin_key({"TRITON_ADMIN_KEY": "other"}) == "other"
-    assert supervisor.admin_key({}) != supervisor.admin_key({})
-    for bad in ("", "a,b", "k:v", "x=y", "with space"):
-        (tmp_path / "key").write_text(bad)
-        with pytest.raises(supervisor.GiveUp):
-            supervisor.admin_key({"TRITON_ADMIN_KEY_FILE": str(tmp_path / "key")})

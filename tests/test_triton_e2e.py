@@ -327,8 +327,6 @@ def test_gpu_config_differs_only_in_its_gpu_settings() -> None:
     assert settings == [
         "max_queue_delay_microseconds: 500",
         "{ kind: KIND_GPU, count: 1 }",
-        '{ key: "graphs", value: { string_value: "on" } },',
-        '{ key: "long_kernels", value: { string_value: "ours" } }',
     ]
 
 

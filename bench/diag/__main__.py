@@ -21,8 +21,9 @@ def parser() -> argparse.ArgumentParser:
     main = argparse.ArgumentParser(
         prog="python -m bench.diag",
         description=summary.split("\n\n")[0],
-        epilog="KEV_GRAPHS=1 makes the Kev-4B engines replay CUDA graphs as the GPU config does; KEV_LONG_KERNELS, "
-        "KEV_SHORT_DELTA_RULE choose kernels. bench/gpu_run.sh runs these as steps.",
+        epilog="Subcommands that build a Kev-4B engine take the GPU config's options by default (CUDA graphs, our "
+        "long kernels); --no-graphs, --graph-max-tokens and --long-kernels change them. bench/gpu_run.sh runs these "
+        "as steps.",
     )
     sub = main.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for family in FAMILIES.values():

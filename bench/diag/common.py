@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import os
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -15,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from kev_backend.serve.triton_config import boolean
+from kev_backend.gpu.passes import LONG_KERNELS
 
 # DeltaNet key heads, value heads, key dim, value dim of Kev-4B.
 KEV4B_HEADS = (16, 32, 128, 128)
@@ -49,10 +48,27 @@ def patched(owner: ModuleType | type, **values: object) -> Iterator[None]:
             setattr(owner, name, value)
 
 
-def command(sub, name: str, run: Callable, summary: str) -> argparse.ArgumentParser:
-    """Adds subcommand `name` (`summary` in the list, run's docstring as its --help) running run(args)."""
+def command(sub, name: str, run: Callable, summary: str, engine: bool = False) -> argparse.ArgumentParser:
+    """Adds subcommand `name` (`summary` in the list, run's docstring as its --help) running run(args); with `engine`,
+    the options of the Kev-4B engine it builds (kev4b_engine)."""
     parser = sub.add_parser(name, help=summary, description=run.__doc__)
     parser.set_defaults(run=run)
+    if engine:
+        parser.add_argument(
+            "--graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="replay CUDA graphs, as the GPU config does (default: on)",
+        )
+        parser.add_argument(
+            "--graph-max-tokens",
+            type=int,
+            default=None,
+            help="the largest graph bucket, every bucket kept (default: the engine's)",
+        )
+        parser.add_argument(
+            "--long-kernels", choices=LONG_KERNELS, default="triton", help="new long states' kernels (default: triton)"
+        )
     return parser
 
 
@@ -127,18 +143,19 @@ def kev4b_checkpoint():
     return tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
 
 
-def kev4b_engine(checkpoint=None, **options):
-    """An engine on random Kev-4B weights (8 GiB bank; `checkpoint`: kev4b_checkpoint's, made here if not given).
-    KEV_GRAPHS=on (or 1) replays CUDA graphs as the GPU config does (an explicit `graphs` wins),
-    KEV_GRAPH_MAX_TOKENS sets their largest bucket (all of them kept)."""
+def kev4b_engine(args: argparse.Namespace | None = None, checkpoint=None, **options):
+    """An engine on random Kev-4B weights (8 GiB bank; `checkpoint`: kev4b_checkpoint's, made here if not given),
+    otherwise with EngineOptions' defaults (the GPU config's), but for a subcommand's engine options in `args`
+    (command's `engine`) and then `options`."""
     from kev_backend.engine.engine import Engine, EngineOptions
 
     checkpoint = checkpoint or kev4b_checkpoint()
-    graphs = boolean("KEV_GRAPHS", os.environ.get("KEV_GRAPHS", ""), False)
-    options = {"bank_bytes": 8 << 30, "graphs": graphs, **options}
-    if "KEV_GRAPH_MAX_TOKENS" in os.environ:
-        options.update(graph_max_tokens=int(os.environ["KEV_GRAPH_MAX_TOKENS"]), max_graphs=200)
-    return Engine(checkpoint, EngineOptions(device="cuda", backend="fused", **options))
+    chosen: dict[str, object] = {"bank_bytes": 8 << 30}
+    if args is not None:
+        chosen.update(graphs=args.graphs, long_kernels=args.long_kernels)
+        if args.graph_max_tokens is not None:
+            chosen.update(graph_max_tokens=args.graph_max_tokens, max_graphs=200)
+    return Engine(checkpoint, EngineOptions(device="cuda", backend="fused", **(chosen | options)))
 
 
 def delta_rule_inputs(T: int):

@@ -39,7 +39,7 @@ def hostsplit(args) -> None:
     from kev_backend.dev import bench
     from kev_backend.dev.workloads import long5, short6
 
-    engine = kev4b_engine(graphs=True, long_kernels="ours")
+    engine = kev4b_engine(graphs=True, long_kernels="triton")
     scorer = engine.scorer
     graphs = scorer.graphs
     host: dict[str, float] = {}
@@ -152,7 +152,7 @@ def hostops(args) -> None:
     for name, fn in cases.items():
         print(f"hostops {name}: {us(fn):.2f} us", flush=True)
         torch.cuda.synchronize()
-    engine = kev4b_engine(graphs=True, long_kernels="ours")
+    engine = kev4b_engine(graphs=True, long_kernels="triton")
     scorer, graphs = engine.scorer, engine.scorer.graphs
     engine.answer([short6(None)])
     batch = engine.prepare_batch([short6(None)])
@@ -195,7 +195,7 @@ def hostpath(args) -> None:
         dtype=torch.float32,
         kernels=no_kernels,
         graphs=True,
-        long_kernels="ours",
+        long_kernels="triton",
     )
     graphs = scorer.graphs
     phases: dict[str, float] = {}
@@ -229,7 +229,7 @@ def launch(args) -> None:
     from kev_backend.dev import bench
     from kev_backend.dev.workloads import long5, short6
 
-    engine = kev4b_engine(graphs=True, long_kernels="ours")
+    engine = kev4b_engine(graphs=True, long_kernels="triton")
     graphs = engine.scorer.graphs
 
     def timer() -> torch.cuda.Event:
@@ -261,12 +261,12 @@ def launch(args) -> None:
 
 
 def hostprofile(args) -> None:
-    """short6 on its banked state (KEV_GRAPHS=1: from graphs): ms a request, the host functions of 10 requests by own
-    time (cProfile), and the host time of one Triton launch (rms_norm) against one torch op."""
+    """short6 on its banked state (from graphs; --no-graphs: eagerly): ms a request, the host functions of 10 requests
+    by own time (cProfile), and the host time of one Triton launch (rms_norm) against one torch op."""
     from kev_backend.dev.workloads import short6
     from kev_backend.gpu import kernels
 
-    engine = kev4b_engine()
+    engine = kev4b_engine(args)
     for _ in range(3):
         engine.answer([short6(None)])
     t = time.perf_counter()
@@ -298,4 +298,4 @@ def register(sub) -> None:
     command(sub, "hostops", hostops, "the host's primitive steps (launch, events, pinned copy), short6's layout, fill")
     command(sub, "hostpath", hostpath, "the host's work before a pass, on the CPU alone (no GPU needed)")
     command(sub, "launch", launch, "whether a graph's launch delays its first kernel")
-    command(sub, "hostprofile", hostprofile, "short6 same: host functions by own time, launch costs")
+    command(sub, "hostprofile", hostprofile, "short6 same: host functions by own time, launch costs", engine=True)

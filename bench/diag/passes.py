@@ -1,13 +1,10 @@
 """Whole passes on a Kev-4B engine: latency and throughput, GPU time by kernel, one request's timeline, the GPU's idle
-gaps at 64 clients, whether answers depend on the batch, and a live flag off against on."""
+gaps at 64 clients, and whether answers depend on the batch."""
 
 from __future__ import annotations
 
 import cProfile
-import importlib
-import os
 import pstats
-import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -15,32 +12,27 @@ from pathlib import Path
 
 import torch
 
-from .common import command, kev4b_checkpoint, kev4b_engine, patched
+from .common import command, kev4b_engine, patched
 
 # The segment kernels and how many layers call them (Kev-4B: 24 DeltaNet layers, 8 attention layers).
 LAYER_KERNELS = {
     "_conv_scan_kernel": 24,
     "_chunk_prep_kernel": 24,
     "_chunked_delta_rule_kernel": 24,
-    "_recurrent_rows_kernel": 24,
     "_rows_attention_kernel": 8,
 }
-
-# Module flags read when a pass is captured, so that two engines built in turn each keep the value it had.
-CAPTURED_FLAGS = ("kev_backend.gpu.fused:ROWS_BESIDE", "kev_backend.gpu.kernels.delta_rule:LEAD_APART")
 
 
 def latency(args) -> None:
     """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state, and
-    requests/s at 64 clients (3 s each), pipelined and serial: a quick engine-level comparison of kernel choices
-    (KEV_LONG_KERNELS, KEV_SHORT_DELTA_RULE; KEV_GRAPHS=1 replays graphs as the GPU config does)."""
+    requests/s at 64 clients (3 s each), pipelined and serial: a quick engine-level comparison of the engine options
+    (--long-kernels, --no-graphs)."""
     from kev_backend.dev import bench
     from kev_backend.dev.workloads import long5, short6
-    from kev_backend.gpu.kernels import delta_rule
 
-    engine = kev4b_engine()
+    engine = kev4b_engine(args)
     options = engine.options
-    print("kernels", options.long_kernels, options.short_delta_rule, "chunk", delta_rule.CHUNK, flush=True)
+    print("kernels", options.long_kernels, "graphs", options.graphs, flush=True)
     for label, make in (("short6", short6), ("long5", long5)):
         print(label, bench.latency(engine, make), flush=True)
         for pipelined in (True, False):
@@ -51,14 +43,15 @@ def latency(args) -> None:
 
 def kernels(args) -> None:
     """GPU time by kernel for a busy short6 batch (32 new), a long5 batch (8 new), one new short6 and one short6 on a
-    banked state, one new long5 (KEV_GRAPHS=1: as the graphs replay them); then one layer's calls of each segment
-    kernel in launch order, µs: which of a pass's groups (long states, short states, rows) their time goes to."""
+    banked state, one new long5 (as the graphs replay them; --no-graphs: eager passes); then one layer's calls of
+    each segment kernel in launch order, µs: which of a pass's groups (long states, short states, rows) their time
+    goes to."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from kev_backend.dev.workloads import long5, short6
 
-    engine = kev4b_engine()
+    engine = kev4b_engine(args)
     counter = iter(range(10**6))
     cases = {
         "short6x32new": lambda: [short6(next(counter)) for _ in range(32)],
@@ -96,8 +89,8 @@ def kernels(args) -> None:
 
 
 def timeline(args) -> None:
-    """Where one request's model time goes besides its kernels (KEV_GRAPHS=1: as the GPU config runs it), new state
-    and same state, for each workload of --shapes: model time (launch to probabilities on the host) against the
+    """Where one request's model time goes besides its kernels (as the GPU config runs it; --no-graphs: eagerly), new
+    state and same state, for each workload of --shapes: model time (launch to probabilities on the host) against the
     GPU's busy time, the wait from launch to its first kernel, the idle gaps between kernels, and from the last
     kernel to the answer; then the host functions of 20 requests on new states of the first workload by own time."""
     from torch.autograd import DeviceType
@@ -105,7 +98,7 @@ def timeline(args) -> None:
 
     from kev_backend.dev import bench, workloads
 
-    engine = kev4b_engine()
+    engine = kev4b_engine(args)
     shapes = args.shapes.split(",")
     cases = [
         (f"{shape} {label}", make)
@@ -151,7 +144,7 @@ def timeline(args) -> None:
 
 
 def gaps(args) -> None:
-    """--workload at 64 closed-loop clients through the pipeline (KEV_GRAPHS=1: as the GPU config runs it): per
+    """--workload at 64 closed-loop clients through the pipeline (as the GPU config runs it; --no-graphs: eagerly): per
     batch, when the model thread took it against when the batch before was done; the model thread's time per batch
     by phase of its launch (collect, on the delivery thread, waits for the GPU), its waits for the next batch,
     Python's garbage collections, how busy the GPU is and its idle gaps by length."""
@@ -165,7 +158,7 @@ def gaps(args) -> None:
 
     warm_s, measure_s = {"short6": (1.0, 2.0), "long5": (3.0, 6.0)}[args.workload]
     make = getattr(workloads, args.workload)
-    engine = kev4b_engine()
+    engine = kev4b_engine(args)
     scorer = engine.scorer
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (start, end) of each call, by phase
 
@@ -266,8 +259,9 @@ def gaps(args) -> None:
 
 def invariance(args) -> None:
     """Where a question's answer depends on the batch it rides in (Kev-4B shapes): states computed in a batch (A) or
-    alone (B, then C: the same batches again reading B's banked states), for fla's and our long kernels; compares
-    answers and the picked hidden states the head reads, and names the worst requests' state and row lengths."""
+    alone (B, then C: the same batches again reading B's banked states), eager passes on fla's and our long kernels;
+    compares answers and the picked hidden states the head reads, and names the worst requests' state and row
+    lengths."""
     from kev_backend.dev import tiny
     from kev_backend.dev.parity import compare, scored
     from kev_backend.dev.workloads import realistic
@@ -288,9 +282,9 @@ def invariance(args) -> None:
         return picked, decides
 
     with patched(FusedScorer, run_group=capturing):
-        for long_kernels in ("fla", "ours"):
+        for long_kernels in ("fla", "triton"):
             options = EngineOptions(
-                device="cuda", backend="fused", bank_bytes=16 << 30, long_kernels=long_kernels, warm=False
+                device="cuda", backend="fused", bank_bytes=16 << 30, graphs=False, long_kernels=long_kernels, warm=False
             )
             engine = Engine(checkpoint, options)
             encoded = [engine.prepare(r)[1] for r in realistic(300, seed=2, max_words=2300)]
@@ -315,59 +309,12 @@ def invariance(args) -> None:
             torch.cuda.empty_cache()
 
 
-def flagab(args) -> None:
-    """A live boolean module flag read when a pass is captured (--flag MODULE:NAME, e.g. fused.ROWS_BESIDE),
-    off and on, in two engines replaying CUDA graphs, built in turn in one process, their requests interleaved (ABBA
-    by round): paired model times (medians of 30 rounds) for short6 and long5, new and same state, with far less of
-    the noise between processes and machines than separate runs have. The two engines must answer alike (largest
-    difference shown). The flag is set only while each engine is built and captured, and restored after."""
-    from kev_backend.dev import bench
-    from kev_backend.dev.workloads import long5, short6
-
-    module_name, flag = args.flag.split(":")
-    module = importlib.import_module(module_name)
-    if not isinstance(getattr(module, flag, None), bool):
-        raise SystemExit(f"flagab: {args.flag} is not a boolean flag of {module_name}")
-    # One checkpoint for both: built after the first engine set the process's BLAS preferences, the second's merged
-    # weights would round differently.
-    checkpoint = kev4b_checkpoint()
-    engines = []
-    for value in (False, True):
-        with patched(module, **{flag: value}):
-            engines.append(kev4b_engine(checkpoint, graphs=True))
-    print(f"flagab {flag}: engines built", flush=True)
-    for label, make in (("short6", short6), ("long5", long5)):
-        for state in ("new", "same"):
-            times: list[list[float]] = [[], []]
-            largest = 0.0
-            for round_ in range(33):
-                body = make(next(bench.NEW_STATE) if state == "new" else None)
-                probs = []
-                for i in (round_ % 2, 1 - round_ % 2):
-                    batch = engines[i].score(engines[i].prepare_batch([body]))
-                    probs.append([p for request in batch.probabilities for q in request for p in q])
-                    if round_ >= 3:
-                        times[i].append(batch.report.model_ms)
-                largest = max(largest, max(abs(x - y) for x, y in zip(*probs, strict=True)))
-            off, on = (statistics.median(t) for t in times)
-            print(
-                f"flagab {label} {state}: off {off:.3f} ms, on {on:.3f} ms ({on - off:+.3f}), answers within "
-                f"{largest:.1e}",
-                flush=True,
-            )
-
-
 def register(sub) -> None:
-    command(sub, "latency", latency, "latency and 64-client throughput of short6 and long5")
-    command(sub, "kernels", kernels, "GPU time by kernel for busy and single short6 and long5 passes")
-    parser = command(sub, "timeline", timeline, "one request's model time against its kernels' busy time and gaps")
+    command(sub, "latency", latency, "latency and 64-client throughput of short6 and long5", engine=True)
+    command(sub, "kernels", kernels, "GPU time by kernel for busy and single short6 and long5 passes", engine=True)
+    summary = "one request's model time against its kernels' busy time and gaps"
+    parser = command(sub, "timeline", timeline, summary, engine=True)
     parser.add_argument("--shapes", default="short6", help="comma-separated workloads (default short6)")
-    parser = command(sub, "gaps", gaps, "the GPU's idle gaps and the model thread's phases at 64 clients")
+    parser = command(sub, "gaps", gaps, "the GPU's idle gaps and the model thread's phases at 64 clients", engine=True)
     parser.add_argument("--workload", choices=("short6", "long5"), default="short6")
     command(sub, "invariance", invariance, "where answers depend on the batch (fla's and our long kernels)")
-    parser = command(sub, "flagab", flagab, "a live captured flag off and on, two engines, requests interleaved")
-    parser.add_argument(
-        "--flag",
-        default=os.environ.get("KEV_AB_FLAG", CAPTURED_FLAGS[0]),
-        help=f"MODULE:NAME, one of {', '.join(CAPTURED_FLAGS)} (default KEV_AB_FLAG or the first)",
-    )

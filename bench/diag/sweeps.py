@@ -26,8 +26,8 @@ from .common import (
 
 def long(args) -> None:
     """Our chunked delta rule against fla's chunked kernel on Kev-4B heads (new states from zero; rows continuing
-    banked states): ms and largest difference; on short segments our token-by-token kernel too. For new states the
-    conv: the pass's scanning kernel against the token-by-token one and fla's. --rows: the row cases only."""
+    banked states): ms and largest difference. For new states the conv: the pass's scanning kernel against the
+    token-by-token one and fla's. --rows: the row cases only."""
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -68,9 +68,6 @@ def long(args) -> None:
 
         diff = (ours().float() - theirs().float()).abs().max().item()
         label = f"{n}x{lengths[0]} {'new' if new else 'rows'}"
-        if lengths[0] <= 64:
-            recurrent = functools.partial(kernels.recurrent_rows, *rule_args, new_states=new)
-            print(f"recurrent {label}: {cuda_ms(recurrent):.3f} ms", flush=True)
         print(f"delta rule {label}: ours {cuda_ms(ours):.3f} ms, fla {cuda_ms(theirs):.3f} ms, max diff {diff:.2e}")
         if new:
             conv_w = torch.randn(mixed.shape[1], 4, device="cuda", dtype=torch.bfloat16)
@@ -91,31 +88,6 @@ def long(args) -> None:
                 f"fla {cuda_ms(fla_conv):.3f} ms",
                 flush=True,
             )
-
-
-def recurrent(args) -> None:
-    """The token-by-token delta rule (KEV_SHORT_DELTA_RULE=recurrent) by value block and warps (delta_rule's live
-    RECURRENT_BV, RECURRENT_WARPS) on Kev-4B heads: one short6's rows, 40 and 192 rows of ~40 tokens, one and 32 new
-    short states; ms and the largest difference from the chosen configuration."""
-    from kev_backend.gpu import kernels
-    from kev_backend.gpu.kernels import delta_rule
-
-    _, HV, K, V = KEV4B_HEADS
-    pool = torch.randn(256, HV, K, V, device="cuda") * 0.01
-    for rows, length, new in ((6, 39, False), (40, 40, False), (192, 39, False), (1, 40, True), (32, 40, True)):
-        T = rows * length
-        _, q, k, v, a, b = delta_rule_inputs(T)
-        a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
-        slots = torch.randperm(256, device="cuda")[:rows]  # distinct: new states write their slots
-        cu = torch.arange(0, T + 1, length, device="cuda")
-        run = functools.partial(kernels.recurrent_rows, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)
-        reference = run().float()
-        line = []
-        for bv, warps in ((16, 1), (8, 1), (4, 1), (16, 2), (32, 2)):
-            with patched(delta_rule, RECURRENT_BV=bv, RECURRENT_WARPS=warps):
-                diff = (run().float() - reference).abs().max().item()
-                line.append(f"BV{bv}/w{warps}:{cuda_ms(run):.3f}ms({diff:.0e})")
-        print(f"recurrent {'new' if new else 'rows'}={rows}x{length}:", " ".join(line), flush=True)
 
 
 def _config(c) -> str:
@@ -191,8 +163,8 @@ def prepregs(args) -> None:
 def padded(args) -> None:
     """The delta rule on a captured pass's groups, whose segments count the bucket's capacity and end in empty
     padding segments: unpadded, padded (`padded=True`: the chain's programs take items in turn), and for a long new
-    group its first segment apart (`lead_apart=True`); the token-by-token kernel unpadded and padded. ms a layer on
-    Kev-4B heads from a CUDA graph, as a captured pass runs them, with each kernel's µs. Outputs must be identical."""
+    group its first segment apart (`lead_apart=True`). ms a layer on Kev-4B heads from a CUDA graph, as a captured
+    pass runs them, with each kernel's µs. Outputs must be identical."""
     from kev_backend.gpu import kernels
 
     for label, lengths, capacity, new in (
@@ -213,21 +185,15 @@ def padded(args) -> None:
         }
         if new and max(lengths) > 64:
             settings["lead apart"] = ((*inputs, padded_slots, padded_cu), {"padded": True, "lead_apart": True})
-        kernel_names = {"chunked": kernels.chunked_rows}
-        if max(lengths) <= 64:
-            kernel_names["recurrent"] = kernels.recurrent_rows
-        for name, kernel in kernel_names.items():
-            line, reference = [], None
-            for setting, (call_args, options) in settings.items():
-                if name == "recurrent" and "lead_apart" in options:
-                    continue
-                run = functools.partial(kernel, *call_args, new_states=new, **options)
-                out = run().float()
-                reference = out if reference is None else reference
-                same = "" if torch.equal(out, reference) else " DIFFERS"
-                parts = kernel_parts(run, "delta_rule", "prep", "recurrent")
-                line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{same}")
-            print(f"padded {label} {name}: " + ", ".join(line), flush=True)
+        line, reference = [], None
+        for setting, (call_args, options) in settings.items():
+            run = functools.partial(kernels.chunked_rows, *call_args, new_states=new, **options)
+            out = run().float()
+            reference = out if reference is None else reference
+            same = "" if torch.equal(out, reference) else " DIFFERS"
+            parts = kernel_parts(run, "delta_rule", "prep")
+            line.append(f"{setting} {graph_ms(run):.4f} [{parts} µs]{same}")
+        print(f"padded {label}: " + ", ".join(line), flush=True)
 
 
 def rowsattn(args) -> None:
@@ -399,8 +365,8 @@ def convscan(args) -> None:
 
 
 def ncuprobe(args) -> None:
-    """Three calls each (the first two warm) of the chunked delta rule on 8 new 2,200-token states and of the
-    token-by-token one on 6 rows of 40 tokens: for Nsight Compute to profile the third (bench/gpu_run.sh ncu)."""
+    """Three calls each (the first two warm) of the chunked delta rule on 8 new 2,200-token states and on 6 rows of 40
+    tokens: for Nsight Compute to profile the third (bench/gpu_run.sh ncu)."""
     from kev_backend.gpu import kernels
 
     _, HV, K, V = KEV4B_HEADS
@@ -411,16 +377,14 @@ def ncuprobe(args) -> None:
         pool = torch.randn(n + 1, HV, K, V, device="cuda") * 0.01
         slots = torch.arange(n, device="cuda")
         cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
-        rule = kernels.chunked_rows if new else kernels.recurrent_rows
         for _ in range(3):
-            rule(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)
+            kernels.chunked_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)
         torch.cuda.synchronize()
 
 
 def register(sub) -> None:
     parser = command(sub, "long", long, "our delta rule and conv against fla's, new long states and rows")
     parser.add_argument("--rows", action="store_true", help="the row cases only")
-    command(sub, "recurrent", recurrent, "the token-by-token delta rule by value block and warps")
     command(sub, "chunkvariants", chunkvariants, "the chunked delta rule's chain by value block, warps, register cap")
     command(sub, "chainwaves", chainwaves, "the chain narrow and wide by new long-state count (WIDE_ABOVE)")
     command(sub, "prepregs", prepregs, "the chunked delta rule by the prep's register cap")

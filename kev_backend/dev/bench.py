@@ -1,6 +1,6 @@
 """In-process benchmark on the GPU: `python -m kev_backend.dev.bench` (`make bench`).
 
-Kev-4B shapes with random weights, or a real checkpoint with KEV_CHECKPOINT (and KEV_BASE). Workloads follow Kev's
+Kev-4B shapes with random weights, or a real checkpoint with --checkpoint (and --base). Workloads follow Kev's
 serving benchmark: `short6` (a ~34-token support ticket, 6 questions) and `long5` (~2,200-token document, 5
 questions), each on a new state (prefix "Ticket {i}. ") and on the same state: median model time of 20; then
 requests/s at 1, 8, 32 and 64 concurrent in-process clients on new states, batched the way the Triton dynamic
@@ -16,10 +16,8 @@ import argparse
 import datetime
 import itertools
 import json
-import os
 import queue
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -30,9 +28,9 @@ import torch
 
 from ..engine.engine import Engine, EngineOptions, dumps
 from ..engine.pipeline import Pipeline, parts_by_size
-from ..gpu.kernels import delta_rule
-from ..model.checkpoint import load_checkpoint
+from ..model.checkpoint import LoadOptions, load_checkpoint
 from . import tiny
+from .revision import commit
 from .workloads import long5, short6
 
 CLIENTS = (1, 8, 32, 64)
@@ -261,29 +259,26 @@ def naive_baseline(engine: Engine, make, n: int) -> dict[str, Any]:
         return {"rps": None, "error": repr(error)[:300]}
 
 
-def commit() -> str:
-    if os.environ.get("KEV_COMMIT"):
-        return os.environ["KEV_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--seconds", type=float, default=6.0, help="per throughput level")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--backend", default="fused", help="fused (default) or reference")
-    parser.add_argument("--graphs", action="store_true", help="CUDA graphs for passes of short segments")
+    defaults = EngineOptions()
+    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=defaults.graphs, help="CUDA graphs")
+    parser.add_argument("--long-kernels", choices=("triton", "fla"), default=defaults.long_kernels)
+    parser.add_argument("--checkpoint", type=Path, help="a Kev checkpoint (default: random weights, Kev-4B shapes)")
+    parser.add_argument("--base", help="a local copy of the checkpoint's base model, when head.pt names a Hub id")
+    parser.add_argument("--commit", help="the commit the result names (default: git's HEAD)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    checkpoint_path = os.environ.get("KEV_CHECKPOINT")
-    options = EngineOptions(device="cuda", backend=args.backend, bank_bytes=24 << 30, graphs=args.graphs)
-    if checkpoint_path:
-        checkpoint = load_checkpoint(checkpoint_path, device)
-        name = checkpoint_path
+    options = EngineOptions(
+        device="cuda", backend=args.backend, bank_bytes=24 << 30, graphs=args.graphs, long_kernels=args.long_kernels
+    )
+    if args.checkpoint:
+        checkpoint = load_checkpoint(args.checkpoint, device, LoadOptions(base=args.base))
+        name = str(args.checkpoint)
     else:
         tokenizer_dir = Path(tempfile.mkdtemp(prefix="kev-bench-tokenizer-"))
         tiny.write_tokenizer(tokenizer_dir)
@@ -297,13 +292,11 @@ def main() -> None:
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": commit(),
+        "commit": commit(args.commit),
         "checkpoint": name,
         "backend": engine.backend,
         "graphs": args.graphs,
         "long_kernels": options.long_kernels,
-        "short_delta_rule": options.short_delta_rule,
-        "chunk_tokens": delta_rule.CHUNK,
         "pipelined": True,  # throughput through kev_backend/engine/pipeline.py; serial_rps_64 without it
         "engine_start_s": engine_s,
         "torch": torch.__version__,
@@ -313,9 +306,9 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = result["gpu"].replace(" ", "-").lower()
-    variant = ("-graphs" if args.graphs else "") + ("-ours" if options.long_kernels == "ours" else "")
-    variant += "" if options.short_delta_rule == "chunked" else f"-{options.short_delta_rule}"
-    variant += f"-chunk{delta_rule.CHUNK}" if delta_rule.CHUNK != 16 else ""
+    variant = ("" if args.graphs else "-eager") + (
+        "" if options.long_kernels == "triton" else f"-{options.long_kernels}"
+    )
     path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
 
     def write() -> None:
@@ -361,15 +354,6 @@ def main() -> None:
         throughput(engine, make, 64, 1.0, pipelined=False)
         entry["serial_rps_64"] = throughput(engine, make, 64, seconds, pipelined=False)["rps"]
         print(f"{label} clients=64 serial {entry['serial_rps_64']:.1f} req/s", flush=True)
-        # The same new-state latency and 64-client throughput with new states in a pass of their own before the
-        # rows: whether one shared pass through the weights pays.
-        if hasattr(engine.scorer, "split_passes"):
-            engine.scorer.split_passes = True
-            entry["split_passes"] = {"new_ms": latency(engine, make)["new_ms"]}
-            throughput(engine, make, 64, 1.0)
-            entry["split_passes"]["rps_64"] = throughput(engine, make, 64, seconds)["rps"]
-            engine.scorer.split_passes = False
-            print(f"{label} split passes {entry['split_passes']}", flush=True)
         cost = request_cost(engine, make(0))
         entry["tokens"] = cost["tokens"]
         entry["floor_rps"] = floor_rps(cost, ceil)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ..gpu.cublaslt import check_table
+from ..gpu.passes import check_long_kernels
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from ..protocol.encoding import Encoded, KevTokenizer, encode
 from ..protocol.systemone import (
@@ -65,32 +66,37 @@ class Scorer(Protocol):
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """How the engine runs; the defaults are the shipped configuration. The serving settings (kev_backend/settings.py)
+    build one from the Triton model's parameters; values are checked when it is made."""
+
     device: str = "auto"  # "auto": CUDA when available, else CPU
-    # "auto": the fused GPU path on CUDA with fla and a bf16/fp16 model, else the reference path.
+    # "auto": the fused GPU path on CUDA (with fla and torch's varlen attention when long_kernels is "fla") and a
+    # bf16/fp16 model, else the reference path.
     backend: str = "auto"
     pass_tokens: int = 32_768  # fused path: tokens per pass (states, counted once, and their rows)
-    split_passes: bool = False  # fused path: new states in a pass of their own before the rows
     bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
-    # fused path: CUDA graphs (kev_backend/gpu/graphs.py) for passes of short rows and short new states (long new states
-    # too with long_kernels "ours"), buckets up to graph_max_tokens tokens (105 up to 4,096), at most max_graphs kept.
-    graphs: bool = False
+    # fused path: CUDA graphs (kev_backend/gpu/graphs.py) for passes of short rows and new states (long new states
+    # only with long_kernels "triton"), buckets up to graph_max_tokens tokens (105 up to 4,096), at most max_graphs
+    # kept. Nothing is captured without CUDA; the reference path never uses them.
+    graphs: bool = True
     graph_max_tokens: int = 4096
     max_graphs: int = 112
-    # fused path: an eager pass before every graph capture (True), or only before the first (False: the same answers,
-    # a faster start, graphs.py); KEV_GRAPH_WARM_PASSES=1: True
-    graph_warm_passes: bool = field(default_factory=lambda: os.environ.get("KEV_GRAPH_WARM_PASSES") == "1")
     # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
     # autotuning), so no request pays for them
     warm: bool = True
-    # fused path: new states over 64 tokens on fla's delta rule ("fla") or ours ("ours"); KEV_LONG_KERNELS overrides
-    long_kernels: str = field(default_factory=lambda: os.environ.get("KEV_LONG_KERNELS", "fla"))
-    # fused path: segments of up to 64 tokens on our chunked delta rule ("chunked", the default: two or three chunk
-    # steps instead of ~31 token steps for a short6 row), our token-by-token one ("recurrent"), or chunked for new
-    # states only ("chunked-states"): docs/kernels.md has the measurements
-    short_delta_rule: str = field(default_factory=lambda: os.environ.get("KEV_SHORT_DELTA_RULE", "chunked"))
+    # fused path: new states over 64 tokens on our Triton kernels ("triton") or on fla's chunked delta rule and
+    # torch's varlen attention ("fla": not capturable, so such passes run eagerly); gpu/passes.py LONG_KERNELS
+    long_kernels: str = "triton"
+    # fused path: the projections' pre-tuned cuBLASLt algorithms (kev_backend/gpu/cublaslt.py): "auto" (a packaged
+    # table matching the GPU and cuBLASLt version, if any), "off", or the path of a table JSON
+    gemm_algos: str = "auto"
     limits: Limits = field(default_factory=Limits)
     load: LoadOptions = field(default_factory=LoadOptions)
+
+    def __post_init__(self) -> None:
+        check_long_kernels(self.long_kernels)
+        check_table(self.gemm_algos)
 
     def resolved_bank_bytes(self, device: torch.device) -> int:
         if self.bank_bytes is not None:
@@ -152,7 +158,7 @@ class Engine:
         started = time.perf_counter()
         self.tokenizer = KevTokenizer(checkpoint.tokenizer_dir)
         self.device = next(checkpoint.model.parameters()).device
-        self.backend = self._choose_backend()
+        self.backend, self.backend_why = self._choose_backend()
         pad = self.tokenizer.delimiters.pad
         if self.backend == "fused":
             from ..gpu.scorer import FusedScorer
@@ -165,13 +171,11 @@ class Engine:
                 self.options.resolved_bank_bytes(self.device),
                 pass_tokens=self.options.pass_tokens,
                 max_state_tokens=self.options.limits.max_state_tokens,
-                split_passes=self.options.split_passes,
                 graphs=self.options.graphs,
                 graph_max_tokens=self.options.graph_max_tokens,
                 max_graphs=self.options.max_graphs,
                 long_kernels=self.options.long_kernels,
-                short_delta_rule=self.options.short_delta_rule,
-                graph_warm_passes=self.options.graph_warm_passes,
+                gemm_algos=self.options.gemm_algos,
             )
         else:
             self.scorer = ReferenceScorer(
@@ -187,23 +191,27 @@ class Engine:
             self.warm()
         self.last_batch = BatchReport()
 
-    def _choose_backend(self) -> str:
+    def _choose_backend(self) -> tuple[str, str]:
+        """The path that serves, and why it is the reference path when it is (empty when it is the fused one). The
+        GPU package is imported only for a CUDA device: a CPU server needs neither it nor Triton's compiler."""
         requested = self.options.backend
         if requested not in ("auto", "fused", "reference"):
             raise ValueError(f"unknown backend {requested!r}: auto, fused or reference")
         if requested == "reference":
-            return "reference"
-        from ..gpu.fused import FLA_VERSION, fused_available
+            return "reference", "backend 'reference' was asked for"
+        why = ""
+        if self.device.type != "cuda":
+            why = f"the device is {self.device}, not CUDA"
+        else:
+            from ..gpu.fused import FLA_VERSION, fused_available
 
-        usable = self.device.type == "cuda" and fused_available(self.options.long_kernels)
-        if requested == "fused":
-            if not usable:
-                raise RuntimeError(
-                    f"the fused path needs CUDA and, with long_kernels 'fla', torch's varlen attention and "
-                    f"fla-core=={FLA_VERSION} (device: {self.device})"
-                )
-            return "fused"
-        return "fused" if usable and self.checkpoint.dtype != torch.float32 else "reference"
+            if not fused_available(self.options.long_kernels):
+                why = f"long_kernels 'fla' needs torch's varlen attention and fla-core=={FLA_VERSION}"
+            elif requested == "auto" and self.checkpoint.dtype == torch.float32:
+                why = "the weights are fp32 (dtype): the fused path runs bf16 or fp16"
+        if requested == "fused" and why:
+            raise RuntimeError(f"the fused path cannot run: {why}")
+        return ("reference", why) if why else ("fused", "")
 
     def warm(self) -> None:
         """Captures the graph buckets, runs one batch with a short and a long state and question and one with enough
@@ -248,7 +256,8 @@ class Engine:
         algos = self.gemm_algos
         tuned = f"{algos['shapes']} GEMM shapes on pre-tuned cuBLASLt algorithms ({algos['table']}); " if algos else ""
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
-        return f"on {self.device}, {self.backend} path; {held or 'no CUDA graphs'}; {tuned}start-up seconds {phases}"
+        path = f"{self.backend} path" + (f" ({self.backend_why})" if self.backend_why else "")
+        return f"on {self.device}, {path}; {held or 'no CUDA graphs'}; {tuned}start-up seconds {phases}"
 
     @property
     def gemm_algos(self) -> dict[str, object] | None:

@@ -12,11 +12,13 @@ When `submit` returns decides how many batches are in flight, and so how large t
 execute; the bench's batching thread) forms the next batch from the requests waiting by then. Returning as soon as
 the model thread takes a batch splits the clients into three groups (scoring, prepared and waiting, arriving), and
 the smaller batches lose more than the overlap gains (docs/kernels.md, The pipeline). So `submit` returns when the
-next batch, formed and prepared from then on, should reach the model thread just as this one is done (`lead_s`
-earlier, KEV_PIPELINE_LEAD_MS, default 0): this one is expected done a service time after it was taken or after the
-batch before it is done, whichever is later (recent medians), and the next batch's arrival takes the recent time
-from a return to the next batch being prepared (Triton's batching, its IPC, decoding and preparing). Requests keep
-waiting where they arrived (Triton's queue, with its size limit and timeouts) meanwhile.
+next batch, formed and prepared from then on, should reach the model thread just as this one is done: this one is
+expected done a service time after it was taken or after the batch before it is done, whichever is later (recent
+medians), and the next batch's arrival takes the recent time from a return to the next batch being prepared
+(Triton's batching, its IPC, decoding and preparing). Requests keep waiting where they arrived (Triton's queue, with
+its size limit and timeouts) meanwhile.
+
+A batch whose bodies hold more than the pipeline's `submit_bytes` of JSON goes to `submit` in parts (parts_by_size).
 
 A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
@@ -29,7 +31,6 @@ An engine fault fails only its own batch, delivered as the exception.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import statistics
 import threading
@@ -63,12 +64,13 @@ class Job:
 
 _STOP = object()
 
-# A batch whose bodies hold more than this many bytes of JSON goes to `submit` in parts (parts_by_size), each scored
-# and answered on its own. Why: under closed-loop load of long requests a large batch alternates with a batch of one,
-# and the large batch's clients come back together: the GPU idles while they are tokenized and planned. In parts,
-# the first part's clients are back and prepared while the later parts run (docs/kernels.md, The pipeline). 256 KiB:
-# up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each) stay one batch.
-SUBMIT_BYTES = int(os.environ.get("KEV_SUBMIT_BYTES", str(256 << 10)))
+# The default of Pipeline's `submit_bytes`: a batch whose bodies hold more than this many bytes of JSON goes to
+# `submit` in parts (parts_by_size), each scored and answered on its own. Why: under closed-loop load of long requests
+# a large batch alternates with a batch of one, and the large batch's clients come back together: the GPU idles while
+# they are tokenized and planned. In parts, the first part's clients are back and prepared while the later parts run
+# (docs/kernels.md, The pipeline). 256 KiB: up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each)
+# stay one batch.
+SUBMIT_BYTES = 256 << 10
 
 
 def parts_by_size(sizes: Sequence[int], budget: int = SUBMIT_BYTES) -> list[range]:
@@ -107,10 +109,12 @@ class Recent:
 
 
 class Pipeline:
-    def __init__(self, engine: Engine, recheck_after_s: float = 0.005, lead_s: float | None = None) -> None:
+    def __init__(self, engine: Engine, recheck_after_s: float = 0.005, submit_bytes: int = SUBMIT_BYTES) -> None:
+        if submit_bytes < 1:
+            raise ValueError(f"submit_bytes must be at least 1, not {submit_bytes}")
         self.engine = engine
         self.recheck_after_s = recheck_after_s
-        self.lead_s = float(os.environ.get("KEV_PIPELINE_LEAD_MS", "0")) / 1000 if lead_s is None else lead_s
+        self.submit_bytes = submit_bytes  # the callers' parts_by_size budget
         # A batch's service time: from when it was taken, or when the batch before it was done if later, to its
         # answers on the host.
         self.service_s = Recent()
@@ -148,7 +152,7 @@ class Pipeline:
             if previous is not None:
                 before = previous.done if previous.scored.is_set() else previous.expected_done
             job.expected_done = max(job.taken, before) + service
-            job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - self.lead_s - time.perf_counter()))
+            job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - time.perf_counter()))
         self._returned = time.perf_counter()
 
     def close(self) -> None:

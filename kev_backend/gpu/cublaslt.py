@@ -5,9 +5,10 @@ candidates is faster (docs/kernels.md), and every candidate without split-K give
 answers do not change (a row's answer never depends on the GEMM that ran it).
 
 A table file holds, for one GPU and cuBLASLt version, the algorithm of each (rows, out features, in features) worth
-changing; `python -m kev_backend.dev.gemm_tuner tune CHECKPOINT OUT.json` makes one. At run time `pretuned(device)`
-finds a matching table (gpu/gemm_algos/*.json, or KEV_GEMM_ALGOS=PATH; 0 turns it off), whose `linear` runs its shapes
-on their algorithms and every other GEMM through F.linear. No table for this GPU and library: F.linear alone.
+changing; `python -m kev_backend.dev.gemm_tuner tune CHECKPOINT OUT.json` makes one. At run time `pretuned(device,
+table)` finds a matching table ("auto": the packaged gpu/gemm_algos/*.json; or a table's path; "off": none), whose
+`linear` runs its shapes on their algorithms and every other GEMM through F.linear. No table for this GPU and
+library: F.linear alone.
 
 cuBLASLt is called through ctypes on the library torch itself loaded. An algorithm is stored as its 64-byte opaque
 structure and used only on the GPU model and cuBLASLt version it was tuned on (both named in the table); the GPU
@@ -17,16 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-# KEV_GEMM_ALGOS: "0" off, a table's path, or unset (a packaged table matching the GPU and cuBLASLt version). The
-# module flag ENABLED is read when a model is built.
-ENABLED = os.environ.get("KEV_GEMM_ALGOS", "1") != "0"
-TABLES = Path(__file__).parent / "gemm_algos"
+TABLES = Path(__file__).parent / "gemm_algos"  # the packaged tables, one per GPU and cuBLASLt version
 
 # cublasLt.h and library_types.h values used here.
 _CUDA_R_32F, _CUDA_R_16BF = 0, 14
@@ -217,12 +214,20 @@ def _lt_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def pretuned(device: torch.device) -> GemmAlgos | None:
-    """A pre-tuned table for this GPU and cuBLASLt version (KEV_GEMM_ALGOS: a path, or 0 for none), if one matches."""
-    if not ENABLED or device.type != "cuda":
+def check_table(table: str) -> str:
+    """`table` if pretuned can take it ("auto", "off", or the path of an existing file), else a ValueError saying
+    what it takes. A file's contents are read (and a malformed one refused) when a model is built."""
+    if table not in ("auto", "off") and not Path(table).is_file():
+        raise ValueError(f"gemm_algos must be auto, off or the path of a table JSON file, not {table!r} (no such file)")
+    return table
+
+
+def pretuned(device: torch.device, table: str = "auto") -> GemmAlgos | None:
+    """The pre-tuned algorithms for this GPU and cuBLASLt version, if a table matches: with `table` "auto" a
+    packaged one (TABLES), "off" none, anything else the table at that path (used only if it matches too)."""
+    if check_table(table) == "off" or device.type != "cuda":
         return None
-    chosen = os.environ.get("KEV_GEMM_ALGOS")
-    paths = [Path(chosen)] if chosen and chosen != "1" else sorted(TABLES.glob("*.json"))
+    paths = sorted(TABLES.glob("*.json")) if table == "auto" else [Path(table)]
     for path in paths:
         algos = GemmAlgos.load(path, device)
         if algos is not None:

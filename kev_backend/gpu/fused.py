@@ -1,4 +1,4 @@
-"""Fused GPU path: Qwen3.5 in bf16 on fla kernels and varlen attention, with the state bank on the GPU.
+"""Fused GPU path: Qwen3.5 in bf16 on our Triton kernels (kev_backend.gpu.kernels), with the state bank on the GPU.
 
 One pass through the weights per batch: the tokens of every new state and of every question row share each layer's
 GEMMs (concatenated projections after the LoRA merge); inside a layer the mixers run per segment kind — first the
@@ -13,7 +13,6 @@ The pass's inputs are described in passes.py; the scorer that plans passes and r
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,21 +22,21 @@ import torch.nn.functional as F
 from ..model.qwen35 import FULL_ATTENTION, Qwen35TextModel
 from . import cublaslt
 from .kernels.streams import beside
-from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, pad_rows
+from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, check_long_kernels, pad_rows
 from .pool import StatePool
 
 FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
 
 
-def fused_available(long_kernels: str) -> bool:
+def fused_available(long_kernels: str = "triton") -> bool:
     """What the fused path needs: a CUDA device and, when new long states run on fla's chunked delta rule and torch's
     varlen attention (long_kernels "fla"), those two, with exactly the pinned fla-core (never on a CPU: its kernels
-    crash there). With "ours" neither is imported: fla's package imports all of its layers and models (transformers
+    crash there). With "triton" neither is imported: fla's package imports all of its layers and models (transformers
     among them), and varlen_attn imports torch._dynamo: together seconds of the start-up's build phase
     (docs/kernels.md)."""
     if not torch.cuda.is_available():
         return False
-    if long_kernels == "ours":
+    if check_long_kernels(long_kernels) == "triton":
         return True
     try:
         if importlib.metadata.version("fla-core") != FLA_VERSION:
@@ -117,11 +116,10 @@ class FusedWeights:
 
 @dataclass(frozen=True)
 class PassKernels:
-    """The GPU kernels of a pass: fla's chunked delta rule and torch's varlen attention for new states over
-    RECURRENT_MAX_LEN tokens (unless long_kernels is "ours"); ours (kev_backend.gpu.kernels) for everything else:
-    norms, the causal conv, the delta rules and the attention of short segments and rows, which read (rows) or write
-    (new states) the bank in place. A CPU test substitutes torch references with the same signatures to check the
-    pass's plumbing."""
+    """The GPU kernels of a pass: ours (kev_backend.gpu.kernels) for norms, the causal conv, the chunked delta rule
+    and attention, which read (rows) or write (new states) the bank in place; with long_kernels "fla", fla's chunked
+    delta rule and torch's varlen attention for new states over RECURRENT_MAX_LEN tokens. A CPU test substitutes
+    torch references with the same signatures to check the pass's plumbing."""
 
     chunk: Callable
     attention: Callable
@@ -130,17 +128,16 @@ class PassKernels:
     gated_rms_norm: Callable
     silu_mul: Callable
     sigmoid_gate: Callable
-    recurrent_rows: Callable
     chunked_rows: Callable
     conv: Callable
     rows_attention: Callable
     bank_kv: Callable
 
     @classmethod
-    def gpu(cls, long_kernels: str = "fla") -> PassKernels:
+    def gpu(cls, long_kernels: str = "triton") -> PassKernels:
         from . import kernels
 
-        if long_kernels == "fla":
+        if check_long_kernels(long_kernels) == "fla":
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
             from torch.nn.attention.varlen import varlen_attn as attention
         else:  # not imported (fused_available says why) and never called
@@ -153,7 +150,6 @@ class PassKernels:
             kernels.gated_rms_norm,
             kernels.silu_mul,
             kernels.sigmoid_gate,
-            kernels.recurrent_rows,
             kernels.chunked_rows,
             kernels.conv_tokens,
             kernels.rows_attention,
@@ -165,19 +161,6 @@ def _fla_kernels_only(*args: object, **kwargs: object) -> None:
     raise RuntimeError("fla's chunked delta rule and torch's varlen attention run only with long_kernels 'fla'")
 
 
-# A pass with long new states runs its rows' attention beside the states' own (FusedQwen35.attention). Over a long
-# prefix the rows' attention is a few programs bound by latency, and a lone state's causal attention leaves SMs idle
-# in its last blocks, so the two overlap; answers are identical either way. Short new states' attention stays in turn
-# (forking it too is slower: docs/kernels.md). Same-state passes have no new states. KEV_ROWS_BESIDE=0 turns it off
-# (read at import; the module flag when a pass is traced).
-ROWS_BESIDE = os.environ.get("KEV_ROWS_BESIDE", "1") != "0"
-
-# The delta rule for segments of up to RECURRENT_MAX_LEN tokens (FusedQwen35's short_delta_rule, KEV_SHORT_DELTA_RULE):
-# token by token, chunked, or chunked for new states only. Chunked is the default: the fastest of the three for short
-# states and rows alike (docs/kernels.md).
-SHORT_DELTA_RULES = ("recurrent", "chunked", "chunked-states")
-
-
 class FusedQwen35:
     """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
 
@@ -186,17 +169,15 @@ class FusedQwen35:
         weights: FusedWeights,
         pool: StatePool,
         kernels: PassKernels | None = None,
-        long_kernels: str = "fla",
-        short_delta_rule: str = "chunked",
+        long_kernels: str = "triton",
+        gemm_algos: str = "auto",
     ) -> None:
         # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
         # would then move with the batch they ride in.
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         if weights.embed.is_cuda:
             torch.backends.cuda.preferred_blas_library("cublaslt")  # see MIN_GEMM_ROWS (a process-wide setting)
-        if long_kernels not in ("fla", "ours"):
-            raise ValueError(f"long_kernels must be fla or ours, not {long_kernels!r}")
-        k = kernels or PassKernels.gpu(long_kernels)
+        k = kernels or PassKernels.gpu(check_long_kernels(long_kernels))
         self.w = weights
         self.pool = pool
         self.c = weights.config
@@ -205,23 +186,14 @@ class FusedQwen35:
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv = k.chunked_rows, k.conv
-        # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: fla's chunked kernel and torch's
-        # varlen attention ("fla"), or ours ("ours": chunked_rows and rows_attention, reading and writing the bank
-        # in place, no host chunk maps, so capturable; faster too: docs/kernels.md).
+        # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: ours ("triton": chunked_rows and
+        # rows_attention, reading and writing the bank in place, no host chunk maps, so capturable), or fla's chunked
+        # kernel and torch's varlen attention ("fla"). Every other segment runs ours.
         self.long_kernels = long_kernels
-        # Segments of up to RECURRENT_MAX_LEN tokens: our token-by-token delta rule ("recurrent"), our chunked one
-        # ("chunked"), or the chunked one for new states and token by token for rows ("chunked-states": a new state's
-        # chain is a few chunk steps where token by token is one step a token, while rows start from a banked state).
-        # Both read and write the bank in place; the choice is global and by segment kind, so an answer never
-        # depends on its batch.
-        if short_delta_rule not in SHORT_DELTA_RULES:
-            raise ValueError(f"short_delta_rule must be one of {SHORT_DELTA_RULES}, not {short_delta_rule!r}")
-        self.short_rows_recurrent = short_delta_rule in ("recurrent", "chunked-states")
-        self.short_states_recurrent = short_delta_rule == "recurrent"
-        self._recurrent_rows, self._rows_attention, self._bank_kv = k.recurrent_rows, k.rows_attention, k.bank_kv
+        self._rows_attention, self._bank_kv = k.rows_attention, k.bank_kv
         # The projections: F.linear, with the shapes of a pre-tuned table for this GPU on their cuBLASLt algorithms
-        # (the same outputs, bit for bit: kev_backend/gpu/cublaslt.py).
-        self.gemm_algos = cublaslt.pretuned(weights.embed.device)
+        # (the same outputs, bit for bit: kev_backend/gpu/cublaslt.py); `gemm_algos` chooses the table.
+        self.gemm_algos = cublaslt.pretuned(weights.embed.device, gemm_algos)
         self._linear = self.gemm_algos.linear if self.gemm_algos is not None else F.linear
         c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
@@ -318,10 +290,9 @@ class FusedQwen35:
         out: torch.Tensor,
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
-        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Short segments
-        on our chunked kernel or the token-by-token one (by `short_delta_rule`); rows over 64 tokens on our chunked
-        kernel (reading their states in place, no gathered copy; fla's answers for a row moved with the other rows of
-        its call: bench/diag.py invariance); new long states on fla's chunked kernel, or ours (`long_kernels`)."""
+        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Every segment on
+        our chunked kernel (rows read their states in place, no gathered copy: fla's answers for a row moved with the
+        other rows of its call), except new long states with long_kernels "fla", on fla's chunked kernel."""
         c = self.c
         T = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -329,13 +300,11 @@ class FusedQwen35:
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
         args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
-        if group.short and (self.short_states_recurrent if new else self.short_rows_recurrent):
-            self._recurrent_rows(*args, new_states=new, out=out, padded=group.padded)
-            return
-        if group.short or not new or self.long_kernels == "ours":
+        if group.short or not new or self.long_kernels == "triton":
             # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a
             # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
-            # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments.
+            # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments. Its first long chain
+            # on a launch of its own (lead_apart) pays only for long new states: rows and short states stay in turn.
             lead_apart = group.padded and new and not group.short  # a captured pass's long new states
             self._chunked_rows(
                 *args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart, lead=group.short_segments
@@ -368,7 +337,7 @@ class FusedQwen35:
         # Per-head norm and partial RoPE in one kernel each, reading the projection's per-head views in place.
         q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, *rope)
         k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
-        v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (fla's long kernels) gets a copy
+        v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (long_kernels "fla") gets a copy
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens' rows: never read
         keys, values = self.pool.keys[index], self.pool.values[index]
         self._bank_states_kv(p, keys, values, k, v)  # first: the rows read the new states' K/V from the bank
@@ -390,9 +359,12 @@ class FusedQwen35:
         return self._linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
 
     def _rows_beside_states(self, p: PassInput) -> bool:
-        """Whether the rows' attention runs beside the new states' (ROWS_BESIDE): in a pass with long new states, on
-        our kernels (varlen attention writes its whole span, which a trimmed bucket's rows overlap)."""
-        if not ROWS_BESIDE or p.states is None or self.long_kernels != "ours":
+        """Whether the rows' attention runs on a side stream beside the new states' own: in a pass with long new
+        states, on our kernels (varlen attention writes its whole span, which a trimmed bucket's rows overlap). Over
+        a long prefix the rows' attention is a few programs bound by latency, and a lone state's causal attention
+        leaves SMs idle in its last blocks, so the two overlap. Short new states' attention stays in turn (forking it
+        too is slower: docs/kernels.md); same-state passes have no new states."""
+        if p.states is None or self.long_kernels != "triton":
             return False
         return any(not group.short for group in p.states.groups)
 
@@ -410,7 +382,7 @@ class FusedQwen35:
         if (s := p.states) is not None:
             for group in s.groups:
                 span = group.span
-                if group.short_segments or group.short or self.long_kernels == "ours":  # ours: causal, own tokens
+                if group.short_segments or group.short or self.long_kernels == "triton":  # ours: causal, own tokens
                     # A captured pass's short and long new states in one group: by class, as in two groups.
                     n = group.short_segments
                     classes = [(group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)]

@@ -3,17 +3,15 @@
 A pass is padded to a bucket: its new states' tokens to one size of STATE_BUCKETS (or none), its rows' tokens to one
 of ROW_BUCKETS. Segment, pick and prefix capacities follow from the bucket, so the bucket alone fixes every shape and
 grid. Rows must all be short (at most RECURRENT_MAX_LEN tokens). New states may be long too when the long-state
-kernels are capturable (`long_kernels` "ours": the conv and the chunked delta rule find segments by binary search
+kernels are capturable (`long_kernels` "triton": the conv and the chunked delta rule find segments by binary search
 on the device, kernels/segments.py); fla's chunked kernel builds chunk maps on the host, so with it passes with a
-long new state run eagerly. In a graph the short and the long new states each form
-one kernel group over the whole state region, with offsets counted from the region's start (short states first, as
-in an eager pass); each group's kernels touch only its own segments' tokens.
+long new state run eagerly.
 
-With the chunked delta rule for short new states too (FusedQwen35.short_delta_rule), the two are one group for the
-conv and the delta rule's prep, short segments first (Bucket.states of them), then long: a pass with new states of
-one class only would otherwise run the other group's conv and prep over empty segments every DeltaNet layer.
-Attention still runs per class, and the chain takes the short segments in a launch of their own beside the first
-long one's (kernels.delta_rule.LEAD_APART). What it saves is small, within noise end to end (docs/kernels.md).
+In a graph the short and the long new states form one kernel group over the whole state region, short segments
+first (Bucket.states of them), then long, with offsets counted from the region's start (as in an eager pass): two
+groups would run one class's conv and delta-rule prep over empty segments every DeltaNet layer whenever a pass has
+new states of the other class only. Attention still runs per class (KernelGroup.short_segments), and the chain
+takes the first long segment in a launch of its own beside the others (chunked_rows' `lead_apart`).
 
 Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
 padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on
@@ -194,30 +192,28 @@ class StaticInputs:
                 event.record()
         self.turn = 0
 
-    def view(self, name: str, n: int, at: int = 0) -> torch.Tensor:
-        """n entries of a field from its entry `at`."""
+    def view(self, name: str, n: int) -> torch.Tensor:
+        """A field's first n entries."""
         start, size = self.offsets[name]
-        assert at + n <= size
-        return self.flat[start + at : start + at + n]
+        assert n <= size
+        return self.flat[start : start + n]
 
-    def pass_input(self, bucket: Bucket, long_states: bool = False, one_group: bool = False) -> PassInput:
+    def pass_input(self, bucket: Bucket, long_states: bool = False) -> PassInput:
         """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. With `long_states` the
-        state region holds the long new states too (capacity bucket.long_states, each up to the whole region): with
-        `one_group` in the short states' group (short segments first; see the module's doc), otherwise in a second
-        group listed first (their varlen attention writes the whole region, the short group's after it only its own
-        tokens)."""
+        state region holds the long new states too (capacity bucket.long_states, each up to the whole region), in one
+        group with the short ones, short segments first (the module's doc)."""
         s, r = bucket.state_tokens, bucket.row_tokens
 
         def group(
-            start: int, tokens: int, cu: str, slots: str, n: int, short: bool, at: int = 0, short_segments: int = 0
+            start: int, tokens: int, cu: str, slots: str, n: int, short: bool, short_segments: int = 0
         ) -> KernelGroup:
             return KernelGroup(
                 short=short,
                 start=start,
                 end=start + tokens,
                 max_len=RECURRENT_MAX_LEN if short else tokens,
-                cu=self.view(cu, n + 1, at),
-                slots=self.view(slots, n, at),
+                cu=self.view(cu, n + 1),
+                slots=self.view(slots, n),
                 padded=True,
                 short_segments=short_segments,
             )
@@ -225,13 +221,11 @@ class StaticInputs:
         states = None
         if s:
             n_short, n_long = bucket.states, bucket.long_states if long_states else 0
-            if n_long and one_group:
-                groups = [group(0, s, "state_cu", "state_slots", n_short + n_long, short=False, short_segments=n_short)]
+            if n_long:  # the long states' segments follow the short ones' in the same buffers
+                region = group(0, s, "state_cu", "state_slots", n_short + n_long, short=False, short_segments=n_short)
             else:
-                groups = [group(0, s, "state_cu", "state_slots", n_short, short=True)]
-                if n_long:  # the long states' segments follow the short ones' in the same buffers
-                    groups.insert(0, group(0, s, "state_cu", "state_slots", n_long, short=False, at=n_short))
-            states = Segments(0, s, s, groups[-1].cu, groups)  # `cu` of a region is read for rows only
+                region = group(0, s, "state_cu", "state_slots", n_short, short=True)
+            states = Segments(0, s, s, region.cu, [region])  # `cu` of a region is read for rows only
         rows = None
         if r:
             row_group = group(bucket.row_start, r, "row_cu", "row_slots", bucket.rows, short=True)
@@ -318,7 +312,7 @@ class GraphStats:
 class PassGraphs:
     """Captures and replays the fused forward per bucket. With `capture` False (no CUDA) the same padded passes run
     eagerly from the same buffers: tests check the padding and the buffers on a CPU. `long_states`: passes with long
-    new states are graphed too (only with capturable long-state kernels: FusedQwen35.long_kernels "ours")."""
+    new states are graphed too (only with capturable long-state kernels: FusedQwen35.long_kernels "triton")."""
 
     def __init__(
         self,
@@ -330,15 +324,9 @@ class PassGraphs:
         max_graphs: int = 112,
         capture: bool = True,
         long_states: bool = False,
-        warm_passes: bool = False,
     ) -> None:
         self.model = model
-        # An eager pass before each capture (True), or only before the first (False): kernels a later bucket runs
-        # for the first time compile inside its capture, with the same answers and a faster start (docs/kernels.md).
-        self.warm_passes = warm_passes
         self.long_states = long_states  # passes with long new states too (their kernels are capturable)
-        # Short and long new states in one group when both run the chunked delta rule (the module's doc).
-        self.one_group = long_states and not model.short_states_recurrent
         self.pool = pool
         self.pad_id = pad_id
         self.buckets = all_buckets(max_tokens)
@@ -373,7 +361,7 @@ class PassGraphs:
         self.stats.long_runs += not all(is_short(n) for n in layout.state_lengths)
         self.seen.add(bucket)
         if entry is None:  # no CUDA, or the capture failed: the padded pass, eagerly
-            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states, self.one_group))
+            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states))
         else:
             self.graphs.move_to_end(bucket)
             graph, out = entry
@@ -399,7 +387,7 @@ class PassGraphs:
         if self.failed:
             return None
         try:
-            return self._capture(bucket, warm=self.warm_passes or not self.stats.captures)
+            return self._capture(bucket, warm=not self.stats.captures)
         except RuntimeError as error:
             self.failed[bucket] = repr(error)[:500]
             self.stats.capture_failures += 1
@@ -412,10 +400,13 @@ class PassGraphs:
             return None
 
     def _capture(self, bucket: Bucket, warm: bool = True) -> tuple[object, torch.Tensor]:
+        """Captures the bucket's pass; `warm`: an eager pass first, on the capture stream (the first capture's), so
+        that first launches (Triton compiles, cuBLASLt picks) stay out of the graph. Later buckets' kernels that run
+        for the first time compile inside their capture, with the same answers and a faster start."""
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats.evictions += 1
-        inputs = self.inputs.pass_input(bucket, self.long_states, self.one_group)
+        inputs = self.inputs.pass_input(bucket, self.long_states)
         # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
         self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
         stream = self.stream

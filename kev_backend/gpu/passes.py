@@ -17,10 +17,23 @@ import torch.nn.functional as F
 
 from ..scoring.transfer import device_ints
 
-# A segment this short runs the recurrent delta rule (fp32 state throughout), a longer one the chunked kernel. The
-# choice depends on the segment alone, never on what shares its pass, so a question's answer does not depend on
-# its batch.
+# A segment this short is "short", a longer one "long": new long states may run other kernels (LONG_KERNELS), and
+# each class is a kernel group of its own. The class depends on the segment alone, never on what shares its pass,
+# so a question's answer does not depend on its batch.
 RECURRENT_MAX_LEN = 64
+
+# Which kernels run the delta rule and attention of new states over RECURRENT_MAX_LEN tokens
+# (FusedQwen35.long_kernels): ours ("triton", the default: capturable in CUDA graphs, and faster) or fla's chunked
+# delta rule with torch's varlen attention ("fla").
+LONG_KERNELS = ("triton", "fla")
+
+
+def check_long_kernels(long_kernels: str) -> str:
+    """`long_kernels` if it is one of LONG_KERNELS, else a ValueError naming them."""
+    if long_kernels not in LONG_KERNELS:
+        raise ValueError(f"long_kernels must be one of {', '.join(LONG_KERNELS)}, not {long_kernels!r}")
+    return long_kernels
+
 
 # Batch invariance of the GEMMs: cuBLAS picks split-K by the row count M, and a split changes the summation order, so
 # a row's bf16 output would depend on what shares its pass. On Kev-4B's projections (M = 1..4,096 against
@@ -42,9 +55,9 @@ def is_short(length: int) -> bool:
 @dataclass
 class KernelGroup:
     """Segments of one kind and one length class, contiguous in the pass: tokens [start, end). Short ones (up to
-    RECURRENT_MAX_LEN tokens) run our kernels (the delta rule chunked or token by token: short_delta_rule), which read
-    or write the bank in place; longer ones chunked kernels (fla's or ours, FusedQwen35.long_kernels) and torch's
-    varlen attention. The class depends on a segment's own length, never on its company."""
+    RECURRENT_MAX_LEN tokens) and rows run our kernels, which read or write the bank in place; new long ones ours or
+    fla's chunked delta rule and torch's varlen attention (FusedQwen35.long_kernels). The class depends on a
+    segment's own length, never on its company."""
 
     short: bool
     start: int

@@ -17,7 +17,7 @@ from ..scoring.head import PendingProbabilities, batch_questions
 from ..scoring.transfer import device_int_fields
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .head import PointerHead
-from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
+from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, check_long_kernels, is_short
 from .pool import GpuBank, Slot, StatePool
 
 
@@ -43,17 +43,15 @@ class FusedScorer:
         max_state_tokens: int = 65_536,
         dtype: torch.dtype = torch.bfloat16,
         kernels: PassKernels | None = None,
-        split_passes: bool = False,
-        graphs: bool = False,
+        graphs: bool = True,
         graph_max_tokens: int = 4096,
         max_graphs: int = 112,
-        long_kernels: str = "fla",
-        short_delta_rule: str = "recurrent",
-        graph_warm_passes: bool = False,
+        long_kernels: str = "triton",
+        gemm_algos: str = "auto",
     ) -> None:
         self.device = next(model.parameters()).device
-        self.long_kernels = long_kernels
-        self.short_delta_rule = short_delta_rule
+        self.long_kernels = check_long_kernels(long_kernels)
+        self.gemm_table = gemm_algos  # which pre-tuned cuBLASLt table (cublaslt.pretuned)
         self.weights = FusedWeights(model, dtype)
         self.pointer = PointerHead(head, temperature)
         self.pad_id = pad_id
@@ -62,15 +60,11 @@ class FusedScorer:
         self.bank_bytes = bank_bytes
         self.dtype = dtype
         self.kernels = kernels
-        # One pass per batch: new states' and rows' tokens share every GEMM (False), or states then rows (True).
-        self.split_passes = split_passes
-        # CUDA graphs for passes that fit a bucket (graphs.py; with long new states only on our long kernels); off,
-        # or no CUDA: every pass eagerly (on a CPU with graphs on, the padded passes run eagerly from the graphs'
-        # buffers).
+        # CUDA graphs for passes that fit a bucket (graphs.py; with long new states only on our long kernels); off:
+        # every pass eagerly. Without CUDA nothing is captured: the padded passes run eagerly from the graphs' buffers.
         self.use_graphs = graphs
         self.graph_max_tokens = graph_max_tokens
         self.max_graphs = max_graphs
-        self.graph_warm_passes = graph_warm_passes
         self.bank = self._new_bank()
         self.model = self._new_model()
         self.graphs = self._new_graphs()
@@ -88,7 +82,7 @@ class FusedScorer:
         return GpuBank(pool)
 
     def _new_model(self) -> FusedQwen35:
-        return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels, self.short_delta_rule)
+        return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels, self.gemm_table)
 
     def _new_graphs(self):
         if not self.use_graphs:
@@ -103,8 +97,7 @@ class FusedScorer:
             prefix_tokens=self.pass_tokens,
             max_graphs=self.max_graphs,
             capture=self.device.type == "cuda",
-            long_states=self.long_kernels == "ours",  # fla's chunk maps live on the host: not capturable
-            warm_passes=self.graph_warm_passes,
+            long_states=self.long_kernels == "triton",  # fla's chunk maps live on the host: not capturable
         )
 
     @property
@@ -211,13 +204,8 @@ class FusedScorer:
         new.sort(key=lambda state: not is_short(len(state)))
         rows = sorted(rows, key=lambda row: not is_short(len(row.tokens.tokens)))
         try:
-            if self.split_passes and new:
-                # States first, in their own pass through the weights; then every row from the bank.
-                self.forward(self.layout([], new, slots))
-                new_in_pass: list[tuple[int, ...]] = []
-            else:
-                new_in_pass = new
-            picked = self.forward(self.layout(rows, new_in_pass, slots))
+            # One pass: the new states' tokens and the rows' share every GEMM.
+            picked = self.forward(self.layout(rows, new, slots))
         except BaseException:
             for state in new:
                 self.bank.forget(state)

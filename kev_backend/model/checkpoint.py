@@ -8,7 +8,6 @@ delta (B·A)·(alpha/r) to the fp32 base weight and rounds once to the serving d
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,23 +81,12 @@ class Meta:
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to load a checkpoint; `from_env` reads Kev's KEV_* variables over the given defaults."""
+    """How to load a checkpoint (the Triton model reads these from its settings: kev_backend.settings)."""
 
     dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA (and bf16 for bf16-trained LoRAs)
     temperature: float | None = None  # None: head.pt's
     lora_scale: float = 1.0
     base: str | None = None  # a local copy of the base, overriding head.pt's `base`
-
-    @classmethod
-    def from_env(cls, **defaults: Any) -> LoadOptions:
-        env = os.environ
-        opts = cls(**defaults)
-        return cls(
-            dtype=env.get("KEV_DTYPE") or opts.dtype,
-            temperature=float(env["KEV_TEMPERATURE"]) if env.get("KEV_TEMPERATURE") else opts.temperature,
-            lora_scale=float(env["KEV_LORA_SCALE"]) if env.get("KEV_LORA_SCALE") else opts.lora_scale,
-            base=env.get("KEV_BASE") or opts.base,
-        )
 
 
 @dataclass

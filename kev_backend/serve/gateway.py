@@ -22,16 +22,8 @@ in the last 2 s: a Triton whose Python stub crashed still reports ready itself) 
 `kev_gateway_requests_total{route,status}`, `kev_gateway_errors_total{reason}`, `kev_gateway_in_flight`), none behind
 the key.
 
-Settings (environment):
-  TRITON_GRPC_URL (127.0.0.1:8001)  KEV_TRITON_MODEL (kev)  KEV_API_KEY (none: open)  KEV_RELEASE_DATE
-  KEV_GATEWAY_MAX_IN_FLIGHT (512)   requests held at once; more get 429 at once
-  KEV_GATEWAY_TIMEOUT_S (120)       how long a request may wait on Triton; then 504
-  KEV_GATEWAY_MAX_BODY_BYTES (4 MiB) bytes a request body may have on the wire
-  KEV_GATEWAY_MAX_DECODED_BYTES (4 MiB) bytes a compressed body may decode to
-  KEV_MAX_JSON_DEPTH (64)  KEV_MAX_QUESTIONS (256)  the same limits the model reads, so both doors agree
-  GATEWAY_HOST (127.0.0.1)  GATEWAY_PORT (8009)  the listening address (`--host`, `--port`)
-Both byte limits default to Kev's 65,536-token state at ~64 bytes a token, so no request Kev would answer is refused
-for its size.
+Settings: kev_backend.settings.GatewaySettings (docs/configuration.md). The request limits are the model's: read
+from Triton's model config (its parameters with the same KEV_* overrides) once Triton answers, so both doors agree.
 """
 
 from __future__ import annotations
@@ -51,7 +43,6 @@ import uuid
 import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -61,7 +52,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..protocol.systemone import Limits, RequestError, parse_request, round4
+from ..protocol.systemone import RequestError, parse_request, round4
+from ..settings import GatewaySettings, SettingError, gateway_address, parameters
 from .client import AsyncKevClient, KevError
 
 try:
@@ -70,7 +62,6 @@ except ImportError:  # Python 3.14+
     from compression.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found, no-redef]
 
 REQUEST_ID = "x-typesafe-request-id"
-MAX_BODY_BYTES = 4 << 20  # Kev's 65,536-token state at ~64 bytes a token
 DRAIN_FACTOR = 4  # a body up to this many times the limit is read (and dropped) before its 413: see read_body
 OFFLOAD_BYTES = 64 << 10  # compressed bodies over this decompress on a worker thread, off the event loop
 # A decompressor is fed DECODE_IN bytes at a time (what a frame leaves over, its `unused_data`, is a copy of at most
@@ -98,42 +89,6 @@ READY_INTERVAL_S = 1.0  # at most one probe a second, however often /ready is as
 READY_TIMEOUT_S = 2.0  # a probe slower than this could not be fresh anyway
 
 log = logging.getLogger("kev_backend.serve.gateway")
-
-
-@dataclass(frozen=True)
-class Settings:
-    triton_url: str = "127.0.0.1:8001"
-    model: str = "kev"
-    api_key: str | None = None
-    max_in_flight: int = 512  # requests the gateway holds at once; more get 429 at once
-    timeout_s: float = 120.0
-    retry_after_s: int = 1
-    release_date: str = "2026-10-01"
-    max_body_bytes: int = MAX_BODY_BYTES  # a request body on the wire; more is a 413
-    max_decoded_bytes: int = MAX_BODY_BYTES  # a compressed body once decoded; more is a 413
-    max_json_depth: int = Limits.max_json_depth  # as the model's KEV_MAX_JSON_DEPTH, so both doors agree
-    max_questions: int = Limits.max_questions  # as the model's KEV_MAX_QUESTIONS
-
-    def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_decoded_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
-
-    @classmethod
-    def from_env(cls) -> Settings:
-        env = os.environ
-        return cls(
-            triton_url=env.get("TRITON_GRPC_URL", cls.triton_url),
-            model=env.get("KEV_TRITON_MODEL", cls.model),
-            api_key=env.get("KEV_API_KEY") or None,
-            max_in_flight=int(env.get("KEV_GATEWAY_MAX_IN_FLIGHT", cls.max_in_flight)),
-            timeout_s=float(env.get("KEV_GATEWAY_TIMEOUT_S", cls.timeout_s)),
-            release_date=env.get("KEV_RELEASE_DATE", cls.release_date),
-            max_body_bytes=int(env.get("KEV_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes)),
-            max_decoded_bytes=int(env.get("KEV_GATEWAY_MAX_DECODED_BYTES", cls.max_decoded_bytes)),
-            max_json_depth=int(env.get("KEV_MAX_JSON_DEPTH") or cls.max_json_depth),
-            max_questions=int(env.get("KEV_MAX_QUESTIONS") or cls.max_questions),
-        )
 
 
 class PermuteBody(BaseModel):
@@ -407,15 +362,12 @@ class Readiness:
 
 
 class Gateway:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        # The body limit the gateway enforces is the decoded one; depth and question limits follow the same
-        # KEV_MAX_* variables as the model's overrides, and the model checks its own configured ones again.
-        self.limits = Limits(
-            max_request_bytes=settings.max_decoded_bytes,
-            max_json_depth=settings.max_json_depth,
-            max_questions=settings.max_questions,
-        )
+        # Until Triton has answered with the model's config, the limits are the defaults with the KEV_* overrides;
+        # the model checks its own again either way.
+        self.limits = settings.limits({})
+        self.limits_known = False
         self.kev: AsyncKevClient | None = None
         self.in_flight = 0
         self.metrics = Metrics()
@@ -449,6 +401,21 @@ class Gateway:
         reply = json.loads(await self.kev.score_raw(READY_PROBE, f"ready-{uuid.uuid4().hex}", READY_TIMEOUT_S))
         if "ok" not in reply.get("answers", {}):
             raise ValueError(f"the probe's answer has no `ok`: {reply!r:.200}")
+        if not self.limits_known:
+            await self.model_parameters()
+
+    async def model_parameters(self) -> dict[str, str]:
+        """The model's parameters as Triton serves them (empty while Triton cannot say); the request limits follow."""
+        assert self.kev is not None
+        try:
+            params = parameters(await self.kev.model_config())
+        except Exception:  # Triton starting or gone: the defaults and overrides hold meanwhile
+            return {}
+        try:
+            self.limits, self.limits_known = self.settings.limits(params), True
+        except SettingError as error:  # the model itself refuses to load with such a value
+            log.error("the model's request limits: %s", error)
+        return params
 
     def route(self, handler: Callable[[bytes, str], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """An endpoint: the body read and decoded within the limits, `handler`'s response unless the client leaves
@@ -460,6 +427,8 @@ class Gateway:
                 raw = await read_body(request, settings.max_body_bytes)
                 encoding = request.headers.get("content-encoding", "")
                 raw = await decode_body(raw, encoding, settings.max_decoded_bytes)
+                if not self.limits_known:  # until Triton has said what the model's limits are
+                    await self.model_parameters()
                 return await unless_disconnected(request, handler(raw, request.state.request_id))
             except RequestError as error:  # Kev's refusals, in FastAPI's shapes
                 self.metrics.error("too_large" if error.status == 413 else "invalid")
@@ -551,20 +520,15 @@ class Gateway:
         return json_response({"runs": runs, "argmax_stable": len({r["choice"] for r in runs}) == 1, "spread": spread})
 
     async def models(self) -> Response:
-        assert self.kev is not None
-        try:
-            parameters = {
-                k: v.get("string_value") for k, v in (await self.kev.model_config()).get("parameters", {}).items()
-            }
-        except Exception:  # the cards still answer while Triton is starting
-            parameters = {}
+        params = await self.model_parameters()
+        limits = self.settings.limits(params) if params else self.limits
         extras = {
             "backend": "triton",
             "triton_model": self.settings.model,
-            "max_state_tokens": int(parameters.get("max_state_tokens") or 65_536),
-            "max_row_tokens": int(parameters.get("max_row_tokens") or 73_728),
+            "max_state_tokens": limits.max_state_tokens,
+            "max_row_tokens": limits.max_row_tokens,
             "truncate_states": False,
-            "dtype": parameters.get("dtype") or None,
+            "dtype": params.get("dtype") or None,
         }
         cards = [
             {
@@ -673,8 +637,8 @@ def authorized(headers: Headers, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings.from_env()
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings.read()
     gateway = Gateway(settings)
 
     @contextlib.asynccontextmanager
@@ -720,12 +684,13 @@ def log_config() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Kev System One gateway in front of Triton")
-    parser.add_argument("--host", default=os.environ.get("GATEWAY_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("GATEWAY_PORT", "8009")))
+    host, port = gateway_address()
+    parser.add_argument("--host", default=host, help="listening address (GATEWAY_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=port, help="listening port (GATEWAY_PORT, default 8009)")
     parser.add_argument("--triton", help="Triton gRPC address (TRITON_GRPC_URL, default 127.0.0.1:8001)")
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
-    if args.triton:
+    if args.triton:  # the app factory runs in uvicorn's workers, which inherit the environment
         os.environ["TRITON_GRPC_URL"] = args.triton
     import uvicorn
 

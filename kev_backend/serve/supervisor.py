@@ -5,6 +5,9 @@ Topology: the gateway (`kev-gateway`, BIND_ADDRESS) is the front door: request l
 reach Triton, the bearer key (KEV_API_KEY). Triton's HTTP, gRPC and metrics ports (TRITON_ADDRESS) stay on loopback
 by default: Triton's own HTTP front end is not meant to face clients, and its admin key travels in its argv.
 
+The model configuration: configs/gpu.pbtxt when the serving environment's torch sees a GPU (KEV_MODEL_CONFIG=auto),
+config.pbtxt otherwise; the first log line says which path, which GPUs and which configuration, and why.
+
 Supervision, once Triton is ready:
 - the Python backend's stub processes (children of tritonserver) are watched: tritonserver 2.51 never restarts a
   stub that died (kill -9, the OOM killer), it keeps answering "ready" while every request fails, so a dead stub
@@ -29,23 +32,23 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import struct
 import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from ..settings import REPO, ServeSettings, SettingError, admin_key
 from . import procs
+from .gpus import cuda_devices
 
-REPO = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")
 # Every region of a start is named f"{SHM_PREFIX}{supervisor pid}_{start number}_<uuid>" (the Python backend adds
 # the uuid), so a start's regions, this supervisor's, and those of a supervisor no longer running can be found.
@@ -74,91 +77,6 @@ def log(message: str) -> None:
 
 class GiveUp(Exception):
     """Supervision cannot go on: the reason is logged, everything is stopped, the exit code is 1."""
-
-
-@dataclass(frozen=True)
-class Config:
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    gateway_port: int = 8009
-    gateway: bool = True
-    triton_address: str = "127.0.0.1"
-    bind_address: str = "127.0.0.1"
-    model_repository: Path = REPO / "model_repository"
-    venv: Path = REPO / ".venv"
-    model: str = "kev"
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 10.0
-    probe_failures: int = 3
-    start_timeout_s: float = 600.0
-    stop_timeout_s: float = 5.0
-    max_restarts: int = 5
-    restart_window_s: float = 600.0
-    extra_args: tuple[str, ...] = ()
-
-    @classmethod
-    def from_env(cls, env: dict[str, str], argv: Iterable[str]) -> Config:
-        def number(name: str, default: float, kind: type = float) -> float:
-            try:
-                value = kind(env.get(name, default))
-            except ValueError:
-                raise GiveUp(f"{name}={env[name]!r} is not a number") from None
-            if value < 0:
-                raise GiveUp(f"{name} must not be negative")
-            return value
-
-        return cls(
-            http_port=int(number("HTTP_PORT", cls.http_port, int)),
-            grpc_port=int(number("GRPC_PORT", cls.grpc_port, int)),
-            metrics_port=int(number("METRICS_PORT", cls.metrics_port, int)),
-            gateway_port=int(number("GATEWAY_PORT", cls.gateway_port, int)),
-            gateway=env.get("GATEWAY", "1") != "0",
-            triton_address=env.get("TRITON_ADDRESS") or cls.triton_address,
-            bind_address=env.get("BIND_ADDRESS") or cls.bind_address,
-            model_repository=Path(env.get("MODEL_REPOSITORY") or cls.model_repository).resolve(),
-            venv=Path(env.get("KEV_VENV") or cls.venv).resolve(),
-            model=env.get("KEV_TRITON_MODEL") or cls.model,
-            probe_interval_s=number("KEV_PROBE_INTERVAL_S", cls.probe_interval_s),
-            probe_timeout_s=number("KEV_PROBE_TIMEOUT_S", cls.probe_timeout_s),
-            probe_failures=max(1, int(number("KEV_PROBE_FAILURES", cls.probe_failures, int))),
-            start_timeout_s=number("KEV_START_TIMEOUT_S", cls.start_timeout_s),
-            stop_timeout_s=max(2.0, number("KEV_STOP_TIMEOUT_S", cls.stop_timeout_s)),
-            max_restarts=int(number("KEV_MAX_RESTARTS", cls.max_restarts, int)),
-            restart_window_s=number("KEV_RESTART_WINDOW_S", cls.restart_window_s),
-            extra_args=tuple(argv),
-        )
-
-    @property
-    def triton_host(self) -> str:
-        """Where the supervisor and the gateway reach Triton: loopback when Triton binds every address."""
-        if self.triton_address in ("0.0.0.0", "::", ""):
-            return "127.0.0.1"
-        return f"[{self.triton_address}]" if ":" in self.triton_address else self.triton_address
-
-    @property
-    def grpc_target(self) -> str:
-        return f"{self.triton_host}:{self.grpc_port}"
-
-
-def admin_key(env: dict[str, str]) -> str:
-    """The value of the `admin-key` header Triton's restricted APIs require.
-
-    TRITON_ADMIN_KEY_FILE names a file holding a chosen key; TRITON_ADMIN_KEY (an environment variable, readable only
-    by the same user) is still accepted; otherwise a random key per supervisor start, which is never printed.
-    tritonserver 2.51 takes the key only in its argv, where local users of the host can read it: see build/serve.sh.
-    """
-    if path := env.get("TRITON_ADMIN_KEY_FILE"):
-        try:
-            key = Path(path).read_text().strip()
-        except OSError as error:
-            raise GiveUp(f"TRITON_ADMIN_KEY_FILE: {error}") from None
-    else:
-        key = env.get("TRITON_ADMIN_KEY") or secrets.token_hex(16)
-    # The key sits inside "<apis>:admin-key=<key>", which Triton splits on ',', ':' and '='.
-    if not re.fullmatch(r"[A-Za-z0-9._~+/-]+", key):
-        raise GiveUp("the admin key must be non-empty and use only letters, digits and ._~+/-")
-    return key
 
 
 def shm_prefix(supervisor_pid: int, start: int) -> str:
@@ -343,10 +261,11 @@ class RestartBudget:
 
 
 class Supervisor:
-    def __init__(self, config: Config, env: dict[str, str], key: str) -> None:
+    def __init__(self, config: ServeSettings, env: dict[str, str], key: str) -> None:
         self.config = config
         self.env = env
         self.key = key  # only ever in tritonserver's argv
+        self.model_config: str | None = None  # --model-config-name, chosen when run() starts
         self.stop_signal: int | None = None
         self.hurry = False  # a second signal: SIGKILL without waiting for the deadline
         self.budget = RestartBudget(config.max_restarts, config.restart_window_s)
@@ -394,6 +313,7 @@ class Supervisor:
             # default, 30 s, is also what a dead stub costs); its teardown then takes ~0.5 s, within the second left
             # before the supervisor's SIGKILL at 1 s before the stop timeout.
             f"--exit-timeout-secs={max(1, int(c.stop_timeout_s) - 2)}",
+            *([f"--model-config-name={self.model_config}"] if self.model_config else []),
             *c.extra_args,
             # Last, so an extra argument cannot rename the regions the supervisor removes.
             f"--backend-config=python,shm-region-prefix-name={shm_prefix(os.getpid(), self.starts)}",
@@ -594,6 +514,8 @@ class Supervisor:
                 f"WARNING: Triton's ports bind {self.config.triton_address}: they face the network, and the admin key"
                 " guarding its restricted APIs is readable by local users in tritonserver's argv"
             )
+        self.model_config, why = choose_model_config(self.config)
+        log(why)
         code = 0
         try:
             self.start_triton()
@@ -622,7 +544,22 @@ class Supervisor:
         log(f"stopped in {time.monotonic() - started:.1f} s ({len(removed)} shared-memory region(s) removed{killed})")
 
 
-def child_env(env: dict[str, str], config: Config) -> dict[str, str]:
+def choose_model_config(config: ServeSettings) -> tuple[str | None, str]:
+    """The model configuration Triton loads (a name for --model-config-name; None: config.pbtxt), and the start-up
+    line that says which path, GPUs and configuration were chosen, and why."""
+    if any(arg.startswith("--model-config-name") for arg in config.extra_args):
+        return None, "model config: as tritonserver's arguments say"
+    if config.model_config == "default":
+        return None, "model config: config.pbtxt (KEV_MODEL_CONFIG=default)"
+    if config.model_config != "auto":
+        return config.model_config, f"model config: configs/{config.model_config}.pbtxt (KEV_MODEL_CONFIG)"
+    devices = cuda_devices(config.venv / "bin" / "python")
+    if devices.gpus:
+        return "gpu", f"GPU path: {devices.describe()}; model config configs/gpu.pbtxt (an instance per GPU)"
+    return None, f"CPU path ({devices.describe()}); model config config.pbtxt"
+
+
+def child_env(env: dict[str, str], config: ServeSettings) -> dict[str, str]:
     env = dict(env)
     env.pop("TRITON_ADMIN_KEY", None)  # the children have no use for it
     env["KEV_VENV"] = str(config.venv)  # the stub's environment (build/tritonserver.sh)
@@ -643,9 +580,9 @@ def main(argv: list[str] | None = None) -> None:
     """Arguments go to tritonserver; everything else comes from the environment (build/serve.sh lists it)."""
     env = dict(os.environ)
     try:
-        config = Config.from_env(env, sys.argv[1:] if argv is None else argv)
+        config = ServeSettings.read(env, sys.argv[1:] if argv is None else argv)
         key = admin_key(env)
-    except GiveUp as error:
+    except SettingError as error:
         log(f"EXITING: {error}")
         sys.exit(2)
     sys.exit(Supervisor(config, child_env(env, config), key).run())

@@ -5,7 +5,7 @@ writing their segments' states in the bank pool in place, and the new states' K/
 from .attention import rows_attention
 from .bank import bank_kv
 from .conv import conv_rows, conv_tokens
-from .delta_rule import chunked_rows, recurrent_rows
+from .delta_rule import chunked_rows
 from .norms import gated_rms_norm, rms_norm, rms_norm_rope, sigmoid_gate, silu_mul
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "conv_rows",
     "conv_tokens",
     "gated_rms_norm",
-    "recurrent_rows",
     "rms_norm",
     "rms_norm_rope",
     "rows_attention",

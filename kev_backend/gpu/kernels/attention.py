@@ -26,32 +26,23 @@ LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
 # Pipeline stages of the key loop for heads up to 128 wide (Triton's default on sm_90), read at each launch.
 ATTENTION_STAGES = 3
-# Read at each launch. SPLIT_DIAGONAL walks whole key blocks without masks (a prefix's, and a tile's own keys before
-# its first token, which every row sees) and masks only the rest; EXP2 folds log2(e) into the scale and exponentiates
-# in base 2. Each is faster, and together they keep the same largest difference from FlashAttention 2's output
-# (docs/kernels.md).
-SPLIT_DIAGONAL = True
-EXP2 = True
+# The scale holds log2(e) and the softmax exponentiates in base 2 (the same softmax, fewer instructions).
 LOG2_E = 1.4426950408889634
 # A row tile reads its whole prefix in one program: splitting the prefix's keys into parts merged afterwards gains
 # nothing in the engine, and splitting only some passes makes a row's answer depend on its batch (docs/kernels.md).
 
 
 @triton.jit
-def _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, MASKED: tl.constexpr, EXP2: tl.constexpr):
+def _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, MASKED: tl.constexpr):
     """One key tile of the online softmax: queries b_q [R, D] against keys b_k and values b_v [BN, D], where `keep`
     [R, BN] says which pairs count (MASKED; otherwise all do); returns the running max, sum and output accumulator.
-    With EXP2 the scale holds log2(e) and the exponentials are base 2 (the same softmax)."""
+    The scale holds log2(e) and the exponentials are base 2 (LOG2_E)."""
     s = tl.dot(b_q, tl.trans(b_k)) * scale
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if EXP2:
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-    else:
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
 
 
@@ -80,8 +71,6 @@ def _rows_attention_kernel(
     BN: tl.constexpr,
     GP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
-    SPLIT: tl.constexpr,
-    EXP2: tl.constexpr,
 ):
     """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
@@ -109,38 +98,36 @@ def _rows_attention_kernel(
         m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GP * BM], dtype=tl.float32)
         acc = tl.zeros([GP * BM, D], dtype=tl.float32)
-        # The state's K/V, read in place from the bank pool through its token index: with SPLIT its whole key blocks
-        # unmasked, then the rest masked.
-        whole = P // BN * BN if SPLIT else 0
-        if SPLIT:
-            for start in range(0, whole, BN):
-                idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
-                b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
-                b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
-                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False, EXP2)
+        # The state's K/V, read in place from the bank pool through its token index: its whole key blocks without
+        # masks, then the rest masked.
+        whole = P // BN * BN
+        for start in range(0, whole, BN):
+            idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
+            b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+            b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
         for start in range(whole, P, BN):
             o_n = start + tl.arange(0, BN)
             m_n = o_n < P
             idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
             b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True, EXP2)
-        # The segment's own K/V, causal: with SPLIT the keys before the tile's first token (whole key blocks of them)
-        # unmasked, then the rest masked.
-        diagonal = (i_m * BM) // BN * BN if SPLIT else 0
-        if SPLIT:
-            for start in range(0, diagonal, BN):
-                o_n = start + tl.arange(0, BN)
-                b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
-                b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
-                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False, EXP2)
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True)
+        # The segment's own K/V, causal: the keys before the tile's first token, which every row of the tile sees
+        # (whole key blocks of them), without masks, then the rest masked.
+        diagonal = (i_m * BM) // BN * BN
+        for start in range(0, diagonal, BN):
+            o_n = start + tl.arange(0, BN)
+            b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
+            b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
         for start in range(diagonal, (i_m + 1) * BM, BN):
             o_n = start + tl.arange(0, BN)
             m_n = o_n < L
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True, EXP2)
+            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True)
         out = acc / l_i[:, None]
         tl.store(
             o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
@@ -198,7 +185,7 @@ def rows_attention(
             prefix_start[first:last],
             prefix_len[first:last],
             cu[first : last + 1],
-            D**-0.5 * (LOG2_E if EXP2 else 1.0),
+            D**-0.5 * LOG2_E,
             q.stride(0),
             k.stride(0),
             v.stride(0),
@@ -211,8 +198,6 @@ def rows_attention(
             BN=BN,
             GP=GP,
             HAS_PREFIX=has_prefix,
-            SPLIT=SPLIT_DIAGONAL,
-            EXP2=EXP2,
             num_warps=warps,
             num_stages=stages,
         )

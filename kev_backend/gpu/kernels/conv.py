@@ -1,7 +1,7 @@
 """Qwen3.5's depthwise causal conv (kernel 4) + SiLU for segments reading or writing their window in the bank.
 
 The pass uses conv_tokens for every segment; conv_rows (a program per segment, token by token) is the tests' and
-bench/diag.py's reference."""
+bench/diag's reference."""
 
 from __future__ import annotations
 

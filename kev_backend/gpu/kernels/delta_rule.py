@@ -1,10 +1,9 @@
-"""The gated delta rule for segments read from or written to the bank in place: token by token (short segments)
-or in chunks (any length, graph-capturable)."""
+"""The gated delta rule in chunks for segments read from or written to the bank in place: any length, grids that
+depend only on token and segment counts (graph-capturable)."""
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -13,29 +12,6 @@ import triton.language as tl
 
 from .segments import search_steps, segment_bounds, segment_of
 from .streams import beside
-
-
-@triton.jit
-def _delta_rule_inputs(q, k, v, a, b, t, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V):
-    """Token t's q, k [K], v [BV] and raw gate inputs a, b in fp32; zeros once t reaches eos (nothing read)."""
-    m = t < eos
-    b_q = tl.load(q + t * stride_t + hk * K + o_k, mask=m, other=0.0).to(tl.float32)
-    b_k = tl.load(k + t * stride_t + hk * K + o_k, mask=m, other=0.0).to(tl.float32)
-    b_v = tl.load(v + t * stride_vt + hv * V + o_v, mask=m, other=0.0).to(tl.float32)
-    b_a = tl.load(a + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)
-    b_b = tl.load(b + t * stride_at + hv, mask=m, other=0.0).to(tl.float32)
-    return b_q, b_k, b_v, b_a, b_b
-
-
-# Value columns per program and warps per program of the delta rule: narrow blocks on one warp keep each step's two
-# reductions over the key dim inside a warp (as fla's fused_recurrent does); faster than wider blocks or more warps
-# (docs/kernels.md).
-RECURRENT_BV = 16
-RECURRENT_WARPS = 1
-# The token-by-token kernel keeps its state as h_scale · h (see _recurrent_rows_kernel) with h_scale ≥ 2^-80 ≈ 8e-25:
-# h stays within 2^80 of the true state, inside fp32's range (2^128) with room for its products with unnormalised q
-# and k.
-RESCALE_BELOW: tl.constexpr = tl.constexpr(2.0**-80)
 
 
 @triton.jit
@@ -83,339 +59,23 @@ def _next_item(item, bos, end, items):
     return tl.where(bos < end, item + tl.num_programs(0), items)
 
 
-@triton.jit
-def _log_decay(b_a, decay_rate, bias):
-    """g = -exp(A_log) · softplus(a + dt_bias), the log decay (fp32), as Qwen3.5 has it."""
-    b_a = b_a + bias
-    return -decay_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(b_a)))
-
-
-@triton.jit
-def _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale):
-    """One token of the gated delta rule on the decayed state h_scale · h [K, BV] (fp32): the new h and its output
-    [BV]. The loop is bound by the FP32 issue rate: every thread holds 64 of the state block's entries, so each op
-    on the whole state costs 64 instructions a token. This does three, all FMAs (two reductions over the key dim and
-    the update), where the plain form does four: the decay multiplies the scalar h_scale rather than h, and q and k
-    stay unnormalised, their norms applied to the reductions' [BV] results."""
-    inv_q = scale * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-    inv_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-    qk = tl.sum(b_k * b_q) * inv_q * inv_k
-    b_u = (b_v - tl.sum(h * b_k[:, None], axis=0) * (h_scale * inv_k)) * tl.sigmoid(b_b)
-    b_o = tl.sum(h * b_q[:, None], axis=0) * (h_scale * inv_q) + qk * b_u
-    h = h + b_k[:, None] * (b_u * tl.fdiv(inv_k, h_scale))[None, :]
-    return h, b_o
-
-
-@triton.jit
-def _recurrent_item(
-    item,
-    q,
-    k,
-    v,
-    a,
-    b,
-    a_log,
-    dt_bias,
-    pool,
-    slots,
-    cu,
-    o,
-    scale,
-    stride_t,
-    stride_vt,
-    stride_at,
-    stride_ot,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    CONTINUE: tl.constexpr,
-):
-    """One item of _recurrent_rows_kernel; returns its segment's start."""
-    hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, h = _delta_rule_program(
-        item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
-    )
-    written = eos > bos  # empty segments (a captured pass's padding, on the scratch slot) store no end state
-    # Token t+1's inputs (and its decay) are loaded while token t is computed (they do not depend on the state), so
-    # the loop's critical path is the state update alone. The state is h_scale · h: the inner loop runs while the
-    # decays multiplied into h_scale keep it at RESCALE_BELOW or more; then h_scale is folded into h, and a token
-    # whose decay alone is below that decays h itself. The two token blocks are written out: the same work through
-    # one helper makes ptxas spill registers in the new-state variant (sm_90a).
-    n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
-        q, k, v, a, b, bos, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
-    )
-    n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
-    h_scale = tl.full([], 1.0, tl.float32)
-    t = bos
-    while t < eos:
-        while (t < eos) & (h_scale * n_decay >= RESCALE_BELOW):
-            b_q, b_k, b_v, b_b, h_scale = n_q, n_k, n_v, n_b, h_scale * n_decay
-            n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
-                q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
-            )
-            n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
-            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale)
-            tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
-            t += 1
-        h = h * h_scale
-        h_scale = tl.full([], 1.0, tl.float32)
-        if (t < eos) & ~(n_decay >= RESCALE_BELOW):  # not `<`: a NaN decay (NaN inputs) must advance t as well
-            b_q, b_k, b_v, b_b, h = n_q, n_k, n_v, n_b, h * n_decay
-            n_q, n_k, n_v, n_a, n_b = _delta_rule_inputs(
-                q, k, v, a, b, t + 1, eos, stride_t, stride_vt, stride_at, hk, hv, o_k, o_v, K, V
-            )
-            n_decay = tl.exp(_log_decay(n_a, decay_rate, bias))
-            h, b_o = _recurrent_step(h, h_scale, b_q, b_k, b_v, b_b, scale)
-            tl.store(o + t * stride_ot + hv * V + o_v, b_o.to(o.dtype.element_ty))
-            t += 1
-    # A new state's end state goes into its (fresh) bank slot; a row writes nothing back. Empty segments (a captured
-    # pass's padding, hundreds in a large bucket) write nothing either.
-    if not CONTINUE:
-        tl.store(state, h, mask=written)
-    return bos
-
-
-@triton.jit(do_not_specialize=["N"])
-def _recurrent_rows_kernel(
-    q,
-    k,
-    v,
-    a,
-    b,
-    a_log,
-    dt_bias,
-    pool,
-    slots,
-    cu,
-    o,
-    scale,
-    stride_t,
-    stride_vt,
-    stride_at,
-    stride_ot,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    CONTINUE: tl.constexpr,
-    LOOP: tl.constexpr,
-    N,
-):
-    if LOOP:  # items in turn until the segments' tokens end (_next_item)
-        end = tl.load(cu + N).to(tl.int64)
-        item = tl.program_id(0)
-        while item < N * HV * (V // BV):
-            bos = _recurrent_item(
-                item,
-                q,
-                k,
-                v,
-                a,
-                b,
-                a_log,
-                dt_bias,
-                pool,
-                slots,
-                cu,
-                o,
-                scale,
-                stride_t,
-                stride_vt,
-                stride_at,
-                stride_ot,
-                H,
-                HV,
-                K,
-                V,
-                BV,
-                CONTINUE,
-            )
-            item = _next_item(item, bos, end, N * HV * (V // BV))
-    else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
-        _recurrent_item(
-            tl.program_id(0),
-            q,
-            k,
-            v,
-            a,
-            b,
-            a_log,
-            dt_bias,
-            pool,
-            slots,
-            cu,
-            o,
-            scale,
-            stride_t,
-            stride_vt,
-            stride_at,
-            stride_ot,
-            H,
-            HV,
-            K,
-            V,
-            BV,
-            CONTINUE,
-        )
-
-
-def recurrent_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-    cu: torch.Tensor,
-    new_states: bool = False,
-    out: torch.Tensor | None = None,
-    padded: bool = False,
-) -> torch.Tensor:
-    """Gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it; or,
-    with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]`.
-
-    q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); a, b: [T, HV] raw
-    gate inputs (same token stride), with A_log and dt_bias [HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu:
-    [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
-    does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]). `padded`: the
-    segments may end in empty ones, a captured pass's padding (LAUNCH_ROUNDS); outputs do not depend on it.
-    """
-    return _launch_delta_rule(
-        _recurrent_rows_kernel,
-        RECURRENT_BV,
-        RECURRENT_WARPS,
-        RECURRENT_PER_SM if padded and RECURRENT_LOOP else None,
-        q,
-        k,
-        v,
-        a,
-        b,
-        a_log,
-        dt_bias,
-        pool,
-        slots,
-        cu,
-        new_states,
-        out,
-    )
-
-
-# A captured pass's group counts its capacity, not its work (r192's 48 row slots may hold one short6 request's 6
-# rows): a program per item (segment, value head, value block) would run mostly empty programs, in waves after the
-# real ones. For such `padded` groups a launch runs about LAUNCH_ROUNDS times the programs the GPU holds at once
-# (per_sm: a kernel's programs an SM holds), each taking items in turn (_next_item). The loop costs registers (sm_90a
-# as launched: the chain at 32 columns still fits two programs an SM; at 64 it spills, and padded groups run narrow
-# anyway; the token-by-token kernel fits nine one-warp programs an SM instead of twelve), so the token-by-token kernel
-# takes it only with RECURRENT_LOOP. One round is faster than more (docs/kernels.md); outputs are identical.
-LAUNCH_ROUNDS = 1
-RECURRENT_PER_SM = 9
-CHUNK_PER_SM = 2
-RECURRENT_LOOP = False
-# A captured pass's lone long state (long5 new: one 2,465-token state in s2560's long group of 20 slots) chains
-# slower than unpadded when its group's programs take items in turn: the GPU places two of its 128 programs on some
-# SMs (and one program an SM for every padded group is slower for rows). With LEAD_APART a padded long group's first
-# segment runs on a launch of its own, a program per item (128 on an otherwise idle GPU: one an SM, as unpadded), and
-# the group's other segments at the same time on a side stream, in turn, CHUNK_PER_SM programs an SM. The items'
-# arithmetic is the same. KEV_LEAD_APART=0 turns it off (read at import; the module flag at each launch).
-LEAD_APART = os.environ.get("KEV_LEAD_APART", "1") != "0"
-
-
-def _launch_delta_rule(
-    kernel,
-    block_v: int,
-    warps: int,
-    per_sm: int | None,
-    q,
-    k,
-    v,
-    a,
-    b,
-    a_log,
-    dt_bias,
-    pool,
-    slots,
-    cu,
-    new_states,
-    out,
-    **extra,
-) -> torch.Tensor:
-    """Checks the layouts both delta-rule kernels assume and launches one: a program per item (segment, value head,
-    value block), or with `per_sm` programs taking items in turn (LAUNCH_ROUNDS). `extra`: further arguments of the
-    kernel, by name (per token, never per segment)."""
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    assert k.stride() == q.stride() and q.stride(2) == 1 and v.stride(2) == 1
-    assert q.stride(1) == K and v.stride(1) == V and pool.is_contiguous()
-    assert a.stride() == b.stride() and a.stride(1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
-    if out is None:
-        out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
-    assert out.shape == (T, HV, V) and out.is_contiguous()
-    BV = min(block_v, V)
-    n = slots.shape[0]
-    if n:
-        assert V % BV == 0
-        items = n * HV * (V // BV)
-        programs = items if per_sm is None else min(items, LAUNCH_ROUNDS * per_sm * _sm_count(q.device))
-        kernel[(programs,)](
-            q,
-            k,
-            v,
-            a,
-            b,
-            a_log,
-            dt_bias,
-            pool,
-            slots,
-            cu,
-            out,
-            K**-0.5,
-            q.stride(0),
-            v.stride(0),
-            a.stride(0),
-            out.stride(0),
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            BV=BV,
-            CONTINUE=not new_states,
-            LOOP=per_sm is not None,
-            N=n,
-            num_warps=warps,
-            **extra,
-        )
-    return out
-
-
-# The chunked delta rule's fp32 products (the prep's always; the chain's unless CHUNK_DOTS is bf16)
-# take operands rounded to TF32 on tensor cores (10-bit mantissa) and accumulate in fp32; the state stays fp32. At
-# K = 128 and 32 value columns on 8 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v).
+# The chunked delta rule's fp32 products (the prep's always; the chain's off a GPU, _bf16_chain) take operands
+# rounded to TF32 on tensor cores (10-bit mantissa) and accumulate in fp32; the state stays fp32. At K = 128 and 32
+# value columns on 8 warps "ieee" (FMA loops) and "tf32x3" spill registers on sm_90a (ptxas -v).
 PRECISION: tl.constexpr = tl.constexpr("tf32")
+# Tokens per chunk. (I + A)⁻¹ of a strictly lower-triangular A [CHUNK, CHUNK] is a product of log2(CHUNK) factors
+# (I + A^(2^j)). 32-token chunks put fewer steps on the chain but their prep spills registers and runs slower; 64
+# would need 262 KB of shared memory (an H200 has 232 KB): docs/kernels.md.
+CHUNK = 16
 
 
-def _chunk_tokens() -> int:
-    """Tokens per chunk of the chunked delta rule: 16, or 32 (KEV_CHUNK). Longer chunks put fewer steps on the
-    sequential chain for bigger products, but the 32-token prep spills and is slower (docs/kernels.md); 64 would need
-    262 KB of shared memory (an H200 has 232 KB)."""
-    tokens = int(os.environ.get("KEV_CHUNK", "16"))
-    if tokens not in (16, 32):
-        raise ValueError(f"KEV_CHUNK must be 16 or 32, not {tokens}")
-    return tokens
+def _bf16_chain(x: torch.Tensor) -> bool:
+    """Whether the chain multiplies bf16 operands (_dot): on a GPU, where it is faster and no further from the fp32
+    reference than TF32 (docs/kernels.md). Triton's interpreter (CPU tensors) has no bf16 (numpy multiplies bf16
+    operands as raw bits), so there the chain takes fp32 operands, exact in the interpreter."""
+    return x.is_cuda
 
 
-# (I + A)⁻¹ of a strictly lower-triangular A [CHUNK, CHUNK] is a product of log2(CHUNK) factors (I + A^(2^j)).
-CHUNK = _chunk_tokens()
-# The chain's products: "bf16" or "tf32" operands (_dot; KEV_CHUNK_DOTS), read at each launch. bf16 is faster and
-# no further from the fp32 reference (docs/kernels.md). Triton's interpreter multiplies bf16 operands as raw bits
-# (numpy has no bf16), so the CPU tests run tf32 and the GPU tests bf16.
-CHUNK_DOTS = os.environ.get("KEV_CHUNK_DOTS", "bf16")
-if CHUNK_DOTS not in ("tf32", "bf16"):
-    raise ValueError(f"KEV_CHUNK_DOTS must be tf32 or bf16, not {CHUNK_DOTS!r}")
 # The sequential pass's (value columns per program, warps, register cap: ptxas's .maxnreg, None for up to 255), read
 # at each launch: NARROW while the pass has at most WIDE_ABOVE programs per SM at NARROW's value block, WIDE above.
 # One state wants short programs, one per SM; many states want programs that share SMs. Each value column's
@@ -434,10 +94,10 @@ PREP_MAXNREG: int | None = 168
 # A prep program looks for chunk starts in CHUNK tokens of the input, one per segment reaching into them: rows of ~31
 # tokens put two in most windows (one row's second chunk, the next row's first), so a short6's rows wait for two
 # chunks' terms in series (narrower windows for rows, with more programs, are slower in the engine: docs/kernels.md).
-# The prep multiplies in TF32 (bf16 operands there would change the outputs). W, Qs, Kd, QK and U₀ are stored in bf16
-# when the chain multiplies in bf16, in fp32 otherwise. U₀ in bf16 (as fla stores its u) adds a rounding before
-# U = U₀ − W S, which the chain's products round to bf16 anyway; it halves U₀'s bytes, written here and read there
-# (outputs within 4.9e-4 of an fp32 U₀).
+# The prep multiplies in TF32 (bf16 operands there would change the outputs). W, Qs, Kd, QK and U₀ are stored as the
+# chain multiplies them (_bf16_chain): bf16 on a GPU, fp32 otherwise. U₀ in bf16 (as fla stores its u) adds a
+# rounding before U = U₀ − W S, which the chain's products round to bf16 anyway; it halves U₀'s bytes, written here
+# and read there.
 
 
 @triton.jit
@@ -594,7 +254,7 @@ def _chunk_prep_kernel(
     """Everything of a chunk that does not depend on the state, for all chunks in parallel: with
     T = (I + A)⁻¹, A = strictly-lower(β_t exp(γ_t − γ_s) k_t·k_s), the chunk's state-independent terms
     W = T (β exp(γ) k) [BT, K] and U₀ = T (β v) [BT, V], written per token into w [T, HV, K] and u [T, HV, V]
-    (as the chain multiplies them: CHUNK_DOTS), so that the sequential pass gets U = U₀ − W S; and the scaled q̂
+    (as the chain multiplies them: _bf16_chain), so that the sequential pass gets U = U₀ − W S; and the scaled q̂
     and k̂, the chunk's q̂·k̂ᵀ and its end decay (_chunk_terms). Chunks start at their segment's first token and
     every BT tokens after; a program takes the chunks that start in its BT tokens of the input (at most one per
     segment, found from the first segment reaching into them)."""
@@ -700,7 +360,7 @@ def _chain_item(
     hk, hv, bos, eos, o_k, o_v, decay_rate, bias, state, S = _delta_rule_program(
         item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
-    written = eos > bos  # as in _recurrent_rows_kernel
+    written = eos > bos  # empty segments (a captured pass's padding, on the scratch slot) store no end state
     o_t = tl.arange(0, BT)
     # Offsets within a chunk (the same for every chunk) and the chunk's base: only a segment's last chunk can be
     # partial, so the others (a first pass over the whole chunks) load and store without per-element masks.
@@ -775,7 +435,7 @@ def _chunked_delta_rule_kernel(
     LOOP: tl.constexpr,
     N,
 ):
-    """The sequential part (recurrent_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
+    """The sequential part (chunked_rows' arguments, with U₀ [T, HV, V] in v's place, and the prep's other terms
     added; q, k, a and b are not read), chunk by chunk from the state S [K, BV] (fp32, in registers): U = U₀ − W S;
     o = Qs S + QK U; S ← exp(γ_last) S + Kdᵀ U. Only these products sit on the chain from one chunk to the next:
     the inverse, the norms, the gates and their decays are in _chunk_prep_kernel (in this loop they would be most of
@@ -810,7 +470,7 @@ def _chunked_delta_rule_kernel(
                 BF16,
             )
             item = _next_item(item, bos, end, N * HV * (V // BV))
-    else:  # one item, compiled without the loop (which costs registers: LAUNCH_ROUNDS)
+    else:  # one item, compiled without the loop (which costs registers: CHUNK_PER_SM)
         _chain_item(
             tl.program_id(0),
             u,
@@ -838,6 +498,80 @@ def _chunked_delta_rule_kernel(
         )
 
 
+# A captured pass's group counts its capacity, not its work (r192's 48 row slots may hold one short6 request's 6
+# rows): a program per item (segment, value head, value block) would run mostly empty programs, in waves after the
+# real ones. For such `padded` groups a launch runs CHUNK_PER_SM programs an SM (what the chain fits at once: the loop
+# costs registers, and at 64 value columns it spills, so padded groups run narrow), each taking items in turn
+# (_next_item); outputs are identical.
+CHUNK_PER_SM = 2
+
+
+def _launch_chain(
+    block_v: int,
+    warps: int,
+    per_sm: int | None,
+    q,
+    k,
+    u,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    new_states,
+    out,
+    **extra,
+) -> torch.Tensor:
+    """Checks the layouts the chain assumes and launches it: a program per item (segment, value head, value block),
+    or with `per_sm` that many programs an SM taking items in turn (CHUNK_PER_SM). `extra`: the prep's terms and
+    the launch options, by name (per token, never per segment)."""
+    T, H, K = q.shape
+    HV, V = u.shape[1], u.shape[2]
+    assert k.stride() == q.stride() and q.stride(2) == 1 and u.stride(2) == 1
+    assert q.stride(1) == K and u.stride(1) == V and pool.is_contiguous()
+    assert a.stride() == b.stride() and a.stride(1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
+    if out is None:
+        out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype)
+    assert out.shape == (T, HV, V) and out.is_contiguous()
+    BV = min(block_v, V)
+    n = slots.shape[0]
+    if n:
+        assert V % BV == 0
+        items = n * HV * (V // BV)
+        programs = items if per_sm is None else min(items, per_sm * _sm_count(q.device))
+        _chunked_delta_rule_kernel[(programs,)](
+            q,
+            k,
+            u,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            pool,
+            slots,
+            cu,
+            out,
+            K**-0.5,
+            q.stride(0),
+            u.stride(0),
+            a.stride(0),
+            out.stride(0),
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BV=BV,
+            CONTINUE=not new_states,
+            LOOP=per_sm is not None,
+            N=n,
+            num_warps=warps,
+            **extra,
+        )
+    return out
+
+
 def chunked_rows(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -855,19 +589,31 @@ def chunked_rows(
     lead_apart: bool = False,
     lead: int = 0,
 ) -> torch.Tensor:
-    """recurrent_rows' job (same arguments) for segments of any length, in chunks of CHUNK tokens: first every
-    chunk's state-independent terms in parallel, then one program per (value block, segment, value head) carries
-    the fp32 state from chunk to chunk. No host-side chunk maps, and grids that depend only on the token and
-    segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass runs CHUNK_WIDE or
-    CHUNK_NARROW (both give the same outputs), chosen from the segment count; `padded` (a captured pass's group,
-    whose segments count its capacity, not its work): narrow, its programs taking items in turn (LAUNCH_ROUNDS);
-    with `lead_apart` (a padded group of long new states) too, its first long segment on a launch of its own
-    (LEAD_APART): segment `lead` (a captured pass's group of short and long new states: its short slots come first)."""
+    """The gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it;
+    or, with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]` (an
+    empty segment writes nothing).
+
+    q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); a, b: [T, HV] raw
+    gate inputs (same token stride), with A_log and dt_bias [HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu:
+    [N + 1] token offsets. q and k are L2-normalised here and q scaled by K^-0.5, as `use_qk_l2norm_in_kernel`
+    does. Returns o [T, HV, V] in q's dtype (written into `out` when given, a contiguous [T, HV, V]).
+
+    In chunks of CHUNK tokens: first every chunk's state-independent terms in parallel, then one program per (value
+    block, segment, value head) carries the fp32 state from chunk to chunk. No host-side chunk maps, and grids that
+    depend only on the token and segment counts (kernels.segments): capturable in a CUDA graph. The sequential pass
+    runs CHUNK_WIDE or CHUNK_NARROW (both give the same outputs), chosen from the segment count. `padded` (a
+    captured pass's group, whose segments count its capacity, not its work): narrow, its programs taking items in
+    turn (CHUNK_PER_SM). `lead_apart` (the caller's padded group of long new states): segment `lead` (its first long
+    one; a captured pass's short new states come before it in the group) on a launch of its own, a program per item,
+    and the group's other segments at the same time on a side stream, in turn. A lone long state in a padded group
+    would otherwise chain slower: in turn, the GPU places two of its programs on some SMs. The items' arithmetic is
+    the same either way, so are the outputs."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     n = slots.shape[0]
-    # The chain's operands (W, Qs, Kd, QK, U₀) are stored as it multiplies them: bf16, or fp32 for tf32 products.
-    operands = torch.bfloat16 if CHUNK_DOTS == "bf16" else torch.float32
+    # The chain's operands (W, Qs, Kd, QK, U₀) are stored as it multiplies them: bf16, or fp32 for TF32 products.
+    bf16 = _bf16_chain(q)
+    operands = torch.bfloat16 if bf16 else torch.float32
     w, qs, kd = (torch.empty(T, HV, K, device=q.device, dtype=operands) for _ in range(3))
     qk = torch.empty(T, HV, CHUNK, device=q.device, dtype=operands)
     u = torch.empty(T, HV, V, device=q.device, dtype=operands)
@@ -907,7 +653,7 @@ def chunked_rows(
         )
     wide = not padded and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
-    extra = dict(w=w, qs=qs, kd=kd, qk=qk, dend=dend, BT=CHUNK, BF16=CHUNK_DOTS == "bf16")
+    extra = dict(w=w, qs=qs, kd=kd, qk=qk, dend=dend, BT=CHUNK, BF16=bf16)
     if maxnreg is not None:
         extra["maxnreg"] = maxnreg
 
@@ -915,9 +661,9 @@ def chunked_rows(
         """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them)."""
         run_slots, run_cu = slots[first:last], cu[first : last + 1]
         args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
-        return _launch_delta_rule(_chunked_delta_rule_kernel, block_v, warps, per_sm, *args, **extra)
+        return _launch_chain(block_v, warps, per_sm, *args, **extra)
 
-    if not (padded and lead_apart and LEAD_APART and n > lead + 1):
+    if not (padded and lead_apart and n > lead + 1):
         return chain(0, n, CHUNK_PER_SM if padded else None, out)
     out = torch.empty(T, HV, V, device=q.device, dtype=q.dtype) if out is None else out
     with beside(q.device) as apart:
@@ -986,7 +732,7 @@ def reference_rows(
     out: torch.Tensor | None = None,
     segment_rule=reference_segment_delta_rule,
 ) -> torch.Tensor:
-    """recurrent_rows' and chunked_rows' job in torch (same arguments, less their launch options): rows from
+    """chunked_rows' job in torch (same arguments, less its launch options): rows from
     pool[slots[n]] (read, never written), or new states from zero writing their final state into it (an empty new
     segment writes a zero state). Tokens outside the segments are zeros (or `out`'s). `segment_rule`: one segment's
     rule, reference_segment_delta_rule's arguments and results (tests/fused_cpu_ops.py passes the engine's)."""

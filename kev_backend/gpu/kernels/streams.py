@@ -1,7 +1,7 @@
 """Two launches at once on the GPU: one on the current stream, the rest on a side stream (a fork and a join, which a
 captured CUDA graph keeps as parallel branches). Used where one kernel of a pass leaves most of the GPU idle: a lone
-long state's delta-rule chain (kernels.delta_rule, LEAD_APART) and the rows' attention over a long prefix beside
-the new states' own (fused.FusedQwen35.attention)."""
+long state's delta-rule chain (kernels.delta_rule.chunked_rows' `lead_apart`) and the rows' attention over a long
+prefix beside the new states' own (fused.FusedQwen35.attention)."""
 
 from __future__ import annotations
 

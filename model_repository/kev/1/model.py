@@ -35,16 +35,21 @@ class TritonPythonModel:
     config.pbtxt."""
 
     def initialize(self, args):
-        from kev_backend.engine.pipeline import Pipeline
+        from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline
         from kev_backend.serve.metrics import KevMetrics
+        from kev_backend.settings import ModelSettings, parameters
 
         config = json.loads(args["model_config"])
-        repository = Path(args["model_repository"])
-        self.engine, path = load_engine(config, args, repository)
+        settings = ModelSettings.read(parameters(config), Path(args["model_repository"]))
+        self.engine = load_engine(settings, args)
         self.metrics = KevMetrics(pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]})
-        warmed = warm_up(self.engine, self.metrics, config, repository)
-        pb_utils.Logger.log_info(f"kev: {path}; {warmed} warm-up requests; {self.engine.summary()}")
-        self.pipeline = Pipeline(self.engine)
+        warmed = warm_up(self.engine, self.metrics, settings, config)
+        pb_utils.Logger.log_info(f"kev: {settings.checkpoint}; {warmed} warm-up requests; {self.engine.summary()}")
+        if self.engine.backend == "reference" and gpu_visible():
+            pb_utils.Logger.log_warn(
+                f"kev: WARNING: a GPU is visible but the slow fp32 reference path serves: {self.engine.backend_why}"
+            )
+        self.pipeline = Pipeline(self.engine, submit_bytes=settings.submit_bytes or SUBMIT_BYTES)
 
     def execute(self, requests):
         # Responses go out through each request's sender once the pipeline has answered (execute returns None, so
@@ -67,7 +72,7 @@ class TritonPythonModel:
             senders.append(sender)
         # A request may carry several JSON strings (batch dim n > 1); all are scored together. A large batch goes to
         # the pipeline in parts (whole requests each), each answered once scored (pipeline.parts_by_size).
-        for part in parts_by_size([sum(len(body) for body in items) for items in bodies]):
+        for part in parts_by_size([sum(len(body) for body in items) for items in bodies], self.pipeline.submit_bytes):
             self._submit([bodies[i] for i in part], [senders[i] for i in part])
         return None
 
@@ -106,25 +111,23 @@ class TritonPythonModel:
         self.pipeline.close()
 
 
-def load_engine(config, args, repository):
-    """The engine on this instance's device (cuda:N for a KIND_GPU instance), from the model's parameters."""
+def load_engine(settings, args):
+    """The engine on this instance's device (cuda:N for a KIND_GPU instance), from the model's settings."""
     from kev_backend.engine.engine import Engine
-    from kev_backend.serve.triton_config import checkpoint_path, engine_options, parameters
+    from kev_backend.serve.triton_config import engine_options
 
-    params = parameters(config)
     gpu = args["model_instance_kind"] == "GPU"
     device = f"cuda:{args['model_instance_device_id']}" if gpu else "auto"
-    path = checkpoint_path(params, repository)
-    return Engine.from_checkpoint(path, engine_options(params, device)), path
+    return Engine.from_checkpoint(settings.checkpoint, engine_options(settings, device))
 
 
-def warm_up(engine, metrics, config, repository):
+def warm_up(engine, metrics, settings, config):
     """Answers the `warmup_requests` JSONL before the model reports ready, in batches of up to max_batch_size; returns
     how many there were."""
     from kev_backend.protocol.systemone import RequestError
-    from kev_backend.serve.triton_config import parameters, warmup_requests
+    from kev_backend.serve.triton_config import warmup_requests
 
-    warmup = warmup_requests(parameters(config), repository)
+    warmup = warmup_requests(settings)
     size = max(1, config.get("max_batch_size", 1))
     started = time.perf_counter()
     for start in range(0, len(warmup), size):
@@ -133,6 +136,12 @@ def warm_up(engine, metrics, config, repository):
         metrics.count_error("invalid", sum(isinstance(r, RequestError) for r in results))
     engine.startup["warmup_requests"] = time.perf_counter() - started
     return len(warmup)
+
+
+def gpu_visible():
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class Sender:
