@@ -43,7 +43,7 @@ if [[ ${STARTUP_ONLY:-0} == 1 ]]; then
 fi
 python3 bench/merge_json.py "$bench_json" /tmp/start.json /tmp/restart.json
 python3 loadtest/closedloop.py triton --inprocess "$bench_json" --extra /tmp/start.json --extra /tmp/restart.json \
-  --seconds 10 --out "$out/triton-$(date +%F).json"
+  --commit "$COMMIT" --seconds 10 --out "$out/triton-$(date +%F).json"
 python3 loadtest/openloop.py --rates "${1:-50,100,200,300}" --seconds 8 --shape short6 --out "$out/openloop-short6"
 python3 loadtest/openloop.py --rates "${2:-20,40,80,120}" --seconds 8 --shape mix --out "$out/openloop-mix"
 curl -s 127.0.0.1:8002/metrics | grep -E "^kev_|^nv_inference_(count|exec_count|queue_duration)" > "$out/metrics.txt"

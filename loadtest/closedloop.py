@@ -24,7 +24,7 @@ from pathlib import Path
 
 from loops import measured_loop
 
-from kev_backend.dev.bench import commit
+from kev_backend.dev.revision import commit
 from kev_backend.serve.client import AsyncKevClient
 
 
@@ -90,13 +90,14 @@ def main() -> None:
     sub = parser.add_subparsers(dest="mode", required=True)
     one = sub.add_parser("inprocess")
     one.add_argument("--checkpoint", required=True)
-    one.add_argument("--graphs", action="store_true")
+    one.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="CUDA graphs (GPU)")
     two = sub.add_parser("triton")
     two.add_argument("--grpc", default="127.0.0.1:8001")
     two.add_argument("--http", default="127.0.0.1:8000")
     two.add_argument("--metrics", default="127.0.0.1:8002", help="Triton's metrics port (the engine's time)")
     two.add_argument("--inprocess", type=Path, required=True, help="the JSON `inprocess` (or the bench) wrote")
     two.add_argument("--extra", type=Path, action="append", default=[], help="JSON objects merged in (e.g. start)")
+    two.add_argument("--commit", help="the commit the record names (default: git's HEAD)")
     for p in (one, two):
         p.add_argument("--clients", type=int, default=64)
         p.add_argument("--seconds", type=float, default=15.0)
@@ -112,7 +113,7 @@ def main() -> None:
     record = {
         "gpu": local["gpu"],
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": commit(),
+        "commit": commit(args.commit),
         "workload": f"short6 new, {args.clients} closed-loop clients, {args.seconds:g} s",
         "triton": {
             "grpc_rps": remote["grpc"]["rps"],

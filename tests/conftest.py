@@ -73,6 +73,12 @@ def kernel_run() -> Iterator[KernelRun]:
 
 
 @pytest.fixture(scope="session")
+def parity_questions(request: pytest.FixtureRequest) -> int:
+    """Questions of each GPU parity comparison (pytest --parity-questions; fewer only for a quick probe)."""
+    return request.config.getoption("--parity-questions")
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """base/, kev/ (LoRA) and kev-full/ checkpoints with random weights (kev_backend.dev.tiny)."""
     out = tmp_path_factory.mktemp("tiny")

@@ -10,29 +10,28 @@ The tests check the bars and print each report; `python -m kev_backend.dev.parit
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from kev_backend.dev import bench, tiny
+from kev_backend.dev import tiny
 from kev_backend.dev.parity import parity_report
+from kev_backend.dev.revision import commit
 from kev_backend.dev.workloads import realistic
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.model.checkpoint import LoadOptions, load_checkpoint
 from kev_backend.protocol.systemone import Limits
 
 pytestmark = pytest.mark.gpu
-QUESTIONS = int(os.environ.get("KEV_PARITY_QUESTIONS", "1000"))  # fewer only for a quick probe
 
 
-def check(report: dict, name: str, max_abs: float | None = 0.03) -> None:
+def check(report: dict, name: str, questions: int, max_abs: float | None = 0.03) -> None:
     report["long_kernels"] = EngineOptions().long_kernels  # the fused engines run the defaults (engines)
-    report.update(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=bench.commit())
+    report.update(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit())
     print(name, json.dumps(report))
-    assert report["vs_reference"]["questions"] >= QUESTIONS
+    assert report["vs_reference"]["questions"] >= questions
     if max_abs is not None:
         assert report["vs_reference"]["max_abs"] <= max_abs
     # Flips where the fp32 answer is a near-tie (top two within 0.02) are reported, not counted: there rounding the
@@ -52,36 +51,45 @@ def engines(checkpoint, bank_bytes: int) -> tuple[Engine, Engine]:
     return reference, fused
 
 
-def test_tiny_checkpoint_parity(tiny_dir: Path) -> None:
+def test_tiny_checkpoint_parity(tiny_dir: Path, parity_questions: int) -> None:
     """The CPU tests' 64-wide toy (heads of 16 and 32): every bar but the largest |Δp|, which is reported. At this
     width one bf16 rounding per element does not average out: with bf16 weights and bf16 GEMM inputs alone (all
     else fp32; CPU emulation, 3 request seeds) the largest |Δp| is 0.020–0.025 and the full bf16 pass 0.018–0.037,
     while the mean stays ~0.0017. The width-256 checkpoint below holds the 0.03 bar with margin."""
     checkpoint = load_checkpoint(tiny_dir / "kev", "cuda", LoadOptions(dtype="fp32"))
     reference, fused = engines(checkpoint, 2 << 30)
-    check(parity_report(reference, fused, realistic(QUESTIONS, seed=1, max_words=2300)), "tiny", max_abs=None)
+    check(
+        parity_report(reference, fused, realistic(parity_questions, seed=1, max_words=2300)),
+        "tiny",
+        parity_questions,
+        max_abs=None,
+    )
 
 
-def test_small_checkpoint_parity(tiny_dir: Path) -> None:
+def test_small_checkpoint_parity(tiny_dir: Path, parity_questions: int) -> None:
     """A small checkpoint with Qwen3.5's head sizes scaled down (width 256, heads of 64), random weights."""
     tokenizer = tiny_dir / "small-tokenizer"
     tokenizer.mkdir(exist_ok=True)
     config = {**tiny.SMALL_CONFIG, "vocab_size": tiny.write_tokenizer(tokenizer)}
     checkpoint = tiny.synthetic_checkpoint(config, tokenizer, "cuda", seed=0)
     reference, fused = engines(checkpoint, 4 << 30)
-    check(parity_report(reference, fused, realistic(QUESTIONS, seed=1, max_words=2300)), "small")
+    check(
+        parity_report(reference, fused, realistic(parity_questions, seed=1, max_words=2300)), "small", parity_questions
+    )
 
 
-def test_kev4b_shapes_parity(tiny_dir: Path) -> None:
+def test_kev4b_shapes_parity(tiny_dir: Path, parity_questions: int) -> None:
     config = {**tiny.KEV4B_CONFIG}
     checkpoint = tiny.synthetic_checkpoint(config, tiny_dir / "base", "cuda", seed=0)
     reference, fused = engines(checkpoint, 48 << 30)
-    check(parity_report(reference, fused, realistic(QUESTIONS, seed=2, max_words=2300)), "kev4b")
+    check(
+        parity_report(reference, fused, realistic(parity_questions, seed=2, max_words=2300)), "kev4b", parity_questions
+    )
     del reference, fused, checkpoint
     torch.cuda.empty_cache()
 
 
-def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
+def test_graph_replay_matches_eager(tiny_dir: Path, parity_questions: int) -> None:
     """Passes replayed from CUDA graphs answer like eager passes (≤ 0.01; the buckets keep ≥ 64 GEMM rows
     and every kernel's per-segment work is the same, so equality is expected), batched, alone and from the bank.
     On our long kernels (the default), so passes with long new states are graphed too."""
@@ -95,7 +103,7 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
     graphs = graphed.scorer.graphs
     assert isinstance(graphs, PassGraphs) and graphs.stats.captures == len(graphs.graphs) > 0
     assert graphs.stats.bytes > 0  # the graphs' pool, grown from an emptied cache
-    encoded = [eager.prepare(r)[1] for r in realistic(QUESTIONS, seed=2, max_words=2300)]
+    encoded = [eager.prepare(r)[1] for r in realistic(parity_questions, seed=2, max_words=2300)]
     reference = scored(eager, encoded, 32)
     report = {
         "batched": compare(reference, scored(graphed, encoded, 32)),
@@ -105,7 +113,7 @@ def test_graph_replay_matches_eager(tiny_dir: Path) -> None:
         "buckets_seen": sorted(b.name for b in graphs.seen),
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
-        "commit": bench.commit(),
+        "commit": commit(),
     }
     print("graphs", json.dumps(report))
     assert graphs.stats.replays > 0
@@ -166,7 +174,7 @@ def test_a_pass_with_more_row_segments_than_one_launch_holds(tiny_dir: Path) -> 
             assert abs(answer["noul"] - whole["answers"][name]["noul"]) <= 0.01, name
 
 
-def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path) -> None:
+def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path, parity_questions: int) -> None:
     """The pipeline's model thread enqueues a batch without waiting for the ones before it (Engine.launch: uploads
     from pinned memory, the head's result copied back asynchronously, the graphs' two host buffers in turn). With
     graphs, long new states, and a bank of six slots, so that states are evicted and their slots reused while work
@@ -182,7 +190,7 @@ def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path) -
     del probe
     serial = Engine(checkpoint, EngineOptions(**options))
     piped = Engine(checkpoint, EngineOptions(**options))
-    requests = realistic(QUESTIONS, seed=5, max_words=2300)[:48]
+    requests = realistic(parity_questions, seed=5, max_words=2300)[:48]
     batches = [requests[i : i + 1 + i % 5] for i in range(0, 40, 4)] + [requests[:3], requests[20:26], requests[::7]]
     expected = [serial.score(serial.prepare_batch(b)).probabilities for b in batches]
 

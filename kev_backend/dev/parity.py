@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..engine.engine import EngineOptions
     from ..model.checkpoint import load_checkpoint
-    from . import bench
+    from .revision import commit
     from .workloads import realistic
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--questions", type=int, default=1000)
     parser.add_argument("--max-words", type=int, default=2500)
+    parser.add_argument("--commit", help="the commit the report names (default: git's HEAD)")
     args = parser.parse_args(argv)
     checkpoint = load_checkpoint(args.checkpoint, torch.device("cuda"))
     reference = Engine(checkpoint, EngineOptions(backend="reference", bank_bytes=0))
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     report.update(
         gpu=torch.cuda.get_device_name(),
         date=time.strftime("%Y-%m-%d"),
-        commit=bench.commit(),
+        commit=commit(args.commit),
         long_kernels=fused.options.long_kernels,
     )
     args.out.mkdir(parents=True, exist_ok=True)
