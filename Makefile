@@ -1,28 +1,63 @@
 # Two commands on a fresh machine: `make serve` and `make test`. Each runs `setup` first; setup is idempotent
 # (a stamp file), so later runs skip it unless its inputs changed.
+#
+# On a machine with a GPU (a working NVIDIA driver and device: build/gpu.sh) setup also installs
+# requirements-gpu.txt, `make serve` serves the GPU configuration (kev-serve picks configs/gpu.pbtxt when torch sees
+# a GPU) and `make test` runs the GPU tests with the rest; without one, requirements-cpu.txt. TORCH=system uses
+# PYTHON's own torch (a GPU server's or a vendor image's CUDA stack: build/venv.sh) instead of installing the pinned
+# one; what PYTHON already has is then used as it is (build/requirements.py). SETS="serve" installs only what serving
+# needs (requirements.txt), not the test tools.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := .stamps/setup
+GPU ?= $(shell build/gpu.sh)
+TORCH ?= pip
+SETS ?= serve test
+MACHINE := $(if $(filter 1,$(GPU)),gpu,cpu)
+# requirements-cpu.txt is the kernel tests' interpreter, requirements-gpu.txt the GPU path's options.
+REQUIREMENTS := requirements.txt $(if $(filter test,$(SETS)),requirements-test.txt) \
+  $(if $(filter gpu,$(MACHINE)),requirements-gpu.txt,$(if $(filter test,$(SETS)),requirements-cpu.txt))
+STAMP := .stamps/setup-$(MACHINE)-$(TORCH)
 EMBEDDED := model_repository/kev/embedded
 export HTTP_PORT ?= 8000
 export GRPC_PORT ?= 8001
 export METRICS_PORT ?= 8002
 export GATEWAY_PORT ?= 8009
 export GATEWAY ?= 1
+# Offline installs: WHEELHOUSE=DIR makes setup (so serve and test) install only from DIR, a wheelhouse made by
+# `make wheelhouse` (pip --no-index, none of pip's configured sources; tritonserver from DIR's nvidia-pytriton wheel).
+WHEELHOUSE ?=
+PIP_ENV := $(if $(WHEELHOUSE),env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL PIP_CONFIG_FILE=/dev/null \
+  PIP_NO_INDEX=1 PIP_FIND_LINKS=$(abspath $(WHEELHOUSE)))
+# `make wheelhouse` (build/wheelhouse.sh says more): into WHEELHOUSE_DIR, for WHEEL_PYTHON (default: $(PYTHON)'s
+# minor) on WHEEL_PLATFORM, torch WHEEL_TORCH=cpu|cuda|system (system: the target's own torch; WHEEL_HAVE=FILE, a
+# `pip freeze` of the target, leaves out what it has), the requirement sets SETS.
+WHEELHOUSE_DIR ?= build/wheelhouse
+WHEEL_PYTHON ?=
+WHEEL_PLATFORM ?= manylinux_2_35_x86_64
+WHEEL_TORCH ?= cpu
+WHEEL_HAVE ?=
+# `make image` / `make image-test` (docs/image.md): podman through build/image/podman.sh (PODMAN_ROOT=DIR keeps its
+# storage there); the base image is built locally by build/image/base.sh when missing.
+IMAGE ?= localhost/kev-on-triton:latest
+BASE_IMAGE ?= localhost/debian-base:bookworm
+PODMAN ?= build/image/podman.sh
+export PODMAN_ROOT
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench clean wheelhouse image image-test
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml build/install_tritonserver.sh kev_backend/dev/tiny.py kev_backend/model/qwen35.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
-	$(PY) -m pip install --quiet --no-deps -e .
-	build/install_tritonserver.sh $(VENV) build/.tritonserver
+$(STAMP): $(REQUIREMENTS) pyproject.toml build/install_tritonserver.sh build/venv.sh build/requirements.py kev_backend/dev/tiny.py kev_backend/model/qwen35.py
+	build/venv.sh $(VENV) $(PYTHON) $(TORCH)
+	$(if $(WHEELHOUSE),,$(PY) -m pip install --quiet --upgrade pip)
+	mkdir -p $(dir $(STAMP))
+	$(PY) build/requirements.py $(if $(filter system,$(TORCH)),--installed) $(REQUIREMENTS) > $(STAMP).txt
+	$(PIP_ENV) $(PY) -m pip install --quiet -r $(STAMP).txt
+	$(PIP_ENV) $(PY) -m pip install --quiet --no-deps -e .
+	$(if $(WHEELHOUSE),PYTRITON_WHEELHOUSE=$(abspath $(WHEELHOUSE)) )build/install_tritonserver.sh $(VENV) build/.tritonserver
 	rm -rf $(EMBEDDED) && $(PY) -m kev_backend.dev.tiny $(EMBEDDED)
-	mkdir -p $(dir $(STAMP)) && touch $@
+	rm -f .stamps/setup-* && touch $@
 
 serve: setup
 	KEV_VENV=$(abspath $(VENV)) build/serve.sh
@@ -37,6 +72,25 @@ lint: setup
 # GPU benchmark, in-process (on the GPU machine: the image's python3 with fla-core from requirements-gpu.txt).
 bench:
 	$(if $(wildcard $(PY)),$(PY),python3) -m kev_backend.dev.bench $(BENCH_ARGS)
+
+wheelhouse:
+	PYTHON=$(PYTHON) WHEEL_PYTHON=$(WHEEL_PYTHON) WHEEL_PLATFORM=$(WHEEL_PLATFORM) WHEEL_TORCH=$(WHEEL_TORCH) \
+	  WHEEL_SETS="$(SETS)" WHEEL_HAVE=$(WHEEL_HAVE) build/wheelhouse.sh $(WHEELHOUSE_DIR)
+
+# The image's wheelhouse: made once (it must lie inside the build context, the repository), then reused.
+$(WHEELHOUSE_DIR)/manifest.json:
+	$(MAKE) wheelhouse
+
+# Built with no network from the local base image and the wheelhouse; podman's layer cache makes a rebuild cheap.
+image: $(WHEELHOUSE_DIR)/manifest.json
+	build/image/base.sh $(BASE_IMAGE)
+	$(PODMAN) build --network=none --format docker --layers --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+	  --build-arg WHEELHOUSE=$(WHEELHOUSE_DIR) -t $(IMAGE) .
+
+# The image against the real server: README requests over Triton HTTP and gRPC and through the gateway, the
+# healthcheck, SIGTERM (tests/test_image.py, pytest marker `image`, which plain `make test` leaves out).
+image-test: image setup
+	KEV_IMAGE=$(IMAGE) PODMAN="$(PODMAN)" $(PY) -m pytest -q -rs -m image tests/test_image.py
 
 clean:
 	rm -rf $(VENV) .stamps build/.tritonserver build/.downloads $(EMBEDDED)

@@ -10,8 +10,6 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 
-import tritonclient.http as httpclient
-
 from kev_backend.dev.workloads import short6
 
 COUNTER = itertools.count(1)
@@ -48,6 +46,8 @@ PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
 def server_totals(http_url: str, model: str = "kev", metrics_url: str | None = None) -> dict[str, float]:
     """What the server has counted for the model so far: Triton's inferences, executions (batches) and per-phase
     totals; with `metrics_url`, also the engine's own time (kev_engine_ms, one observation per batch)."""
+    import tritonclient.http as httpclient  # here: a serving-only install (SETS=serve) has only the gRPC client
+
     client = httpclient.InferenceServerClient(http_url)
     try:
         stats = client.get_inference_statistics(model)["model_stats"][0]

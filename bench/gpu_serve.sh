@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on the GPU machine, as a user of an air-gapped GPU server meets the project: a fresh copy of the tree, then
+#   make serve WHEELHOUSE=DIR TORCH=system SETS=serve
+# (the machine's own python, torch and CUDA; everything else from the wheelhouse, no network), timed from the
+# command to readiness and to the first answer, then short6 over gRPC alone and at 64 clients (loadtest/served.py),
+# then SIGTERM. The wheelhouse (here): make wheelhouse WHEELHOUSE_DIR=.wheelhouse WHEEL_PYTHON=3.12 \
+#   WHEEL_TORCH=system SETS=serve WHEEL_HAVE=bench/gpu_machine.txt         and carry .wheelhouse.
+#   bench/gpu_serve.sh [--out DIR] [--commit REV] [WHEELHOUSE (.wheelhouse)]
+# KEV_CHECKPOINT: the served checkpoint (default: random Kev-4B weights written here first, as the benchmarks use).
+set -uo pipefail
+source "$(dirname "$0")/device_args.sh" "$@"
+wheelhouse=$(realpath "${ARGS[0]:-.wheelhouse}")
+out=$OUT
+mkdir -p "$out"
+clone=$(mktemp -d /tmp/kev-clone.XXXXXX)
+tar --exclude=./.wheelhouse --exclude=./.venv --exclude=./.stamps --exclude=./build/.tritonserver -cf - . \
+  | tar -xf - -C "$clone"
+cd "$clone" || exit 1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# `make serve` is setup then serve; they are timed apart because the benchmark's checkpoint (random Kev-4B weights,
+# written with the environment setup installs) comes between them. A user's command is both: the two sums.
+begun=$(date +%s.%N)
+make setup WHEELHOUSE="$wheelhouse" TORCH=system SETS=serve PYTHON=python3 >"$out/setup.log" 2>&1 || {
+  tail -30 "$out/setup.log"; exit 1; }
+echo "setup (make setup WHEELHOUSE=... TORCH=system SETS=serve): $(python3 -c "import time; print(round(time.time() - $begun, 1))") s"
+if [[ -z ${KEV_CHECKPOINT:-} ]]; then
+  .venv/bin/python -m kev_backend.dev.tiny /tmp/kev4b --kev4b --device cuda >/dev/null || exit 1
+  export KEV_CHECKPOINT=/tmp/kev4b/kev
+fi
+started=$(python3 -c 'import time; print(time.time())')
+setsid make serve WHEELHOUSE="$wheelhouse" TORCH=system SETS=serve PYTHON=python3 >"$out/serve.log" 2>&1 &
+serve=$!
+status=0
+.venv/bin/python loadtest/served.py --started "$started" --commit "$COMMIT" --out "$out/served.json" || status=1
+stopping=$(date +%s.%N)
+kill -TERM -- -$serve 2>/dev/null
+wait $serve
+echo "stopped $(python3 -c "import time; print(round(time.time() - $stopping, 1))") s after SIGTERM"
+grep -E "kev-serve|kev: |WARNING|rror" "$out/serve.log" | cut -c1-300 | tail -15
+exit $status
