@@ -5,7 +5,9 @@
 # command to readiness and to the first answer, then short6 over gRPC alone and at 64 clients (loadtest/served.py),
 # then SIGTERM. The wheelhouse (here): make wheelhouse WHEELHOUSE_DIR=.wheelhouse WHEEL_PYTHON=3.12 \
 #   WHEEL_TORCH=system SETS=serve WHEEL_HAVE=bench/gpu_machine.txt         and carry .wheelhouse.
-#   bench/gpu_serve.sh [--out DIR] [--commit REV] [WHEELHOUSE (.wheelhouse)]
+#   bench/gpu_serve.sh [--out DIR] [--commit REV] [WHEELHOUSE (.wheelhouse)] [VARIANT...]
+# VARIANT: after the first run (as shipped), serve again with NAME=VALUE[,NAME=VALUE] in the environment (an empty
+# VALUE unsets it; e.g. MALLOC_ARENA_MAX=), on the kernel cache the first run filled; "shipped" repeats the first.
 # KEV_CHECKPOINT: the served checkpoint (default: random Kev-4B weights written here first, as the benchmarks use).
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
@@ -27,14 +29,30 @@ if [[ -z ${KEV_CHECKPOINT:-} ]]; then
   .venv/bin/python -m kev_backend.dev.tiny /tmp/kev4b --kev4b --device cuda >/dev/null || exit 1
   export KEV_CHECKPOINT=/tmp/kev4b/kev
 fi
-started=$(python3 -c 'import time; print(time.time())')
-setsid make serve WHEELHOUSE="$wheelhouse" TORCH=system SETS=serve PYTHON=python3 >"$out/serve.log" 2>&1 &
-serve=$!
 status=0
-.venv/bin/python loadtest/served.py --started "$started" --commit "$COMMIT" --out "$out/served.json" || status=1
-stopping=$(date +%s.%N)
-kill -TERM -- -$serve 2>/dev/null
-wait $serve
-echo "stopped $(python3 -c "import time; print(round(time.time() - $stopping, 1))") s after SIGTERM"
-grep -E "kev-serve|kev: |WARNING|rror" "$out/serve.log" | cut -c1-300 | tail -15
+serve_once() {  # LABEL [NAME=VALUE...]: make serve with that environment, measured, then SIGTERM
+  local label=$1 started serve stopping
+  shift
+  started=$(python3 -c 'import time; print(time.time())')
+  setsid env "$@" make serve WHEELHOUSE="$wheelhouse" TORCH=system SETS=serve PYTHON=python3 >"$out/serve-$label.log" 2>&1 &
+  serve=$!
+  .venv/bin/python loadtest/served.py --started "$started" --commit "$COMMIT" --out "$out/served-$label.json" \
+    | sed "s/^/$label: /" || status=1
+  stopping=$(python3 -c 'import time; print(time.time())')
+  kill -TERM -- -$serve 2>/dev/null
+  # The supervisor's own last line says when everything had stopped.
+  while pgrep -f kev_backend.serve.supervisor >/dev/null; do sleep 0.1; done
+  echo "$label: stopped $(python3 -c "import time; print(round(time.time() - $stopping, 1))") s after SIGTERM"
+}
+serve_once shipped
+grep -E "kev-serve|kev: |WARNING|rror" "$out/serve-shipped.log" | cut -c1-300 | tail -8
+for variant in "${ARGS[@]:1}"; do
+  [[ $variant == shipped ]] && { serve_once shipped-again; continue; }
+  settings=()
+  IFS=, read -ra pairs <<<"$variant"
+  for pair in "${pairs[@]}"; do
+    if [[ $pair == *= ]]; then settings+=(-u "${pair%=}"); else settings+=("$pair"); fi
+  done
+  serve_once "$(tr -c 'A-Za-z0-9_\n' _ <<<"$variant")" "${settings[@]}"
+done
 exit $status

@@ -27,7 +27,7 @@
 #   KEV_API_KEY     bearer key the gateway requires on /v1/* (none: open)
 #   KEV_VENV        the venv that runs the supervisor, the gateway and the Python stub (<repo>/.venv)
 #   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (build/.triton-cache)
-#   PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True)  MALLOC_ARENA_MAX (2)  memory that stays flat under load
+#   PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True)  GPU memory that stays flat under load
 #   TRITON_ADMIN_KEY_FILE  file holding the admin key (letters, digits, ._~+/-); default: random per start
 # Supervision (kev_backend/serve/supervisor.py says more):
 #   KEV_PROBE_INTERVAL_S (1; 0 = no inference probe)  KEV_PROBE_TIMEOUT_S (10)  KEV_PROBE_FAILURES (3)
