@@ -37,7 +37,6 @@ RUN find model_repository -name __pycache__ -prune -exec rm -rf {} + \
     && .venv/bin/python -m kev_backend.dev.tiny model_repository/kev/embedded \
     && .venv/bin/python -m compileall -q model_repository
 COPY build/serve.sh build/tritonserver.sh build/
-COPY build/image/healthcheck.py build/image/
 # Everything readable by the non-root user (the checkpoint writer makes its files 0600), nothing writable by it.
 RUN chmod -R a+rX,go-w /opt/kev
 
@@ -70,7 +69,7 @@ EXPOSE 8009
 # Triton ready AND a real inference answered (tritonserver 2.51 reports ready with a dead stub), then the gateway's
 # /ready. The start period covers loading a real checkpoint (kev-serve allows KEV_START_TIMEOUT_S, 600 s).
 HEALTHCHECK --interval=30s --timeout=20s --start-period=600s --retries=3 \
-    CMD ["/opt/kev/.venv/bin/python", "/opt/kev/build/image/healthcheck.py"]
+    CMD ["/opt/kev/.venv/bin/python", "-m", "kev_backend.serve.probe"]
 STOPSIGNAL SIGTERM
 # tini is PID 1: it forwards SIGTERM to kev-serve (a Python PID 1 would ignore it) and reaps orphans. kev-serve
 # stops tritonserver and the gateway and exits 0; tini exits with that code. KEV_STOP_TIMEOUT_S=2 (above) bounds that

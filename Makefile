@@ -77,8 +77,9 @@ wheelhouse:
 	PYTHON=$(PYTHON) WHEEL_PYTHON=$(WHEEL_PYTHON) WHEEL_PLATFORM=$(WHEEL_PLATFORM) WHEEL_TORCH=$(WHEEL_TORCH) \
 	  WHEEL_SETS="$(SETS)" WHEEL_HAVE=$(WHEEL_HAVE) build/wheelhouse.sh $(WHEELHOUSE_DIR)
 
-# The image's wheelhouse: made once (it must lie inside the build context, the repository), then reused.
-$(WHEELHOUSE_DIR)/manifest.json:
+# The image's wheelhouse (it must lie inside the build context, the repository): made again when a requirement
+# changes, which fetches only what is missing.
+$(WHEELHOUSE_DIR)/manifest.json: requirements.txt requirements-test.txt requirements-cpu.txt requirements-gpu.txt build/wheelhouse.sh
 	$(MAKE) wheelhouse
 
 # Built with no network from the local base image and the wheelhouse; podman's layer cache makes a rebuild cheap.

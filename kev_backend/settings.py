@@ -276,14 +276,23 @@ class ServeSettings:
 
     @property
     def triton_host(self) -> str:
-        """Where the supervisor and the gateway reach Triton: loopback when Triton binds every address."""
-        if self.triton_address in ("0.0.0.0", "::", ""):
-            return "127.0.0.1"
-        return f"[{self.triton_address}]" if ":" in self.triton_address else self.triton_address
+        """Where the supervisor and the gateway reach Triton."""
+        return reachable(self.triton_address)
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{reachable(self.bind_address)}:{self.gateway_port}"
 
     @property
     def grpc_target(self) -> str:
         return f"{self.triton_host}:{self.grpc_port}"
+
+
+def reachable(address: str) -> str:
+    """Where to reach, from this host, a server bound to `address`: loopback when it binds every address."""
+    if address in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{address}]" if ":" in address else address
 
 
 ADMIN_KEY = re.compile(r"[A-Za-z0-9._~+/-]+")

@@ -182,15 +182,34 @@ def test_killed_stub_is_restarted_and_answers_again(served: Served) -> None:
     assert not list(SHM_DIR.glob(f"{shm_prefix(served.pid, 1)}*"))  # the first start's regions are gone
 
 
+def health(served: Served) -> subprocess.CompletedProcess[str]:
+    """`python -m kev_backend.serve.probe` (the image's HEALTHCHECK) against this server, as its settings say."""
+    ports = {
+        "HTTP_PORT": served.triton.http_url.rsplit(":", 1)[1],
+        "GRPC_PORT": served.triton.grpc_url.rsplit(":", 1)[1],
+        "GATEWAY_PORT": served.gateway_url.rsplit(":", 1)[1],
+    }
+    command = [sys.executable, "-m", "kev_backend.serve.probe", "--timeout", "3"]
+    return subprocess.run(command, env={**os.environ, **ports}, capture_output=True, text=True, timeout=60)
+
+
 def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
-    """A stopped stub is alive, so only the inference probe can tell: Triton refuses it as not healthy."""
+    """A stopped stub is alive, so only the inference probe can tell: Triton refuses it as not healthy. The health
+    check (kev_backend.serve.probe) says unhealthy meanwhile, though Triton's process is up, and healthy after."""
+    assert (result := health(served)).returncode == 0 and result.stdout.startswith("healthy"), result
     triton = child_named(served.pid, "tritonserver")
     os.kill(child_named(triton, procs.STUB_COMM), signal.SIGSTOP)
     stopped = time.monotonic()
+    result = health(served)
+    assert result.returncode == 1 and result.stdout.startswith("unhealthy: "), result
     wait_for_log(served.triton, "TRITON RESTART 2: probe: INTERNAL: Stub process 'kev_0_0' is not healthy", 30)
     wait_for_log(served.triton, "tritonserver answering again after", 60, times=2)
-    print(f"\nSIGSTOP of the stub to answering again: {time.monotonic() - stopped:.1f} s")
+    print(f"\nSIGSTOP of the stub to answering again: {time.monotonic() - stopped:.1f} s; health: {result.stdout}")
     assert infer(served.triton.grpc_url, 30)[0] is not None
+    deadline = time.monotonic() + 10  # the gateway's /ready: its own inference within its last 2 s
+    while (result := health(served)).returncode != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert result.returncode == 0, result
 
 
 def test_killed_gateway_is_restarted(served: Served) -> None:

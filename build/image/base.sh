@@ -10,7 +10,7 @@
 # Needs mmdebstrap and podman (Debian: apt-get install -y podman buildah mmdebstrap runc).
 #
 # What is in it (bookworm, --variant=apt, docs, man pages and locales left out): python3 3.11 and python3-venv (the
-# venv), libpython3.11 (the tritonserver Python stub links it), tini (PID 1: forwards SIGTERM, reaps), unzip
+# venv), libpython3.11 (the tritonserver Python stub links it), tini (PID 1: forwards SIGTERM, reaps), unzip and xz-utils
 # (build/install_tritonserver.sh), passwd (useradd for the non-root user), ca-certificates.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,7 +37,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 start=$(date +%s)
 mmdebstrap --variant=apt --quiet \
-  --include=python3,python3-venv,libpython3.11,ca-certificates,tini,unzip,passwd \
+  --include=python3,python3-venv,libpython3.11,ca-certificates,tini,unzip,xz-utils,passwd \
   --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/doc/*' \
   --dpkgopt='path-include=/usr/share/doc/*/copyright' \

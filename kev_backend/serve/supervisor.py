@@ -29,11 +29,9 @@ signal), remove the shared-memory regions and exit 0.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -43,17 +41,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from ..settings import REPO, ServeSettings, SettingError, admin_key
 from . import procs
 from .gpus import cuda_devices
+from .probe import Probe, answered
 
 SHM_DIR = Path("/dev/shm")
 # Every region of a start is named f"{SHM_PREFIX}{supervisor pid}_{start number}_<uuid>" (the Python backend adds
 # the uuid), so a start's regions, this supervisor's, and those of a supervisor no longer running can be found.
 SHM_PREFIX = "kev_serve_"
-PROBE_BODY = b'{"state":"probe","questions":{"ok":{"type":"noul","instructions":"ok?"}}}'
 UNHEALTHY = "is not healthy"  # the Python backend's refusal once its stub is gone
 QUEUE_FULL = "Exceeds maximum queue size"
 TICK_S = 0.1
@@ -196,49 +193,6 @@ def stop_children(children: list[Child], deadline: float, hurry: Callable[[], bo
     for child in children:
         child.reap()
     return graceful
-
-
-class Probe:
-    """Triton's gRPC API through futures: the supervisor's loop never blocks on Triton. One per Triton start (a new
-    channel, whose reconnect backoff is kept short so a restarted server is seen at once)."""
-
-    def __init__(self, target: str, model: str) -> None:
-        options = [
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 250),
-        ]
-        self.channel = grpc.insecure_channel(target, options=options)
-        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
-        self.model = model
-        request = service_pb2.ModelInferRequest(model_name=model)
-        tensor = request.inputs.add(name="REQUEST", datatype="BYTES")
-        tensor.shape.extend([1, 1])
-        request.outputs.add(name="RESPONSE")
-        request.raw_input_contents.append(struct.pack("<I", len(PROBE_BODY)) + PROBE_BODY)
-        self.request = request
-
-    def ready(self) -> grpc.Future:
-        return self.stub.ServerReady.future(service_pb2.ServerReadyRequest(), timeout=2.0)
-
-    def infer(self, timeout_s: float) -> grpc.Future:
-        return self.stub.ModelInfer.future(self.request, timeout=timeout_s)
-
-    def statistics(self) -> grpc.Future:
-        return self.stub.ModelStatistics.future(service_pb2.ModelStatisticsRequest(name=self.model), timeout=2.0)
-
-    def close(self) -> None:
-        self.channel.close()
-
-
-def answered(reply: service_pb2.ModelInferResponse) -> bool:
-    """The probe's reply holds a Kev answer to its question."""
-    try:
-        raw = reply.raw_output_contents[0]
-        (length,) = struct.unpack_from("<I", raw)
-        return "ok" in json.loads(raw[4 : 4 + length])["answers"]
-    except (IndexError, struct.error, ValueError, KeyError, TypeError):
-        return False
 
 
 @dataclass
