@@ -13,6 +13,7 @@ questions. Each is a RequestError for that request alone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -255,6 +256,26 @@ def parse_request(body: str | bytes | dict[str, Any], limits: Limits = DEFAULT_L
     # Render from the raw JSON: the texts must not depend on any coercion the models might do.
     questions = tuple(_question(qid, raw) for qid, raw in data["questions"].items())
     return Record(model=request.model, state_text=render(data["state"]), questions=questions)
+
+
+# Routing by state: a request goes to the replica whose bank may hold its state (docs/operations.md, Past one GPU).
+STATE_KEY_HEADER = "x-kev-state-key"
+
+
+def state_key(state_text: str) -> str:
+    """The routing key of a state: a hash of the text Kev renders it to, which is what a replica's bank holds. The
+    same state with other whitespace, other questions or other options gets the same key; key order and scalar
+    spellings are part of that text (the model reads them), so they make another state, as they do in the bank."""
+    return hashlib.blake2b(state_text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def state_key_of(body: str | bytes | dict[str, Any]) -> str | None:
+    """A request body's routing key, or None when it has no state to key (the server will refuse it anyway)."""
+    try:
+        data = body if isinstance(body, dict) else json.loads(body)
+        return state_key(render(data["state"]))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
 
 
 def _question(qid: str, raw: dict[str, Any]) -> Question:

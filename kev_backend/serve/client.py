@@ -13,6 +13,8 @@ from typing import Any, Literal
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
+from ..protocol.systemone import STATE_KEY_HEADER, state_key_of
+
 Protocol = Literal["grpc", "http"]
 Body = dict[str, Any] | str | bytes
 
@@ -96,8 +98,14 @@ class _Client:
         options = {"channel_args": GRPC_CHANNEL} if protocol == "grpc" else {}
         self._client = _module(protocol, asynchronous)[1].InferenceServerClient(url, **options)
 
-    def _infer_args(self, body: Body, request_id: str, timeout_s: float | None = None) -> tuple[list, dict[str, Any]]:
+    def _infer_args(
+        self, body: Body, request_id: str, timeout_s: float | None = None, state_key: str | None = None
+    ) -> tuple[list, dict[str, Any]]:
+        """The inputs and options of one call; the state's routing key travels as a header (gRPC metadata), so a
+        proxy in front of several servers sends a repeated state where it is banked."""
         options: dict[str, Any] = {"request_id": request_id}
+        if key := state_key or state_key_of(body):
+            options["headers"] = {STATE_KEY_HEADER: key}
         if self.protocol == "grpc":  # only the gRPC client takes a client-side deadline
             options["client_timeout"] = self.timeout_s if timeout_s is None else timeout_s
         return [request_input(self.protocol, body)], options
@@ -111,9 +119,10 @@ class KevClient(_Client):
     ) -> None:
         super().__init__(url, protocol, model, timeout_s, asynchronous=False)
 
-    def score(self, body: Body, request_id: str = "") -> dict[str, Any]:
-        """The response body (Kev 1.0's JSON as a dict) for one System One request."""
-        inputs, options = self._infer_args(body, request_id)
+    def score(self, body: Body, request_id: str = "", state_key: str | None = None) -> dict[str, Any]:
+        """The response body (Kev 1.0's JSON as a dict) for one System One request. `state_key`: its routing key
+        when the caller has it already (else computed from the body)."""
+        inputs, options = self._infer_args(body, request_id, state_key=state_key)
         try:
             result = self._client.infer(self.model, inputs, **options)
         except InferenceServerException as error:
@@ -138,13 +147,15 @@ class AsyncKevClient(_Client):
     ) -> None:
         super().__init__(url, protocol, model, timeout_s, asynchronous=True)
 
-    async def score(self, body: Body, request_id: str = "") -> dict[str, Any]:
-        return json.loads(await self.score_raw(body, request_id))
+    async def score(self, body: Body, request_id: str = "", state_key: str | None = None) -> dict[str, Any]:
+        return json.loads(await self.score_raw(body, request_id, state_key=state_key))
 
-    async def score_raw(self, body: Body, request_id: str = "", timeout_s: float | None = None) -> bytes:
+    async def score_raw(
+        self, body: Body, request_id: str = "", timeout_s: float | None = None, state_key: str | None = None
+    ) -> bytes:
         """The response JSON as the server wrote it (for pass-through). `timeout_s` overrides the client's deadline
         for this call (gRPC only). Cancelling the awaiting task cancels the call: Triton drops it if still queued."""
-        inputs, options = self._infer_args(body, request_id, timeout_s)
+        inputs, options = self._infer_args(body, request_id, timeout_s, state_key)
         try:
             result = await self._client.infer(self.model, inputs, **options)
         except InferenceServerException as error:

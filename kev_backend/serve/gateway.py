@@ -52,7 +52,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..protocol.systemone import RequestError, parse_request, round4
+from ..protocol.systemone import Record, RequestError, parse_request, round4, state_key
 from ..settings import GatewaySettings, SettingError, gateway_address, parameters
 from .client import AsyncKevClient, KevError
 
@@ -392,9 +392,10 @@ class Gateway:
         finally:
             self.in_flight -= n
 
-    async def score(self, body: dict[str, Any] | bytes, request_id: str) -> bytes:
+    async def score(self, body: dict[str, Any] | bytes, request_id: str, record: Record) -> bytes:
+        """One call to Triton, with the state's routing key (x-kev-state-key) for a router in front of several."""
         assert self.kev is not None
-        return await self.kev.score_raw(body, request_id)
+        return await self.kev.score_raw(body, request_id, state_key=state_key(record.state_text))
 
     async def probe(self) -> None:
         assert self.kev is not None
@@ -448,16 +449,16 @@ class Gateway:
         return error.response()
 
     async def system_one(self, raw: bytes, request_id: str) -> Response:
-        parse_request(raw, self.limits)  # Kev's 422s before any model work
+        record = parse_request(raw, self.limits)  # Kev's 422s before any model work
         with self.admitted():
-            return Response(await self.score(raw, request_id), media_type="application/json")
+            return Response(await self.score(raw, request_id, record), media_type="application/json")
 
     async def separate(self, raw: bytes, request_id: str) -> Response:
         record = parse_request(raw, self.limits)
         body = load_json(raw)
         parts = [single_question(body, q.id, body["questions"][q.id]) for q in record.questions]
         with self.admitted(len(parts)):
-            replies = await asyncio.gather(*(self.score(p, f"{request_id}-{i}") for i, p in enumerate(parts)))
+            replies = await asyncio.gather(*(self.score(p, f"{request_id}-{i}", record) for i, p in enumerate(parts)))
         answers: dict[str, Any] = {}
         input_tokens = output_tokens = 0
         latency = 0.0
@@ -502,7 +503,7 @@ class Gateway:
             for order in orders
         ]
         with self.admitted(len(parts)):
-            replies = await asyncio.gather(*(self.score(p, f"{request_id}-{i}") for i, p in enumerate(parts)))
+            replies = await asyncio.gather(*(self.score(p, f"{request_id}-{i}", record) for i, p in enumerate(parts)))
         runs = []
         for order, reply in zip(orders, map(json.loads, replies)):
             answer = reply["answers"][question.id]
