@@ -44,7 +44,7 @@ BASE_IMAGE ?= localhost/debian-base:bookworm
 PODMAN ?= build/image/podman.sh
 export PODMAN_ROOT
 
-.PHONY: setup serve test lint bench clean wheelhouse image image-test
+.PHONY: setup serve test lint bench clean wheelhouse image image-test deploy-test
 
 setup: $(STAMP)
 
@@ -92,6 +92,15 @@ image: $(WHEELHOUSE_DIR)/manifest.json
 # healthcheck, SIGTERM (tests/test_image.py, pytest marker `image`, which plain `make test` leaves out).
 image-test: image setup
 	KEV_IMAGE=$(IMAGE) PODMAN="$(PODMAN)" $(PY) -m pytest -q -rs -m image tests/test_image.py
+
+# The Kubernetes manifests in deploy/, offline (tests/test_deploy.py, pytest marker `deploy`): rendered with kubectl's
+# kustomize, strict schemas, checkov and kserve in their own venv (their pins clash with the project's), Envoy's
+# validation, and the local overlay under `podman kube play` on the image. Needs kubectl, podman and the image.
+DEPLOY_VENV ?= build/.deploy-venv
+deploy-test: setup
+	test -x $(DEPLOY_VENV)/bin/checkov || ($(PYTHON) -m venv $(DEPLOY_VENV) && \
+	  $(DEPLOY_VENV)/bin/pip install --quiet -r deploy/requirements-tools.txt)
+	KEV_DEPLOY_VENV=$(DEPLOY_VENV) $(PY) -m pytest -q -rs -m deploy tests/test_deploy.py
 
 clean:
 	rm -rf $(VENV) .stamps build/.tritonserver build/.downloads $(EMBEDDED)
