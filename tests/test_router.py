@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kev_backend.protocol.systemone import state_key, state_key_of
 from kev_backend.serve.client import KevClient
+from kev_backend.serve.router import Server, config
 
-from .conftest import TritonServer, free_port, start_triton, stop_triton, wait_ready
+from .conftest import REPO, TritonServer, free_port, start_triton, stop_triton, wait_ready
 
 ENVOY = shutil.which("envoy") or str(Path(sys.prefix) / "bin" / "envoy")
 
@@ -50,6 +52,13 @@ def test_the_state_key_follows_the_rendered_state() -> None:
     assert len(set(keys)) == len(keys)
     first = Counter(int(k[0], 16) for k in keys)  # 16 buckets of 256 expected: a uniform hash stays near
     assert max(first.values()) < 330 and min(first.values()) > 190, first
+
+
+def test_the_clusters_router_config_is_the_generators() -> None:
+    """deploy/base/envoy.yaml (the router's ConfigMap in Kubernetes) is what kev_backend.serve.router writes."""
+    deployed = yaml.safe_load((REPO / "deploy" / "base" / "envoy.yaml").read_text())
+    server = Server("kev-triton.kev.svc.cluster.local", 8001, 8000)
+    assert deployed == config(("0.0.0.0", 8001), [server], True, ("127.0.0.1", 9901), ("0.0.0.0", 9902))
 
 
 @dataclass
@@ -94,7 +103,7 @@ def wait_healthy(routed: Routed, count: int, timeout_s: float = 20) -> float:
             healthy = sum(
                 1
                 for line in reply.read().decode().splitlines()
-                if line.startswith("kev_triton::") and line.endswith("::health_flags::healthy")
+                if line.startswith("kev-triton::") and line.endswith("::health_flags::healthy")
             )
         if healthy == count:
             return time.monotonic() - started

@@ -5,14 +5,14 @@ checks so a dead server's keys move to the others within about two seconds (only
 
     python -m kev_backend.serve.router --listen 127.0.0.1:8010 --server 127.0.0.1:8101/8100 \\
         --server 127.0.0.1:8201/8200 --out envoy.json          # N servers on one host (gRPC port / HTTP port)
-    python -m kev_backend.serve.router --listen 0.0.0.0:8001 --dns kev-triton:8001/8000 --out envoy.json
-                                                                # N pods behind a headless Service
+    python -m kev_backend.serve.router --listen 0.0.0.0:8001 --dns kev-triton.kev.svc.cluster.local:8001/8000 \\
+        --admin 127.0.0.1:9901 --ops 0.0.0.0:9902 --out deploy/base/envoy.yaml    # pods behind a headless Service
     envoy --mode validate -c envoy.json && envoy -c envoy.json
 
 The router speaks gRPC (HTTP/2) to clients and servers alike: Triton's gRPC port carries inference, its HTTP port
 only the health check (GET /v2/health/ready). A request the chosen server refuses at connection level is retried
-once on another server (inference is a pure function of the request, so a retry is safe). Requests without the
-header are spread at random.
+on another server only when no byte of it reached the first, so a request is never scored twice. Requests without
+the header are spread at random. deploy/base/envoy.yaml is this module's output (tests/test_router.py checks it).
 """
 
 from __future__ import annotations
@@ -25,11 +25,16 @@ from typing import Any
 
 from ..protocol.systemone import STATE_KEY_HEADER
 
-CLUSTER = "kev_triton"
+CLUSTER = "kev-triton"
+ADMIN_CLUSTER = "envoy-admin"
 # Bounded load (Envoy's hash_balance_factor, in percent): no server takes more than 1.5x the mean of requests in
-# flight; a hot state spills over to the next server on its ring instead of queueing behind itself.
+# flight; a hot state spills over to the next server in the table instead of queueing behind itself.
 BALANCE_FACTOR = 150
 HTTP_CONNECTION_MANAGER = "envoy.filters.network.http_connection_manager"
+# Triton refuses past 30 s in its queue and the gateway gives up after 120 s (KEV_GATEWAY_TIMEOUT_S); a client's own
+# grpc-timeout, when shorter, wins.
+TIMEOUT = "130s"
+ROUTER = "envoy.extensions.filters.http.router.v3.Router"
 
 
 @dataclass(frozen=True)
@@ -56,57 +61,89 @@ def socket(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def config(listen: tuple[str, int], servers: list[Server], dns: bool, admin: tuple[str, int] | None) -> dict:
-    """Envoy's bootstrap: one listener, one cluster of Triton servers (static addresses, or a DNS name whose every
-    address is a server: STRICT_DNS on a headless Service)."""
-    route = {
-        "cluster": CLUSTER,
-        "timeout": "120s",
-        "hash_policy": [{"header": {"header_name": STATE_KEY_HEADER}}],
-        "retry_policy": {
-            "retry_on": "connect-failure,refused-stream,reset",
-            "num_retries": 1,
-            "retry_host_predicate": [
-                {
-                    "name": "envoy.retry_host_predicates.previous_hosts",
-                    "typed_config": typed("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"),
-                }
-            ],
-            "host_selection_retry_max_attempts": 3,
-        },
-    }
-    routes = [{"match": {"prefix": "/"}, "route": route}]
-    router = typed("envoy.extensions.filters.http.router.v3.Router")
+def listener(name: str, address: tuple[str, int], routes: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
     manager = typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        stat_prefix="kev",
-        codec_type="AUTO",
-        route_config={
-            "name": "kev",
-            "virtual_hosts": [{"name": "kev", "domains": ["*"], "routes": routes}],
-        },
-        http_filters=[{"name": "envoy.filters.http.router", "typed_config": router}],
+        stat_prefix=name,
+        route_config={"name": name, "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}]},
+        http_filters=[
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": typed("envoy.extensions.filters.http.router.v3.Router"),
+            }
+        ],
+        **options,
     )
+    filters = [{"name": HTTP_CONNECTION_MANAGER, "typed_config": manager}]
+    return {"name": name, "address": socket(*address), "filter_chains": [{"filters": filters}]}
+
+
+def inference_route() -> dict[str, Any]:
+    return {
+        "match": {"prefix": "/"},
+        "route": {
+            "cluster": CLUSTER,
+            "timeout": TIMEOUT,
+            "max_stream_duration": {"grpc_timeout_header_max": TIMEOUT},
+            "hash_policy": [{"header": {"header_name": STATE_KEY_HEADER}}],
+            # Only failures before any byte reached a server are retried, on another one: a request is never
+            # scored twice.
+            "retry_policy": {
+                "retry_on": "connect-failure,refused-stream,reset-before-request",
+                "num_retries": 2,
+                "retry_host_predicate": [
+                    {
+                        "name": "envoy.retry_host_predicates.previous_hosts",
+                        "typed_config": typed("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"),
+                    }
+                ],
+                "host_selection_retry_max_attempts": 3,
+            },
+        },
+    }
+
+
+def triton_cluster(servers: list[Server], dns: bool) -> dict[str, Any]:
     endpoints = [
+        # Health checks go to each server's HTTP port, traffic to its gRPC port.
         {"endpoint": {"address": socket(s.host, s.grpc_port), "health_check_config": {"port_value": s.http_port}}}
         for s in servers
     ]
-    cluster = {
-        "name": CLUSTER,
-        "type": "STRICT_DNS" if dns else "STATIC",
+    cluster: dict[str, Any] = {"name": CLUSTER}
+    if dns:  # every address the name resolves to is a server: a headless Service lists only Ready pods
+        cluster["cluster_type"] = {
+            "name": "envoy.cluster.dns",
+            "typed_config": typed(
+                "envoy.extensions.clusters.dns.v3.DnsCluster",
+                all_addresses_in_single_endpoint=False,
+                dns_lookup_family="V4_ONLY",
+                dns_refresh_rate="5s",
+                respect_dns_ttl=False,
+            ),
+        }
+    else:
+        cluster["type"] = "STATIC"
+    maglev = {
+        "name": "envoy.load_balancing_policies.maglev",
+        "typed_config": typed(
+            "envoy.extensions.load_balancing_policies.maglev.v3.Maglev",
+            table_size=65537,
+            consistent_hashing_lb_config={"hash_balance_factor": BALANCE_FACTOR},
+        ),
+    }
+    return cluster | {
         "connect_timeout": "1s",
-        "lb_policy": "MAGLEV",
-        "common_lb_config": {"consistent_hashing_lb_config": {"hash_balance_factor": BALANCE_FACTOR}},
+        "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        # Maglev: a server that joins or leaves moves only its share of the keys.
+        "load_balancing_policy": {"policies": [{"typed_extension_config": maglev}]},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                explicit_http_config={"http2_protocol_options": {}},
+                explicit_http_config={"http2_protocol_options": {"max_concurrent_streams": 1024}},
             )
         },
-        "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
-        # Triton's ready endpoint on its HTTP port, every second; two misses take a server out (a dead or restarting
-        # server: kev-serve restarts one whose Python stub died), one answer brings it back. no_traffic_interval: a
-        # server that gets no traffic is still checked every second.
+        # Triton's ready endpoint every second; two misses take a server out (dead, or being restarted by kev-serve
+        # after its Python stub died), one answer brings it back; servers without traffic are checked too.
         "health_checks": [
             {
                 "timeout": "1s",
@@ -117,25 +154,71 @@ def config(listen: tuple[str, int], servers: list[Server], dns: bool, admin: tup
                 "http_health_check": {"path": "/v2/health/ready", "codec_client_type": "HTTP1"},
             }
         ],
+        # Every server failing its checks should not happen; route anyway rather than refuse everything.
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        # Failures in a row (connections, gRPC INTERNAL/UNAVAILABLE as 500/503) eject a server for a while, at most
+        # half of them at once.
+        "outlier_detection": {
+            "consecutive_5xx": 5,
+            "consecutive_gateway_failure": 3,
+            "interval": "5s",
+            "base_ejection_time": "10s",
+            "max_ejection_percent": 50,
+        },
+        # Triton's own queue refuses past 512 requests a server; these only guard Envoy itself.
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_connections": 1024, "max_pending_requests": 4096, "max_requests": 8192, "max_retries": 64}
+            ]
+        },
     }
-    if dns:
-        cluster["dns_lookup_family"] = "V4_ONLY"
-        cluster["dns_refresh_rate"] = "5s"
-        cluster["respect_dns_ttl"] = False
-    bootstrap: dict[str, Any] = {
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "kev",
-                    "address": socket(*listen),
-                    "filter_chains": [{"filters": [{"name": HTTP_CONNECTION_MANAGER, "typed_config": manager}]}],
-                }
-            ],
-            "clusters": [cluster],
-        }
-    }
-    if admin is not None:  # statistics and cluster health, for operators and tests; keep it on loopback
+
+
+def config(
+    listen: tuple[str, int],
+    servers: list[Server],
+    dns: bool,
+    admin: tuple[str, int] | None = None,
+    ops: tuple[str, int] | None = None,
+) -> dict[str, Any]:
+    """Envoy's bootstrap: the gRPC listener and the cluster of Triton servers (static addresses, or a DNS name whose
+    every address is a server), with the admin interface on `admin` and, on `ops`, only its /ready and Prometheus
+    statistics (for a router's own probes and scraping; the admin API itself can stop Envoy)."""
+    listeners = [
+        listener(
+            "kev",
+            listen,
+            [inference_route()],
+            codec_type="AUTO",
+            http2_protocol_options={"max_concurrent_streams": 1024},
+            request_headers_timeout="10s",
+            stream_idle_timeout="300s",
+        )
+    ]
+    clusters = [triton_cluster(servers, dns)]
+    bootstrap: dict[str, Any] = {}
+    if admin is not None:
         bootstrap["admin"] = {"address": socket(*admin)}
+    if ops is not None:
+        if admin is None:
+            raise ValueError("the ops listener serves the admin interface's /ready and statistics: give --admin")
+        to_admin = {"cluster": ADMIN_CLUSTER}
+        routes = [
+            {"match": {"path": "/ready"}, "route": to_admin},
+            {"match": {"path": "/stats/prometheus"}, "route": to_admin},
+            {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
+        ]
+        listeners.append(listener("ops", ops, routes))
+        endpoint = {"endpoint": {"address": socket(*admin)}}
+        clusters.append(
+            {
+                "name": ADMIN_CLUSTER,
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "load_assignment": {"cluster_name": ADMIN_CLUSTER, "endpoints": [{"lb_endpoints": [endpoint]}]},
+            }
+        )
+    bootstrap["static_resources"] = {"listeners": listeners, "clusters": clusters}
     return bootstrap
 
 
@@ -153,10 +236,12 @@ def main() -> None:
     servers.add_argument("--server", type=Server.parse, action="append", help="HOST:GRPC_PORT/HTTP_PORT, repeated")
     servers.add_argument("--dns", type=Server.parse, help="NAME:GRPC_PORT/HTTP_PORT: every address of NAME")
     parser.add_argument("--admin", type=host_port, help="HOST:PORT of Envoy's admin interface (default: none)")
+    parser.add_argument("--ops", type=host_port, help="HOST:PORT serving only the admin's /ready and statistics")
     parser.add_argument("--out", type=Path, required=True, help="the bootstrap file to write (.json)")
     args = parser.parse_args()
     upstream = [args.dns] if args.dns else args.server
-    args.out.write_text(json.dumps(config(args.listen, upstream, args.dns is not None, args.admin), indent=1) + "\n")
+    bootstrap = config(args.listen, upstream, args.dns is not None, args.admin, args.ops)
+    args.out.write_text(json.dumps(bootstrap, indent=1) + "\n")
 
 
 if __name__ == "__main__":
