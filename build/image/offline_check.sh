@@ -2,7 +2,7 @@
 # Proof that a wheelhouse installs and serves with no network at all: copies the working tree (git's tracked and
 # untracked-but-not-ignored files, no .venv, no build outputs) into a temporary directory, then, inside a network
 # namespace of its own with only loopback (unshare --net), runs `make setup WHEELHOUSE=DIR` (a fresh venv, pip
-# --no-index, tritonserver from DIR's nvidia-pytriton wheel), starts `make serve` on its default ports, sends README's
+# --no-index, tritonserver from DIR), starts `make serve` on its default ports, sends README's
 # request through Triton's HTTP port and through the gateway, and stops the server with SIGTERM.
 #
 # Usage: build/image/offline_check.sh [WHEELHOUSE]      (default build/wheelhouse; root, for unshare --net)
