@@ -25,7 +25,7 @@ export METRICS_PORT ?= 8002
 export GATEWAY_PORT ?= 8009
 export GATEWAY ?= 1
 # Offline installs: WHEELHOUSE=DIR makes setup (so serve and test) install only from DIR, a wheelhouse made by
-# `make wheelhouse` (pip --no-index, none of pip's configured sources; tritonserver from DIR's nvidia-pytriton wheel).
+# `make wheelhouse` (pip --no-index, none of pip's configured sources; tritonserver from DIR's trimmed archive).
 WHEELHOUSE ?=
 PIP_ENV := $(if $(WHEELHOUSE),env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL PIP_CONFIG_FILE=/dev/null \
   PIP_NO_INDEX=1 PIP_FIND_LINKS=$(abspath $(WHEELHOUSE)))
