@@ -1,8 +1,10 @@
 """Kev decision models served from a Triton Python backend.
 
 Packages, each depending only on those listed after it:
-    serve     Triton settings, metrics, the System One gateway, the client, `kev score`, the supervisor
+    serve     the Triton model's engine options, metrics, the System One gateway, the client, `kev score`, the
+              supervisor, the health probe, the router's configuration
     dev       synthetic checkpoints, request shapes, parity, the in-process bench, the GEMM tuner
+    settings  (a module) the one reader of configuration: model parameters, KEV_* and the serving environment
     engine    engine options, the staged engine, the pipeline that overlaps batches
     gpu       the fused forward pass, pass layouts, CUDA graphs, the state pool, pre-tuned GEMMs, kernels/
     scoring   the head's math, the state bank's LRU, host copies, the fp32 reference scorer
