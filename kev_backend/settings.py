@@ -330,6 +330,7 @@ class GatewaySettings:
     KEV_* overrides, once Triton has answered), with the body limit replaced by `max_decoded_bytes`."""
 
     triton_url: str = "127.0.0.1:8001"
+    metrics_url: str = "127.0.0.1:8002"  # Triton's metrics port: the serving statistics of GET /v1/models
     model: str = "kev"
     api_key: str | None = None
     max_in_flight: int = 512  # requests the gateway holds at once; more get 429 at once
@@ -341,14 +342,15 @@ class GatewaySettings:
     env: Mapping[str, str] = field(default_factory=dict, repr=False)  # for the model's KEV_* limit overrides
 
     @classmethod
-    def read(cls, env: Environment = os.environ, triton_url: str | None = None) -> GatewaySettings:
+    def read(cls, env: Environment = os.environ) -> GatewaySettings:
         d = cls()
 
         def get(name: str, parse: Callable[[str], Any], default: Any) -> Any:
             return read(name, env.get(name), parse, default)
 
         return cls(
-            triton_url=triton_url or get("TRITON_GRPC_URL", text, d.triton_url),
+            triton_url=get("TRITON_GRPC_URL", text, d.triton_url),
+            metrics_url=get("TRITON_METRICS_URL", text, d.metrics_url),
             model=get("KEV_TRITON_MODEL", text, d.model),
             api_key=get("KEV_API_KEY", text, None),
             max_in_flight=get("KEV_GATEWAY_MAX_IN_FLIGHT", integer(1), d.max_in_flight),

@@ -208,7 +208,7 @@ class Gateway:
 def start_gateway(triton: TritonServer, log: Path, **env: str) -> Gateway:
     """The real `kev-gateway` (uvicorn) against `triton`, on a free loopback port."""
     port = free_port()
-    environment = {**os.environ, "TRITON_GRPC_URL": triton.grpc_url, **env}
+    environment = {**os.environ, "TRITON_GRPC_URL": triton.grpc_url, "TRITON_METRICS_URL": triton.metrics_url, **env}
     command = [str(Path(sys.prefix) / "bin" / "kev-gateway"), "--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(command, env=environment, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     gateway = Gateway(f"http://127.0.0.1:{port}", process, log)

@@ -78,6 +78,28 @@ def post(gateway: Gateway, path: str, body: bytes | dict, key: str | None = KEY,
         return error.code, dict(error.headers), json.loads(error.read())
 
 
+def serving(gateway: Gateway) -> dict:
+    request = urllib.request.Request(gateway.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        cards = json.loads(response.read())["models"]
+    assert cards[0]["serving"] == cards[1]["serving"]
+    return cards[0]["serving"]
+
+
+def test_models_carry_the_serving_statistics(gateway: Gateway) -> None:
+    """GET /v1/models reports Kev's serving statistics, read from Triton's metrics: a state sent twice is one bank
+    miss and one hit, and the batches and inferences count."""
+    before = serving(gateway)
+    assert set(before) >= {"bank_hits", "bank_misses", "bank_states", "graphs", "oom_retries", "batches", "queued_now"}
+    body = {"state": f"serving statistics {time.time()}", "questions": QUESTIONS}
+    for _ in range(2):
+        assert post(gateway, "/v1/systemone", body)[0] == 200
+    after = serving(gateway)
+    assert (after["bank_misses"] - before["bank_misses"], after["bank_hits"] - before["bank_hits"]) == (1, 1)
+    assert after["inferences"] - before["inferences"] == 2 and after["batches"] > before["batches"]
+    assert after["bank_states"] >= 1 and after["oom_retries"] == 0
+
+
 def sdk_response_as_body(result) -> dict:
     return json.loads(result.model_dump_json())
 

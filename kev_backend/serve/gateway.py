@@ -38,7 +38,9 @@ import logging
 import math
 import os
 import random
+import re
 import time
+import urllib.request
 import uuid
 import zlib
 from collections import Counter
@@ -326,6 +328,43 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+# The serving statistics of GET /v1/models, as Kev reports its own: each from a metric of Triton's metrics port,
+# summed over the model's instances (the backend's kev_* and Triton's nv_inference_*).
+SERVING_METRICS = {
+    "bank_hits": "kev_bank_hits_total",
+    "bank_misses": "kev_bank_misses_total",
+    "bank_evictions": "kev_bank_evictions_total",
+    "bank_states": "kev_bank_entries",
+    "bank_bytes": "kev_bank_bytes",
+    "graphs": "kev_graphs",
+    "graph_captures": "kev_graph_captures_total",
+    "graph_capture_failures": "kev_graph_capture_failures_total",
+    "graph_replays": "kev_graph_replays_total",
+    "oom_retries": "kev_oom_retries_total",
+    "batches": "nv_inference_exec_count",
+    "inferences": "nv_inference_count",
+    "queued_now": "nv_inference_pending_request_count",
+    "queue_us_total": "nv_inference_queue_duration_us",
+}
+METRIC_LINE = re.compile(r"^([a-z_]+)(?:\{([^}]*)\})? (\S+)$")
+
+
+def serving_statistics(metrics_url: str, model: str, timeout_s: float = 2.0) -> dict[str, float | int] | None:
+    """Kev's serving statistics from Triton's metrics port, or None when it does not answer (the cards still do)."""
+    try:
+        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    wanted = {metric: key for key, metric in SERVING_METRICS.items()}
+    found: dict[str, float] = dict.fromkeys(SERVING_METRICS, 0.0)
+    for line in text.splitlines():
+        match = METRIC_LINE.match(line)
+        if match and match[1] in wanted and f'model="{model}"' in (match[2] or ""):
+            found[wanted[match[1]]] += float(match[3])
+    return {key: int(value) if value.is_integer() else value for key, value in found.items()}
+
+
 def label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -530,6 +569,7 @@ class Gateway:
             "max_row_tokens": limits.max_row_tokens,
             "truncate_states": False,
             "dtype": params.get("dtype") or None,
+            "serving": await asyncio.to_thread(serving_statistics, self.settings.metrics_url, self.settings.model),
         }
         cards = [
             {
@@ -689,10 +729,13 @@ def main() -> None:
     parser.add_argument("--host", default=host, help="listening address (GATEWAY_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=port, help="listening port (GATEWAY_PORT, default 8009)")
     parser.add_argument("--triton", help="Triton gRPC address (TRITON_GRPC_URL, default 127.0.0.1:8001)")
+    parser.add_argument("--metrics", help="Triton metrics address (TRITON_METRICS_URL, default 127.0.0.1:8002)")
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
     if args.triton:  # the app factory runs in uvicorn's workers, which inherit the environment
         os.environ["TRITON_GRPC_URL"] = args.triton
+    if args.metrics:
+        os.environ["TRITON_METRICS_URL"] = args.metrics
     import uvicorn
 
     uvicorn.run(

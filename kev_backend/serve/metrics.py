@@ -46,6 +46,9 @@ class KevMetrics:
         self.graph_failures = metric(
             "kev_graph_capture_failures_total", counter, "CUDA graph captures that failed (their passes run eagerly)"
         )
+        self.oom_retries = metric(
+            "kev_oom_retries_total", counter, "passes retried in parts after the GPU ran out of memory"
+        )
         self.graphs = metric("kev_graphs", gauge, "CUDA graphs held")
         self.graph_bytes = metric("kev_graph_bytes", gauge, "GPU memory reserved while capturing the graphs")
         self.batch_requests = metric("kev_batch_requests", histogram, "requests per engine call", BATCH_BUCKETS)
@@ -89,6 +92,7 @@ class KevMetrics:
             "graph_captures": getattr(scorer, "graph_captures", 0),
             "graph_failures": graphs.stats.capture_failures if graphs is not None else 0,
             "tokenized_chars": engine.tokenizer.tokenized_chars,
+            "oom_retries": getattr(scorer, "oom_retries", 0),
         }
         counters = {
             "hits": self.bank_hits,
@@ -98,6 +102,7 @@ class KevMetrics:
             "graph_captures": self.graph_captures,
             "graph_failures": self.graph_failures,
             "tokenized_chars": self.tokenized_chars,
+            "oom_retries": self.oom_retries,
         }
         for key, total in totals.items():
             if total > self._seen.get(key, 0):

@@ -308,7 +308,8 @@ class Supervisor:
         # `python -m`: runs wherever the project imports, with or without its console scripts installed
         gateway = [str(c.venv / "bin" / "python"), "-m", "kev_backend.serve.gateway"]
         command = [*gateway, "--host", c.bind_address, "--port", str(c.gateway_port)]
-        self.gateway = Child("kev-gateway", [*command, "--triton", c.grpc_target], self.env)
+        metrics = f"{c.triton_host}:{c.metrics_port}"
+        self.gateway = Child("kev-gateway", [*command, "--triton", c.grpc_target, "--metrics", metrics], self.env)
         log(f"System One gateway pid {self.gateway.pid} on {c.bind_address}:{c.gateway_port}")
 
     def spend_restart(self, what: str, reason: str) -> int:
