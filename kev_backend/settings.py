@@ -101,6 +101,15 @@ def read(source: str, raw: str | None, parse: Callable[[str], Any], default: Any
         raise SettingError(f"{source}={raw!r}: {error}") from None
 
 
+def variables(env: Environment) -> Callable[[str, Callable[[str], Any], Any], Any]:
+    """`get(NAME, parse, default)` over `env`: the variable parsed, or the default when unset or empty."""
+
+    def get(name: str, parse: Callable[[str], Any], default: Any) -> Any:
+        return read(name, env.get(name), parse, default)
+
+    return get
+
+
 # --- the Triton model ------------------------------------------------------------------------------------------
 
 
@@ -248,10 +257,7 @@ class ServeSettings:
     @classmethod
     def read(cls, env: Environment = os.environ, argv: Iterable[str] = ()) -> ServeSettings:
         d = cls()
-
-        def get(name: str, parse: Callable[[str], Any], default: Any) -> Any:
-            return read(name, env.get(name), parse, default)
-
+        get = variables(env)
         return cls(
             http_port=get("HTTP_PORT", port, d.http_port),
             grpc_port=get("GRPC_PORT", port, d.grpc_port),
@@ -344,10 +350,7 @@ class GatewaySettings:
     @classmethod
     def read(cls, env: Environment = os.environ) -> GatewaySettings:
         d = cls()
-
-        def get(name: str, parse: Callable[[str], Any], default: Any) -> Any:
-            return read(name, env.get(name), parse, default)
-
+        get = variables(env)
         return cls(
             triton_url=get("TRITON_GRPC_URL", text, d.triton_url),
             metrics_url=get("TRITON_METRICS_URL", text, d.metrics_url),
@@ -368,11 +371,10 @@ class GatewaySettings:
 
 def gateway_address(env: Environment = os.environ) -> tuple[str, int]:
     """A stand-alone gateway's listening address: GATEWAY_HOST and GATEWAY_PORT (kev-serve passes its own)."""
-    return read("GATEWAY_HOST", env.get("GATEWAY_HOST"), text, "127.0.0.1"), read(
-        "GATEWAY_PORT", env.get("GATEWAY_PORT"), port, 8009
-    )
+    get = variables(env)
+    return get("GATEWAY_HOST", text, "127.0.0.1"), get("GATEWAY_PORT", port, 8009)
 
 
 def api_key(env: Environment = os.environ) -> str | None:
     """The gateway's bearer key (KEV_API_KEY), for clients such as the load tests."""
-    return read("KEV_API_KEY", env.get("KEV_API_KEY"), text, None)
+    return variables(env)("KEV_API_KEY", text, None)

@@ -65,22 +65,23 @@ def answered(reply: service_pb2.ModelInferResponse) -> bool:
         return False
 
 
-def status(url: str, timeout_s: float) -> int:
+def not_ready(what: str, url: str, timeout_s: float) -> str | None:
+    """None when GET `url` answers 200, else why `what` is not ready."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-            return reply.status
+            code = reply.status
     except urllib.error.HTTPError as error:
-        return error.code
+        code = error.code
+    except OSError as error:
+        return f"{what} not ready: {url}: {error}"
+    return None if code == 200 else f"{what} not ready: {url} answered {code}"
 
 
 def unhealthy(settings: ServeSettings, timeout_s: float) -> str | None:
     """None when a real inference is answered (and the gateway, when on, is ready), else why not."""
     ready = f"http://{settings.triton_host}:{settings.http_port}/v2/health/ready"
-    try:
-        if (code := status(ready, timeout_s)) != 200:
-            return f"Triton not ready: {ready} answered {code}"
-    except OSError as error:
-        return f"Triton not ready: {ready}: {error}"
+    if why_not := not_ready("Triton", ready, timeout_s):
+        return why_not
     probe = Probe(settings.grpc_target, settings.model)
     try:
         reply = probe.infer(timeout_s).result()
@@ -90,14 +91,7 @@ def unhealthy(settings: ServeSettings, timeout_s: float) -> str | None:
         probe.close()
     if not answered(reply):
         return "inference through Triton: the reply holds no answer"
-    if settings.gateway:
-        url = f"{settings.gateway_url}/ready"
-        try:
-            if (code := status(url, timeout_s)) != 200:
-                return f"gateway not ready: {url} answered {code}"
-        except OSError as error:
-            return f"gateway not ready: {url}: {error}"
-    return None
+    return not_ready("gateway", f"{settings.gateway_url}/ready", timeout_s) if settings.gateway else None
 
 
 def main() -> int:
