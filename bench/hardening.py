@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from kev_backend.dev.revision import commit
+from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import short6
 from kev_backend.serve.client import KevClient, KevError
 from kev_backend.serve.procs import descendant_named
@@ -47,14 +47,6 @@ def wait_answering(url: str, deadline_s: float) -> float | None:
 
 def shm_regions() -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob("kev_serve_*"))
-
-
-def gpu_name() -> str:
-    try:
-        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        return subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()[0]
-    except (OSError, IndexError):
-        return "cpu"
 
 
 def main() -> None:

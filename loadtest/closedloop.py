@@ -24,7 +24,7 @@ from pathlib import Path
 
 from loops import measured_loop
 
-from kev_backend.dev.revision import commit
+from kev_backend.dev.provenance import commit
 from kev_backend.serve.client import AsyncKevClient
 
 

@@ -12,14 +12,13 @@ import asyncio
 import itertools
 import json
 import statistics
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 from loops import closed_loop
 
-from kev_backend.dev.revision import commit
+from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import short6
 from kev_backend.serve.client import AsyncKevClient, KevClient, KevError
 
@@ -66,15 +65,6 @@ async def measure(grpc: str, clients: int, seconds: float) -> dict[str, float]:
         loaded = await closed_loop(send, clients, seconds)
     loaded = {f"short6_{clients}c_{name}": value for name, value in loaded.items()}
     return {"short6_1c_p50_ms": 1000 * statistics.median(alone), **loaded}
-
-
-def gpu_name() -> str:
-    try:
-        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        names = subprocess.run(query, capture_output=True, text=True)
-    except OSError:
-        return "cpu"
-    return names.stdout.strip().splitlines()[0] if names.returncode == 0 and names.stdout.strip() else "cpu"
 
 
 def main() -> None:

@@ -26,10 +26,8 @@ import itertools
 import json
 import random
 import re
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -42,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from kev_backend.dev.revision import commit
+from kev_backend.dev.provenance import commit, gpu_name, nvidia_smi
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve.client import AsyncKevClient, KevError
 from kev_backend.serve.procs import STUB_COMM, children
@@ -65,7 +63,6 @@ CANCEL_AFTER_S = (0.002, 0.02)
 # the driver. Repeats come from the most recent states only (as a state bank with LRU eviction would see them).
 HISTORY_KEEP = 10_000
 EXAMPLES_KEPT = 20  # distinct unexpected errors described in the JSON, with their counts; others are only counted
-NVIDIA_SMI_TIMEOUT_S = 10.0
 METRICS_TIMEOUT_S = 5.0
 # The backend's gauges watched, by the name they get here, and Triton's metrics name (summed over model instances).
 GAUGES = {
@@ -289,18 +286,6 @@ def rss_mb(pids: list[int]) -> float | None:
     """The summed VmRSS of `pids` in MiB; None when none could be read."""
     values = [kb for pid in pids if (kb := proc_status_kb(pid, "VmRSS")) is not None]
     return round(sum(values) / 1024, 1) if values else None
-
-
-def nvidia_smi(query: str) -> list[str]:
-    """One line per GPU of `nvidia-smi --query-gpu=QUERY`; empty without nvidia-smi or when it fails."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    command = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
 
 
 def gpu_memory_mb() -> float | None:
@@ -552,11 +537,6 @@ def summarize(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[
         out["max"][key] = max(values) if values else None
         out["growth"][key] = round(end / start - 1, 4) if start and end is not None else None
     return out
-
-
-def gpu_name() -> str:
-    names = nvidia_smi("name")
-    return names[0] if names else "cpu"
 
 
 def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 
 from kev_backend.dev import tiny
 from kev_backend.dev.parity import parity_report
-from kev_backend.dev.revision import commit
+from kev_backend.dev.provenance import commit
 from kev_backend.dev.workloads import realistic
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.model.checkpoint import LoadOptions, load_checkpoint

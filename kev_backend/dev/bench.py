@@ -30,7 +30,7 @@ from ..engine.engine import Engine, EngineOptions, dumps
 from ..engine.pipeline import Pipeline, parts_by_size
 from ..model.checkpoint import LoadOptions, load_checkpoint
 from . import tiny
-from .revision import commit
+from .provenance import commit
 from .workloads import long5, short6
 
 CLIENTS = (1, 8, 32, 64)

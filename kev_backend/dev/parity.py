@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..engine.engine import EngineOptions
     from ..model.checkpoint import load_checkpoint
-    from .revision import commit
+    from .provenance import commit
     from .workloads import realistic
 
     parser = argparse.ArgumentParser(description=main.__doc__)
