@@ -25,7 +25,6 @@ import ipaddress
 import itertools
 import json
 import random
-import re
 import signal
 import socket
 import sys
@@ -44,6 +43,7 @@ from kev_backend.dev.provenance import commit, gpu_name, nvidia_smi
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve.client import AsyncKevClient, KevError
 from kev_backend.serve.procs import STUB_COMM, children
+from kev_backend.serve.prometheus import parse as parse_prometheus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -295,25 +295,6 @@ def gpu_memory_mb() -> float | None:
     except ValueError:  # "[N/A]" on some virtual GPUs
         return None
     return sum(values) if values else None
-
-
-SAMPLE_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of each sample line of Prometheus text; comments and unreadable lines are skipped."""
-    samples = []
-    for line in text.splitlines():
-        match = SAMPLE_LINE.match(line)
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        try:
-            samples.append((name, dict(LABEL.findall(labels or "")), float(value)))
-        except ValueError:
-            continue
-    return samples
 
 
 def gauge_sums(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float | None]:

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from kev_backend.protocol.systemone import state_key, state_key_of
+from kev_backend.serve import prometheus
 from kev_backend.serve.client import KevClient
 from kev_backend.serve.router import Server, config
 
@@ -113,12 +114,8 @@ def wait_healthy(routed: Routed, count: int, timeout_s: float = 20) -> float:
 
 def bank(server: TritonServer) -> Counter:
     with urllib.request.urlopen(f"http://{server.metrics_url}/metrics") as reply:
-        text = reply.read().decode()
-    counts: Counter = Counter()
-    for name in ("hits", "misses"):
-        for value in re.findall(rf"^kev_bank_{name}_total{{[^}}]*}} (\S+)$", text, re.M):
-            counts[name] += int(float(value))
-    return counts
+        samples = prometheus.parse(reply.read().decode())
+    return Counter({name: int(prometheus.total(samples, f"kev_bank_{name}_total")) for name in ("hits", "misses")})
 
 
 def send(routed: Routed, kev: KevClient, i: int) -> int:

@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import random
-import re
 import time
 import urllib.request
 import uuid
@@ -56,6 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..protocol.systemone import Record, RequestError, parse_request, round4, state_key
 from ..settings import GatewaySettings, SettingError, gateway_address, parameters
+from . import prometheus
 from .client import AsyncKevClient, KevError
 
 try:
@@ -346,23 +346,17 @@ SERVING_METRICS = {
     "queued_now": "nv_inference_pending_request_count",
     "queue_us_total": "nv_inference_queue_duration_us",
 }
-METRIC_LINE = re.compile(r"^([a-z_]+)(?:\{([^}]*)\})? (\S+)$")
 
 
 def serving_statistics(metrics_url: str, model: str, timeout_s: float = 2.0) -> dict[str, float | int] | None:
     """Kev's serving statistics from Triton's metrics port, or None when it does not answer (the cards still do)."""
     try:
         with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as reply:
-            text = reply.read().decode()
+            samples = prometheus.parse(reply.read().decode())
     except OSError:
         return None
-    wanted = {metric: key for key, metric in SERVING_METRICS.items()}
-    found: dict[str, float] = dict.fromkeys(SERVING_METRICS, 0.0)
-    for line in text.splitlines():
-        match = METRIC_LINE.match(line)
-        if match and match[1] in wanted and f'model="{model}"' in (match[2] or ""):
-            found[wanted[match[1]]] += float(match[3])
-    return {key: int(value) if value.is_integer() else value for key, value in found.items()}
+    found = {key: prometheus.total(samples, metric, model=model) for key, metric in SERVING_METRICS.items()}
+    return {key: int(value) if float(value).is_integer() else value for key, value in found.items()}
 
 
 def label(value: str) -> str:
