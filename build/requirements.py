@@ -8,6 +8,12 @@ out every project that is already installed outside the environment's own site-p
 venv's system-torch.pth), whatever its version, and torch's own stack (torch, triton, nvidia-*) always. `--have FILE`:
 the same against a `pip freeze` or `pip list --format=freeze` of the target environment (for `make wheelhouse`).
 numpy is never left out: the tritonserver 2.51 Python stub needs numpy<2, which the environment gets from us.
+
+    python build/requirements.py --have FILE --prune DIR     (build/wheelhouse.sh, WHEEL_TORCH=system)
+
+removes from the wheelhouse DIR every wheel of a project the target has, pulled in as a dependency of something it
+lacks, unless a wheel there bounds that project's version from above (the target's may be newer: tritonclient's
+ml-dtypes<=0.5.4); never numpy nor setuptools (the build backend, which pip installs in isolation from DIR).
 """
 
 from __future__ import annotations
@@ -16,15 +22,18 @@ import argparse
 import re
 import sys
 import sysconfig
+import zipfile
+from email.parser import Parser
 from importlib import metadata
 from pathlib import Path
 
 ALWAYS_OURS = {"numpy"}
+BUILD_BACKEND = "setuptools"
 TORCH_STACK = re.compile(r"^(torch|triton|nvidia-.*)$")
 
 
 def name(line: str) -> str:
-    return re.split(r"[\s\[=<>!~;]", line.strip(), maxsplit=1)[0].lower().replace("_", "-").replace(".", "-")
+    return re.split(r"[\s\[(=<>!~;]", line.strip(), maxsplit=1)[0].lower().replace("_", "-").replace(".", "-")
 
 
 def installed_elsewhere() -> set[str]:
@@ -38,9 +47,28 @@ def installed_elsewhere() -> set[str]:
     return found
 
 
+def bounded_from_above(wheel: Path) -> set[str]:
+    """The projects a wheel requires at an exact version or below a bound."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        requirements = Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []
+    return {name(spec) for spec in (r.split(";")[0] for r in requirements) if re.search(r"<|==|~=", spec)}
+
+
+def prune(directory: Path, have: set[str]) -> None:
+    wheels = {name(w.name.split("-")[0]): w for w in directory.glob("*.whl")}
+    keep = ALWAYS_OURS | {BUILD_BACKEND}
+    for wheel in wheels.values():
+        keep |= bounded_from_above(wheel)
+    for project, wheel in wheels.items():
+        if project not in keep and (project in have or TORCH_STACK.match(project)):
+            wheel.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("files", nargs="*", type=Path)
+    parser.add_argument("--prune", type=Path, help="a wheelhouse to remove the target's own projects from")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--have", type=Path, help="a pip freeze of the target environment")
     source.add_argument("--installed", action="store_true", help="what this python has outside its own site")
@@ -51,6 +79,8 @@ def main() -> None:
         have = {name(line) for line in args.have.read_text().splitlines() if line.strip() and line[0] != "#"}
     elif args.installed:
         have = installed_elsewhere()
+    if args.prune is not None:
+        prune(args.prune, have)
     for path in args.files:
         for line in path.read_text().splitlines():
             line = line.split("#", 1)[0].strip()

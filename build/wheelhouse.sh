@@ -96,29 +96,8 @@ fi
 echo "wheelhouse $dir: python $py, $platform, torch $torch_variant, ${files[*]} + ${extra[*]} + $pytriton"
 "${pipenv[@]}" "$python" -m pip download --quiet --dest "$dir" "${target[@]}" "${index[@]}" "${reqs[@]}" "${extra[@]}"
 if [[ $torch_variant == system ]]; then
-  # What the target has, pulled in as a dependency of something it lacks, stays out too, unless something here bounds
-  # its version from above (the target's may be newer: tritonclient's ml-dtypes<=0.5.4); never numpy (the stub
-  # needs numpy<2) nor setuptools (the build backend, which pip installs in isolation from this directory).
-  "$python" - "$dir" "$have" <<'PY'
-import re, sys, zipfile
-from email.parser import Parser
-from pathlib import Path
-directory, have = Path(sys.argv[1]), Path(sys.argv[2])
-norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-names = {norm(re.split(r"[\s=<>!~;\[]", l.strip(), maxsplit=1)[0]) for l in have.read_text().splitlines() if l.strip() and l[0] != "#"}
-wheels = {norm(w.name.split("-")[0]): w for w in directory.glob("*.whl")}
-bounded = {"numpy", "setuptools"}
-for wheel in wheels.values():
-    with zipfile.ZipFile(wheel) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        for requirement in Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []:
-            spec = requirement.split(";")[0]
-            if re.search(r"<|==|~=", spec):
-                bounded.add(norm(re.split(r"[\s(=<>!~\[]", spec.strip(), maxsplit=1)[0]))
-for project, wheel in wheels.items():
-    if project not in bounded and (project in names or re.match(r"^(torch|triton|nvidia-.*)$", project)):
-        wheel.unlink()
-PY
+  # What the target has stays out of DIR, with the exceptions build/requirements.py gives.
+  (cd "$repo" && "$python" build/requirements.py --have "$have" --prune "$dir")
 fi
 # tritonserver for WHEEL_PYTHON's stub, trimmed from its wheel (py3-none-manylinux_2_35: its own tag, no
 # dependencies; downloaded once into build/.downloads).
