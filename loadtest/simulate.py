@@ -587,10 +587,9 @@ def slim(res: Result) -> dict[str, Any]:
     return {"summary": res.summary, "windows": res.windows}
 
 
-def sizing(args: argparse.Namespace) -> None:
-    models, sources = measured_models(args.results)
-    model_checks = checks(models)
-    scaler = Autoscaler(
+def autoscaler(args: argparse.Namespace, **given: Any) -> Autoscaler:
+    """The autoscaler the command line describes (metric, timings, replica cap), with `given` on top."""
+    return Autoscaler(
         metric=args.metric,
         schedule_s=args.schedule_s,
         ready_s=args.ready_s,
@@ -598,7 +597,14 @@ def sizing(args: argparse.Namespace) -> None:
         lag_s=args.lag_s,
         down_window_s=args.down_window_s,
         max_replicas=args.max_replicas,
+        **given,
     )
+
+
+def sizing(args: argparse.Namespace) -> None:
+    models, sources = measured_models(args.results)
+    model_checks = checks(models)
+    scaler = autoscaler(args)
     table = []
     for shape in args.shapes:
         model, base = models[shape], args.base[shape]
@@ -653,18 +659,8 @@ def sizing(args: argparse.Namespace) -> None:
 
 def one(args: argparse.Namespace) -> None:
     models, _ = measured_models(args.results)
-    scaler = Autoscaler(
-        kind=args.kind,
-        metric=args.metric,
-        target=args.target_ms if args.metric == "queue" else args.target_concurrency,
-        min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas,
-        schedule_s=args.schedule_s,
-        ready_s=args.ready_s,
-        window_s=args.window_s,
-        lag_s=args.lag_s,
-        down_window_s=args.down_window_s,
-    )
+    target = args.target_ms if args.metric == "queue" else args.target_concurrency
+    scaler = autoscaler(args, kind=args.kind, target=target, min_replicas=args.min_replicas)
     base = args.base_rps if args.base_rps else args.base[args.shape]
     res = simulate(models[args.shape], Traffic(base, burst=args.burst), scaler, args.seed)
     out = Path(args.out)
