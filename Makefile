@@ -15,7 +15,10 @@ TORCH ?= pip
 SETS ?= serve test
 MACHINE := $(if $(filter 1,$(GPU)),gpu,cpu)
 # requirements-cpu.txt is the kernel tests' interpreter, requirements-gpu.txt the GPU path's options.
-REQUIREMENTS := requirements.txt $(if $(filter test,$(SETS)),requirements-test.txt) \
+# SETS: serve (requirements.txt), bench (requirements-bench.txt: the benchmark and load-measurement tools), test
+# (requirements-test.txt; it brings bench too).
+REQUIREMENTS := requirements.txt $(if $(filter bench test,$(SETS)),requirements-bench.txt) \
+  $(if $(filter test,$(SETS)),requirements-test.txt) \
   $(if $(filter gpu,$(MACHINE)),requirements-gpu.txt,$(if $(filter test,$(SETS)),requirements-cpu.txt))
 STAMP := .stamps/setup-$(MACHINE)-$(TORCH)
 EMBEDDED := model_repository/kev/embedded
@@ -79,7 +82,7 @@ wheelhouse:
 
 # The image's wheelhouse (it must lie inside the build context, the repository): made again when a requirement
 # changes, which fetches only what is missing.
-$(WHEELHOUSE_DIR)/manifest.json: requirements.txt requirements-test.txt requirements-cpu.txt requirements-gpu.txt build/wheelhouse.sh
+$(WHEELHOUSE_DIR)/manifest.json: requirements.txt requirements-bench.txt requirements-test.txt requirements-cpu.txt requirements-gpu.txt build/wheelhouse.sh
 	$(MAKE) wheelhouse
 
 # Built with no network from the local base image and the wheelhouse; podman's layer cache makes a rebuild cheap.

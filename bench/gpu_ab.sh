@@ -3,13 +3,12 @@
 # this one (ABBA rounds), so that a change's gain is measured on one machine in one call, not across machines. The
 # base tree is made here and carried:
 #   bash bench/gpu_ab.sh prepare REV         here: .ab/ (git-ignored) holds REV's kev_backend/ and bench/; carry
-#                                            ".ab" with the wheels
-#   bash bench/gpu_ab.sh run [--out DIR] [--wheels DIR] [STEP] [ROUNDS]
+#                                            ".ab" with the wheelhouse
+#   bash bench/gpu_ab.sh run [--out DIR] [--wheelhouse DIR] [STEP] [ROUNDS]
 #                                            there: STEP (default latency) from .ab/ then this tree, then this tree
 #                                            then .ab/, ROUNDS times (default 1); each run's output into DIR/ab-STEP.log
-# --out DIR, --wheels DIR, --commit REV (the commit this tree is): as bench/gpu_run.sh. KEV_GRAPHS=1 and
-# KEV_LONG_KERNELS=ours are for a base tree from before the GPU choices became the defaults in code (this tree's
-# tools read no environment).
+# --out DIR, --wheelhouse DIR, --commit REV (the commit this tree is): as bench/gpu_run.sh. Both trees run on this
+# tree's environment (`make setup` from the wheelhouse), each with its own kev_backend first on the path.
 set -uo pipefail
 case ${1:-} in
   prepare)
@@ -21,12 +20,9 @@ case ${1:-} in
   run)
     shift
     source "$(dirname "$0")/device_args.sh" "$@"
-    out=$OUT wheels=$WHEELS
+    out=$OUT
     step=${ARGS[0]:-latency} rounds=${ARGS[1]:-1}
-    mkdir -p "$out"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      "$wheels"/*.whl || exit 1
-    export PYTHONUNBUFFERED=1 KEV_GRAPHS=1 KEV_LONG_KERNELS=ours
+    device_setup || exit 1
     log=$out/ab-$step.log
     status=0
     for ((i = 0; i < rounds; i++)); do
@@ -37,14 +33,14 @@ case ${1:-} in
         # before bench/diag/ has bench/diag.py. The whole output into the log; the lines naming a workload or an
         # error on the terminal.
         if [[ -d $tree/bench/diag ]]; then diag=(-m bench.diag); else diag=(bench/diag.py); fi
-        (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 200 python3 "${diag[@]}" "$step") 2>&1 | tee -a "$log" \
+        (cd "$tree" && PYTHONPATH=$tree timeout 200 "$PY" "${diag[@]}" "$step") 2>&1 | tee -a "$log" \
           | grep -E "^(short6|long5|== |$step)|Error" || status=1
       done
     done
     exit $status
     ;;
   *)
-    echo "usage: bench/gpu_ab.sh prepare REV | run [--out DIR] [--wheels DIR] [STEP] [ROUNDS]" >&2
+    echo "usage: bench/gpu_ab.sh prepare REV | run [--out DIR] [--wheelhouse DIR] [STEP] [ROUNDS]" >&2
     exit 2
     ;;
 esac

@@ -4,9 +4,9 @@
 # configs/gpu.pbtxt, the server started afresh (kernel cache kept), and short6 on new states through gRPC at 1, 8 and
 # 64 closed-loop clients with the server's breakdown (loadtest/loops.py). Writes batcher.json into the output directory
 # ({"<instances>x<delay>": {clients: {rps, p50_ms, p99_ms, server}}}). Setup: bench/gpu_triton_env.sh (carry the
-# wheels and .gpu). Each setting takes ~50 s once the first start has filled the kernel cache.
-#   INSTANCES="1 2" DELAYS="500" bench/gpu_batcher.sh [--out DIR] [--wheels DIR]
-# --out DIR (or OUT; default /tmp/out), --wheels DIR (or WHEELS; default .whl): as bench/gpu_run.sh.
+# wheelhouse). Each setting takes ~50 s once the first start has filled the kernel cache.
+#   INSTANCES="1 2" DELAYS="500" bench/gpu_batcher.sh [--out DIR] [--wheelhouse DIR] [--commit REV]
+# --out, --wheelhouse, --commit: as bench/gpu_run.sh.
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
 set -- ${ARGS[@]+"${ARGS[@]}"}
@@ -17,11 +17,11 @@ for delay in ${DELAYS:-0 500 2000}; do
   setting=${instances}x$delay
   repo=/tmp/repo-$setting
   rm -rf "$repo" && mkdir -p "$repo" && cp -r model_repository/kev "$repo/kev" && rm -rf "$repo/kev/embedded"
-  python3 bench/batcher_config.py "$repo/kev/configs/gpu.pbtxt" "$delay" "$instances" || exit 1
+  "$PY" bench/batcher_config.py "$repo/kev/configs/gpu.pbtxt" "$delay" "$instances" || exit 1
   start_triton "$repo" "/tmp/tritonserver-$setting.log"
   wait_ready "/tmp/start-$setting.json" "/tmp/tritonserver-$setting.log" \
     || { kill $server; tail -20 "/tmp/tritonserver-$setting.log"; exit 1; }
-  python3 - "$setting" <<'PY'
+  "$PY" - "$setting" <<'PY'
 import asyncio, json, sys
 sys.path.insert(0, "loadtest")
 from loops import measured_loop
@@ -32,7 +32,7 @@ async def main() -> dict:
         async def send(body: str) -> None:
             await kev.score_raw(body)
         return {
-            str(clients): await measured_loop(send, clients, 8.0, "127.0.0.1:8000", "127.0.0.1:8002")
+            str(clients): await measured_loop(send, clients, 8.0, "127.0.0.1:8001", "127.0.0.1:8002")
             for clients in (1, 8, 64)
         }
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device call on the GPU machine: install the carried wheels (build/gpu_wheels.sh), then run the named steps in
-# order. Everything lands in the output directory.
-#   bench/gpu_run.sh [--out DIR] [--wheels DIR] [--commit REV] STEP...        (default: all)
-# --out DIR (or OUT; default /tmp/out): where logs and results go. --wheels DIR (or WHEELS; default .whl): the wheels
-# to install, offline (pip --no-index). --commit REV: the commit the results name (a copy of the tree without its
-# history cannot tell).
+# One device call on the GPU machine: `make setup` from the carried wheelhouse (bench/device_args.sh), then the named
+# steps in order. Everything lands in the output directory.
+#   bench/gpu_run.sh [--out DIR] [--wheelhouse DIR] [--commit REV] STEP...        (default: all)
+# --out DIR (or OUT; default /tmp/out): where logs and results go. --wheelhouse DIR (or WHEELHOUSE; default
+# .wheelhouse): what setup installs from, offline. --commit REV: the commit the results name (a copy of the tree
+# without its history cannot tell).
 # Steps (the diagnostics are `python -m bench.diag SUBCOMMAND`; its --help describes each):
 #   tests      GPU tests but parity and graphs: compiled kernels, engine API, no compiles after warm-up (~2.5 min)
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
@@ -44,19 +44,13 @@
 # (gaps: short6 or long5), BENCH_ARGS (bench).
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
-out=$OUT wheels=$WHEELS steps=(${ARGS[@]+"${ARGS[@]}"})
+out=$OUT steps=(${ARGS[@]+"${ARGS[@]}"})
 ((${#steps[@]})) || steps=(all)
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "$wheels"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, importlib.metadata as m; print('torch', torch.__version__, 'fla-core', m.version('fla-core'),
-'transformers', m.version('transformers'), 'triton', m.version('triton'))"
+device_setup || exit 1
 status=0
 gpu_pytest() {  # LOG -k EXPRESSION FILTER: the GPU tests matching it, the log's tail through FILTER (grep -E)
   local log=$1 expression=$2 filter=$3
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_kernels.py tests/test_fused_gpu.py \
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_kernels.py tests/test_fused_gpu.py \
     tests/test_safetensors_reader.py \
     -k "$expression" 2>&1 | tee "$out/$log" | grep -E "$filter" | cut -c1-1500 || status=1
 }
@@ -64,7 +58,7 @@ diag() {  # SECONDS FILTER SUBCOMMAND [ARGS...]: python -m bench.diag, its outpu
   # diag-SUBCOMMAND.log (appended), the lines matching FILTER (grep -E) on the terminal
   local seconds=$1 filter=$2 log=$out/diag-$3.log raw
   raw=$(mktemp)
-  timeout "$seconds" python3 -m bench.diag "${@:3}" > "$raw" 2>&1 || status=1
+  timeout "$seconds" "$PY" -m bench.diag "${@:3}" > "$raw" 2>&1 || status=1
   grep -v -i warn "$raw" | tee -a "$log" | grep -E "$filter" | cut -c1-400
   rm -f "$raw"
 }
@@ -90,14 +84,14 @@ run_step() {
       for filter in "_chunk:4:2" "_chunk:10:2"; do
         IFS=: read -r name skip count <<< "$filter"
         timeout 240 "$ncu" --set full -k "regex:$name" --launch-skip "$skip" --launch-count "$count" \
-          python3 -m bench.diag ncuprobe >> "$out/ncu.log" 2>&1 || status=1
+          "$PY" -m bench.diag ncuprobe >> "$out/ncu.log" 2>&1 || status=1
       done
       grep -E "^  [_a-z]|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|\
 Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc A|ERR|spill" "$out/ncu.log" | cut -c1-150
       ;;
     bench)
       # shellcheck disable=SC2086
-      python3 -m kev_backend.dev.bench --out "$out" --commit "$COMMIT" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
+      "$PY" -m kev_backend.dev.bench --out "$out" --commit "$COMMIT" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
       ;;
     startup)
       diag 200 "^startup|Error" startup

@@ -3,15 +3,14 @@
 #   make serve WHEELHOUSE=DIR TORCH=system SETS=serve
 # (the machine's own python, torch and CUDA; everything else from the wheelhouse, no network), timed from the
 # command to readiness and to the first answer, then short6 over gRPC alone and at 64 clients (loadtest/served.py),
-# then SIGTERM. The wheelhouse (here): make wheelhouse WHEELHOUSE_DIR=.wheelhouse WHEEL_PYTHON=3.12 \
-#   WHEEL_TORCH=system SETS=serve WHEEL_HAVE=bench/gpu_machine.txt         and carry .wheelhouse.
-#   bench/gpu_serve.sh [--out DIR] [--commit REV] [WHEELHOUSE (.wheelhouse)] [VARIANT...]
+# then SIGTERM. The wheelhouse: bench/device_args.sh says how it is made; carry it.
+#   bench/gpu_serve.sh [--out DIR] [--wheelhouse DIR (.wheelhouse)] [--commit REV] [VARIANT...]
 # VARIANT: after the first run (as shipped), serve again with NAME=VALUE[,NAME=VALUE] in the environment (an empty
 # VALUE unsets it; e.g. MALLOC_ARENA_MAX=), on the kernel cache the first run filled; "shipped" repeats the first.
 # KEV_CHECKPOINT: the served checkpoint (default: random Kev-4B weights written here first, as the benchmarks use).
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
-wheelhouse=$(realpath "${ARGS[0]:-.wheelhouse}")
+wheelhouse=$(realpath "$WHEELHOUSE")
 out=$OUT
 mkdir -p "$out"
 clone=$(mktemp -d /tmp/kev-clone.XXXXXX)
@@ -46,7 +45,7 @@ serve_once() {  # LABEL [NAME=VALUE...]: make serve with that environment, measu
 }
 serve_once shipped
 grep -E "kev-serve|kev: |WARNING|rror" "$out/serve-shipped.log" | cut -c1-300 | tail -8
-for variant in "${ARGS[@]:1}"; do
+for variant in ${ARGS[@]+"${ARGS[@]}"}; do
   [[ $variant == shipped ]] && { serve_once shipped-again; continue; }
   settings=()
   IFS=, read -ra pairs <<<"$variant"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: the real tritonserver 2.51 on the GPU machine with the Kev model on random Kev-4B weights
-# (setup: bench/gpu_triton_env.sh; carry the wheels and .gpu). Writes logs and JSON under the output directory.
-#   bench/gpu_triton.sh [--out DIR] [--wheels DIR] [short6 open-loop rates] [mix open-loop rates]
-# --out DIR (or OUT; default /tmp/out), --wheels DIR (or WHEELS; default .whl): as bench/gpu_run.sh.
+# (setup: bench/gpu_triton_env.sh; carry the wheelhouse). Writes logs and JSON under the output directory.
+#   bench/gpu_triton.sh [--out DIR] [--wheelhouse DIR] [--commit REV] [short6 open-loop rates] [mix open-loop rates]
+# --out, --wheelhouse, --commit: as bench/gpu_run.sh.
 # Measures: the bench in-process with graphs on, then tritonserver with configs/gpu.pbtxt (KIND_GPU, graphs on): time
 # to ready and to the first answer with an empty kernel cache and again with the cache the first start filled, each
-# with its start-up phases (added to the bench JSON); gRPC and HTTP at 64 closed-loop clients against the bench's
+# with its start-up phases (added to the bench JSON); gRPC at 64 closed-loop clients against the bench's
 # in-process figures; open-loop sweeps for short6 and the realistic mix; Triton's and our metrics. About 5.5 minutes.
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
@@ -15,7 +15,7 @@ source "$(dirname "$0")/gpu_triton_env.sh"
 # at once. The bench JSON gets the start times (below) and is the in-process reference.
 # STARTUP_ONLY=1: only the two starts below (~2.5 minutes), their times in $out/triton-startup.json.
 if [[ ${STARTUP_ONLY:-0} != 1 ]]; then
-  timeout 240 python3 -m kev_backend.dev.bench --checkpoint /tmp/kev4b/kev --no-baseline --commit "$COMMIT" \
+  timeout 240 "$PY" -m kev_backend.dev.bench --checkpoint "$KEV4B" --no-baseline --commit "$COMMIT" \
     --seconds "${BENCH_SECONDS:-3}" --out "$out" 2>&1 | tail -4
   bench_json=$(ls -t "$out"/2[0-9][0-9][0-9]-*.json 2>/dev/null | head -1)
   [[ -n $bench_json ]] || { echo "no bench JSON"; exit 1; }
@@ -36,16 +36,16 @@ if [[ ${STARTUP_ONLY:-0} == 1 ]]; then
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
   echo "{\"gpu\": \"$gpu\", \"commit\": \"$COMMIT\", \"date\": \"$(date -u +%FT%TZ)\"}" \
     > "$out/triton-startup.json"
-  python3 bench/merge_json.py "$out/triton-startup.json" /tmp/start.json /tmp/restart.json
+  "$PY" bench/merge_json.py "$out/triton-startup.json" /tmp/start.json /tmp/restart.json
   kill $server
   wait $server
   exit 0
 fi
-python3 bench/merge_json.py "$bench_json" /tmp/start.json /tmp/restart.json
-python3 loadtest/closedloop.py triton --inprocess "$bench_json" --extra /tmp/start.json --extra /tmp/restart.json \
+"$PY" bench/merge_json.py "$bench_json" /tmp/start.json /tmp/restart.json
+"$PY" loadtest/closedloop.py triton --inprocess "$bench_json" --extra /tmp/start.json --extra /tmp/restart.json \
   --commit "$COMMIT" --seconds 10 --out "$out/triton-$(date +%F).json"
-python3 loadtest/openloop.py --rates "${1:-50,100,200,300}" --seconds 8 --shape short6 --out "$out/openloop-short6"
-python3 loadtest/openloop.py --rates "${2:-20,40,80,120}" --seconds 8 --shape mix --out "$out/openloop-mix"
+"$PY" loadtest/openloop.py --rates "${1:-50,100,200,300}" --seconds 8 --shape short6 --out "$out/openloop-short6"
+"$PY" loadtest/openloop.py --rates "${2:-20,40,80,120}" --seconds 8 --shape mix --out "$out/openloop-mix"
 curl -s 127.0.0.1:8002/metrics | grep -E "^kev_|^nv_inference_(count|exec_count|queue_duration)" > "$out/metrics.txt"
 kill $server
 wait $server
@@ -59,5 +59,5 @@ for run in write kept; do
   kill $server
   wait $server
 done
-python3 bench/merge_json.py "$bench_json" /tmp/bytecode-kept.json
+"$PY" bench/merge_json.py "$bench_json" /tmp/bytecode-kept.json
 cat /tmp/bytecode-*.json

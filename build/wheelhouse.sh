@@ -15,8 +15,9 @@
 #                   added, and with WHEEL_HAVE nothing the target already has
 #   WHEEL_HAVE      (system) a `pip freeze` of the target's python: those projects are used there as they are and
 #                   left out here (numpy<2 always comes from here: the tritonserver 2.51 stub needs it)
-#   WHEEL_SETS      which requirement sets: "serve test" (default: requirements.txt + requirements-test.txt), "serve"
-#                   (requirements.txt only: the image, a server that runs no tests)
+#   WHEEL_SETS      which requirement sets: "serve test" (default: requirements.txt, requirements-bench.txt and
+#                   requirements-test.txt), "serve" (requirements.txt only: the image, a server that runs no tests),
+#                   "serve bench" (a server and the benchmark tools: the GPU benchmark scripts)
 #   TORCH_INDEX_URL an extra index for torch alone's sake (e.g. the PyTorch CPU index); none by default
 # Always added: setuptools (the build backend of `pip install -e .`) and tritonserver for WHEEL_PYTHON's stub, trimmed
 # from the nvidia-pytriton wheel to what build/install_tritonserver.sh installs (nvidia_pytriton-VERSION-pyMINOR.tar.xz,
@@ -48,10 +49,13 @@ files=()
 for set in $sets; do
   case $set in
     serve) files+=(requirements.txt) ;;
+    bench) ;;
     test) files+=(requirements-test.txt) ;;
-    *) echo "error: unknown WHEEL_SETS entry $set (serve, test)" >&2; exit 2 ;;
+    *) echo "error: unknown WHEEL_SETS entry $set (serve, bench, test)" >&2; exit 2 ;;
   esac
 done
+# bench: the benchmark tools; the test set needs them too.
+[[ " $sets " != *" bench "* && " $sets " != *" test "* ]] || files+=(requirements-bench.txt)
 if [[ $torch_variant == cpu ]]; then
   [[ " $sets " != *" test "* ]] || files+=(requirements-cpu.txt)
 else

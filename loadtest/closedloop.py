@@ -1,14 +1,15 @@
 """Triton's front doors against the engine in-process: short6 on new states, closed loop, N clients.
 
     python loadtest/closedloop.py inprocess --checkpoint DIR [--graphs] --out inprocess.json
-    python loadtest/closedloop.py triton --grpc 127.0.0.1:8001 --http 127.0.0.1:8000 --inprocess inprocess.json \\
+    python loadtest/closedloop.py triton --grpc 127.0.0.1:8001 [--http 127.0.0.1:8000] --inprocess inprocess.json \\
         --out bench/results/<name>.json
 
 `--inprocess` also takes a bench JSON (python -m kev_backend.dev.bench): its short6 figures at the same client count.
 
 `inprocess` answers from an Engine in this process, batched as Triton's dynamic batcher batches (kev_backend.dev.bench
-.throughput). `triton` drives a running tritonserver over gRPC and HTTP with async tritonclient and writes the JSON
-with its `triton` block: grpc_rps, http_rps, inprocess_rps, grpc_p50_overhead_ms (gRPC p50 minus in-process p50)
+.throughput). `triton` drives a running tritonserver over gRPC, and over HTTP when --http names its port (Triton's
+HTTP client comes with the test set, not the bench set), with async tritonclient and writes the JSON with its
+`triton` block: grpc_rps, http_rps (when measured), inprocess_rps, grpc_p50_overhead_ms (gRPC p50 minus in-process p50)
 and the same with one client (grpc_p50_overhead_1c_ms); each Triton run also records the server's breakdown (mean
 batch, queue and execute time per request, the engine's time per batch: Triton's statistics and metrics).
 Run the two one after the other, not at once: both use the GPU.
@@ -68,20 +69,19 @@ def inprocess_reference(record: dict, clients: int) -> dict:
 
 
 async def through_triton(args: argparse.Namespace) -> dict:
-    """gRPC and HTTP at `clients`, then gRPC with one client (what the front door adds to one request's latency);
-    each run with the server's own breakdown of where its requests spent their time."""
+    """gRPC and (with --http) HTTP at `clients`, then gRPC with one client (what the front door adds to one
+    request's latency); each run with the server's own breakdown of where its requests spent their time."""
     results = {}
-    for label, protocol, url, clients in (
-        ("grpc", "grpc", args.grpc, args.clients),
-        ("http", "http", args.http, args.clients),
-        ("grpc_1c", "grpc", args.grpc, 1),
-    ):
+    runs = [("grpc", "grpc", args.grpc, args.clients), ("grpc_1c", "grpc", args.grpc, 1)]
+    if args.http:
+        runs.insert(1, ("http", "http", args.http, args.clients))
+    for label, protocol, url, clients in runs:
         async with AsyncKevClient(url, protocol) as kev:
 
             async def send(body: str, kev: AsyncKevClient = kev) -> None:
                 await kev.score_raw(body)
 
-            results[label] = await measured_loop(send, clients, args.seconds, args.http, args.metrics)
+            results[label] = await measured_loop(send, clients, args.seconds, args.grpc, args.metrics)
     return results
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     one.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="CUDA graphs (GPU)")
     two = sub.add_parser("triton")
     two.add_argument("--grpc", default="127.0.0.1:8001")
-    two.add_argument("--http", default="127.0.0.1:8000")
+    two.add_argument("--http", help="Triton's HTTP address, to measure HTTP too (e.g. 127.0.0.1:8000)")
     two.add_argument("--metrics", default="127.0.0.1:8002", help="Triton's metrics port (the engine's time)")
     two.add_argument("--inprocess", type=Path, required=True, help="the JSON `inprocess` (or the bench) wrote")
     two.add_argument("--extra", type=Path, action="append", default=[], help="JSON objects merged in (e.g. start)")
@@ -117,18 +117,18 @@ def main() -> None:
         "workload": f"short6 new, {args.clients} closed-loop clients, {args.seconds:g} s",
         "triton": {
             "grpc_rps": remote["grpc"]["rps"],
-            "http_rps": remote["http"]["rps"],
+            "http_rps": remote["http"]["rps"] if "http" in remote else None,
             "inprocess_rps": local["rps"],
             "grpc_p50_overhead_ms": remote["grpc"]["p50_ms"] - local["p50_ms"],
             "grpc_p50_overhead_1c_ms": (
                 remote["grpc_1c"]["p50_ms"] - local["p50_1c_ms"] if local.get("p50_1c_ms") is not None else None
             ),
             "grpc_share": remote["grpc"]["rps"] / local["rps"],
-            "http_share": remote["http"]["rps"] / local["rps"],
+            "http_share": remote["http"]["rps"] / local["rps"] if "http" in remote else None,
         },
         "inprocess": local,
         "grpc": remote["grpc"],
-        "http": remote["http"],
+        "http": remote.get("http"),
         "grpc_1c": remote["grpc_1c"],
     }
     for extra in args.extra:

@@ -43,20 +43,26 @@ async def closed_loop(send: Callable[[str], Awaitable[object]], clients: int, se
 PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
-def server_totals(http_url: str, model: str = "kev", metrics_url: str | None = None) -> dict[str, float]:
+def server_totals(grpc_url: str, model: str = "kev", metrics_url: str | None = None) -> dict[str, float]:
     """What the server has counted for the model so far: Triton's inferences, executions (batches) and per-phase
-    totals; with `metrics_url`, also the engine's own time (kev_engine_ms, one observation per batch)."""
-    import tritonclient.http as httpclient  # here: a serving-only install (SETS=serve) has only the gRPC client
+    totals, from its statistics over gRPC (the client a serving install has); with `metrics_url`, also the engine's
+    own time (kev_engine_ms, one observation per batch)."""
+    import tritonclient.grpc as grpcclient
 
-    client = httpclient.InferenceServerClient(http_url)
+    client = grpcclient.InferenceServerClient(grpc_url)
     try:
-        stats = client.get_inference_statistics(model)["model_stats"][0]
+        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
     finally:
         client.close()
-    totals = {"inferences": float(stats["inference_count"]), "executions": float(stats["execution_count"])}
+    # Protobuf's JSON leaves out zero counters and writes 64-bit ones as strings.
+    totals = {
+        "inferences": float(stats.get("inference_count", 0)),
+        "executions": float(stats.get("execution_count", 0)),
+    }
     for phase in PHASES:
-        totals[f"{phase}_count"] = float(stats["inference_stats"][phase]["count"])
-        totals[f"{phase}_ns"] = float(stats["inference_stats"][phase]["ns"])
+        counted = stats.get("inference_stats", {}).get(phase, {})
+        totals[f"{phase}_count"] = float(counted.get("count", 0))
+        totals[f"{phase}_ns"] = float(counted.get("ns", 0))
     if metrics_url:
         with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
             for line in response.read().decode().splitlines():
@@ -85,11 +91,12 @@ def server_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[
 
 
 async def measured_loop(
-    send: Callable[[str], Awaitable[object]], clients: int, seconds: float, http_url: str, metrics_url: str | None
+    send: Callable[[str], Awaitable[object]], clients: int, seconds: float, grpc_url: str, metrics_url: str | None
 ) -> dict:
-    """A closed loop against a running server after 2 s of warm-up, with the server's breakdown of that run."""
+    """A closed loop against a running server after 2 s of warm-up, with the server's breakdown of that run (its
+    statistics read over gRPC at `grpc_url`)."""
     await closed_loop(send, clients, 2.0)
-    before = server_totals(http_url, metrics_url=metrics_url)
+    before = server_totals(grpc_url, metrics_url=metrics_url)
     result: dict = await closed_loop(send, clients, seconds)
-    result["server"] = server_breakdown(before, server_totals(http_url, metrics_url=metrics_url))
+    result["server"] = server_breakdown(before, server_totals(grpc_url, metrics_url=metrics_url))
     return result

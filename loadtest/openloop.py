@@ -72,9 +72,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     async with AsyncKevClient(args.triton_grpc, "grpc", args.model, timeout_s=args.timeout) as kev:
         traffic = Traffic(args.shape, args.repeat, seed=args.seed)
         for i, rate in enumerate(args.rates):
-            before = server_totals(args.triton_http, args.model)
+            before = server_totals(args.triton_grpc, args.model)
             result = await one_rate(kev, traffic, rate, args.seconds, args.seed + i)
-            result["queue_ms"] = server_breakdown(before, server_totals(args.triton_http, args.model))["queue_ms"]
+            result["queue_ms"] = server_breakdown(before, server_totals(args.triton_grpc, args.model))["queue_ms"]
             results.append(result)
             print(json.dumps(result), flush=True)
     return results
@@ -104,7 +104,6 @@ def plot(results: list[dict[str, Any]], title: str, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--triton-grpc", default="127.0.0.1:8001")
-    parser.add_argument("--triton-http", default="127.0.0.1:8000", help="for Triton's queue statistics")
     parser.add_argument("--model", default="kev")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[10.0, 20.0, 40.0])
     parser.add_argument("--seconds", type=float, default=20.0)

@@ -200,8 +200,6 @@ def test_openloop(triton: TritonServer, tmp_path: Path) -> None:
         str(REPO / "loadtest" / "openloop.py"),
         "--triton-grpc",
         triton.grpc_url,
-        "--triton-http",
-        triton.http_url,
         "--rates",
         "5,15",
         "--seconds",
@@ -219,7 +217,8 @@ def test_openloop(triton: TritonServer, tmp_path: Path) -> None:
 
 
 def test_closedloop_triton_against_inprocess(triton: TritonServer, tiny_dir: Path, tmp_path: Path) -> None:
-    """Issue 6's comparison, briefly: the engine in-process, then the running server over gRPC and HTTP."""
+    """Triton's front doors against the engine in-process, briefly: the engine, then the running server over gRPC
+    and HTTP."""
     python = str(Path(sys.prefix) / "bin" / "python")
     script = str(REPO / "loadtest" / "closedloop.py")
     local, out, extra = tmp_path / "inprocess.json", tmp_path / "triton.json", tmp_path / "start.json"
