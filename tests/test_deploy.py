@@ -477,7 +477,7 @@ def test_router_gateway_and_autoscaling_agree() -> None:
         find("monitoring/prometheus-adapter", "ConfigMap", "kev-prometheus-adapter")["data"]["config.yaml"]
     )
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == adapter["rules"][0]["name"]["as"]
-    assert hpa["spec"]["scaleTargetRef"]["name"] == "kev" and hpa["spec"]["minReplicas"] == 2
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "kev" and hpa["spec"]["minReplicas"] == 4
     query = find("overlays/keda", "ScaledObject", "kev")["spec"]["triggers"][0]["metadata"]["query"]
     assert "nv_inference_queue_duration_us" in query and "nv_inference_request_success" in query
     for name in ("overlays/gpu", "overlays/keda"):  # the autoscaler owns the replica count
