@@ -140,6 +140,7 @@ PARAMETERS = (
     Parameter("max_graphs", "engine", integer(1)),
     Parameter("long_kernels", "engine", one_of("triton", "fla")),
     Parameter("gemm_algos", "engine", text),
+    Parameter("date_facts", "engine", boolean),
     Parameter("base", "load", text),
     Parameter("dtype", "load", one_of("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),
     Parameter("temperature", "load", number),
@@ -149,6 +150,7 @@ PARAMETERS = (
     Parameter("max_questions", "limits", integer(1)),
     Parameter("max_state_tokens", "limits", integer(1)),
     Parameter("max_row_tokens", "limits", integer(1)),
+    Parameter("truncate_states", "limits", boolean),
 )
 
 

@@ -91,7 +91,10 @@ class EngineOptions:
     # fused path: the projections' pre-tuned cuBLASLt algorithms (kev_backend/gpu/cublaslt.py): "auto" (a packaged
     # table matching the GPU and cuBLASLt version, if any), "off", or the path of a table JSON
     gemm_algos: str = "auto"
-    limits: Limits = field(default_factory=Limits)
+    # Kev's date preprocessing (KEV_DATE_FACTS, protocol/dates.py): each request's state gets the day counts between
+    # its dates before it is rendered, in `prepare` and nowhere else on the server
+    date_facts: bool = False
+    limits: Limits = field(default_factory=Limits)  # truncate_states among them
     load: LoadOptions = field(default_factory=LoadOptions)
 
     def __post_init__(self) -> None:
@@ -257,7 +260,17 @@ class Engine:
         tuned = f"{algos['shapes']} GEMM shapes on pre-tuned cuBLASLt algorithms ({algos['table']}); " if algos else ""
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
         path = f"{self.backend} path" + (f" ({self.backend_why})" if self.backend_why else "")
-        return f"on {self.device}, {path}; {held or 'no CUDA graphs'}; {tuned}start-up seconds {phases}"
+        graphed = held or "no CUDA graphs"
+        return f"on {self.device}, {path}; {graphed}; {tuned}{self._preparation()}start-up seconds {phases}"
+
+    def _preparation(self) -> str:
+        """What the server does to states that Kev does only when asked, for the start-up line."""
+        limits, said = self.options.limits, []
+        if limits.truncate_states:
+            said.append(f"states over {limits.max_state_tokens:,} tokens truncated")
+        if self.options.date_facts:
+            said.append("date facts added to states")
+        return "".join(f"{part}; " for part in said)
 
     @property
     def gemm_algos(self) -> dict[str, object] | None:
@@ -275,7 +288,7 @@ class Engine:
 
     def prepare(self, body: Body) -> tuple[Record, Encoded]:
         """Validates and encodes one request; raises RequestError with Kev's 422 message."""
-        record = parse_request(body, self.options.limits)
+        record = parse_request(body, self.options.limits, date_facts=self.options.date_facts)
         return record, encode(record, self.tokenizer, self.options.limits)
 
     def answer(self, bodies: Sequence[Body]) -> list[Result]:
@@ -347,8 +360,19 @@ class Engine:
             if tokens is None:
                 results[i] = RequestFault("counting the output tokens failed")
             else:
-                results[i] = response_body(record.model, answers, encoded.input_tokens, tokens, batch.report.model_ms)
+                results[i] = response_body(
+                    record.model,
+                    answers,
+                    encoded.input_tokens,
+                    tokens,
+                    batch.report.model_ms,
+                    self._state_marks(encoded),
+                )
         return results
+
+    def _state_marks(self, encoded: Encoded) -> tuple[int, int] | None:
+        """(whole state, state read) in tokens for a server that truncates states: it marks every response."""
+        return (encoded.state_tokens, len(encoded.state)) if self.options.limits.truncate_states else None
 
     def _count_tokens(self, text: str) -> int | None:
         try:

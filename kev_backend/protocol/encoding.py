@@ -8,6 +8,10 @@ Limits before work: a text longer than `LAZY_CHARS` is first counted piece by pi
 change (see `safe_cuts`), and refused as soon as the count passes its budget, so an oversized state costs about as
 much as tokenizing the limit's worth of it, never the whole text. Tokenized texts are kept in a cache bounded in
 bytes, and only once their request's limits have passed.
+
+Truncating (`Limits.truncate_states`): a state over the limit keeps <state> and its first max_state_tokens - 1
+tokens, and the rest is only counted, piece by piece (`KevTokenizer.encode_prefix`): the response reports the whole
+state's count, and memory stays bounded by the limit whatever the state's length.
 """
 
 from __future__ import annotations
@@ -100,8 +104,14 @@ class EncodedQuestion:
 
 @dataclass(frozen=True)
 class Encoded:
-    state: tuple[int, ...]  # [<state>] + state tokens (a StateTokens from encode)
+    state: tuple[int, ...]  # [<state>] + state tokens (a StateTokens from encode): what the model reads
     questions: tuple[EncodedQuestion, ...]
+    dropped: int = 0  # state tokens cut off past the limit (Limits.truncate_states); 0 when read whole
+
+    @property
+    def state_tokens(self) -> int:
+        """The request's whole state in tokens, <state> included (usage.state_tokens)."""
+        return len(self.state) + self.dropped
 
     @property
     def input_tokens(self) -> int:
@@ -138,6 +148,10 @@ class KevTokenizer:
         self.tokenized_chars += len(text)
         return tuple(self.tokenizer.encode(escape_user_text(text), add_special_tokens=False).ids)
 
+    def _count(self, text: str) -> int:
+        self.tokenized_chars += len(text)
+        return len(self.tokenizer.encode(escape_user_text(text), add_special_tokens=False))
+
     def encode_user_text(self, text: str, budget: int | None = None) -> tuple[int, ...]:
         """Caller text, escaped and tokenized without special tokens (Qwen adds no BOS). With a budget, a text longer
         than LAZY_CHARS is counted piece by piece first, and OverBudget raised once it is known to need more tokens
@@ -149,12 +163,35 @@ class KevTokenizer:
         if budget is not None and len(text) > LAZY_CHARS:
             counted = unsafe = 0
             for start, stop, safe in safe_cuts(text, LAZY_CHARS):
-                self.tokenized_chars += stop - start
-                counted += len(self.tokenizer.encode(escape_user_text(text[start:stop]), add_special_tokens=False))
+                counted += self._count(text[start:stop])
                 unsafe += not safe
                 if counted > budget + UNSAFE_CUT_TOKENS * unsafe:
                     raise OverBudget(counted - UNSAFE_CUT_TOKENS * unsafe, stop)
         return self._encode(text)
+
+    def encode_prefix(self, text: str, keep: int) -> tuple[tuple[int, ...], int]:
+        """The first `keep` tokens of caller text, as the whole text tokenizes, and how many tokens it has in all, in
+        memory bounded by `keep` whatever the text's length. A text up to LAZY_CHARS is tokenized whole; a longer one
+        is counted piece by piece (`safe_cuts`), its head (up to one whole piece past the `keep`-th token) tokenized
+        whole and the rest only counted. At a safe cut the pieces' tokens are the whole text's; a cut inside a word
+        (no lone space in half a piece) may move a token or two beside it, a piece away from the head's first `keep`,
+        and the count by as much, as the limit check without truncation accepts too."""
+        whole = self.cache.get(text)
+        if whole is None and len(text) <= LAZY_CHARS:
+            whole = self._encode(text)
+        if whole is not None:
+            return whole[:keep], len(whole)
+        pieces = safe_cuts(text, LAZY_CHARS)
+        counted, head, past = 0, 0, False
+        for start, stop, _ in pieces:
+            counted += self._count(text[start:stop])
+            head = stop
+            if past:
+                break
+            past = counted > keep
+        tokens = self._encode(text[:head])
+        rest = sum(self._count(text[start:stop]) for start, stop, _ in pieces)  # the pieces after the head
+        return tokens[:keep], len(tokens) + rest
 
     def remember(self, text: str, tokens: tuple[int, ...]) -> None:
         if len(text) <= CACHE_MAX_CHARS:
@@ -242,8 +279,9 @@ class TextCache:
 
 
 def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = DEFAULT_LIMITS) -> Encoded:
-    """Kev's layout for one request; a state or row over the limits is refused, never truncated. Each text is
-    tokenized only as far as its budget needs to tell; the texts enter the tokenizer's cache once all passed."""
+    """Kev's layout for one request; a row over the limit is refused, and so is a state over it unless the limits
+    truncate states (then it is cut, and the row limit holds after the cut). Each text is tokenized only as far as its
+    budget needs to tell; the texts enter the tokenizer's cache once all passed."""
     d = tokenizer.delimiters
     texts: list[tuple[str, tuple[int, ...]]] = []
 
@@ -252,12 +290,7 @@ def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = DEFAULT_LIM
         texts.append((text, tokens))
         return tokens
 
-    try:
-        state = StateTokens((d.state, *tokens_of(record.state_text, limits.max_state_tokens - 1)))
-    except OverBudget as over:
-        raise RequestError(state_too_long_message(1 + over.counted, limits.max_state_tokens, over.chars)) from None
-    if len(state) > limits.max_state_tokens:
-        raise RequestError(state_too_long_message(len(state), limits.max_state_tokens))
+    state, dropped = encode_state(record.state_text, tokenizer, limits, texts)
     questions = []
     for question in record.questions:
         branch: list[int] = [d.question]
@@ -279,4 +312,27 @@ def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = DEFAULT_LIM
         questions.append(EncodedQuestion(tokens=tuple(branch), option_ends=tuple(option_ends)))
     for text, tokens in texts:
         tokenizer.remember(text, tokens)
-    return Encoded(state=state, questions=tuple(questions))
+    return Encoded(state=state, questions=tuple(questions), dropped=dropped)
+
+
+def encode_state(
+    text: str, tokenizer: KevTokenizer, limits: Limits, texts: list[tuple[str, tuple[int, ...]]]
+) -> tuple[StateTokens, int]:
+    """[<state>] + the state's tokens, and how many were cut off past the limit (only when the limits truncate
+    states; else a state over the limit is refused with Kev's 422). A text read whole joins `texts`, to be cached once
+    its request passed; a cut one never does: its tokens are not the text's, and the bank keys a state by its tokens,
+    so a cut state is banked as what the model read."""
+    keep = limits.max_state_tokens - 1
+    if limits.truncate_states:
+        tokens, total = tokenizer.encode_prefix(text, keep)
+        if total == len(tokens):
+            texts.append((text, tokens))
+        return StateTokens((tokenizer.delimiters.state, *tokens)), total - len(tokens)
+    try:
+        tokens = tokenizer.encode_user_text(text, keep)
+    except OverBudget as over:
+        raise RequestError(state_too_long_message(1 + over.counted, limits.max_state_tokens, over.chars)) from None
+    if len(tokens) > keep:
+        raise RequestError(state_too_long_message(1 + len(tokens), limits.max_state_tokens))
+    texts.append((text, tokens))
+    return StateTokens((tokenizer.delimiters.state, *tokens)), 0

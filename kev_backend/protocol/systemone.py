@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from .dates import TooManyDates, date_facts, with_facts
+
 JSONContent = str | dict | list | int | float | bool | None
 MAX_OPTIONS = 255
 MAX_STATE_TOKENS = 65_536  # Ls, the <state> token included
@@ -44,6 +46,9 @@ class Limits:
     max_questions: int = MAX_QUESTIONS
     max_state_tokens: int = MAX_STATE_TOKENS  # Ls, <state> included
     max_row_tokens: int = MAX_ROW_TOKENS  # Ls + branch
+    # A state over max_state_tokens: refused with Kev's 422 (off), or cut to its first max_state_tokens tokens (on),
+    # and then every response says whether it was (response_body's marks). The row limit holds after the cut.
+    truncate_states: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= self.max_json_depth <= MAX_JSON_DEPTH_CEILING:
@@ -239,9 +244,12 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def parse_request(body: str | bytes | dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> Record:
+def parse_request(
+    body: str | bytes | dict[str, Any], limits: Limits = DEFAULT_LIMITS, date_facts: bool = False
+) -> Record:
     """Validate a /v1/systemone body and build the record the engine encodes. Pass the raw bytes for FastAPI parity
-    (a str with a BOM is refused by json.loads; bytes are decoded as utf-8-sig)."""
+    (a str with a BOM is refused by json.loads; bytes are decoded as utf-8-sig). `date_facts`: the state the record
+    holds is the one with its date facts (`with_date_facts`), as a server with KEV_DATE_FACTS prepares it."""
     data = body if isinstance(body, dict) else _load_json(body, limits)
     if data is None:
         raise RequestError([{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}])
@@ -255,7 +263,22 @@ def parse_request(body: str | bytes | dict[str, Any], limits: Limits = DEFAULT_L
         raise RequestError([_body_error(err) for err in e.errors(include_url=False)]) from None
     # Render from the raw JSON: the texts must not depend on any coercion the models might do.
     questions = tuple(_question(qid, raw) for qid, raw in data["questions"].items())
-    return Record(model=request.model, state_text=render(data["state"]), questions=questions)
+    state = with_date_facts(data["state"], limits) if date_facts else data["state"]
+    return Record(model=request.model, state_text=render(state), questions=questions)
+
+
+def with_date_facts(state: JSONContent, limits: Limits = DEFAULT_LIMITS) -> JSONContent:
+    """Kev's date preprocessing (protocol/dates.py): the state with the day counts between its dates added. The facts
+    may be as long as a whole request (max_request_bytes characters), so building and tokenizing them costs no more
+    than the largest request's own text; a state with more dates than that (k dates make k(k-1)/2 sentences) is
+    refused, as no token limit could hold its facts."""
+    try:
+        return with_facts(state, date_facts(render(state), limits.max_request_bytes))
+    except TooManyDates as error:
+        raise RequestError(
+            f"state has at least {error.dates:,} distinct dates: their date facts (KEV_DATE_FACTS) would be over "
+            f"{error.max_chars:,} characters"
+        ) from None
 
 
 # Routing by state: a request goes to the replica whose bank may hold its state (docs/operations.md, Past one GPU).
@@ -265,7 +288,12 @@ STATE_KEY_HEADER = "x-kev-state-key"
 def state_key(state_text: str) -> str:
     """The routing key of a state: a hash of the text Kev renders it to, which is what a replica's bank holds. The
     same state with other whitespace, other questions or other options gets the same key; key order and scalar
-    spellings are part of that text (the model reads them), so they make another state, as they do in the bank."""
+    spellings are part of that text (the model reads them), so they make another state, as they do in the bank.
+
+    The text hashed is the caller's state as rendered, before a server prepares it (date facts added, a long state
+    cut): what a server banks is a function of that state alone, so equal states still get one key and meet on one
+    replica, and every door (the gateway, KevClient, a router's client) computes the same key without knowing the
+    servers' settings. Two states that differ only past a cut share a bank entry yet may get two keys: a rare miss."""
     return hashlib.blake2b(state_text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
@@ -405,14 +433,27 @@ def answers_json(answers: dict[str, Any]) -> str:
 
 
 def response_body(
-    model: str, answers: dict[str, Any], input_tokens: int, output_tokens: int, latency_ms: float
+    model: str,
+    answers: dict[str, Any],
+    input_tokens: int,
+    output_tokens: int,
+    latency_ms: float,
+    state_tokens: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """Kev's body. `state_tokens` (the request's whole state, what the model read; both with <state>) is given by a
+    server that may truncate states: it says on every response whether it did, as Kev's does, in usage's
+    `state_tokens` / `state_tokens_used` and a final `truncated` (TypeSafe SDKs ignore fields they do not model)."""
+    body = {
         "model": model,
         "answers": answers,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
         "latency_ms": round(latency_ms, 1),
     }
+    if state_tokens is not None:
+        whole, used = state_tokens
+        body["usage"].update(state_tokens=whole, state_tokens_used=used)
+        body["truncated"] = whole > used
+    return body
 
 
 def state_too_long_message(n_tokens: int, limit: int = MAX_STATE_TOKENS, counted_chars: int | None = None) -> str:

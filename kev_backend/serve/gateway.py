@@ -561,7 +561,7 @@ class Gateway:
             "triton_model": self.settings.model,
             "max_state_tokens": limits.max_state_tokens,
             "max_row_tokens": limits.max_row_tokens,
-            "truncate_states": False,
+            "truncate_states": limits.truncate_states,
             "dtype": params.get("dtype") or None,
             "serving": await asyncio.to_thread(serving_statistics, self.settings.metrics_url, self.settings.model),
         }
