@@ -3,7 +3,7 @@
 #
 # On a machine with a GPU (a working NVIDIA driver and device: build/gpu.sh) setup also installs
 # requirements-gpu.txt, `make serve` serves the GPU configuration (kev-serve picks configs/gpu.pbtxt when torch sees
-# a GPU) and `make test` runs the GPU tests with the rest; without one, requirements-cpu.txt. TORCH=system uses
+# a GPU) and `make test` runs the CPU suite (GPU hidden) then the GPU tests; without one, requirements-cpu.txt. TORCH=system uses
 # PYTHON's own torch (a GPU server's or a vendor image's CUDA stack: build/venv.sh) instead of installing the pinned
 # one; what PYTHON already has is then used as it is (build/requirements.py). SETS="serve" installs only what serving
 # needs (requirements.txt), not the test tools.
@@ -53,6 +53,7 @@ setup: $(STAMP)
 
 $(STAMP): $(REQUIREMENTS) pyproject.toml build/install_tritonserver.sh build/venv.sh build/requirements.py kev_backend/dev/tiny.py kev_backend/model/qwen35.py
 	build/venv.sh $(VENV) $(PYTHON) $(TORCH)
+	$(if $(filter system,$(TORCH)),$(PIP_ENV) $(VENV)/stub/bin/python -m pip install --quiet $$(grep '^numpy==' requirements.txt))
 	$(if $(WHEELHOUSE),,$(PY) -m pip install --quiet --upgrade pip)
 	mkdir -p $(dir $(STAMP))
 	$(PY) build/requirements.py $(if $(filter system,$(TORCH)),--installed) $(REQUIREMENTS) > $(STAMP).txt
@@ -65,8 +66,11 @@ $(STAMP): $(REQUIREMENTS) pyproject.toml build/install_tritonserver.sh build/ven
 serve: setup
 	KEV_VENV=$(abspath $(VENV)) build/serve.sh
 
+# On a GPU machine: first the CPU suite as CI runs it (the GPU hidden: kernels interpreted, servers on the CPU
+# configuration), then the GPU tests alone, with the GPU to themselves.
 test: setup lint
-	$(PY) -m pytest -q -rs tests
+	$(if $(filter gpu,$(MACHINE)),CUDA_VISIBLE_DEVICES= )$(PY) -m pytest -q -rs tests
+	$(if $(filter gpu,$(MACHINE)),$(PY) -m pytest -q -rs -m gpu tests)
 
 lint: setup
 	$(VENV)/bin/ruff check kev_backend tests model_repository loadtest bench

@@ -6,8 +6,9 @@ torch (TORCH=system: a GPU server's or an image's torch, with whatever it was bu
 Without options: every requirement line, as written. `--installed` (run with the environment's own python): leaves
 out every project that is already installed outside the environment's own site-packages (the system's, through the
 venv's system-torch.pth), whatever its version, and torch's own stack (torch, triton, nvidia-*) always. `--have FILE`:
-the same against a `pip freeze` or `pip list --format=freeze` of the target environment (for `make wheelhouse`).
-numpy is never left out: the tritonserver 2.51 Python stub needs numpy<2, which the environment gets from us.
+the same against a `pip freeze` or `pip list --format=freeze` of the target environment (for `make wheelhouse`),
+except numpy, which a wheelhouse always holds: the tritonserver 2.51 Python stub needs numpy<2, which setup installs
+into the stub's own environment (build/venv.sh) while the venv keeps the environment's numpy.
 
     python build/requirements.py --have FILE --prune DIR     (build/wheelhouse.sh, WHEEL_TORCH=system)
 
@@ -87,7 +88,8 @@ def main() -> None:
             if not line:
                 continue
             project = name(line)
-            if system and project not in ALWAYS_OURS and (TORCH_STACK.match(project) or project in have):
+            ours = ALWAYS_OURS if args.have is not None else set()
+            if system and project not in ours and (TORCH_STACK.match(project) or project in have):
                 print(f"# provided by the environment: {line}", file=sys.stderr)
                 continue
             print(line)

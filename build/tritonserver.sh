@@ -2,7 +2,9 @@
 # Run the tritonserver installed by build/install_tritonserver.sh, with a venv as the Python-backend env.
 #
 # Usage: build/tritonserver.sh [tritonserver args...]     e.g. --model-repository=model_repository
-#   KEV_VENV     venv the python stub runs in (default: <repo>/.venv); needs numpy<2 (2.51's stub breaks on numpy 2)
+#   KEV_VENV     the project's venv (default: <repo>/.venv). The python stub runs in KEV_VENV/stub where that exists
+#                (TORCH=system: build/venv.sh), else in KEV_VENV; that environment needs numpy<2 (2.51's stub breaks on
+#                numpy 2)
 #   TRITON_HOME  install dir (default: build/.tritonserver)
 # --backend-directory (and --cache-directory) are put before your args; a later repeat of a flag overrides it.
 set -euo pipefail
@@ -16,6 +18,7 @@ if [[ ! -x $home/bin/tritonserver || ! -e $home/.installed ]]; then
   exit 1
 fi
 [[ -x $venv/bin/python ]] || { echo "error: $venv/bin/python not found (set KEV_VENV)" >&2; exit 1; }
+[[ ! -x $venv/stub/bin/python ]] || venv=$venv/stub
 
 # One interpreter call: python minor, the base interpreter's LIBDIR, numpy version (metadata only, no import).
 # (Command substitution, not `< <(...)`: that child would outlive the exec below as a zombie of tritonserver.)
