@@ -19,6 +19,8 @@ import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
 from kev_backend.engine.engine import Engine
+from kev_backend.protocol.systemone import STATE_KEY_HEADER, state_key_of
+from kev_backend.serve import prometheus
 
 from .conftest import REPO, TritonServer
 
@@ -348,3 +350,34 @@ def test_batcher_config_rewrites_for_the_sweep() -> None:
         module.set_queue_delay("dynamic_batching { }", 500)
     with pytest.raises(ValueError):
         module.set_instance_count("instance_group [ { kind: KIND_CPU, count: 1 } ]", 2)
+
+
+def state_key_counts(server: TritonServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
+        samples = prometheus.parse(response.read().decode())
+    return {m: prometheus.total(samples, "kev_state_keys_total", matches=m) for m in ("yes", "no")}
+
+
+def test_the_routing_key_arrives_as_header_or_parameter_and_is_checked(triton: TritonServer) -> None:
+    """x-kev-state-key as gRPC metadata (Triton forwards the header as a request parameter) or as a request parameter
+    over HTTP: the backend counts whether it is the state's key; a key of the wrong type fails that request alone."""
+    body = make_request(300)
+    key = state_key_of(body)
+    before = state_key_counts(triton)
+    grpc = grpcclient.InferenceServerClient(triton.grpc_url)
+    http = httpclient.InferenceServerClient(triton.http_url)
+    try:
+        for header in (key, "0" * 16):
+            grpc.infer("kev", [grpc_input(body)], headers={STATE_KEY_HEADER: header})
+        inp = httpclient.InferInput("REQUEST", [1, 1], "BYTES")
+        inp.set_data_from_numpy(request_array(body))
+        http.infer("kev", [inp], parameters={STATE_KEY_HEADER: key})
+        http.infer("kev", [inp], headers={STATE_KEY_HEADER: key})
+        with pytest.raises(InferenceServerException, match=STATE_KEY_HEADER):
+            http.infer("kev", [inp], parameters={STATE_KEY_HEADER: 7})
+        assert grpc.infer("kev", [grpc_input(body)]).as_numpy("RESPONSE") is not None  # no key: not counted
+    finally:
+        grpc.close()
+        http.close()
+    after = state_key_counts(triton)
+    assert (after["yes"] - before["yes"], after["no"] - before["no"]) == (3, 1)

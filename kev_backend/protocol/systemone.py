@@ -174,8 +174,14 @@ class Question:
 @dataclass(frozen=True)
 class Record:
     model: str
-    state_text: str
+    state_text: str  # the rendered state the model reads (with its date facts where the server adds them)
     questions: tuple[Question, ...]
+    sent_text: str | None = None  # the state as sent, rendered, where the model reads another text (date facts)
+
+    @property
+    def state_key(self) -> str:
+        """The routing key of the state as sent: the one clients and the gateway compute (state_key)."""
+        return state_key(self.state_text if self.sent_text is None else self.sent_text)
 
 
 def _load_json(body: str | bytes, limits: Limits) -> Any:
@@ -263,17 +269,21 @@ def parse_request(
         raise RequestError([_body_error(err) for err in e.errors(include_url=False)]) from None
     # Render from the raw JSON: the texts must not depend on any coercion the models might do.
     questions = tuple(_question(qid, raw) for qid, raw in data["questions"].items())
-    state = with_date_facts(data["state"], limits) if date_facts else data["state"]
-    return Record(model=request.model, state_text=render(state), questions=questions)
+    text = render(data["state"])
+    if date_facts:
+        state = with_date_facts(data["state"], limits, text)
+        if state is not data["state"]:
+            return Record(model=request.model, state_text=render(state), questions=questions, sent_text=text)
+    return Record(model=request.model, state_text=text, questions=questions)
 
 
-def with_date_facts(state: JSONContent, limits: Limits = DEFAULT_LIMITS) -> JSONContent:
+def with_date_facts(state: JSONContent, limits: Limits = DEFAULT_LIMITS, text: str | None = None) -> JSONContent:
     """Kev's date preprocessing (protocol/dates.py): the state with the day counts between its dates added. The facts
     may be as long as a whole request (max_request_bytes characters), so building and tokenizing them costs no more
     than the largest request's own text; a state with more dates than that (k dates make k(k-1)/2 sentences) is
-    refused, as no token limit could hold its facts."""
+    refused, as no token limit could hold its facts. `text`: the state already rendered."""
     try:
-        return with_facts(state, date_facts(render(state), limits.max_request_bytes))
+        return with_facts(state, date_facts(render(state) if text is None else text, limits.max_request_bytes))
     except TooManyDates as error:
         raise RequestError(
             f"state has at least {error.dates:,} distinct dates: their date facts (KEV_DATE_FACTS) would be over "

@@ -36,6 +36,13 @@ class KevMetrics:
         errors = family(name="kev_request_errors_total", description="requests not answered, by reason", kind=counter)
         self._families.append(errors)
         self.request_errors = {reason: errors.Metric(labels={**labels, "reason": reason}) for reason in ERROR_REASONS}
+        keys = family(
+            name="kev_state_keys_total",
+            description="requests' states that came with a routing key (x-kev-state-key), by whether it is theirs",
+            kind=counter,
+        )
+        self._families.append(keys)
+        self.state_keys = {m: keys.Metric(labels={**labels, "matches": m}) for m in ("yes", "no")}
         self.bank_hits = metric("kev_bank_hits_total", counter, "states found in the state bank")
         self.bank_misses = metric("kev_bank_misses_total", counter, "states computed (not in the bank)")
         self.bank_evictions = metric("kev_bank_evictions_total", counter, "states evicted from the bank")
@@ -72,6 +79,11 @@ class KevMetrics:
     def count_error(self, reason: str, n: int = 1) -> None:
         if n:
             self.request_errors[reason].increment(n)
+
+    def count_state_key(self, matches: bool) -> None:
+        """One state whose request carried a routing key: a key that is not the state's sends its state to a
+        replica that may not bank it (a client hashing something else, or a proxy rewriting the header)."""
+        self.state_keys["yes" if matches else "no"].increment(1)
 
     def record(self, engine: Any, batch: Any = None) -> None:
         """After a batch: its report (BatchReport; default the engine's last) and the engine's running totals."""

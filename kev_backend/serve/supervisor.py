@@ -42,10 +42,16 @@ from pathlib import Path
 
 import grpc
 
+from ..protocol.systemone import STATE_KEY_HEADER
 from ..settings import REPO, ServeSettings, SettingError, admin_key
 from . import procs
 from .gpus import cuda_devices
 from .probe import Probe, answered
+
+# Triton forwards the headers this RE2 pattern matches as request parameters. It matches names as sent, and a (?i)
+# flag did not make 2.51 match other cases: over HTTP the header must come in lower case, as gRPC metadata, Envoy
+# and our clients always send it.
+STATE_KEY_PATTERN = f"^{re.escape(STATE_KEY_HEADER)}$"
 
 SHM_DIR = Path("/dev/shm")
 # Every region of a start is named f"{SHM_PREFIX}{supervisor pid}_{start number}_<uuid>" (the Python backend adds
@@ -263,6 +269,10 @@ class Supervisor:
             f"--metrics-port={c.metrics_port}",
             f"--http-restricted-api={restricted}",
             f"--grpc-restricted-protocol={restricted}",
+            # The routing key's header (clients, the gateway, the router) reaches the model as a request parameter
+            # of the same name, where it is checked against the request's state (model.py).
+            f"--http-header-forward-pattern={STATE_KEY_PATTERN}",
+            f"--grpc-header-forward-pattern={STATE_KEY_PATTERN}",
             # At SIGTERM Triton waits at most this long for in-flight requests and the model unloads together (its
             # default, 30 s, is also what a dead stub costs); its teardown then takes ~0.5 s, within the second left
             # before the supervisor's SIGKILL at 1 s before the stop timeout.

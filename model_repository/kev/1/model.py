@@ -65,6 +65,7 @@ class TritonPythonModel:
                 continue
             try:  # a malformed BYTES tensor fails here, for this request alone
                 items = pb_utils.get_input_tensor_by_name(request, "REQUEST").as_numpy().reshape(-1)
+                sender.key = routing_key(request)
             except Exception as error:  # noqa: BLE001
                 sender.fail(f"REQUEST could not be read: {error}", pb_utils.TritonError.INVALID_ARG, "invalid")
                 continue
@@ -96,6 +97,7 @@ class TritonPythonModel:
                     return
                 if batch.report.requests:
                     self.metrics.record(self.engine, batch.report)
+                count_state_keys(self.metrics, senders, spans, batch)
                 for sender, span in zip(senders, spans):
                     sender.answer(results[span.start : span.stop])
             finally:  # whatever failed above, no request is left without its one response
@@ -138,6 +140,27 @@ def warm_up(engine, metrics, settings, config):
     return len(warmup)
 
 
+def routing_key(request):
+    """The request's routing key: its x-kev-state-key parameter, sent as one by a client or forwarded by Triton from
+    the header of that name (kev-serve starts it with --*-header-forward-pattern). None without one."""
+    from kev_backend.protocol.systemone import STATE_KEY_HEADER
+
+    value = json.loads(request.parameters() or "{}").get(STATE_KEY_HEADER)
+    if value is not None and not (isinstance(value, str) and 0 < len(value) <= 128):
+        raise ValueError(f"the {STATE_KEY_HEADER} parameter must be a string of 1 to 128 characters")
+    return value
+
+
+def count_state_keys(metrics, senders, spans, batch):
+    """Counts, for each scored state whose request carried a routing key, whether the key is that state's."""
+    records = {i: record for i, record, _ in batch.accepted}
+    for sender, span in zip(senders, spans):
+        if sender.key is not None:
+            for j in span:
+                if j in records:
+                    metrics.count_state_key(sender.key == records[j].state_key)
+
+
 def gpu_visible():
     import torch
 
@@ -151,6 +174,7 @@ class Sender:
         self.sender = sender
         self.metrics = metrics
         self.done = False
+        self.key = None  # the request's routing key (routing_key)
 
     def is_cancelled(self):
         return self.sender.is_cancelled()
