@@ -1,13 +1,16 @@
 """In-process benchmark on the GPU: `python -m kev_backend.dev.bench` (`make bench`).
 
-Kev-4B shapes with random weights, or a real checkpoint with --checkpoint (and --base). Workloads follow Kev's
-serving benchmark: `short6` (a ~34-token support ticket, 6 questions) and `long5` (~2,200-token document, 5
-questions), each on a new state (prefix "Ticket {i}. ") and on the same state: median model time of 20; then
-requests/s at 1, 8, 32 and 64 concurrent in-process clients on new states, batched the way the Triton dynamic
-batcher batches them (every request waiting when the engine frees up rides the next batch). Beside each: the
-floor (FLOPs at the measured bf16 GEMM rate, weight bytes at the measured copy bandwidth) and the naive
-transformers baseline (one full sequence per question) where the image has transformers.
-Writes bench/results/<date>-<gpu>-<commit>.json and prints a table.
+Random weights of a Kev size's shapes (`--size`: 0.8b, 4b (default), 9b, 27b; kev_backend.dev.tiny.SIZES), or a
+checkpoint with --checkpoint (and --base). Workloads follow Kev's serving benchmark: `short6` (a ~34-token support
+ticket, 6 questions) and `long5` (~2,200-token document, 5 questions), each on a new state (prefix "Ticket {i}. ") and
+on the same state: median model time of 20; then requests/s at 1, 8, 32 and 64 concurrent in-process clients on new
+states, batched the way the Triton dynamic batcher batches them (every request waiting when the engine frees up rides
+the next batch). Beside each: the floor (FLOPs at the measured bf16 GEMM rate, weight bytes at the measured copy
+bandwidth) and the naive transformers baseline (one full sequence per question) where the image has transformers.
+`--quick` keeps latencies and short6 at 64 clients (no profiler passes, serial loop or baseline); `--scaling` adds
+long5's questions on states of 2k to 64k tokens, new and banked, with the GPU memory each needed, their compute
+floors, and how many 64k states the bank holds.
+Writes bench/results/<date>-<gpu>-<commit>[-<size>].json and prints a table.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import argparse
 import datetime
 import itertools
 import json
+import math
 import queue
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +33,17 @@ import torch
 
 from ..engine.engine import Engine, EngineOptions, dumps
 from ..engine.pipeline import Pipeline, parts_by_size
-from ..model.checkpoint import LoadOptions, load_checkpoint
+from ..gpu.pool import StatePool
+from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
+from ..model.qwen35 import DELTA_RULE_CHUNK, FULL_ATTENTION, Qwen35Config
 from . import tiny
 from .provenance import commit
-from .workloads import long5, short6
+from .workloads import long5, short6, sized, state_counter
 
 CLIENTS = (1, 8, 32, 64)
+# The scaling workload's states, <state> included: 2k to 32k, and one under Kev's 65,536-token limit.
+SCALING_TOKENS = (2048, 4096, 8192, 16384, 32768, 65_535)
+GIB = 1 << 30
 
 
 def ceilings(device: torch.device) -> dict[str, float]:
@@ -202,6 +212,98 @@ def floor_rps(cost: dict[str, float], ceil: dict[str, float], clients: int = 64)
     return clients / max(compute, weights)
 
 
+def pass_flops(config: Qwen35Config, state_tokens: int, row_lengths: list[int]) -> dict[str, float]:
+    """bf16 FLOPs of a new state of `state_tokens` tokens and its question rows, as the floor counts them:
+    - gemm: 2 · out · in of every fused projection of every layer (tiny.fused_projections; LoRA merged), per token;
+    - attention: 4 · heads · head_dim per (query, key) pair of each attention layer (q·k and p·v): the state causal,
+      each row over the state and its own prefix;
+    - delta_rule: the chunked gated delta rule per token and value head, with C = DELTA_RULE_CHUNK and dk, dv the
+      head widths: 6·dk·dv for the products with the state (q·S, k·S, the state update), C·(6·dk + 4·dv) for those
+      inside a chunk (k·kᵀ, q·kᵀ, T·k; T·v, p·v), (2/3)·C² for the triangular solve. Rows counted like the state.
+    Norms, the conv, gates and the pointer head (each under 0.1 %) are left out."""
+    tokens = state_tokens + sum(row_lengths)
+    projections = tiny.fused_projections(config)
+    per_token = sum(2 * n * k for kind in config.layer_types for n, k in projections[kind])
+    attention_layers = sum(kind == FULL_ATTENTION for kind in config.layer_types)
+    pairs = state_tokens * (state_tokens + 1) / 2 + sum(n * state_tokens + n * (n + 1) / 2 for n in row_lengths)
+    attention = 4 * config.num_attention_heads * config.head_dim * attention_layers * pairs
+    dk, dv, chunk = config.linear_key_head_dim, config.linear_value_head_dim, DELTA_RULE_CHUNK
+    per_head = 6 * dk * dv + chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3
+    delta = (len(config.layer_types) - attention_layers) * config.linear_num_value_heads * per_head * tokens
+    gemm = per_token * tokens
+    return {"gemm": gemm, "attention": attention, "delta_rule": delta, "total": gemm + attention + delta}
+
+
+def state_length(engine: Engine) -> Callable[[dict[str, Any]], int]:
+    """Counts a request's state as the engine encodes it (<state> included), past its limits: what `sized` aims at."""
+    return state_counter(engine.tokenizer)
+
+
+def memory_gib() -> dict[str, float | None]:
+    """The GPU memory torch's allocator holds: the peak since the last reset, now, and reserved (None without CUDA)."""
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+        "gpu_gib_allocated": torch.cuda.memory_allocated() / GIB if cuda else None,
+        "gpu_gib_reserved": torch.cuda.memory_reserved() / GIB if cuda else None,
+    }
+
+
+def scaling_point(engine: Engine, tokens: int, ceil: dict[str, float], repeat: int) -> dict[str, Any]:
+    """long5's questions on states of `tokens` tokens: median model time of `repeat` new states and of `repeat`
+    requests on one banked state (after one untimed request of each: kernels at this length, the state banked);
+    the GPU memory the point needed at its peak (gpu_gib: max_memory_allocated since the point began) and held
+    after it; the compute floor of a new state (pass_flops at the measured bf16 rate)."""
+    count = state_length(engine)
+    same = sized(tokens, count)
+    model_time(engine, sized(tokens, count, next(NEW_STATE)))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    new = [model_time(engine, sized(tokens, count, next(NEW_STATE))) for _ in range(repeat)]
+    model_time(engine, same)
+    banked = [model_time(engine, same) for _ in range(repeat)]
+    _, encoded = engine.prepare(same)
+    flops = pass_flops(engine.checkpoint.model.config, len(encoded.state), [len(q.tokens) for q in encoded.questions])
+    return {
+        "state_tokens": len(encoded.state),
+        "new_ms": statistics.median(new),
+        "same_ms": statistics.median(banked),
+        "floor_ms": 1000 * flops["total"] / (ceil["bf16_gemm_tflops"] * 1e12),
+        **memory_gib(),
+        "flops": flops,
+    }
+
+
+def pool_capacity(pool: StatePool, tokens: int) -> dict[str, Any]:
+    """How many states of `tokens` tokens a fused-path state pool holds at once: each takes a DeltaNet slot and
+    ceil(tokens / page_size) K/V pages; the scratch slot and page are never given out."""
+    pages = pool.scratch_token // pool.page_size
+    per_state = math.ceil(tokens / pool.page_size)
+    storage = sum(t.numel() * t.element_size() for t in (pool.recurrent, pool.conv, pool.keys, pool.values))
+    return {
+        "state_tokens": tokens,
+        "states": min(pool.scratch_slot, pages // per_state),
+        "slots": pool.scratch_slot,
+        "pages": pages,
+        "pages_per_state": per_state,
+        "bank_gib": storage / GIB,
+    }
+
+
+def bank_capacity(engine: Engine, tokens: int, check: int = 8) -> dict[str, Any]:
+    """pool_capacity of the engine's bank, then the check: that many distinct states (at most `check`) answered one
+    after another, then each asked again, every one a bank hit."""
+    result = pool_capacity(engine.bank.pool, tokens)
+    count = state_length(engine)
+    bodies = [sized(tokens, count, next(NEW_STATE)) for _ in range(min(result["states"], check))]
+    for body in bodies:
+        engine.answer([body])
+    hits = engine.bank_stats.hits
+    for body in bodies:
+        engine.answer([body])
+    return result | {"checked": len(bodies), "hits_on_second_ask": engine.bank_stats.hits - hits}
+
+
 def naive_baseline(engine: Engine, make, n: int) -> dict[str, Any]:
     """transformers' Qwen3.5 with the same weights (bf16), one full sequence per question, no state reuse."""
     try:
@@ -259,7 +361,7 @@ def naive_baseline(engine: Engine, make, n: int) -> dict[str, Any]:
         return {"rps": None, "error": repr(error)[:300]}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--seconds", type=float, default=6.0, help="per throughput level")
@@ -268,22 +370,135 @@ def main() -> None:
     defaults = EngineOptions()
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=defaults.graphs, help="CUDA graphs")
     parser.add_argument("--long-kernels", choices=("triton", "fla"), default=defaults.long_kernels)
-    parser.add_argument("--checkpoint", type=Path, help="a Kev checkpoint (default: random weights, Kev-4B shapes)")
+    parser.add_argument("--gemm-algos", default=defaults.gemm_algos, help="auto, off or a table (cublaslt.pretuned)")
+    parser.add_argument("--bank-gib", type=float, default=24.0, help="the state bank")
+    parser.add_argument("--size", choices=list(tiny.SIZES), help="random weights of a Kev size's shapes (4b)")
+    parser.add_argument("--checkpoint", type=Path, help="a Kev checkpoint (with --size: checked to be its shapes)")
     parser.add_argument("--base", help="a local copy of the checkpoint's base model, when head.pt names a Hub id")
+    parser.add_argument("--quick", action="store_true", help="latencies and short6 at 64 clients only (~1 min)")
+    parser.add_argument("--scaling", action="store_true", help="also states of 2k to 64k tokens and the bank's room")
+    parser.add_argument("--scaling-repeat", type=int, default=3, help="requests per scaling point and kind")
     parser.add_argument("--commit", help="the commit the result names (default: git's HEAD)")
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    options = EngineOptions(
-        device="cuda", backend=args.backend, bank_bytes=24 << 30, graphs=args.graphs, long_kernels=args.long_kernels
-    )
+    return parser.parse_args()
+
+
+# The fields that fix a model's tensor shapes: a checkpoint is of a size's shapes when all of them agree.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "layer_types",
+)
+
+
+def load_model(args: argparse.Namespace, device: torch.device) -> tuple[KevCheckpoint, str, str]:
+    """The checkpoint benchmarked, the model name the result gives (a size's label, or the checkpoint's directory)
+    and a description. Random weights are built on the GPU in bf16, the serving dtype, a tensor at a time (a 27B
+    model's fp32 copy would not fit)."""
+    size = tiny.SIZES[args.size or "4b"]
     if args.checkpoint:
         checkpoint = load_checkpoint(args.checkpoint, device, LoadOptions(base=args.base))
-        name = str(args.checkpoint)
-    else:
-        tokenizer_dir = Path(tempfile.mkdtemp(prefix="kev-bench-tokenizer-"))
-        tiny.write_tokenizer(tokenizer_dir)
-        checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, tokenizer_dir, device)
-        name = "random weights, Kev-4B shapes (Qwen3.5-4B text config, LoRA r=16 merged)"
+        if args.size:
+            expected = Qwen35Config.from_dict(size.config)
+            got = checkpoint.model.config
+            wrong = [f for f in SHAPE_FIELDS if getattr(got, f) != getattr(expected, f)]
+            if wrong:
+                raise SystemExit(f"{args.checkpoint} is not of {size.label}: {', '.join(wrong)} differ")
+        model = size.label if args.size else args.checkpoint.name
+        return checkpoint, model, str(args.checkpoint)
+    tokenizer_dir = Path(tempfile.mkdtemp(prefix="kev-bench-tokenizer-"))
+    tiny.write_tokenizer(tokenizer_dir)
+    lora_rank = 16 if size.weights == "lora" else 0
+    checkpoint = tiny.synthetic_checkpoint(
+        size.config, tokenizer_dir, device, lora_rank=lora_rank, dtype=torch.bfloat16
+    )
+    shipped = "LoRA r=16 merged" if lora_rank else "full weights"
+    return checkpoint, size.label, f"random weights, {size.label} ({shipped}, bf16)"
+
+
+def measure(
+    engine: Engine,
+    make,
+    ceil: dict[str, float],
+    seconds: float,
+    clients: tuple[int, ...],
+    full: bool,
+    baseline: bool,
+    label: str,
+) -> dict[str, Any]:
+    """One workload: latency (new and same state); throughput at each of `clients`; with `full`, the profiler's
+    passes and 64 clients without the pipeline; the floors; the naive baseline when asked."""
+    entry: dict[str, Any] = dict(latency(engine, make))
+    print(f"{label} latency {entry}", flush=True)
+    if full:
+        try:
+            entry["profile_new"] = pass_profile(engine, make, new=True)
+            entry["profile_same"] = pass_profile(engine, make, new=False)
+            print(f"{label} profile new {entry['profile_new']} same {entry['profile_same']}", flush=True)
+        except Exception as error:  # informative only
+            entry["profile_error"] = repr(error)[:300]
+    entry["rps"], entry["p50_ms"], entry["mean_batch"] = {}, {}, {}
+    for n in clients:
+        throughput(engine, make, n, 1.0)  # first pass: new batch shapes, autotune
+        measured = throughput(engine, make, n, seconds)
+        entry["rps"][str(n)] = measured["rps"]
+        entry["p50_ms"][str(n)] = measured["p50_ms"]
+        entry["mean_batch"][str(n)] = measured["mean_batch"]
+        print(f"{label} clients={n} {measured}", flush=True)
+    if full:
+        # 64 clients without the pipeline (one answer() call at a time): what overlapping batches buys.
+        throughput(engine, make, 64, 1.0, pipelined=False)
+        entry["serial_rps_64"] = throughput(engine, make, 64, seconds, pipelined=False)["rps"]
+        print(f"{label} clients=64 serial {entry['serial_rps_64']:.1f} req/s", flush=True)
+    cost = request_cost(engine, make(0))
+    entry["tokens"] = cost["tokens"]
+    entry["floor_rps"] = floor_rps(cost, ceil)
+    entry["floor_new_ms"] = 1000 / floor_rps(cost, ceil, clients=1)
+    result = naive_baseline(engine, make, 10) if baseline else {"rps": None, "error": "skipped"}
+    entry["baseline_rps"] = result["rps"]
+    if result.get("error"):
+        entry["baseline_error"] = result["error"]
+    return entry
+
+
+def print_table(workloads: dict[str, Any]) -> None:
+    print(f"{'workload':8} {'new ms':>8} {'same ms':>8} " + " ".join(f"{c:>7}c" for c in CLIENTS) + " floor   naive")
+    for label, w in workloads.items():
+        if label == "scaling":
+            continue
+        rps = " ".join(f"{w['rps'][str(c)]:8.1f}" if str(c) in w["rps"] else "     n/a" for c in CLIENTS)
+        naive = f"{w['baseline_rps']:7.1f}" if w["baseline_rps"] else "    n/a"
+        print(f"{label:8} {w['new_ms']:8.2f} {w['same_ms']:8.2f} {rps} {w['floor_rps']:7.1f} {naive}")
+    for point in workloads.get("scaling", []):
+        print(
+            f"state {point['state_tokens']:6d} tokens: new {point['new_ms']:9.2f} ms, same {point['same_ms']:7.2f} ms,"
+            f" floor {point['floor_ms']:8.2f} ms, GPU peak {point['gpu_gib'] or 0:6.1f} GiB"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cuda")
+    options = EngineOptions(
+        device="cuda",
+        backend=args.backend,
+        bank_bytes=int(args.bank_gib * GIB),
+        graphs=args.graphs,
+        long_kernels=args.long_kernels,
+        gemm_algos=args.gemm_algos,
+    )
+    started = time.perf_counter()
+    checkpoint, model, name = load_model(args, device)
+    load_s = time.perf_counter() - started
     started = time.perf_counter()
     engine = Engine(checkpoint, options)  # with graphs: every bucket captured here
     engine_s = time.perf_counter() - started
@@ -293,12 +508,16 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(device),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": commit(args.commit),
+        "model": model,
         "checkpoint": name,
         "backend": engine.backend,
         "graphs": args.graphs,
         "long_kernels": options.long_kernels,
+        "quick": args.quick,
         "pipelined": True,  # throughput through kev_backend/engine/pipeline.py; serial_rps_64 without it
+        "load_s": load_s,
         "engine_start_s": engine_s,
+        "engine_gpu_gib": torch.cuda.memory_allocated(device) / GIB,  # weights, bank, graphs: before any request
         "torch": torch.__version__,
         "ceilings": ceil,
         "complete": False,  # until every workload is in: the file is rewritten after each one
@@ -309,7 +528,8 @@ def main() -> None:
     variant = ("" if args.graphs else "-eager") + (
         "" if options.long_kernels == "triton" else f"-{options.long_kernels}"
     )
-    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}.json"
+    sized_name = f"-{args.size}" if args.size else ""
+    path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}{sized_name}.json"
 
     def write() -> None:
         stats = engine.bank_stats
@@ -320,8 +540,9 @@ def main() -> None:
             "bytes": stats.bytes,
             "oom_retries": getattr(engine.scorer, "oom_retries", 0),
         }
-        if workloads:
-            result["first_over_median"] = max(w["first_over_median"] for w in workloads.values())
+        timed = [w for w in workloads.values() if isinstance(w, dict) and "first_over_median" in w]
+        if timed:
+            result["first_over_median"] = max(w["first_over_median"] for w in timed)
         result["gemm_algos"] = engine.gemm_algos
         graphs = getattr(engine.scorer, "graphs", None)
         if graphs is not None:
@@ -329,52 +550,26 @@ def main() -> None:
             result["graphs_bytes"] = graphs.stats.bytes
             result["graph_stats"] = vars(graphs.stats)
             result["graph_buckets_seen"] = sorted(b.name for b in graphs.seen)
+        result["gpu_gib_peak"] = torch.cuda.max_memory_allocated(device) / GIB
         path.write_text(json.dumps(result, indent=2) + "\n")
 
+    full = not args.quick
     for label, make, seconds in (("short6", short6, args.seconds), ("long5", long5, 2 * args.seconds)):
-        entry: dict[str, Any] = dict(latency(engine, make))
-        print(f"{label} latency {entry}", flush=True)
-        try:
-            entry["profile_new"] = pass_profile(engine, make, new=True)
-            entry["profile_same"] = pass_profile(engine, make, new=False)
-            print(f"{label} profile new {entry['profile_new']} same {entry['profile_same']}", flush=True)
-        except Exception as error:  # informative only
-            entry["profile_error"] = repr(error)[:300]
-        entry["rps"] = {}
-        entry["p50_ms"] = {}
-        entry["mean_batch"] = {}
-        for clients in CLIENTS:
-            throughput(engine, make, clients, 1.0)  # first pass: new batch shapes, autotune
-            measured = throughput(engine, make, clients, seconds)
-            entry["rps"][str(clients)] = measured["rps"]
-            entry["p50_ms"][str(clients)] = measured["p50_ms"]
-            entry["mean_batch"][str(clients)] = measured["mean_batch"]
-            print(f"{label} clients={clients} {measured}", flush=True)
-        # 64 clients without the pipeline (one answer() call at a time): what overlapping batches buys.
-        throughput(engine, make, 64, 1.0, pipelined=False)
-        entry["serial_rps_64"] = throughput(engine, make, 64, seconds, pipelined=False)["rps"]
-        print(f"{label} clients=64 serial {entry['serial_rps_64']:.1f} req/s", flush=True)
-        cost = request_cost(engine, make(0))
-        entry["tokens"] = cost["tokens"]
-        entry["floor_rps"] = floor_rps(cost, ceil)
-        entry["floor_new_ms"] = 1000 / floor_rps(cost, ceil, clients=1)
-        baseline = {"rps": None, "error": "skipped"} if args.no_baseline else naive_baseline(engine, make, 10)
-        entry["baseline_rps"] = baseline["rps"]
-        if baseline.get("error"):
-            entry["baseline_error"] = baseline["error"]
-        workloads[label] = entry
+        clients = CLIENTS if full else ((64,) if label == "short6" else ())
+        baseline = full and not args.no_baseline
+        workloads[label] = measure(engine, make, ceil, seconds, clients, full, baseline, label)
         write()
+    if args.scaling and engine.backend == "fused":
+        workloads["scaling"] = []
+        for tokens in SCALING_TOKENS:
+            workloads["scaling"].append(scaling_point(engine, tokens, ceil, args.scaling_repeat))
+            print(f"scaling {workloads['scaling'][-1]}", flush=True)
+            write()
+        result["bank_capacity"] = bank_capacity(engine, SCALING_TOKENS[-1])
+        print(f"bank capacity {result['bank_capacity']}", flush=True)
     result["complete"] = True
     write()
-    print(
-        f"{'workload':8} {'new ms':>8} {'same ms':>8} "
-        + " ".join(f"{c:>7}c" for c in CLIENTS)
-        + f" {'floor':>7} {'naive':>7}"
-    )
-    for label, w in workloads.items():
-        rps = " ".join(f"{w['rps'][str(c)]:8.1f}" for c in CLIENTS)
-        naive = f"{w['baseline_rps']:7.1f}" if w["baseline_rps"] else "    n/a"
-        print(f"{label:8} {w['new_ms']:8.2f} {w['same_ms']:8.2f} {rps} {w['floor_rps']:7.1f} {naive}")
+    print_table(workloads)
     print(f"written: {path}")
 
 

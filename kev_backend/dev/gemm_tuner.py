@@ -1,7 +1,12 @@
 """The GEMM tuner: times cuBLASLt's candidates for a checkpoint's projections at the graph buckets' token counts and
 writes the table kev_backend.gpu.cublaslt reads at run time (kev_backend/gpu/gemm_algos/).
 
-    python -m kev_backend.dev.gemm_tuner tune CHECKPOINT OUT.json
+    python -m kev_backend.dev.gemm_tuner tune CHECKPOINT|SIZE OUT.json
+    python -m kev_backend.dev.gemm_tuner merge OUT.json TABLE...
+
+A SIZE (kev_backend.dev.tiny.SIZES: 0.8b, 4b, 9b, 27b) takes the projections from its config, loading no weights
+(the tuner times random matrices of each shape anyway). At run time one table per GPU and cuBLASLt version is used
+(cublaslt.pretuned: the first that matches), so tables of several sizes are merged into one before they ship.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..gpu.cublaslt import GemmAlgos, identity
+from ..gpu.cublaslt import GemmAlgos, identity, read_table
 from ..gpu.fused import FusedWeights
 from ..gpu.graphs import all_buckets
 from ..model.checkpoint import load_checkpoint
+from ..model.qwen35 import Qwen35Config
+from .tiny import SIZES, fused_projections
 
 
 def _graph_us(fn: Callable[[], object], calls: int) -> float:
@@ -63,26 +70,71 @@ def tune(shapes: Iterable[tuple[int, int, int]], device: torch.device, gain: flo
     return entries
 
 
-def main(argv: list[str]) -> None:
-    """python -m kev_backend.dev.gemm_tuner tune CHECKPOINT OUT.json: a table for this GPU, the checkpoint's
-    projections at the token counts of the graphs' buckets (graph_max_tokens 4,096)."""
+def checkpoint_projections(path: str, device: torch.device) -> set[tuple[int, int]]:
+    """(out, in) features of a checkpoint's fused projections, from its loaded weights."""
+    weights = FusedWeights(load_checkpoint(path, device=device).model)
+    return {
+        tuple(w.shape) for layer in weights.layers for w in (layer.in_proj, layer.out_proj, layer.gate_up, layer.down)
+    }
 
-    if len(argv) != 3 or argv[0] != "tune":
-        raise SystemExit(main.__doc__)
+
+def size_projections(size: str) -> set[tuple[int, int]]:
+    """(out, in) features of a Kev size's fused projections, from its config."""
+    config = Qwen35Config.from_dict(SIZES[size].config)
+    return {shape for shapes in fused_projections(config).values() for shape in shapes}
+
+
+def tune_table(source: str, out: Path) -> None:
+    """A table for this GPU: `source`'s projections (a SIZE's or a checkpoint's) at the token counts of the graphs'
+    buckets (graph_max_tokens 4,096)."""
     device = torch.device("cuda")
-    model = load_checkpoint(argv[1], device=device).model
-    weights = FusedWeights(model)
-    projections = sorted({tuple(w.shape) for layer in weights.layers for w in (layer.in_proj, layer.out_proj,
-                          layer.gate_up, layer.down)})  # fmt: skip
+    projections = sorted(size_projections(source) if source in SIZES else checkpoint_projections(source, device))
     tokens = sorted({bucket.tokens for bucket in all_buckets(4096)})
     started = time.perf_counter()
     entries = tune([(m, n, k) for m in tokens for n, k in projections], device)
     data = identity(device) | {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "shapes": entries}
-    Path(argv[2]).write_text(json.dumps(data, indent=1) + "\n")
+    out.write_text(json.dumps(data, indent=1) + "\n")
     print(
         f"{len(entries)} of {len(tokens) * len(projections)} shapes on another algorithm, tuned in "
-        f"{time.perf_counter() - started:.0f} s: {argv[2]}"
+        f"{time.perf_counter() - started:.0f} s: {out}"
     )
+
+
+def merge_tables(out: Path, tables: list[Path]) -> dict:
+    """One table holding every shape of `tables`, which must be of one GPU and cuBLASLt version (read_table checks
+    each); a shape in several keeps its fastest entry. The first table's torch and date are kept."""
+    merged: dict[tuple[int, int, int], dict] = {}
+    first: dict | None = None
+    for path in tables:
+        tuned_on, _ = read_table(path)
+        data = json.loads(path.read_text())
+        if first is None:
+            first = data
+        elif tuned_on != {key: first[key] for key in tuned_on}:
+            raise ValueError(f"{path}: tuned on {tuned_on}, not on {first['gpu']} / {first['cublaslt_version']}")
+        for entry in data["shapes"]:
+            shape = (entry["m"], entry["n"], entry["k"])
+            if shape not in merged or entry["us"] < merged[shape]["us"]:
+                merged[shape] = entry
+    if first is None:
+        raise ValueError("no tables to merge")
+    result = {key: value for key, value in first.items() if key != "shapes"}
+    result["shapes"] = [merged[shape] for shape in sorted(merged)]
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main(argv: list[str]) -> None:
+    """python -m kev_backend.dev.gemm_tuner tune CHECKPOINT|SIZE OUT.json: a table for this GPU, the projections of
+    a checkpoint or a Kev size at the token counts of the graphs' buckets (graph_max_tokens 4,096);
+    python -m kev_backend.dev.gemm_tuner merge OUT.json TABLE...: tables of one GPU merged into one."""
+    if len(argv) == 3 and argv[0] == "tune":
+        tune_table(argv[1], Path(argv[2]))
+    elif len(argv) >= 3 and argv[0] == "merge":
+        result = merge_tables(Path(argv[1]), [Path(table) for table in argv[2:]])
+        print(f"{len(result['shapes'])} shapes: {argv[1]}")
+    else:
+        raise SystemExit(main.__doc__)
 
 
 if __name__ == "__main__":

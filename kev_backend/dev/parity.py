@@ -95,9 +95,57 @@ def parity_report(reference: Engine, fast: Engine, requests: Sequence[Any], batc
     }
 
 
+# The bars a fused path is held to (docs/benchmarking.md, Rules): against the fp32 reference, the largest |Δp| and
+# decided answers flipped at most 1 in 300; alone against batched and bank hit against miss.
+BARS = {
+    "vs_reference_max_abs": 0.03,
+    "decided_flips_per_question": 1 / 300,
+    "alone_max_abs": 0.01,
+    "bank_max_abs": 0.01,
+}
+
+
+def verdict(report: dict[str, Any]) -> dict[str, bool]:
+    """Each bar of BARS met or not by a parity report."""
+    reference = report["vs_reference"]
+    return {
+        "vs_reference_max_abs": reference["max_abs"] <= BARS["vs_reference_max_abs"],
+        "decided_flips": reference["decided_flips"] <= reference["questions"] * BARS["decided_flips_per_question"],
+        "alone_vs_batch": report["alone_vs_batch"]["max_abs"] <= BARS["alone_max_abs"],
+        "bank_hit_vs_miss": report["bank_hit_vs_miss"]["max_abs"] <= BARS["bank_max_abs"],
+    }
+
+
+def size_checkpoint(size: str, device: Any, layers: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """A Kev size's random weights in fp32 on `device` (tiny.synthetic_model: LoRA merged for a LoRA size), at the
+    depth its fp32 reference fits at (Size.parity_config, or the first `layers`), with the tiny tokenizer; and what
+    the report says of it."""
+    import tempfile
+    from pathlib import Path
+
+    from .tiny import SIZES, synthetic_checkpoint, truncated, write_tokenizer
+
+    spec = SIZES[size]
+    config = truncated(spec.config, layers) if layers else spec.parity_config()
+    tokenizer = Path(tempfile.mkdtemp(prefix="kev-parity-tokenizer-"))
+    write_tokenizer(tokenizer)
+    lora_rank = 16 if spec.weights == "lora" else 0
+    checkpoint = synthetic_checkpoint(config, tokenizer, device, seed=0, lora_rank=lora_rank)
+    depth, full = config["num_hidden_layers"], spec.config["num_hidden_layers"]
+    about = {"model": spec.label, "weights": spec.weights, "layers": depth, "model_layers": full}
+    if depth < full:
+        about["depth"] = (
+            f"the first {depth} of {full} layers (the same 3:1 DeltaNet/attention order): the fp32 reference of "
+            "the whole model does not fit on the GPU beside the bf16 one"
+        )
+    return checkpoint, about
+
+
 def main(argv: list[str] | None = None) -> None:
-    """python -m kev_backend.dev.parity CHECKPOINT --out DIR: the fused path's parity report on realistic requests,
-    as JSON (the GPU tests check the same figures against their bars)."""
+    """python -m kev_backend.dev.parity (CHECKPOINT | --size SIZE) --out DIR: the fused path's parity report on
+    realistic requests, as JSON (the GPU tests check the same figures against their bars). A CHECKPOINT is loaded in
+    fp32 (its LoRA merged in fp32), the reference's weights; the fused engine runs them in bf16. A SIZE is random
+    weights of a Kev size's shapes (tiny.SIZES), at a truncated depth where its fp32 copy would not fit."""
     import argparse
     import json
     from pathlib import Path
@@ -105,31 +153,45 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from ..engine.engine import EngineOptions
-    from ..model.checkpoint import load_checkpoint
+    from ..model.checkpoint import LoadOptions, load_checkpoint
     from .provenance import commit
+    from .tiny import SIZES
     from .workloads import realistic
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("checkpoint", type=Path, nargs="?")
+    parser.add_argument("--size", choices=list(SIZES), help="random weights of a Kev size's shapes instead")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--questions", type=int, default=1000)
     parser.add_argument("--max-words", type=int, default=2500)
+    parser.add_argument("--layers", type=int, help="with --size: its first LAYERS layers (default: SIZES' depth)")
+    parser.add_argument("--bank-gib", type=float, default=16.0, help="the fused engine's state bank")
     parser.add_argument("--commit", help="the commit the report names (default: git's HEAD)")
     args = parser.parse_args(argv)
-    checkpoint = load_checkpoint(args.checkpoint, torch.device("cuda"))
+    if (args.checkpoint is None) == (args.size is None):
+        parser.error("give one of CHECKPOINT and --size")
+    device = torch.device("cuda")
+    if args.size:
+        checkpoint, about = size_checkpoint(args.size, device, args.layers)
+        name = about["model"]
+    else:
+        checkpoint = load_checkpoint(args.checkpoint, device, LoadOptions(dtype="fp32"))
+        about, name = {"checkpoint": str(args.checkpoint)}, args.checkpoint.name
     reference = Engine(checkpoint, EngineOptions(backend="reference", bank_bytes=0))
-    fused = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30))
-    report = parity_report(reference, fused, realistic(args.questions, seed=0, max_words=args.max_words))
+    fused = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=int(args.bank_gib * (1 << 30))))
+    report = about | parity_report(reference, fused, realistic(args.questions, seed=0, max_words=args.max_words))
     report.update(
+        verdict=verdict(report),
         gpu=torch.cuda.get_device_name(),
         date=time.strftime("%Y-%m-%d"),
         commit=commit(args.commit),
         long_kernels=fused.options.long_kernels,
+        gpu_gib_peak=torch.cuda.max_memory_allocated() / (1 << 30),
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{time.strftime('%Y-%m-%d')}-parity-{args.checkpoint.name}-{report['commit']}.json"
+    path = args.out / f"{time.strftime('%Y-%m-%d')}-parity-{name}-{report['commit']}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["vs_reference"]), path)
+    print(json.dumps({"vs_reference": report["vs_reference"], "verdict": report["verdict"]}), path)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""Deterministic tiny Kev-format checkpoints with random weights: `python -m kev_backend.dev.tiny OUT_DIR`.
+"""Deterministic Kev-format checkpoints with random weights: `python -m kev_backend.dev.tiny OUT_DIR [--size SIZE]`.
 
 OUT_DIR/base is a Qwen3.5 base in HF layout (config.json, model.safetensors with `model.*` names plus an lm_head,
 a word-level tokenizer holding Kev's five delimiter tokens); OUT_DIR/kev is a LoRA checkpoint on it (PEFT adapter +
 head.pt); OUT_DIR/kev-full the same model as a full-weight checkpoint. Their answers are meaningless: the weights
 are random, scaled so activations stay O(1) through the layers and the probabilities are not flat.
+
+With `--size` (SIZES: 0.8b, 4b, 9b, 27b) the same layout at a published model's text-config shapes, bf16, each
+tensor drawn on `--device` and written at once (safetensors shards past `--shard-gib`): OUT/kev is a LoRA on OUT/base,
+or for Kev-27B, a full fine-tune, full weights in OUT/kev beside a tokenizer-only OUT/base.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
-from ..model.checkpoint import KevCheckpoint, Meta, build_model, lora_deltas, merge_deltas
+from ..model.checkpoint import DTYPES, KevCheckpoint, Meta, lora_deltas
 from ..model.qwen35 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, Qwen35TextModel
 from ..protocol.encoding import DELIMITER_TOKENS
 from .workloads import WORDS
@@ -75,24 +82,135 @@ SMALL_CONFIG: dict[str, Any] = {
     "pad_token_id": 1,
 }
 
-# Qwen3.5-4B's text config (24 Gated DeltaNet and 8 gated attention layers, GQA 16/4, 32 DeltaNet value heads over 16
-# key heads): random weights of Kev-4B shapes.
-KEV4B_CONFIG: dict[str, Any] = {
+FULL_ATTENTION_INTERVAL = 4
+
+
+def hybrid_layers(n: int) -> list[str]:
+    """Qwen3.5's layout: three Gated DeltaNet layers, then one gated attention layer, repeated."""
+    return [FULL_ATTENTION if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else LINEAR_ATTENTION for i in range(n)]
+
+
+QWEN35_VOCAB = 248_320  # padded; the tiny tokenizer's ids are a subset
+
+# The published text configs (`text_config` of the Qwen3.5 checkpoints; model cards and config.json as third-party
+# loaders and training scripts reproduce them). All: head_dim 256, DeltaNet heads of 128, conv kernel 4, vocab
+# 248,320, RoPE theta 1e7 on a quarter of each head.
+# Qwen3.5-0.8B: 24 layers, hidden 1,024, MLP 3,584, attention 8 query / 2 KV heads, DeltaNet 16 key / 16 value heads,
+# tied embeddings.
+KEV08B_CONFIG: dict[str, Any] = {
     **TINY_CONFIG,
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "layer_types": hybrid_layers(24),
+    "vocab_size": QWEN35_VOCAB,
+    "tie_word_embeddings": True,
+}
+
+# Qwen3.5-4B's text config (24 Gated DeltaNet and 8 gated attention layers, GQA 16/4, 32 DeltaNet value heads over 16
+# key heads, tied embeddings): random weights of Kev-4B shapes.
+KEV4B_CONFIG: dict[str, Any] = {
+    **KEV08B_CONFIG,
     "hidden_size": 2560,
     "intermediate_size": 9216,
     "num_hidden_layers": 32,
     "num_attention_heads": 16,
     "num_key_value_heads": 4,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
     "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "layer_types": [FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(32)],
-    "vocab_size": 248_320,
-    "tie_word_embeddings": True,
+    "layer_types": hybrid_layers(32),
 }
+
+# Qwen3.5-9B: 32 layers, hidden 4,096, MLP 12,288, attention 16 / 4 heads, DeltaNet 16 key / 32 value heads. Untied:
+# its text tower's published count, 8.95B, is this config's with a separate LM head (tied it would be 7.94B).
+KEV9B_CONFIG: dict[str, Any] = {
+    **KEV4B_CONFIG,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "tie_word_embeddings": False,
+}
+
+# Kev-27B: Qwen3.8-27B, whose text_config is qwen3_5_text at Qwen3.5-27B's shapes: 64 layers, hidden 5,120, MLP
+# 17,408, attention 24 / 4 heads, DeltaNet 16 key / 48 value heads, untied embeddings (~27B parameters, ~51 GB of
+# bf16 text-model weights without the LM head Kev never reads).
+KEV27B_CONFIG: dict[str, Any] = {
+    **KEV4B_CONFIG,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "linear_num_value_heads": 48,
+    "layer_types": hybrid_layers(64),
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class Size:
+    """A Kev model size: its base's text config and how Kev ships it ("lora": rank-16 LoRA + head on the -Base
+    model; "full": bf16 full weights + head). `parity_layers`: the depth the fp32 parity reference runs at, when the
+    whole model's fp32 copy does not fit on one GPU beside the bf16 one."""
+
+    name: str
+    config: dict[str, Any]
+    weights: str
+    parity_layers: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"kev-{self.name}-shapes"
+
+    def parity_config(self) -> dict[str, Any]:
+        return truncated(self.config, self.parity_layers) if self.parity_layers else self.config
+
+
+SIZES: dict[str, Size] = {
+    "0.8b": Size("0.8b", KEV08B_CONFIG, "lora"),
+    "4b": Size("4b", KEV4B_CONFIG, "lora"),
+    "9b": Size("9b", KEV9B_CONFIG, "lora"),
+    # 64 layers in fp32 are 108 GB: beside the 51 GB bf16 engine that is more than an H200 holds. 16 layers (the
+    # first 16: 12 DeltaNet, 4 attention, the same 3:1 order) are 29 GB.
+    "27b": Size("27b", KEV27B_CONFIG, "full", parity_layers=16),
+}
+
+
+def truncated(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The first `layers` layers of `config` (a whole number of 3:1 groups, so the layer pattern is kept)."""
+    if layers % FULL_ATTENTION_INTERVAL or not 0 < layers <= config["num_hidden_layers"]:
+        raise ValueError(f"truncate to a multiple of {FULL_ATTENTION_INTERVAL} layers up to the model's, not {layers}")
+    return {**config, "num_hidden_layers": layers, "layer_types": list(config["layer_types"][:layers])}
+
+
+def text_parameters(config: dict[str, Any]) -> int:
+    """Parameters of the text model at `config`: embedding, every layer (projections, norms, conv, A_log, dt_bias),
+    final norm, and the LM head when untied (a tied one is the embedding, counted once). Not counted: the vision
+    tower and the multi-token-prediction layer, which the published model names include."""
+    parsed = Qwen35Config.from_dict(config)
+    with torch.device("meta"):
+        body = sum(p.numel() for p in Qwen35TextModel(parsed).parameters())
+    return body + (0 if parsed.tie_word_embeddings else parsed.vocab_size * parsed.hidden_size)
+
+
+def fused_projections(config: Qwen35Config) -> dict[str, list[tuple[int, int]]]:
+    """(out, in) features of the GEMMs a layer of each kind runs on the fused path (kev_backend/gpu/fused.py's
+    FusedWeights, LoRA merged): the concatenated input projection (attention: query with its gate, keys, values;
+    DeltaNet: qkv, z, b, a), the output projection, the MLP's gate and up together, its down."""
+    c = config
+    hidden, mlp = c.hidden_size, c.intermediate_size
+    heads = c.num_attention_heads * c.head_dim
+    values = c.linear_num_value_heads * c.linear_value_head_dim
+    delta_in = 2 * c.linear_num_key_heads * c.linear_key_head_dim + 2 * values + 2 * c.linear_num_value_heads
+    mlp_gemms = [(2 * mlp, hidden), (hidden, mlp)]
+    return {
+        FULL_ATTENTION: [(2 * heads + 2 * c.num_key_value_heads * c.head_dim, hidden), (hidden, heads), *mlp_gemms],
+        LINEAR_ATTENTION: [(delta_in, hidden), (hidden, values), *mlp_gemms],
+    }
 
 
 def vocabulary() -> list[str]:
@@ -122,53 +240,84 @@ def write_tokenizer(directory: Path) -> int:
     return len(vocab)
 
 
-def random_text_weights(config: Qwen35Config, seed: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Bare-name fp32 weights at a trained model's scale: projections with std 1/sqrt(fan_in) so every activation
-    stays O(1), output projections further scaled by 1/sqrt(2·layers) so the residual stream does not grow with
-    depth, non-zero norm weights (so a missing 1+w shows), negative A_log (per-step decay in (0, 1))."""
-    generator = torch.Generator(device).manual_seed(seed)
+def parameter_shapes(config: Qwen35Config) -> dict[str, torch.Size]:
+    """The text model's bare parameter names and shapes, in its parameter order (the order weights are drawn in)."""
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in Qwen35TextModel(config).named_parameters()}
-    depth_scale = 1.0 / math.sqrt(2 * config.num_hidden_layers)
-    weights = {}
-    for name, shape in shapes.items():
-        normal = torch.randn(shape, generator=generator, device=device)
-        if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "norm.weight":
-            tensor = 0.1 * normal  # zero-centred norms: scale is 1 + w
-        elif name.endswith("linear_attn.norm.weight"):
-            tensor = 1.0 + 0.1 * normal  # plain-weight gated norm
-        elif name.endswith("A_log"):
-            tensor = torch.log(torch.rand(shape, generator=generator, device=device) * 0.9 + 0.05)
-        elif name.endswith("dt_bias"):
-            tensor = 1.0 + 0.1 * normal
-        elif name.endswith("conv1d.weight"):
-            tensor = normal / math.sqrt(shape[-1])
-        elif name == "embed_tokens.weight":
-            tensor = normal
-        elif name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
-            tensor = normal * depth_scale / math.sqrt(shape[1])
-        else:
-            tensor = normal / math.sqrt(shape[1])
-        weights[name] = tensor.contiguous()
-    return weights
+        return {name: p.shape for name, p in Qwen35TextModel(config).named_parameters()}
+
+
+def random_tensor(
+    name: str,
+    shape: torch.Size | tuple[int, ...],
+    generator: torch.Generator,
+    depth_scale: float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """One bare-name weight at a trained model's scale, drawn in `dtype` on the generator's device: projections with
+    std 1/sqrt(fan_in) so every activation stays O(1), output projections further scaled by `depth_scale`
+    (1/sqrt(2·layers)) so the residual stream does not grow with depth, non-zero norm weights (so a missing 1+w
+    shows), negative A_log (per-step decay in (0, 1))."""
+    device = generator.device
+    normal = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "norm.weight":
+        tensor = 0.1 * normal  # zero-centred norms: scale is 1 + w
+    elif name.endswith("linear_attn.norm.weight"):
+        tensor = 1.0 + 0.1 * normal  # plain-weight gated norm
+    elif name.endswith("A_log"):
+        tensor = torch.log(torch.rand(shape, generator=generator, device=device, dtype=dtype) * 0.9 + 0.05)
+    elif name.endswith("dt_bias"):
+        tensor = 1.0 + 0.1 * normal
+    elif name.endswith("conv1d.weight"):
+        tensor = normal / math.sqrt(shape[-1])
+    elif name == "embed_tokens.weight":
+        tensor = normal
+    elif name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+        tensor = normal * depth_scale / math.sqrt(shape[1])
+    else:
+        tensor = normal / math.sqrt(shape[1])
+    return tensor.contiguous()
+
+
+def depth_scale(config: Qwen35Config) -> float:
+    return 1.0 / math.sqrt(2 * config.num_hidden_layers)
+
+
+def random_text_weights(config: Qwen35Config, seed: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Bare-name fp32 weights (random_tensor), all drawn from one generator in parameter order."""
+    generator = torch.Generator(device).manual_seed(seed)
+    scale = depth_scale(config)
+    return {name: random_tensor(name, shape, generator, scale) for name, shape in parameter_shapes(config).items()}
+
+
+def lora_modules(config: Qwen35Config) -> dict[str, torch.nn.Linear]:
+    """The LoRA targets of the text model by module name, in module order (the order their pairs are drawn in)."""
+    with torch.device("meta"):
+        modules = dict(Qwen35TextModel(config).named_modules())
+    return {
+        name: module
+        for name, module in modules.items()
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(module, torch.nn.Linear)
+    }
+
+
+def lora_pair(module: torch.nn.Linear, rank: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (A, B) for one target; B is non-zero (PEFT initialises it to zero)."""
+    device = generator.device
+    a = torch.randn(rank, module.in_features, generator=generator, device=device) / math.sqrt(module.in_features)
+    b = torch.randn(module.out_features, rank, generator=generator, device=device) * 0.01
+    return a.contiguous(), b.contiguous()
 
 
 def random_lora(
     config: Qwen35Config, rank: int, seed: int, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """PEFT-named fp32 LoRA tensors for every target module; B is non-zero (PEFT initialises it to zero)."""
+    """PEFT-named fp32 LoRA tensors for every target module."""
     generator = torch.Generator(device).manual_seed(seed)
-    with torch.device("meta"):
-        modules = dict(Qwen35TextModel(config).named_modules())
     tensors = {}
-    for name, module in modules.items():
-        if name.rsplit(".", 1)[-1] not in LORA_TARGETS or not isinstance(module, torch.nn.Linear):
-            continue
-        prefix = f"base_model.model.{name}"
-        a = torch.randn(rank, module.in_features, generator=generator, device=device) / math.sqrt(module.in_features)
-        b = torch.randn(module.out_features, rank, generator=generator, device=device) * 0.01
-        tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    for name, module in lora_modules(config).items():
+        a, b = lora_pair(module, rank, generator)
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
     return tensors
 
 
@@ -183,7 +332,14 @@ def random_head(hidden_size: int, head_dim: int, seed: int, scale: float = 2.5) 
     return {"q.weight": qw, "q.bias": qb, "k.weight": kw, "k.bias": kb}
 
 
-def head_meta(base: str, head: dict[str, torch.Tensor], weights: str, lora: int, temperature: float = 2.0) -> dict:
+def head_meta(
+    base: str,
+    head: dict[str, torch.Tensor],
+    weights: str,
+    lora: int,
+    temperature: float = 2.0,
+    weights_dtype: str = "fp32",
+) -> dict:
     return {
         "base": base,
         "base_revision": None,
@@ -192,7 +348,7 @@ def head_meta(base: str, head: dict[str, torch.Tensor], weights: str, lora: int,
         "head": head,
         "temperature": temperature,
         "weights": weights,
-        "weights_dtype": "fp32",
+        "weights_dtype": weights_dtype,
         "option_isolation": False,
         "special_embeddings": False,
         "holdout": [],
@@ -238,6 +394,36 @@ def write_full_checkpoint(
     torch.save(head_meta(base, head, "full", 0), directory / "head.pt")
 
 
+# write_lora_checkpoint's lora_alpha / r: the scaling the loader merges a written adapter with.
+LORA_SCALING = 2.0
+
+
+def synthetic_model(
+    config: Qwen35Config, device: str | torch.device, dtype: torch.dtype, seed: int = 0, lora_rank: int = 16
+) -> Qwen35TextModel:
+    """The text model with random weights on `device` in `dtype`, a rank-`lora_rank` LoRA (0: none) merged in fp32
+    before the one rounding to `dtype`, as the loader merges one. Built a tensor at a time, so the peak is the
+    model plus one tensor's fp32 temporaries (a 27B model in bf16 fits where its fp32 copy would not). The values
+    equal random_text_weights' and random_lora's for the same seeds (seed, seed + 1): the same generators draw in
+    the same order."""
+    device = torch.device(device)
+    weights = torch.Generator(device).manual_seed(seed)
+    adapters = torch.Generator(device).manual_seed(seed + 1)
+    targets = {f"{name}.weight": module for name, module in lora_modules(config).items()} if lora_rank else {}
+    scale = depth_scale(config)
+    tensors = {}
+    for name, shape in parameter_shapes(config).items():
+        tensor = random_tensor(name, shape, weights, scale)
+        if name in targets:
+            a, b = lora_pair(targets[name], lora_rank, adapters)
+            tensor = tensor.float() + (b.float() @ a.float()) * LORA_SCALING
+        tensors[name] = tensor.to(dtype)
+    with torch.device("meta"):
+        model = Qwen35TextModel(config)
+    model.load_state_dict(tensors, assign=True, strict=True)
+    return model.eval().requires_grad_(False)
+
+
 def synthetic_checkpoint(
     config_dict: dict[str, Any],
     tokenizer_dir: Path,
@@ -245,24 +431,25 @@ def synthetic_checkpoint(
     seed: int = 0,
     lora_rank: int = 16,
     head_dim: int = 256,
+    dtype: torch.dtype = torch.float32,
 ) -> KevCheckpoint:
-    """A Kev checkpoint built in memory on `device` (fp32, LoRA merged), e.g. Kev-4B shapes for GPU parity and
-    benchmarks, with the tiny tokenizer of `tokenizer_dir` (its ids are a subset of any larger vocabulary)."""
+    """A Kev checkpoint built in memory on `device` (synthetic_model: LoRA merged, or none with `lora_rank` 0: a
+    full fine-tune), e.g. Kev-4B shapes for GPU parity and benchmarks, with the tiny tokenizer of `tokenizer_dir`
+    (its ids are a subset of any larger vocabulary)."""
     config = Qwen35Config.from_dict(config_dict)
-    weights = random_text_weights(config, seed, device)
-    deltas = merge_deltas(random_lora(config, lora_rank, seed + 1, device), 2.0)
-    model = build_model(config, weights, torch.float32, deltas)
-    del weights, deltas
+    model = synthetic_model(config, device, dtype, seed, lora_rank)
     head = {k: v.to(device) for k, v in random_head(config.hidden_size, head_dim, seed + 2).items()}
+    kind = "lora" if lora_rank else "full"
+    weights_dtype = next(name for name, value in DTYPES.items() if value == dtype)
     meta = Meta(
         base=str(tokenizer_dir),
         head=head,
         base_revision=None,
         lora=lora_rank,
         head_dim=head_dim,
-        weights_dtype="fp32",
+        weights_dtype=weights_dtype,
         temperature=2.0,
-        weights="lora",
+        weights=kind,
     )
     return KevCheckpoint(
         model=model,
@@ -270,8 +457,8 @@ def synthetic_checkpoint(
         head_dim=head_dim,
         temperature=2.0,
         tokenizer_dir=tokenizer_dir,
-        kind="lora",
-        dtype=torch.float32,
+        kind=kind,
+        dtype=dtype,
         meta=meta,
     )
 
@@ -290,30 +477,161 @@ def build(out: Path, seed: int = 0) -> None:
     write_full_checkpoint(out / "kev-full", "../base", config_dict, merged, head)
 
 
-def build_random(out: Path, config: dict[str, Any], device: str = "cpu", seed: int = 0) -> None:
-    """OUT/base (bf16 weights, as Qwen ships its bases) and OUT/kev (LoRA r=16 + head.pt) with random weights of
-    any shapes, e.g. KEV4B_CONFIG for serving tests on the GPU machine. Weights are drawn on `device`."""
-    base_dir = out / "base"
+# --------------------------------------------------------------------------------------------------------------------
+# checkpoints of any size on disk, a tensor at a time
+
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+SHARD_BYTES = 5 << 30  # per safetensors file, as save_pretrained's default max_shard_size
+
+
+@dataclass(frozen=True)
+class StoredSpec:
+    """A tensor to write: its name in the file (`stored`), its bare text-model name (what random_tensor draws)."""
+
+    stored: str
+    bare: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def stored_specs(config: Qwen35Config, prefix: str, lm_head: bool, dtype: torch.dtype) -> list[StoredSpec]:
+    """The text model's tensors under `prefix` in parameter order, then an LM head (drawn like the embedding)."""
+    specs = [StoredSpec(prefix + name, name, tuple(shape), dtype) for name, shape in parameter_shapes(config).items()]
+    if lm_head:
+        head = (config.vocab_size, config.hidden_size)
+        specs.append(StoredSpec("lm_head.weight", "embed_tokens.weight", head, dtype))
+    return specs
+
+
+def plan_shards(specs: list[StoredSpec], shard_bytes: int) -> list[list[StoredSpec]]:
+    """Consecutive tensors per file, each file at most `shard_bytes` unless one tensor alone is larger."""
+    shards: list[list[StoredSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def write_safetensors(path: Path, specs: list[StoredSpec], make: Callable[[StoredSpec], torch.Tensor]) -> None:
+    """A safetensors file whose header is written first (its shapes are known), then each tensor as `make` returns
+    it, copied to the host and written at once: the host holds one tensor, never the file. The header is padded with
+    spaces to 8 bytes, as the safetensors library writes it."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        span = [offset, offset + spec.nbytes]
+        header[spec.stored] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": span}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for spec in specs:
+            tensor = make(spec).to("cpu").contiguous()
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise ValueError(f"{spec.stored}: made {tuple(tensor.shape)} {tensor.dtype}, planned {spec}")
+            f.write(tensor.view(-1).view(torch.uint8).numpy().data)
+            del tensor
+
+
+def write_weights(
+    directory: Path, specs: list[StoredSpec], make: Callable[[StoredSpec], torch.Tensor], shard_bytes: int
+) -> list[Path]:
+    """`model.safetensors`, or past `shard_bytes` HF's shards (`model-00001-of-0000N.safetensors`) and their
+    `model.safetensors.index.json`, as save_pretrained lays them out; the files written."""
+    shards = plan_shards(specs, shard_bytes)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        index = {
+            "metadata": {"total_size": sum(spec.nbytes for spec in specs)},
+            "weight_map": {spec.stored: name for name, shard in zip(names, shards) for spec in shard},
+        }
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for name, shard in zip(names, shards):
+        write_safetensors(directory / name, shard, make)
+    return [directory / name for name in names]
+
+
+def drawn_tensors(config: Qwen35Config, seed: int, device: str | torch.device) -> Callable[[StoredSpec], torch.Tensor]:
+    """Draws each StoredSpec when asked, directly in its dtype on `device` (random_tensor), from one generator in
+    the order asked: a model never exists whole anywhere, on the device or in fp32."""
+    generator = torch.Generator(device).manual_seed(seed)
+    scale = depth_scale(config)
+    return lambda spec: random_tensor(spec.bare, spec.shape, generator, scale, spec.dtype)
+
+
+def write_random(
+    out: Path,
+    config: dict[str, Any],
+    weights: str = "lora",
+    device: str = "cpu",
+    seed: int = 0,
+    shard_bytes: int = SHARD_BYTES,
+) -> None:
+    """Random weights of any shapes in bf16 (as Qwen ships its bases and Kev its full fine-tunes), drawn on `device`
+    a tensor at a time. `weights` "lora": OUT/base, an HF-layout base (`model.*` names, an LM head when
+    untied), and OUT/kev, a rank-16 LoRA on it + head.pt. "full": OUT/kev, full weights as Kev's full fine-tunes
+    save them (write_full_checkpoint: bare names, no LM head) + head.pt, beside OUT/base holding only the tokenizer
+    (Kev always tokenizes with the base's)."""
+    if weights not in ("lora", "full"):
+        raise ValueError(f"weights must be lora or full, not {weights!r}")
+    base_dir, kev_dir = out / "base", out / "kev"
     base_dir.mkdir(parents=True, exist_ok=True)
+    kev_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer(base_dir)
     config_dict = {**config, "dtype": "bfloat16", "pad_token_id": 1}
     parsed = Qwen35Config.from_dict(config_dict)
-    weights = {k: v.to(torch.bfloat16).cpu() for k, v in random_text_weights(parsed, seed, device).items()}
-    write_base(base_dir, config_dict, weights)
-    del weights
+    make = drawn_tensors(parsed, seed, device)
     head = random_head(parsed.hidden_size, 256, seed + 2)
-    write_lora_checkpoint(out / "kev", "../base", parsed, 16, head, seed + 1)
+    if weights == "lora":
+        (base_dir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+        specs = stored_specs(parsed, "model.", not parsed.tie_word_embeddings, torch.bfloat16)
+        write_weights(base_dir, specs, make, shard_bytes)
+        write_lora_checkpoint(kev_dir, "../base", parsed, 16, head, seed + 1)
+        return
+    # Kev's full fine-tunes save no LM head: the config says tied, as write_full_checkpoint's do.
+    (kev_dir / "config.json").write_text(json.dumps({**config_dict, "tie_word_embeddings": True}, indent=2) + "\n")
+    write_weights(kev_dir, stored_specs(parsed, "", False, torch.bfloat16), make, shard_bytes)
+    torch.save(head_meta("../base", head, "full", 0, weights_dtype="bf16"), kev_dir / "head.pt")
+
+
+def build_random(out: Path, config: dict[str, Any], device: str = "cpu", seed: int = 0) -> None:
+    """OUT/base and OUT/kev (LoRA r=16 + head.pt) with random bf16 weights of any shapes (write_random)."""
+    write_random(out, config, "lora", device, seed)
+
+
+def write_size(out: Path, size: str, device: str = "cpu", seed: int = 0, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Random weights of a Kev size's shapes as Kev ships it (write_random); the checkpoint's directory."""
+    spec = SIZES[size]
+    write_random(out, spec.config, spec.weights, device, seed, shard_bytes)
+    return out / "kev"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kev4b", action="store_true", help="random weights of Kev-4B shapes instead")
-    parser.add_argument("--device", default="cpu", help="where to draw --kev4b weights (cuda is much faster)")
+    parser.add_argument("--size", choices=list(SIZES), help="random weights of a Kev size's shapes instead")
+    parser.add_argument("--kev4b", action="store_true", help="the same as --size 4b")
+    parser.add_argument("--device", default="cpu", help="where to draw --size weights (cuda is much faster)")
+    parser.add_argument("--shard-gib", type=float, default=SHARD_BYTES / (1 << 30), help="largest safetensors file")
     args = parser.parse_args()
-    if args.kev4b:
-        build_random(args.out, KEV4B_CONFIG, args.device, args.seed)
+    size = "4b" if args.kev4b else args.size
+    if size:
+        started = time.perf_counter()
+        checkpoint = write_size(args.out, size, args.device, args.seed, int(args.shard_gib * (1 << 30)))
+        print(f"{SIZES[size].label}: {checkpoint} in {time.perf_counter() - started:.0f} s", flush=True)
     else:
         build(args.out, args.seed)
     print(f"Kev checkpoints written under {args.out} (random weights: answers are meaningless)")

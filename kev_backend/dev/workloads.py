@@ -3,12 +3,13 @@
 `short6` and `long5` follow Kev's own serving benchmark (docs/benchmarking.md): a ~34-token support ticket with six
 questions, and a ~2,200-token document with five of them; a "new" state differs by a "Ticket {i}. " prefix.
 `realistic` draws a reproducible mix of states (text, objects, lists; 30 to 2,500 tokens) and 1 to 8 questions of
-every type.
+every type. `sized` puts long5's questions on a state of an exact token count (the scaling workload, long states).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 # The words of generated states and questions, and of the tiny checkpoints' word-level tokenizer (kev_backend.dev.tiny,
@@ -101,6 +102,48 @@ def long5(i: int | None = None, paragraphs: int = 30) -> dict[str, Any]:
     """A ~2,200-token document (Kev's PARAGRAPH x30) with five questions."""
     text = PARAGRAPH * paragraphs
     return {"state": text if i is None else f"Ticket {i}. {text}", "questions": FIVE}
+
+
+def filler(words: int, i: int | None = None) -> str:
+    """`words` of WORDS (each one token with the tiny checkpoints' tokenizer), after a "Ticket {i}. " prefix that
+    makes the state new."""
+    text = " ".join(WORDS[(7 * j) % len(WORDS)] for j in range(words))
+    return text if i is None else f"Ticket {i}. {text}"
+
+
+def state_counter(tokenizer: Any) -> Callable[[dict[str, Any]], int]:
+    """A request's state tokens as the engine encodes them with `tokenizer` (a KevTokenizer; <state> included),
+    counted past any request limit: `sized` may step over Kev's 65,536-token limit on its way to a length just
+    under it."""
+    from ..protocol.encoding import encode
+    from ..protocol.systemone import Limits, parse_request
+
+    limits = Limits(max_request_bytes=1 << 40, max_state_tokens=1 << 40, max_row_tokens=1 << 40)
+    return lambda body: len(encode(parse_request(body, limits), tokenizer, limits).state)
+
+
+def sized(
+    tokens: int, count: Callable[[dict[str, Any]], int], i: int | None = None, questions: dict | None = None
+) -> dict[str, Any]:
+    """long5's five questions (or `questions`) on a filler state of exactly `tokens` tokens as `count` counts a
+    request's state (the engine's encoder: <state> included). Where a tokenizer cannot land on it (a word of several
+    tokens steps over it), the longest state under it."""
+
+    def body(words: int) -> dict[str, Any]:
+        return {"state": filler(words, i), "questions": FIVE if questions is None else questions}
+
+    words, tried = tokens, set()
+    while words not in tried:  # a word a token: the first step lands
+        tried.add(words)
+        got = count(body(words))
+        if got == tokens:
+            return body(words)
+        words = max(0, words + tokens - got)
+    low, high = 0, tokens  # every word is at least a token, so `tokens` words are over
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if count(body(middle)) <= tokens else (low, middle - 1)
+    return body(low)
 
 
 def _sentence(rng: random.Random, n_words: int) -> str:

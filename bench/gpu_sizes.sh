@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# One device call on one H200: every chosen Kev size measured in turn, each on random weights of its shapes
+# (kev_backend.dev.tiny.SIZES). Setup as every device script (bench/device_args.sh: `make setup` from the carried
+# wheelhouse).
+#   bash bench/gpu_sizes.sh [--out DIR] [--wheelhouse DIR] [--commit REV] SIZE...     (SIZE: 0.8b 4b 9b 27b)
+# Per size, in order; seconds on an H200 estimated from Kev-4B's measured figures scaled by weight bytes and FLOPs
+# (0.8b / 4b / 9b / 27b), the first size of a call paying ~20 s more for an empty kernel cache:
+#   write   python -m kev_backend.dev.tiny /tmp/kev-sizes/SIZE --size SIZE --device cuda: bf16 weights drawn a tensor
+#           at a time on the GPU, written in 5 GiB shards (disk: 1.5 / 8.4 / 18 / 51 GB)             5 / 15 / 30 / 100
+#   tune    python -m kev_backend.dev.gemm_tuner tune SIZE: the size's GEMM table                     3 / 5 / 10 / 20
+#   bench   python -m kev_backend.dev.bench --quick (latencies, short6 at 64 clients) on the checkpoint written,
+#           with its table; 4b also --scaling (states of 2k-64k tokens, the bank's room for 64k ones: ~40 s)
+#                                                                                                  40 / 90 / 70 / 120
+#   parity  python -m kev_backend.dev.parity --size SIZE --questions 300: fused bf16 against the fp32 reference
+#           (27b: its first 16 layers, SIZES' parity_layers)                                     20 / 45 / 70 / 60
+#   serve   KEV_CHECKPOINT=... build/serve.sh (the GPU configuration, chosen by itself) with the size's table:
+#           loadtest/served.py (ready, first answer, short6 over gRPC alone and at 64 clients), 4b also
+#           loadtest/long_states.py (16k-token new states alone and 8 at once), the GPU's memory, SIGTERM
+#                                                                                                  30 / 45 / 50 / 110
+#   the checkpoint is deleted (before the next size is written: the disk holds one 27b at a time)
+# Totals with setup (~35 s): 0.8b ~140 s, 4b ~240 s, 9b ~270 s, 27b ~450 s (its write depends on the disk: 51 GB
+# at 0.5-1.5 GB/s). Within the 10-minute limit: `0.8b 4b`, then `9b`, then `27b`, one call each (`4b 9b` is ~550 s:
+# too close). STEPS="bench serve" (a subset of write tune bench parity serve, in that order) runs only those: the
+# checkpoint is written when bench or serve is among them.
+# Out (at most 8 files come back): sizes-SIZE.json per size (bench/sizes_report.py: every step's JSON merged, the
+# size's GEMM table among them), gemm-algos-SIZES.json (this call's tables merged: to commit, merge it with the
+# packaged one: python -m kev_backend.dev.gemm_tuner merge OUT.json kev_backend/gpu/gemm_algos/TABLE.json THIS.json),
+# sizes-logs.tar.gz (every step's log, setup's). Each size's files are written when it ends: a call cut short keeps
+# the sizes done.
+set -uo pipefail
+source "$(dirname "$0")/device_args.sh" "$@"
+sizes=(${ARGS[@]+"${ARGS[@]}"})
+((${#sizes[@]})) || { echo "usage: bash bench/gpu_sizes.sh [--out DIR] [--commit REV] SIZE... (0.8b 4b 9b 27b)"
+  exit 2; }
+for size in "${sizes[@]}"; do
+  [[ $size =~ ^(0\.8b|4b|9b|27b)$ ]] || { echo "unknown size $size (0.8b 4b 9b 27b)"; exit 2; }
+done
+steps=" ${STEPS:-write tune bench parity serve} "
+[[ $steps == *" bench "* || $steps == *" serve "* ]] && steps+="write "
+wanted() { [[ $steps == *" $1 "* ]]; }
+work=/tmp/kev-sizes
+logs=$work/logs
+rm -rf "$work"
+mkdir -p "$logs"
+trap 'rm -rf "$work"/{0.8b,4b,9b,27b}' EXIT  # a checkpoint never outlives the call (the disk holds one 27b)
+device_setup || { mv "$OUT/setup.log" "$logs/" 2>/dev/null; tar -czf "$OUT/sizes-logs.tar.gz" -C "$work" logs; exit 1; }
+mv "$OUT/setup.log" "$logs/"
+# One kernel cache for every step: the server starts on the kernels the bench compiled.
+export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
+status=0
+
+step() {  # SIZE NAME TIMEOUT_S COMMAND...: runs it (a shell function without the time limit: its commands bound
+  # their own), its output in $logs/NAME-SIZE.log, its seconds and exit code noted in $work/steps-SIZE.txt
+  local size=$1 name=$2 limit=$3 begun=$SECONDS code
+  shift 3
+  if declare -F "$1" >/dev/null; then "$@"; else timeout "$limit" "$@"; fi >"$logs/$name-$size.log" 2>&1
+  code=$?
+  echo "$name $((SECONDS - begun)) $code" >>"$work/steps-$size.txt"
+  ((code == 0)) || { status=1; echo "$size: $name failed ($code):"; tail -5 "$logs/$name-$size.log"; }
+  return $code
+}
+
+serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured, then SIGTERM
+  local size=$1 checkpoint=$2 table=$3 started server
+  started=$(python3 -c 'import time; print(time.time())')
+  setsid env KEV_CHECKPOINT="$checkpoint" KEV_GEMM_ALGOS="$table" GATEWAY=0 build/serve.sh \
+    >"$logs/tritonserver-$size.log" 2>&1 &
+  server=$!
+  timeout 400 "$PY" loadtest/served.py --started "$started" --seconds 5 --limit 300 --commit "$COMMIT" \
+    --out "$work/served-$size.json"
+  local code=$? used bytes
+  used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+  bytes=$(du -sb "$work/$size" 2>/dev/null | cut -f1)
+  echo "{\"checkpoint_bytes\": ${bytes:-null}, \"served_gpu_mib\": ${used:-null}}" >"$work/facts-$size.json"
+  if ((code == 0)) && [[ $size == 4b ]]; then
+    timeout 120 "$PY" loadtest/long_states.py --tokenizer "$work/$size/base" --tokens 16384 --concurrent 8 --alone 5 \
+      --rounds 3 --commit "$COMMIT" --out "$work/long-$size.json" || code=1
+  fi
+  kill -TERM -- -"$server" 2>/dev/null
+  wait "$server"
+  return $code
+}
+
+for size in "${sizes[@]}"; do
+  checkpoint=$work/$size/kev table=$work/gemm-$size.json
+  echo "== $size"
+  wanted write && step "$size" write 300 "$PY" -m kev_backend.dev.tiny "$work/$size" --size "$size" --device cuda
+  if ! wanted tune || ! step "$size" tune 120 "$PY" -m kev_backend.dev.gemm_tuner tune "$size" "$table"; then
+    table=auto
+  fi
+  scaling=()
+  [[ $size == 4b ]] && scaling=(--scaling)
+  wanted bench && step "$size" bench 300 "$PY" -m kev_backend.dev.bench --quick --seconds 3 --size "$size" \
+    --checkpoint "$checkpoint" --gemm-algos "$table" ${scaling[@]+"${scaling[@]}"} --commit "$COMMIT" \
+    --out "$work/bench-$size"
+  wanted parity && step "$size" parity 300 "$PY" -m kev_backend.dev.parity --size "$size" --questions 300 \
+    --commit "$COMMIT" --out "$work/parity-$size"
+  wanted serve && step "$size" serve 0 serve "$size" "$checkpoint" "$table"
+  rm -rf "${work:?}/$size"
+  "$PY" bench/sizes_report.py "$size" "$work" "$OUT/sizes-$size.json" || status=1
+  tables=("$work"/gemm-*.json)
+  merged=$OUT/gemm-algos-$(IFS=-; echo "${sizes[*]}").json
+  [[ -e ${tables[0]} ]] && "$PY" -m kev_backend.dev.gemm_tuner merge "$merged" "${tables[@]}" >/dev/null
+  tar -czf "$OUT/sizes-logs.tar.gz" -C "$work" logs
+done
+exit $status
