@@ -3,7 +3,7 @@
 #
 # On a machine with a GPU (a working NVIDIA driver and device: build/gpu.sh) setup also installs
 # requirements-gpu.txt, `make serve` serves the GPU configuration (kev-serve picks configs/gpu.pbtxt when torch sees
-# a GPU) and `make test` runs the CPU suite (GPU hidden) then the GPU tests; without one, requirements-cpu.txt. TORCH=system uses
+# a GPU) and `make test` runs the CPU suite (GPU hidden) then the GPU and kernel tests; without one, requirements-cpu.txt. TORCH=system uses
 # PYTHON's own torch (a GPU server's or a vendor image's CUDA stack: build/venv.sh) instead of installing the pinned
 # one; what PYTHON already has is then used as it is (build/requirements.py). SETS="serve" installs only what serving
 # needs (requirements.txt), not the test tools.
@@ -66,11 +66,18 @@ $(STAMP): $(REQUIREMENTS) pyproject.toml build/install_tritonserver.sh build/ven
 serve: setup
 	KEV_VENV=$(abspath $(VENV)) build/serve.sh
 
-# On a GPU machine: first the CPU suite as CI runs it (the GPU hidden: kernels interpreted, servers on the CPU
-# configuration), then the GPU tests alone, with the GPU to themselves.
+# On a GPU machine, two runs: the CPU suite as CI runs it with the GPU hidden (servers on the CPU configuration),
+# then the GPU tests and the kernel tests, compiled, with the GPU to themselves. (Triton's interpreter, which runs the
+# kernel tests without a GPU, fails on numpy >= 2.5, which a GPU server's own stack may bring: TORCH=system.)
+PYTEST := $(PY) -m pytest -q -rs
+ifeq ($(MACHINE),gpu)
+TEST_RUNS := CUDA_VISIBLE_DEVICES= $(PYTEST) -m "not gpu and not kernel and not image and not deploy" tests \
+  && $(PYTEST) -m "(gpu or kernel) and not image and not deploy" tests
+else
+TEST_RUNS := $(PYTEST) tests
+endif
 test: setup lint
-	$(if $(filter gpu,$(MACHINE)),CUDA_VISIBLE_DEVICES= )$(PY) -m pytest -q -rs tests
-	$(if $(filter gpu,$(MACHINE)),$(PY) -m pytest -q -rs -m gpu tests)
+	$(TEST_RUNS)
 
 lint: setup
 	$(VENV)/bin/ruff check kev_backend tests model_repository loadtest bench

@@ -86,7 +86,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the `kernel` marker is given here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "kernel_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kernel)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (GPU machine only)")
