@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend.dev import tiny
+from kev_backend.dev import gemm_tuner, tiny
 from kev_backend.gpu import cublaslt
 from kev_backend.gpu.graphs import all_buckets
 
@@ -41,8 +41,12 @@ def test_committed_tables_hold_bucket_shapes_of_the_projections(path: Path) -> N
     tuned_on, shapes = cublaslt.read_table(path)
     assert tuned_on["gpu"] and tuned_on["cublaslt_version"] > 0
     tokens = {bucket.tokens for bucket in all_buckets(4096)}
-    projections = kev4b_projections()
+    projections = set().union(*(gemm_tuner.size_projections(size) for size in tiny.SIZES))
     assert shapes and all(m in tokens and (n, k) in projections for m, n, k in shapes)
+
+
+def test_the_tuner_knows_kev4b_projections() -> None:
+    assert gemm_tuner.size_projections("4b") == kev4b_projections()
 
 
 def test_a_malformed_table_is_refused(tmp_path: Path) -> None:
