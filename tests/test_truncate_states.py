@@ -224,6 +224,24 @@ def test_through_the_gateway_and_the_sdk(served, engine_with_options: Engine) ->
     assert abs(result.nouls["q"].noul - reply["answers"]["q"]["noul"]) <= 1e-4
 
 
+def test_separate_and_permute_carry_the_marks(served) -> None:
+    """As Kev's server: /separate takes the marks of its parts (one state), /permute adds them after `spread`."""
+    _, gateway = served
+    choice = {"type": "choice", "instructions": "route", "criteria": {"billing": None, "tech": None, "other": None}}
+    body = {"state": LONG, "questions": {"q": NOUL, "c": choice}}
+    status, _, separate = post(gateway, "/v1/systemone/separate", body, key=None)
+    assert status == 200 and list(separate) == ["model", "answers", "usage", "latency_ms", "truncated"]
+    assert separate["truncated"] is True
+    assert (separate["usage"]["state_tokens"], separate["usage"]["state_tokens_used"]) == (121, MAX_STATE)
+    status, _, permute = post(
+        gateway, "/v1/systemone/permute", {"request": body, "question": "c", "n_perm": 3}, key=None
+    )
+    assert status == 200 and list(permute) == ["runs", "argmax_stable", "spread", "truncated", "usage"]
+    assert permute["truncated"] is True and permute["usage"] == {"state_tokens": 121, "state_tokens_used": MAX_STATE}
+    status, _, short = post(gateway, "/v1/systemone/separate", {"state": UNDATED, "questions": {"q": NOUL}}, key=None)
+    assert status == 200 and short["truncated"] is False
+
+
 def test_date_facts_change_only_dated_states(served, triton: TritonServer) -> None:
     """Against a server with the option off: a state with two dates reads more tokens and gets another answer; one
     without dates gets the same answer."""

@@ -289,6 +289,16 @@ def nested(error: RequestError, *prefix: str) -> RequestError:
     return RequestError(detail, error.status)
 
 
+def truncation_marks(reply: dict[str, Any]) -> tuple[dict[str, int], bool] | None:
+    """A reply's truncation marks, which a server that truncates states puts on every response (usage.state_tokens,
+    usage.state_tokens_used, truncated); None from a server that does not. /separate and /permute carry them as Kev's
+    server does."""
+    if "truncated" not in reply:
+        return None
+    usage = reply["usage"]
+    return {"state_tokens": usage["state_tokens"], "state_tokens_used": usage["state_tokens_used"]}, reply["truncated"]
+
+
 def single_question(raw: dict[str, Any], qid: str, question: dict[str, Any]) -> dict[str, Any]:
     body = {"state": raw.get("state"), "questions": {qid: question}}
     if "model" in raw:
@@ -495,7 +505,8 @@ class Gateway:
         answers: dict[str, Any] = {}
         input_tokens = output_tokens = 0
         latency = 0.0
-        for reply in map(json.loads, replies):
+        parsed = [json.loads(reply) for reply in replies]
+        for reply in parsed:
             answers.update(reply["answers"])
             input_tokens += reply["usage"]["input_tokens"]
             output_tokens += reply["usage"]["output_tokens"]
@@ -506,6 +517,9 @@ class Gateway:
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
             "latency_ms": round(latency, 1),
         }
+        if (marks := truncation_marks(parsed[0])) is not None:  # every part has the one state: the first says it
+            usage, merged["truncated"] = marks
+            merged["usage"].update(usage)
         return json_response(merged)
 
     async def permute(self, raw: bytes, request_id: str) -> Response:
@@ -538,7 +552,8 @@ class Gateway:
         with self.admitted(len(parts)):
             replies = await asyncio.gather(*(self.score(p, f"{request_id}-{i}", record) for i, p in enumerate(parts)))
         runs = []
-        for order, reply in zip(orders, map(json.loads, replies)):
+        parsed = [json.loads(reply) for reply in replies]
+        for order, reply in zip(orders, parsed):
             answer = reply["answers"][question.id]
             runs.append(
                 {
@@ -551,7 +566,11 @@ class Gateway:
         spread = {
             k: round4(max(r["probabilities"][k] for r in runs) - min(r["probabilities"][k] for r in runs)) for k in keys
         }
-        return json_response({"runs": runs, "argmax_stable": len({r["choice"] for r in runs}) == 1, "spread": spread})
+        stable = len({r["choice"] for r in runs}) == 1
+        result: dict[str, Any] = {"runs": runs, "argmax_stable": stable, "spread": spread}
+        if (marks := truncation_marks(parsed[0])) is not None:
+            result["truncated"], result["usage"] = marks[1], marks[0]
+        return json_response(result)
 
     async def models(self) -> Response:
         params = await self.model_parameters()
