@@ -3,10 +3,10 @@
 #
 # On a machine with a GPU (a working NVIDIA driver and device: build/gpu.sh) setup also installs
 # requirements-gpu.txt, `make serve` serves the GPU configuration (kev-serve picks configs/gpu.pbtxt when torch sees
-# a GPU) and `make test` runs the CPU suite (GPU hidden) then the GPU and kernel tests; without one, requirements-cpu.txt. TORCH=system uses
-# PYTHON's own torch (a GPU server's or a vendor image's CUDA stack: build/venv.sh) instead of installing the pinned
-# one; what PYTHON already has is then used as it is (build/requirements.py). SETS="serve" installs only what serving
-# needs (requirements.txt), not the test tools.
+# a GPU) and `make test` runs the CPU suite (GPU hidden) then the GPU and kernel tests; without one,
+# requirements-cpu.txt. TORCH=system uses PYTHON's own torch (a GPU server's or a vendor image's CUDA stack:
+# build/venv.sh) instead of installing the pinned one; what PYTHON already has is then used as it is
+# (build/requirements.py). SETS="serve" installs only what serving needs (requirements.txt), not the test tools.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
