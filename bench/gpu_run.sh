@@ -18,6 +18,8 @@
 #   gaps       diag gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients, from
 #              graphs; GAPS_WORKLOAD=long5 for long5 (~1 min)
 #   invariance diag invariance: where answers depend on the batch, fla's and our long kernels (~3 min)
+#   batchtrace diag batchtrace: the op where a question's numbers first depend on its batch, alone against
+#              shuffled batches, bit for bit (~3 min; batchtrace.json)
 #   chunkvariants  diag chunkvariants: the chain by value block, warps and register cap (~1 min)
 #   chainwaves diag chainwaves: the chain narrow and wide by new long-state count (~2 min)
 #   prepregs   diag prepregs: the chunked delta rule by the prep's register cap (~1 min)
@@ -74,6 +76,7 @@ run_step() {
     timeline) diag 150 . timeline --shapes "${TIMELINE_SHAPES:-short6}" ;;
     gaps) diag 120 "^gaps|Error" gaps --workload "${GAPS_WORKLOAD:-short6}" ;;
     invariance) diag 400 . invariance ;;
+    batchtrace) diag 400 "^batchtrace|Error" batchtrace --out "$out" ;;
     chunkvariants | chainwaves | prepregs | padded | rowsattn | longattn | convscan | gemm | gemmpad)
       diag 300 "^$1|Error" "$1" ;;
     hostsplit | hostops | launch) diag 150 "^$1|Error" "$1" ;;

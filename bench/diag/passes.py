@@ -4,6 +4,7 @@ gaps at 64 clients, and whether answers depend on the batch."""
 from __future__ import annotations
 
 import cProfile
+import json
 import pstats
 import tempfile
 import time
@@ -309,6 +310,21 @@ def invariance(args) -> None:
             torch.cuda.empty_cache()
 
 
+def batchtrace(args) -> None:
+    """Where a question's numbers first depend on its batch (kev_backend/dev/invariance.py), Kev-4B shapes, eager
+    passes: the realistic set, each request alone and in --mixes shuffles cut into batches of --batch, bit for bit;
+    the ops where differing questions first differed. Writes batchtrace.json into --out."""
+    from kev_backend.dev.invariance import trace
+    from kev_backend.dev.workloads import realistic
+
+    engine = kev4b_engine(graphs=False)
+    encoded = [engine.prepare(r)[1] for r in realistic(args.requests, seed=2, max_words=2300)]
+    report = trace(engine.scorer, encoded, mixes=args.mixes, batch=args.batch)
+    print("batchtrace", json.dumps(report), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "batchtrace.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
 def register(sub) -> None:
     command(sub, "latency", latency, "latency and 64-client throughput of short6 and long5", engine=True)
     command(sub, "kernels", kernels, "GPU time by kernel for busy and single short6 and long5 passes", engine=True)
@@ -318,3 +334,8 @@ def register(sub) -> None:
     parser = command(sub, "gaps", gaps, "the GPU's idle gaps and the model thread's phases at 64 clients", engine=True)
     parser.add_argument("--workload", choices=("short6", "long5"), default="short6")
     command(sub, "invariance", invariance, "where answers depend on the batch (fla's and our long kernels)")
+    parser = command(sub, "batchtrace", batchtrace, "the op where a question's numbers first depend on its batch")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--mixes", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("out"))

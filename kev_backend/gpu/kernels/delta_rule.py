@@ -738,15 +738,17 @@ def reference_rows(
     rule, reference_segment_delta_rule's arguments and results (tests/fused_cpu_ops.py passes the engine's)."""
     T, HV, V = v.shape
     o = torch.zeros(T, HV, V, device=v.device, dtype=v.dtype) if out is None else out
-    g = -a_log.exp() * F.softplus(a.float() + dt_bias)
     for (lo, hi), slot in zip(segment_bounds(cu), slots.tolist()):
         if hi == lo:
             if new_states:
                 pool[slot] = 0.0
             continue
         h0 = None if new_states else pool[slot]
+        # Segment by segment, the gates too: a CPU's vector math rounds a tensor's tail elements apart from the rest,
+        # so a gate computed over the whole group would change with the segments beside it.
+        g = -a_log.exp() * F.softplus(a[lo:hi].float() + dt_bias)
         beta = torch.sigmoid(b[lo:hi].float())
-        y, final = segment_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta, h0)
+        y, final = segment_rule(q[lo:hi], k[lo:hi], v[lo:hi], g, beta, h0)
         o[lo:hi] = y.to(o.dtype)
         if new_states:
             pool[slot] = final
