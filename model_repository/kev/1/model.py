@@ -65,9 +65,13 @@ class TritonPythonModel:
                 continue
             try:  # a malformed BYTES tensor fails here, for this request alone
                 items = pb_utils.get_input_tensor_by_name(request, "REQUEST").as_numpy().reshape(-1)
-                sender.key = routing_key(request)
             except Exception as error:  # noqa: BLE001
                 sender.fail(f"REQUEST could not be read: {error}", pb_utils.TritonError.INVALID_ARG, "invalid")
+                continue
+            try:
+                sender.key = routing_key(request)
+            except ValueError as error:
+                sender.fail(str(error), pb_utils.TritonError.INVALID_ARG, "invalid")
                 continue
             bodies.append(items)
             senders.append(sender)
