@@ -86,3 +86,47 @@ def test_long_new_state(kernel_run) -> None:
     ref = reference_rows_attention(q, k, v, k, v, None, None, None, cu, max_len=L)
     assert torch.allclose(ref, formula(q, k, v), atol=1e-6)
     assert (o - ref).abs().max() < kernel_run.tol
+
+
+@GROUPS
+def test_a_split_prefix_answers_as_the_reference(kernel_run, monkeypatch, HQ: int, HKV: int) -> None:
+    """Prefixes over SPLIT_KEYS read in parts and merged: row 1's 37 keys in three parts of 16, rows 0 and 2 (6 keys)
+    in one."""
+    from kev_backend.gpu.kernels import attention
+
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
+    q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
+    cu = torch.tensor(CU)
+    o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37)
+    ref = reference_rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    assert (o - ref).abs().max() < kernel_run.tol
+
+
+@GROUPS
+def test_a_rows_bits_do_not_depend_on_the_launch(kernel_run, monkeypatch, HQ: int, HKV: int) -> None:
+    """A row's parts follow its own prefix alone: a short row gets the same bits from a split launch as from an
+    unsplit one, and a long row the same bits alone as beside other rows."""
+    from kev_backend.gpu.kernels import attention
+
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
+    q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
+    cu = torch.tensor(CU)
+    split = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37)
+    unsplit = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    for a, b in ((CU[0], CU[1]), (CU[2], CU[3])):  # the 6-key rows: one part
+        assert torch.equal(split[a:b], unsplit[a:b])
+    a, b = CU[1], CU[2]  # the 37-key row alone
+    alone = rows_attention(
+        q[a:b].contiguous(),
+        k[a:b].contiguous(),
+        v[a:b],
+        kp,
+        vp,
+        prefix,
+        start[1:2],
+        length[1:2],
+        torch.tensor([0, b - a]),
+        max_len=20,
+        max_prefix=37,
+    )
+    assert torch.equal(alone, split[a:b])

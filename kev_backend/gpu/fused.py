@@ -424,7 +424,18 @@ class FusedQwen35:
         its own K/V], bottom-right causal."""
         r = p.rows
         self._rows_attention(
-            q, k, v, keys, values, p.row_prefix, p.row_prefix_start, p.row_prefix_len, r.cu, r.max_len, out
+            q,
+            k,
+            v,
+            keys,
+            values,
+            p.row_prefix,
+            p.row_prefix_start,
+            p.row_prefix_len,
+            r.cu,
+            r.max_len,
+            out,
+            max_prefix=p.row_prefix_max,
         )
 
     def last_attention(

@@ -30,6 +30,7 @@ import torch
 
 from ..scoring.transfer import aligned_size
 from .fused import FusedQwen35
+from .kernels import attention
 from .passes import (
     MIN_GEMM_ROWS,
     RECURRENT_MAX_LEN,
@@ -144,8 +145,12 @@ def smallest_bucket(
     buckets: list[Bucket], layout: PassLayout, prefix_tokens: int, long_states: bool = False
 ) -> Bucket | None:
     """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a long new state
-    without `long_states`, a prefix index over `prefix_tokens`, or too large for any (the pass runs eagerly)."""
+    without `long_states`, a prefix index over `prefix_tokens`, a row whose state the rows' attention reads in parts
+    (kernels.attention.SPLIT_KEYS: a captured launch could not split it), or too large for any (the pass runs
+    eagerly)."""
     if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
+        return None
+    if max(layout.prefix_len, default=0) > attention.SPLIT_KEYS:
         return None
     long = sum(not is_short(n) for n in layout.state_lengths)
     if long and not long_states:

@@ -303,4 +303,5 @@ class FusedScorer:
             row_prefix_start=prefix_start,
             row_prefix_len=prefix_len,
             picks=picks,
+            row_prefix_max=max(layout.prefix_len, default=0),
         )

@@ -28,8 +28,11 @@ LONG_ABOVE = 128
 ATTENTION_STAGES = 3
 # The scale holds log2(e) and the softmax exponentiates in base 2 (the same softmax, fewer instructions).
 LOG2_E = 1.4426950408889634
-# A row tile reads its whole prefix in one program: splitting the prefix's keys into parts merged afterwards gains
-# nothing in the engine, and splitting only some passes makes a row's answer depend on its batch (docs/kernels.md).
+# A row over a long state reads its prefix in parts of SPLIT_KEYS keys, a program each, merged afterwards in part
+# order (_merge_parts_kernel): one program walking a 64k-token prefix alone left the GPU mostly idle. A row's parts
+# depend on its own state's length alone (one part up to SPLIT_KEYS keys, whose merge is the unsplit kernel's own
+# division), so its answer does not depend on the rows beside it, split launch or not.
+SPLIT_KEYS = 8192
 
 
 @triton.jit
@@ -54,6 +57,8 @@ def _rows_attention_kernel(
     k_pool,
     v_pool,
     o,
+    part_acc,
+    part_ml,
     prefix,
     prefix_start,
     prefix_len,
@@ -71,22 +76,34 @@ def _rows_attention_kernel(
     BN: tl.constexpr,
     GP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    PARTS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
     rows masked), so each key tile is read once for all of them: with Kev-4B's 4 query heads per key/value head, a
-    row's prefix is read by one program of 64 rows, not by 4 programs of 16."""
+    row's prefix is read by one program of 64 rows, not by 4 programs of 16. With PARTS > 1 (a split launch), the
+    third grid axis is the part: a row's prefix is read in parts of SPLIT_KEYS keys (as many as its own length asks,
+    programs past them return), the last part goes on with the row's own keys, and each writes its running max, sum
+    and accumulator into part_ml / part_acc for _merge_parts_kernel."""
     G: tl.constexpr = HQ // HKV
     # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
     i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
+    part = tl.program_id(2)
     n, hk = i_nh // HKV, i_nh % HKV
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
-    if i_m * BM < L:
-        if HAS_PREFIX:
-            p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
-        else:  # new states: their own tokens only
-            p_bos, P = 0, 0
+    if HAS_PREFIX:
+        p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
+    else:  # new states: their own tokens only
+        p_bos, P = 0, 0
+    if PARTS > 1:
+        parts = tl.maximum(tl.cdiv(P, SPLIT), 1)
+        lo = part * SPLIT
+        hi = tl.minimum(P, lo + SPLIT)
+    else:
+        parts, lo, hi = 1, 0, P
+    if (i_m * BM < L) & (part < parts):
         o_r = tl.arange(0, GP * BM)
         g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
         o_m = i_m * BM + o_r % BM
@@ -98,36 +115,97 @@ def _rows_attention_kernel(
         m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GP * BM], dtype=tl.float32)
         acc = tl.zeros([GP * BM, D], dtype=tl.float32)
-        # The state's K/V, read in place from the bank pool through its token index: its whole key blocks without
-        # masks, then the rest masked.
-        whole = P // BN * BN
-        for start in range(0, whole, BN):
+        # The state's K/V (this part's keys), read in place from the bank pool through its token index: its whole key
+        # blocks without masks, then the rest masked.
+        whole = lo + (hi - lo) // BN * BN
+        for start in range(lo, whole, BN):
             idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
             b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
             b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
             m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
-        for start in range(whole, P, BN):
+        for start in range(whole, hi, BN):
             o_n = start + tl.arange(0, BN)
-            m_n = o_n < P
+            m_n = o_n < hi
             idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
             b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True)
-        # The segment's own K/V, causal: the keys before the tile's first token, which every row of the tile sees
-        # (whole key blocks of them), without masks, then the rest masked.
-        diagonal = (i_m * BM) // BN * BN
+        # The segment's own K/V, causal (in the last part): the keys before the tile's first token, which every row
+        # of the tile sees (whole key blocks of them), without masks, then the rest masked.
+        own = part == parts - 1
+        diagonal = tl.where(own, (i_m * BM) // BN * BN, 0)
         for start in range(0, diagonal, BN):
             o_n = start + tl.arange(0, BN)
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
             b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
             m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
-        for start in range(diagonal, (i_m + 1) * BM, BN):
+        for start in range(diagonal, tl.where(own, (i_m + 1) * BM, 0), BN):
             o_n = start + tl.arange(0, BN)
             m_n = o_n < L
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
             keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
             m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True)
+        if PARTS > 1:
+            at = ((bos + o_m) * HQ + head) * PARTS + part  # [tokens, HQ, PARTS] entries
+            tl.store(part_ml + at * 2, m_i, mask=m_r)
+            tl.store(part_ml + at * 2 + 1, l_i, mask=m_r)
+            tl.store(part_acc + at[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
+        else:
+            out = acc / l_i[:, None]
+            tl.store(
+                o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
+                out.to(o.dtype.element_ty),
+                mask=m_r[:, None],
+            )
+
+
+@triton.jit
+def _merge_parts_kernel(
+    o,
+    part_acc,
+    part_ml,
+    prefix_len,
+    cu,
+    stride_ot,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    GP: tl.constexpr,
+    PARTS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """A split launch's outputs: for the rows of _rows_attention_kernel's tile, their parts' running max, sum and
+    accumulator combined in part order, then divided. One part: its accumulator divided by its sum, exactly as the
+    unsplit kernel ends."""
+    G: tl.constexpr = HQ // HKV
+    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    n, hk = i_nh // HKV, i_nh % HKV
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    L = eos - bos
+    if i_m * BM < L:
+        parts = tl.maximum(tl.cdiv(tl.load(prefix_len + n).to(tl.int64), SPLIT), 1)
+        o_r = tl.arange(0, GP * BM)
+        g = o_r // BM
+        o_m = i_m * BM + o_r % BM
+        m_r = (o_m < L) & (g < G)
+        head = hk * G + g
+        o_d = tl.arange(0, D)
+        base = ((bos + o_m) * HQ + head) * PARTS
+        m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP * BM], dtype=tl.float32)
+        acc = tl.zeros([GP * BM, D], dtype=tl.float32)
+        for j in range(0, parts):
+            m_j = tl.load(part_ml + (base + j) * 2, mask=m_r, other=0.0)
+            l_j = tl.load(part_ml + (base + j) * 2 + 1, mask=m_r, other=1.0)
+            acc_j = tl.load(part_acc + (base + j)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+            m_new = tl.maximum(m_i, m_j)
+            alpha = tl.math.exp2(m_i - m_new)
+            beta = tl.math.exp2(m_j - m_new)
+            l_i = l_i * alpha + l_j * beta
+            acc = acc * alpha[:, None] + acc_j * beta[:, None]
+            m_i = m_new
         out = acc / l_i[:, None]
         tl.store(
             o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
@@ -148,6 +226,7 @@ def rows_attention(
     cu: torch.Tensor,
     max_len: int,
     out: torch.Tensor | None = None,
+    max_prefix: int = 0,
 ) -> torch.Tensor:
     """Attention of question rows over [their state's K/V | their own K/V], bottom-right causal, GQA.
 
@@ -157,6 +236,7 @@ def rows_attention(
     prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets; max_len bounds a row's length
     (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Without a
     prefix (None), plain causal attention over each segment's own tokens (new states). Writes `out` when given.
+    max_prefix: the longest row prefix (a host count); over SPLIT_KEYS the launch is split (SPLIT_KEYS says why).
     """
     T, HQ, D = q.shape
     HKV = k.shape[1]
@@ -173,14 +253,21 @@ def rows_attention(
     warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
-    for first, last in grid.segment_spans(n, HKV):  # a program per (query block, segment, key/value head)
-        _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV)](
+    parts = triton.cdiv(max_prefix, SPLIT_KEYS) if has_prefix and max_prefix > SPLIT_KEYS else 1
+    part_acc = part_ml = o  # not read unless split
+    if parts > 1:
+        part_acc = torch.empty(T, HQ, parts, D, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(T, HQ, parts, 2, device=q.device, dtype=torch.float32)
+    for first, last in grid.segment_spans(n, HKV):  # a program per (query block, segment, key/value head[, part])
+        _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV, parts)](
             q,
             k,
             v,
             k_pool,
             v_pool,
             o,
+            part_acc,
+            part_ml,
             prefix,
             prefix_start[first:last],
             prefix_len[first:last],
@@ -198,9 +285,28 @@ def rows_attention(
             BN=BN,
             GP=GP,
             HAS_PREFIX=has_prefix,
+            PARTS=parts,
+            SPLIT=SPLIT_KEYS,
             num_warps=warps,
             num_stages=stages,
         )
+        if parts > 1:
+            _merge_parts_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV)](
+                o,
+                part_acc,
+                part_ml,
+                prefix_len[first:last],
+                cu[first : last + 1],
+                o.stride(0),
+                HQ=HQ,
+                HKV=HKV,
+                D=D,
+                BM=BM,
+                GP=GP,
+                PARTS=parts,
+                SPLIT=SPLIT_KEYS,
+                num_warps=warps,
+            )
     return o
 
 
@@ -228,6 +334,7 @@ def reference_rows_attention(
     cu: torch.Tensor,
     max_len: int,
     out: torch.Tensor | None = None,
+    max_prefix: int = 0,
 ) -> torch.Tensor:
     """rows_attention in torch (tests/test_kernel_attention.py, tests/fused_cpu_ops.py), segment by segment: over
     [k_pool/v_pool at the row's prefix run | its own K/V]. Tokens outside the segments are zeros (or `out`'s)."""
