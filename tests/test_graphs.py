@@ -73,9 +73,9 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
     assert smallest_bucket(buckets, layout([], [65]), 1000, long_states=True) is None  # a long row: eager
     assert bucket_for(layout([], [10] * 2000)) is None  # beyond the largest bucket
     split = layout([], [39] * 6)  # rows on a banked state long enough for a split launch of their attention: eager
-    split.prefix_len[0] = attention.SPLIT_KEYS + 1
+    split.prefix_len[0] = attention.SPLIT_ABOVE + 1
     assert smallest_bucket(buckets, split, 1 << 20) is None
-    split.prefix_len[0] = attention.SPLIT_KEYS  # one part: captured as any other
+    split.prefix_len[0] = attention.SPLIT_ABOVE  # one part: captured as any other
     assert smallest_bucket(buckets, split, 1 << 20) == Bucket(0, 256)
     # At most MAX_PASS_STATES (64) short new states in any bucket: long5's s2560 holds 64 short slots, not 320; a pass
     # with more short new states than a batch of requests can bring runs eagerly.

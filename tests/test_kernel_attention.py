@@ -90,11 +90,12 @@ def test_long_new_state(kernel_run) -> None:
 
 @GROUPS
 def test_a_split_prefix_answers_as_the_reference(kernel_run, monkeypatch, HQ: int, HKV: int) -> None:
-    """Prefixes over SPLIT_KEYS read in parts and merged: row 1's 37 keys in three parts of 16, rows 0 and 2 (6 keys)
-    in one."""
+    """Prefixes over SPLIT_ABOVE read in parts of SPLIT_KEYS and merged: row 1's 37 keys in three parts of 16, rows 0
+    and 2 (6 keys) in one."""
     from kev_backend.gpu.kernels import attention
 
     monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
+    monkeypatch.setattr(attention, "SPLIT_ABOVE", 16)
     q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
     cu = torch.tensor(CU)
     o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37)
@@ -109,6 +110,7 @@ def test_a_rows_bits_do_not_depend_on_the_launch(kernel_run, monkeypatch, HQ: in
     from kev_backend.gpu.kernels import attention
 
     monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
+    monkeypatch.setattr(attention, "SPLIT_ABOVE", 16)
     q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
     cu = torch.tensor(CU)
     split = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37)

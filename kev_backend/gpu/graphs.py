@@ -146,11 +146,11 @@ def smallest_bucket(
 ) -> Bucket | None:
     """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a long new state
     without `long_states`, a prefix index over `prefix_tokens`, a row whose state the rows' attention reads in parts
-    (kernels.attention.SPLIT_KEYS: a captured launch could not split it), or too large for any (the pass runs
+    (kernels.attention.SPLIT_ABOVE: a captured launch could not split it), or too large for any (the pass runs
     eagerly)."""
     if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
         return None
-    if max(layout.prefix_len, default=0) > attention.SPLIT_KEYS:
+    if max(layout.prefix_len, default=0) > attention.SPLIT_ABOVE:
         return None
     long = sum(not is_short(n) for n in layout.state_lengths)
     if long and not long_states:

@@ -28,11 +28,14 @@ LONG_ABOVE = 128
 ATTENTION_STAGES = 3
 # The scale holds log2(e) and the softmax exponentiates in base 2 (the same softmax, fewer instructions).
 LOG2_E = 1.4426950408889634
-# A row over a long state reads its prefix in parts of SPLIT_KEYS keys, a program each, merged afterwards in part
-# order (_merge_parts_kernel): one program walking a 64k-token prefix alone left the GPU mostly idle. A row's parts
-# depend on its own state's length alone (one part up to SPLIT_KEYS keys, whose merge is the unsplit kernel's own
-# division), so its answer does not depend on the rows beside it, split launch or not.
-SPLIT_KEYS = 8192
+# A row over a state of more than SPLIT_ABOVE tokens reads its prefix in parts of SPLIT_KEYS keys, a program each,
+# merged afterwards in part order (_merge_parts_kernel): one program walking a 64k-token prefix alone left the GPU
+# mostly idle (about 80 programs a layer for five questions). A row's parts depend on its own state's length alone,
+# and a row of one part ends as the unsplit kernel does, so its answer does not depend on the rows beside it, split
+# launch or not. SPLIT_ABOVE is the graphs' prefix limit (graphs.PassGraphs' prefix_tokens): passes with such a
+# row already run eagerly, so a captured launch never needs parts.
+SPLIT_ABOVE = 32_768
+SPLIT_KEYS = 4096
 
 
 @triton.jit
@@ -78,14 +81,15 @@ def _rows_attention_kernel(
     HAS_PREFIX: tl.constexpr,
     PARTS: tl.constexpr,
     SPLIT: tl.constexpr,
+    SPLIT_ABOVE: tl.constexpr,
 ):
     """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
     rows masked), so each key tile is read once for all of them: with Kev-4B's 4 query heads per key/value head, a
     row's prefix is read by one program of 64 rows, not by 4 programs of 16. With PARTS > 1 (a split launch), the
-    third grid axis is the part: a row's prefix is read in parts of SPLIT_KEYS keys (as many as its own length asks,
-    programs past them return), the last part goes on with the row's own keys, and each writes its running max, sum
-    and accumulator into part_ml / part_acc for _merge_parts_kernel."""
+    third grid axis is the part: a row's prefix over SPLIT_ABOVE keys is read in parts of SPLIT keys (as many as its
+    own length asks, programs past them return), the last part goes on with the row's own keys, and each writes its
+    running max, sum and accumulator into part_ml / part_acc for _merge_parts_kernel."""
     G: tl.constexpr = HQ // HKV
     # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
     i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -98,9 +102,9 @@ def _rows_attention_kernel(
     else:  # new states: their own tokens only
         p_bos, P = 0, 0
     if PARTS > 1:
-        parts = tl.maximum(tl.cdiv(P, SPLIT), 1)
-        lo = part * SPLIT
-        hi = tl.minimum(P, lo + SPLIT)
+        parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
+        lo = tl.where(parts > 1, part * SPLIT, 0)
+        hi = tl.where(parts > 1, tl.minimum(P, lo + SPLIT), P)
     else:
         parts, lo, hi = 1, 0, P
     if (i_m * BM < L) & (part < parts):
@@ -132,14 +136,19 @@ def _rows_attention_kernel(
             m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True)
         # The segment's own K/V, causal (in the last part): the keys before the tile's first token, which every row
         # of the tile sees (whole key blocks of them), without masks, then the rest masked.
-        own = part == parts - 1
-        diagonal = tl.where(own, (i_m * BM) // BN * BN, 0)
+        if PARTS > 1:
+            own = part == parts - 1
+            diagonal = tl.where(own, (i_m * BM) // BN * BN, 0)
+            end = tl.where(own, (i_m + 1) * BM, 0)
+        else:
+            diagonal = (i_m * BM) // BN * BN
+            end = (i_m + 1) * BM
         for start in range(0, diagonal, BN):
             o_n = start + tl.arange(0, BN)
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
             b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
             m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
-        for start in range(diagonal, tl.where(own, (i_m + 1) * BM, 0), BN):
+        for start in range(diagonal, end, BN):
             o_n = start + tl.arange(0, BN)
             m_n = o_n < L
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
@@ -175,6 +184,7 @@ def _merge_parts_kernel(
     GP: tl.constexpr,
     PARTS: tl.constexpr,
     SPLIT: tl.constexpr,
+    SPLIT_ABOVE: tl.constexpr,
 ):
     """A split launch's outputs: for the rows of _rows_attention_kernel's tile, their parts' running max, sum and
     accumulator combined in part order, then divided. One part: its accumulator divided by its sum, exactly as the
@@ -185,7 +195,8 @@ def _merge_parts_kernel(
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
     if i_m * BM < L:
-        parts = tl.maximum(tl.cdiv(tl.load(prefix_len + n).to(tl.int64), SPLIT), 1)
+        P = tl.load(prefix_len + n).to(tl.int64)
+        parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
         o_r = tl.arange(0, GP * BM)
         g = o_r // BM
         o_m = i_m * BM + o_r % BM
@@ -236,7 +247,7 @@ def rows_attention(
     prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets; max_len bounds a row's length
     (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Without a
     prefix (None), plain causal attention over each segment's own tokens (new states). Writes `out` when given.
-    max_prefix: the longest row prefix (a host count); over SPLIT_KEYS the launch is split (SPLIT_KEYS says why).
+    max_prefix: the longest row prefix (a host count); over SPLIT_ABOVE the launch is split (SPLIT_ABOVE says why).
     """
     T, HQ, D = q.shape
     HKV = k.shape[1]
@@ -253,7 +264,7 @@ def rows_attention(
     warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
-    parts = triton.cdiv(max_prefix, SPLIT_KEYS) if has_prefix and max_prefix > SPLIT_KEYS else 1
+    parts = triton.cdiv(max_prefix, SPLIT_KEYS) if has_prefix and max_prefix > SPLIT_ABOVE else 1
     part_acc = part_ml = o  # not read unless split
     if parts > 1:
         part_acc = torch.empty(T, HQ, parts, D, device=q.device, dtype=torch.float32)
@@ -287,6 +298,7 @@ def rows_attention(
             HAS_PREFIX=has_prefix,
             PARTS=parts,
             SPLIT=SPLIT_KEYS,
+            SPLIT_ABOVE=SPLIT_ABOVE,
             num_warps=warps,
             num_stages=stages,
         )
@@ -305,6 +317,7 @@ def rows_attention(
                 GP=GP,
                 PARTS=parts,
                 SPLIT=SPLIT_KEYS,
+                SPLIT_ABOVE=SPLIT_ABOVE,
                 num_warps=warps,
             )
     return o
