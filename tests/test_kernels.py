@@ -69,7 +69,7 @@ def compile_for_hopper(tmp: str) -> None:
     chunk_terms = delta_rule | {"dend": f32} | {name: bf for name in ("w", "qs", "kd", "qk", "u")}
     deltanet_heads = dict(H=16, HV=32, K=128, V=128)  # Kev-4B's DeltaNet heads
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
-    attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64}
+    attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64, "part_acc": f32, "part_ml": f32}
     cases = [
         *[
             (
@@ -147,11 +147,25 @@ def compile_for_hopper(tmp: str) -> None:
             (
                 A._rows_attention_kernel,
                 attention,
-                dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS, GP=4, HAS_PREFIX=has_prefix),
+                dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS, GP=4, HAS_PREFIX=has_prefix)
+                | dict(PARTS=parts, SPLIT=A.SPLIT_KEYS, SPLIT_ABOVE=A.SPLIT_ABOVE),
                 A.WIDE_HEAD_WARPS,
             )
-            for has_prefix, rows in ((True, A.TILE_ROWS), (False, A.TILE_ROWS), (False, A.LONG_TILE_ROWS))
+            for has_prefix, rows, parts in (
+                (True, A.TILE_ROWS, 1),
+                (True, A.TILE_ROWS, 16),  # a split launch: rows over a 64k-token state
+                (False, A.TILE_ROWS, 1),
+                (False, A.LONG_TILE_ROWS, 1),
+            )
         ],
+        (
+            A._merge_parts_kernel,
+            {"o": bf, "part_acc": f32, "part_ml": f32, "prefix_len": i64, "cu": i64},
+            dict(
+                HQ=16, HKV=4, D=256, BM=A.TILE_ROWS // 4, GP=4, PARTS=16, SPLIT=A.SPLIT_KEYS, SPLIT_ABOVE=A.SPLIT_ABOVE
+            ),
+            A.WIDE_HEAD_WARPS,
+        ),
     ]
     for fn, types, constants, warps, *cap in cases:  # cap: a register cap (ptxas's .maxnreg), where one is set
         names = list(inspect.signature(fn.fn).parameters)

@@ -93,7 +93,6 @@ def _rows_attention_kernel(
     G: tl.constexpr = HQ // HKV
     # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
     i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
-    part = tl.program_id(2)
     n, hk = i_nh // HKV, i_nh % HKV
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
@@ -101,13 +100,17 @@ def _rows_attention_kernel(
         p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
     else:  # new states: their own tokens only
         p_bos, P = 0, 0
+    # An unsplit launch (PARTS 1, a constexpr) compiles to the kernel without parts: nothing more stays live.
     if PARTS > 1:
+        part = tl.program_id(2)
         parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
         lo = tl.where(parts > 1, part * SPLIT, 0)
         hi = tl.where(parts > 1, tl.minimum(P, lo + SPLIT), P)
+        active = (i_m * BM < L) & (part < parts)
     else:
-        parts, lo, hi = 1, 0, P
-    if (i_m * BM < L) & (part < parts):
+        lo, hi = 0, P
+        active = i_m * BM < L
+    if active:
         o_r = tl.arange(0, GP * BM)
         g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
         o_m = i_m * BM + o_r % BM
@@ -139,15 +142,17 @@ def _rows_attention_kernel(
         if PARTS > 1:
             own = part == parts - 1
             diagonal = tl.where(own, (i_m * BM) // BN * BN, 0)
-            end = tl.where(own, (i_m + 1) * BM, 0)
         else:
             diagonal = (i_m * BM) // BN * BN
-            end = (i_m + 1) * BM
         for start in range(0, diagonal, BN):
             o_n = start + tl.arange(0, BN)
             b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
             b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
             m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
+        if PARTS > 1:
+            end = tl.where(own, (i_m + 1) * BM, 0)
+        else:
+            end = (i_m + 1) * BM
         for start in range(diagonal, end, BN):
             o_n = start + tl.arange(0, BN)
             m_n = o_n < L
