@@ -96,21 +96,24 @@ def _rows_attention_kernel(
     n, hk = i_nh // HKV, i_nh % HKV
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
-    if HAS_PREFIX:
-        p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
-    else:  # new states: their own tokens only
-        p_bos, P = 0, 0
-    # An unsplit launch (PARTS 1, a constexpr) compiles to the kernel without parts: nothing more stays live.
+    # An unsplit launch (PARTS 1, a constexpr) compiles to the kernel without parts, instruction for instruction. A
+    # split one (rows with a prefix only) needs the row's prefix length first, for its part's bounds.
     if PARTS > 1:
+        p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
         part = tl.program_id(2)
         parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
         lo = tl.where(parts > 1, part * SPLIT, 0)
         hi = tl.where(parts > 1, tl.minimum(P, lo + SPLIT), P)
         active = (i_m * BM < L) & (part < parts)
     else:
-        lo, hi = 0, P
         active = i_m * BM < L
     if active:
+        if PARTS == 1:
+            if HAS_PREFIX:
+                p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
+            else:  # new states: their own tokens only
+                p_bos, P = 0, 0
+            lo, hi = 0, P
         o_r = tl.arange(0, GP * BM)
         g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
         o_m = i_m * BM + o_r % BM
@@ -124,7 +127,10 @@ def _rows_attention_kernel(
         acc = tl.zeros([GP * BM, D], dtype=tl.float32)
         # The state's K/V (this part's keys), read in place from the bank pool through its token index: its whole key
         # blocks without masks, then the rest masked.
-        whole = lo + (hi - lo) // BN * BN
+        if PARTS > 1:
+            whole = lo + (hi - lo) // BN * BN
+        else:
+            whole = P // BN * BN
         for start in range(lo, whole, BN):
             idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
             b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
