@@ -88,14 +88,19 @@ def test_long_new_state(kernel_run) -> None:
     assert (o - ref).abs().max() < kernel_run.tol
 
 
-@GROUPS
-def test_a_split_prefix_answers_as_the_reference(kernel_run, monkeypatch, HQ: int, HKV: int) -> None:
-    """Prefixes over SPLIT_ABOVE read in parts of SPLIT_KEYS and merged: row 1's 37 keys in three parts of 16, rows 0
-    and 2 (6 keys) in one."""
+@pytest.fixture
+def split_16(monkeypatch) -> None:
+    """Prefixes over 16 keys split in parts of 16: the rows above (6 and 37 keys) take one part and three."""
     from kev_backend.gpu.kernels import attention
 
     monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
     monkeypatch.setattr(attention, "SPLIT_ABOVE", 16)
+
+
+@GROUPS
+def test_a_split_prefix_answers_as_the_reference(kernel_run, split_16, HQ: int, HKV: int) -> None:
+    """Prefixes over SPLIT_ABOVE read in parts of SPLIT_KEYS and merged: row 1's 37 keys in three parts of 16, rows 0
+    and 2 (6 keys) in one."""
     q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
     cu = torch.tensor(CU)
     o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37)
@@ -104,13 +109,9 @@ def test_a_split_prefix_answers_as_the_reference(kernel_run, monkeypatch, HQ: in
 
 
 @GROUPS
-def test_a_rows_bits_do_not_depend_on_the_launch(kernel_run, monkeypatch, HQ: int, HKV: int) -> None:
+def test_a_rows_bits_do_not_depend_on_the_launch(kernel_run, split_16, HQ: int, HKV: int) -> None:
     """A row's parts follow its own prefix alone: a short row gets the same bits from a split launch as from an
     unsplit one, and a long row the same bits alone as beside other rows."""
-    from kev_backend.gpu.kernels import attention
-
-    monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
-    monkeypatch.setattr(attention, "SPLIT_ABOVE", 16)
     q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
     cu = torch.tensor(CU)
     split = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37)

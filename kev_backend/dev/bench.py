@@ -313,22 +313,7 @@ def naive_baseline(engine: Engine, make, n: int) -> dict[str, Any]:
     try:
         ours = engine.checkpoint.model
         c = ours.config
-        keys = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-            "rms_norm_eps",
-            "tie_word_embeddings",
-        )
+        keys = (*(f for f in SHAPE_FIELDS if f != "layer_types"), "rms_norm_eps", "tie_word_embeddings")
         rope = {"rope_type": "default", "rope_theta": c.rope_theta, "partial_rotary_factor": c.partial_rotary_factor}
         config = Qwen3_5TextConfig(
             **{k: getattr(c, k) for k in keys}, layer_types=list(c.layer_types), rope_parameters=rope

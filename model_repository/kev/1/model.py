@@ -157,6 +157,8 @@ def routing_key(request):
 
 def count_state_keys(metrics, senders, spans, batch):
     """Counts, for each scored state whose request carried a routing key, whether the key is that state's."""
+    if all(sender.key is None for sender in senders):
+        return
     records = {i: record for i, record, _ in batch.accepted}
     for sender, span in zip(senders, spans):
         if sender.key is not None:
