@@ -103,3 +103,25 @@ def test_sigmoid_gate_in_place(kernel_run) -> None:
     out = torch.randn(9, 3, 32)
     y = sigmoid_gate(out, gate)
     assert y.shape == (9, 96) and relative(y, reference_sigmoid_gate(out, gate)) < kernel_run.rel
+
+
+def test_references_give_a_row_the_same_bits_beside_any_rows() -> None:
+    """The fused pass's CPU stand-ins on 16 threads: each token's activations alone and among 1,031 tokens agree bit
+    for bit (a CPU's threads cut an element-wise op into equal counts of elements, and a cut inside a row would
+    round that row's tail apart: tests/test_invariance.py)."""
+    torch.manual_seed(0)
+    T, threads = 1031, torch.get_num_threads()
+    gate_up, out, gate = torch.randn(T, 256), torch.randn(T, 4, 32), torch.randn(T, 4, 64)[..., 32:]
+    x, z, w = torch.randn(T * 4, 16), torch.randn(T, 4, 16), 1 + 0.1 * torch.randn(16)
+    cases = {
+        "silu_mul": lambda t: reference_silu_mul(gate_up[t]),
+        "sigmoid_gate": lambda t: reference_sigmoid_gate(out[t], gate[t]),
+        "gated_rms_norm": lambda t: reference_gated_rms_norm(x.view(T, 4, 16)[t].flatten(0, 1), z[t], w, EPS),
+    }
+    torch.set_num_threads(16)
+    try:
+        for name, op in cases.items():
+            alone = torch.cat([op(slice(i, i + 1)) for i in range(T)])
+            assert torch.equal(op(slice(None)), alone), name
+    finally:
+        torch.set_num_threads(threads)

@@ -7,6 +7,9 @@ size from the row width alone. Statistics in fp32, as Qwen3.5's norms compute th
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -279,6 +282,19 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 # Plain torch references, one per kernel above (fp32 inside, one rounding to x's dtype, as the kernels): what
 # tests/test_kernel_norms.py compares the kernels with, and the fused pass's CPU stand-ins (tests/fused_cpu_ops.py).
 
+# A CPU runs an element-wise op on more than at::internal::GRAIN_SIZE elements on several threads, each given an equal
+# count of elements, not of rows: a cut inside a row makes the row's elements before it the tail of a vector loop,
+# computed with the scalar math (libm's exp, not SLEEF's), which rounds apart. A row's gate would then change with
+# the rows beside it (tests/test_invariance.py, 16 threads on an AVX-512 CPU). Blocks of whole rows under that size
+# run on one thread each.
+_ONE_THREAD_ELEMENTS = 32768
+
+
+def _in_row_blocks(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """op(x) for an element-wise `op`, computed on blocks of x's rows (dim 0) small enough for one thread."""
+    rows = max(1, _ONE_THREAD_ELEMENTS // max(1, math.prod(x.shape[1:])))
+    return op(x) if x.shape[0] <= rows else torch.cat([op(block) for block in x.split(rows)])
+
 
 def reference_rms_norm(
     x: torch.Tensor,
@@ -309,16 +325,16 @@ def reference_rms_norm_rope(
 def reference_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """gated_rms_norm in torch: RMSNorm(x) · weight · silu(z), z reshaped as x."""
     h = x.float()
-    gate = F.silu(z.float().reshape(h.shape))
+    gate = _in_row_blocks(F.silu, z.float()).reshape(h.shape)
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight * gate).to(x.dtype)
 
 
 def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul in torch: silu(gate) · up of [gate | up]."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gate_up.dtype)
+    return (_in_row_blocks(F.silu, gate) * up).to(gate_up.dtype)
 
 
 def reference_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """sigmoid_gate in torch: x · sigmoid(gate) as [tokens, heads · D]."""
-    return (x.float() * torch.sigmoid(gate.float())).to(x.dtype).reshape(x.shape[0], -1)
+    return (x.float() * _in_row_blocks(torch.sigmoid, gate.float())).to(x.dtype).reshape(x.shape[0], -1)
