@@ -9,6 +9,7 @@
 #   tests      GPU tests but parity and graphs: compiled kernels, engine API, no compiles after warm-up (~2.5 min)
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
+#   determinism  every answer's bits alone against in batch mixes, graphs and eager (tests/test_determinism_gpu.py)
 #   latency    the engine's latency and 64-client throughput from graphs (~1 min)
 #   long       diag long: our delta rule and conv against fla's (~2 min)
 #   diag       long, then latency
@@ -53,7 +54,7 @@ status=0
 gpu_pytest() {  # LOG -k EXPRESSION FILTER: the GPU tests matching it, the log's tail through FILTER (grep -E)
   local log=$1 expression=$2 filter=$3
   "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_kernels.py tests/test_fused_gpu.py \
-    tests/test_safetensors_reader.py \
+    tests/test_determinism_gpu.py tests/test_safetensors_reader.py \
     -k "$expression" 2>&1 | tee "$out/$log" | grep -E "$filter" | cut -c1-1500 || status=1
 }
 diag() {  # SECONDS FILTER SUBCOMMAND [ARGS...]: python -m bench.diag, its output but warnings into
@@ -69,6 +70,7 @@ run_step() {
     tests) gpu_pytest gpu-tests.log "not parity and not graph" "passed|failed|Error|assert" ;;
     parity) gpu_pytest gpu-parity.log "${PARITY_SELECT:-parity and not graph}" "^(tiny|small|kev4b) |passed|failed|Error|error" ;;
     graphtest) gpu_pytest gpu-graphs.log "graph_replay" "^graphs |passed|failed|Error" ;;
+    determinism) gpu_pytest gpu-determinism.log "same_bits" "^determinism |passed|failed|Error" ;;
     long) diag 240 . long ;;
     diag) run_step long; run_step latency ;;
     latency) diag 120 "^(kernels|short6|long5)|Error" latency ;;

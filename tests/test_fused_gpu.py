@@ -285,10 +285,11 @@ def test_fused_engine_serves_through_the_engine_api(tiny_dir: Path) -> None:
     assert results[0].__class__.__name__ == "RequestError" and isinstance(results[1], dict)
 
 
-def test_pretuned_gemm_algorithms_give_f_linear_outputs_bit_for_bit(tmp_path: Path) -> None:
+def test_gemms_give_a_row_the_same_bits_in_any_gemm(tmp_path: Path) -> None:
     """gpu.cublaslt: a table's shapes run on cuBLASLt algorithms other than torch's (here each shape's fastest
-    non-split candidate, kept whatever its speed) and answer exactly as F.linear, eagerly and replayed from a graph;
-    shapes not in the table, and inputs it cannot take, go to F.linear."""
+    non-split candidate, kept whatever its speed), other shapes on the heuristic's first without split-K; every
+    one gives the bits of the others and of F.linear at these shapes, eagerly and replayed from a graph, and a row's
+    output is the same in GEMMs of 64 to 8,192 rows. Inputs it cannot take go to F.linear."""
     from kev_backend.dev import gemm_tuner
     from kev_backend.gpu import cublaslt
 
@@ -313,6 +314,14 @@ def test_pretuned_gemm_algorithms_give_f_linear_outputs_bit_for_bit(tmp_path: Pa
             out = algos.linear(x, w)
         graph.replay()
         assert torch.equal(out, expected), (m, n, k)
+    untabled = cublaslt.GemmAlgos({}, device)
+    for n, k in [(18432, 2560), (2560, 9216), (2048, 2560)]:
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(8192, k, device=device, dtype=torch.bfloat16)
+        whole = untabled.linear(x, w)
+        for m in (64, 100, 192, 1000, 2688, 4096):
+            assert torch.equal(untabled.linear(x[:m].contiguous(), w), whole[:m]), (m, n, k)
+            assert torch.equal(algos.linear(x[:m].contiguous(), w), whole[:m]), (m, n, k)
     x = torch.randn(192, 2560 * 2, device=device, dtype=torch.bfloat16)[:, ::2]  # not contiguous: F.linear
     w = torch.randn(18432, 2560, device=device, dtype=torch.bfloat16)
     assert torch.equal(algos.linear(x, w), torch.nn.functional.linear(x, w))

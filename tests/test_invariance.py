@@ -1,6 +1,7 @@
-"""The batch tracer (kev_backend/dev/invariance.py) on the fused pass with torch stand-ins (tests/fused_cpu_ops.py):
-with row-invariant GEMMs the pass gives every question the same bits alone as in any batch, and a batch dependence
-put into one op is found at that op."""
+"""The batch tracer (kev_backend/dev/invariance.py) and the determinism check (kev_backend/dev/determinism.py) on the
+fused pass with torch stand-ins (tests/fused_cpu_ops.py): with row-invariant GEMMs the pass gives every question the
+same bits alone as in any batch, padded or not (a CPU runs the graphs' padded passes eagerly), and a batch
+dependence put into one op is found at that op and counted."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kev_backend.dev import determinism
 from kev_backend.dev.invariance import trace
 from kev_backend.dev.workloads import realistic, short6
 from kev_backend.gpu.scorer import FusedScorer
@@ -56,3 +58,22 @@ def test_a_batch_dependence_is_found_where_it_enters(tiny_dir: Path) -> None:
     report = trace(fused, encoded, mixes=1, batch=6)
     assert report["differing"] == report["questions"] > 0
     assert report["first_difference_by_label"] == {"L00 norm.1": report["questions"]}, report
+
+
+def test_the_determinism_check_finds_no_difference_and_counts_one(tiny_dir: Path) -> None:
+    fused, encoded = traced_engine(tiny_dir)
+    report = determinism.check(fused, encoded, mixes=1, max_batch=6)
+    questions = sum(len(e.questions) for e in encoded)
+    assert report["questions"] == questions and report["compared"] == 2 * questions  # a mix padded, one eager
+    assert report["differing"] == 0 and report["graphs_vs_eager_differing"] == 0, report
+    rms_norm = fused.model._rms_norm
+
+    def leaky(x: torch.Tensor, *args, **kwargs):  # the norms shifted by the pass's token count
+        normed, residual = rms_norm(x, *args, **kwargs)
+        return normed + 1e-3 * x.shape[0], residual
+
+    fused.model._rms_norm = leaky
+    few = encoded[:4]
+    report = determinism.check(fused, few, mixes=1, max_batch=4)
+    questions = sum(len(e.questions) for e in few)
+    assert 0 < report["differing"] <= 2 * questions, report  # a question in a batch of one may agree

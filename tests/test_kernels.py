@@ -100,6 +100,12 @@ def compile_for_hopper(tmp: str) -> None:
             dict(BD=256, BW=P.OPTIONS_PER_STEP),
             4,
         ),
+        (
+            P._project_kernel,
+            {"x": f32, "w": f32, "bias": f32, "y": f32},
+            dict(BM=P.PROJECT_ROWS, BN=P.PROJECT_COLS, BK=P.PROJECT_INNER),
+            4,
+        ),
         (N._sigmoid_gate_kernel, {"x": bf, "gate": bf, "y": bf}, dict(BLOCK=256, R=N.NORM_ROPE_ROWS), 4),
         *[
             (

@@ -9,7 +9,8 @@ the next batch). Beside each: the floor (FLOPs at the measured bf16 GEMM rate, w
 bandwidth) and the naive transformers baseline (one full sequence per question) where the image has transformers.
 `--quick` keeps latencies and short6 at 64 clients (no profiler passes, serial loop or baseline); `--scaling` adds
 long5's questions on states of 2k to 64k tokens, new and banked, with the GPU memory each needed, their compute
-floors, and how many 64k states the bank holds.
+floors, and how many 64k states the bank holds; `--determinism N` answers N questions alone and in batch mixes, bit
+for bit (kev_backend/dev/determinism.py).
 Writes bench/results/<date>-<gpu>-<commit>[-<size>].json and prints a table.
 """
 
@@ -36,9 +37,9 @@ from ..engine.pipeline import Pipeline, parts_by_size
 from ..gpu.pool import StatePool
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from ..model.qwen35 import DELTA_RULE_CHUNK, FULL_ATTENTION, Qwen35Config
-from . import tiny
+from . import determinism, tiny
 from .provenance import commit
-from .workloads import long5, short6, sized, state_counter
+from .workloads import long5, realistic, short6, sized, state_counter
 
 CLIENTS = (1, 8, 32, 64)
 # The scaling workload's states, <state> included: 2k to 32k, and one under Kev's 65,536-token limit.
@@ -363,6 +364,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="latencies and short6 at 64 clients only (~1 min)")
     parser.add_argument("--scaling", action="store_true", help="also states of 2k to 64k tokens and the bank's room")
     parser.add_argument("--scaling-repeat", type=int, default=3, help="requests per scaling point and kind")
+    parser.add_argument(
+        "--determinism", type=int, default=0, metavar="QUESTIONS",
+        help="also answers alone against in batch mixes, bit for bit, on this many questions (dev/determinism.py)",
+    )  # fmt: skip
     parser.add_argument("--commit", help="the commit the result names (default: git's HEAD)")
     return parser.parse_args()
 
@@ -552,6 +557,10 @@ def main() -> None:
             write()
         result["bank_capacity"] = bank_capacity(engine, SCALING_TOKENS[-1])
         print(f"bank capacity {result['bank_capacity']}", flush=True)
+    if args.determinism and engine.backend == "fused":
+        encoded = [engine.prepare(body)[1] for body in realistic(args.determinism, seed=5, max_words=2300)]
+        result["determinism"] = determinism.check(engine.scorer, encoded)
+        print(f"determinism {result['determinism']}", flush=True)
     result["complete"] = True
     write()
     print_table(workloads)

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..gpu.cublaslt import GemmAlgos, identity, read_table
 from ..gpu.fused import FusedWeights
@@ -45,8 +44,9 @@ def _graph_us(fn: Callable[[], object], calls: int) -> float:
 
 
 def tune(shapes: Iterable[tuple[int, int, int]], device: torch.device, gain: float = 0.01) -> list[dict]:
-    """For each (M, N, K): F.linear against the heuristic's non-split candidates (weights cold: two copies in turn),
-    keeping the fastest when it is over `gain` faster and gives F.linear's output bit for bit."""
+    """For each (M, N, K): the shape without a table (the heuristic's first candidate without split-K) against the
+    heuristic's other non-split candidates (weights cold: two copies in turn), keeping the fastest when it is over
+    `gain` faster and gives the same output bit for bit. An entry's `linear_us` is the shape's time without it."""
     algos = GemmAlgos({}, device)
     entries = []
     for m, n, k in shapes:
@@ -54,8 +54,8 @@ def tune(shapes: Iterable[tuple[int, int, int]], device: torch.device, gain: flo
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(2)]
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-        expected = F.linear(x, weights[0])
-        linear_us = _graph_us(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], len(weights))
+        expected = algos.linear(x, weights[0])
+        linear_us = _graph_us(lambda x=x, ws=weights: [algos.linear(x, w) for w in ws], len(weights))
         plan = algos.plan(m, n, k)
         best = None
         for algo in plan.candidates():

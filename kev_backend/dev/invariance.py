@@ -116,7 +116,8 @@ class Tracer:
                     self.current.norms += 1
                 seen = args[0] if read == "in" else out
                 for value in seen if isinstance(seen, tuple) else (seen,):
-                    self.current.add(name, value)
+                    if value is not None:  # a norm without the residual stream's output
+                        self.current.add(name, value)
             return out
 
         self._install(self.model, attribute, traced)

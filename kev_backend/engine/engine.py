@@ -256,12 +256,21 @@ class Engine:
         """One line for the server's log: device, path, CUDA graphs and the seconds of each start-up phase."""
         graphs = getattr(self.scorer, "graphs", None)
         held = f"{graphs.stats.count} CUDA graphs ({graphs.stats.capture_failures} failed to capture)" if graphs else ""
-        algos = self.gemm_algos
-        tuned = f"{algos['shapes']} GEMM shapes on pre-tuned cuBLASLt algorithms ({algos['table']}); " if algos else ""
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
         path = f"{self.backend} path" + (f" ({self.backend_why})" if self.backend_why else "")
         graphed = held or "no CUDA graphs"
-        return f"on {self.device}, {path}; {graphed}; {tuned}{self._preparation()}start-up seconds {phases}"
+        return f"on {self.device}, {path}; {graphed}; {self._gemms()}{self._preparation()}start-up seconds {phases}"
+
+    def _gemms(self) -> str:
+        """How the fused path's projections run on a GPU, for the start-up line."""
+        algos = self.gemm_algos
+        if algos is None:
+            return ""
+        if algos["shapes"]:
+            table = f"{algos['shapes']} GEMM shapes on pre-tuned cuBLASLt algorithms ({algos['table']}), the rest"
+        else:
+            table = "GEMMs (no pre-tuned table for this GPU)"
+        return f"{table} on cuBLASLt's choice without split-K; "
 
     def _preparation(self) -> str:
         """What the server does to states that Kev does only when asked, for the start-up line."""

@@ -1,23 +1,28 @@
-"""The fused path's projections on cuBLASLt algorithms chosen ahead of time (pre-tuned per GPU and cuBLASLt version).
+"""The fused path's projections on cuBLASLt algorithms without split-K: a row's output never depends on the rows
+beside it, so an answer never depends on the batch it rides in.
 
-torch runs each GEMM on the first algorithm cuBLASLt's heuristic offers; for some of Kev-4B's shapes another of its
-candidates is faster (docs/kernels.md), and every candidate without split-K gives F.linear's output bit for bit, so
-answers do not change (a row's answer never depends on the GEMM that ran it).
+cuBLAS chooses an algorithm by the GEMM's shape, and for some row counts one that splits the inner dimension and sums
+the partial products in another order (split-K): a row's output then moves with the number of rows in its GEMM. Every
+bf16 GEMM here runs on an algorithm of cuBLASLt's without split-K. Those all sum in the same order, so they give the
+same bits (checked against each other when a table is tuned and by the GPU tests), and which one runs is a matter of
+speed alone: a pre-tuned table (one per GPU and cuBLASLt version) names the fastest for the shapes where it beats the
+heuristic's first without split-K, which runs every other shape.
 
 A table file holds, for one GPU and cuBLASLt version, the algorithm of each (rows, out features, in features) worth
 changing; `python -m kev_backend.dev.gemm_tuner tune CHECKPOINT OUT.json` makes one. At run time `pretuned(device,
-table)` finds a matching table ("auto": the packaged gpu/gemm_algos/*.json; or a table's path; "off": none), whose
-`linear` runs its shapes on their algorithms and every other GEMM through F.linear. No table for this GPU and
-library: F.linear alone.
+table)` reads a matching table ("auto": the packaged gpu/gemm_algos/*.json; or a table's path; "off": none) into the
+GemmAlgos whose `linear` runs every projection. No table for this GPU and library: every shape on the heuristic's
+choice without split-K.
 
 cuBLASLt is called through ctypes on the library torch itself loaded. An algorithm is stored as its 64-byte opaque
 structure and used only on the GPU model and cuBLASLt version it was tuned on (both named in the table); the GPU
-test runs a stored table against F.linear."""
+test runs a stored table against the heuristic's choice."""
 
 from __future__ import annotations
 
 import ctypes
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -99,10 +104,24 @@ class _Plan:
         for layout, (rows, cols, ld) in shapes:
             _check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(layout), _CUDA_R_16BF, rows, cols, ld), "layout")
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._default: _Algo | None = None
+
+    def close(self) -> None:
+        """Frees the descriptors (a plan dropped from GemmAlgos' plans)."""
+        for layout in (self.w_layout, self.x_layout, self.y_layout):
+            self.lt.cublasLtMatrixLayoutDestroy(layout)
+        self.lt.cublasLtMatmulDescDestroy(self.desc)
+
+    @property
+    def default(self) -> _Algo | None:
+        """The heuristic's first algorithm without split-K for this shape (None if it offers none)."""
+        if self._default is None:
+            self._default = next(iter(self.candidates()), None)
+        return self._default
 
     def candidates(self) -> list[_Algo]:
         """The heuristic's algorithms for this shape that run without split-K (the others sum partial products in
-        another order: their outputs differ from F.linear's)."""
+        another order, split by the row count)."""
         preference = ctypes.c_void_p()
         _check(self.lt.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "preference")
         size = ctypes.c_uint64(_WORKSPACE_BYTES)
@@ -147,32 +166,47 @@ def _split_k(lt: ctypes.CDLL, algo: _Algo) -> int:
 
 
 class GemmAlgos:
-    """F.linear with the table's shapes on their algorithms: `linear(x, w)` for a contiguous bf16 x [M, K] and w
-    [N, K] (rows contiguous) whose (M, N, K) the table holds; F.linear for everything else."""
+    """Every projection on a cuBLASLt algorithm without split-K: `linear(x, w)` for a contiguous bf16 x [M, K] and w
+    [N, K] (rows contiguous) runs the table's algorithm for its (M, N, K), else the heuristic's first without split-K
+    for that shape (kept with its plan). Anything else (another dtype or layout, no rows, a shape with no such
+    algorithm: none on Kev's models) goes through F.linear."""
+
+    # Plans kept, the most recently used: a server sees a few hundred shapes (graph buckets × projections), plus one
+    # per projection for each eager pass's token count.
+    PLANS = 4096
 
     def __init__(self, table: dict[tuple[int, int, int], _Algo], device: torch.device, source: str = "") -> None:
-        self.source = source  # the table's file name
+        self.source = source  # the table's file name ("" for none)
         self.lt = library(device)
         self.handle = ctypes.c_void_p()
         with torch.cuda.device(device):  # the handle on this GPU's context
             _check(self.lt.cublasLtCreate(ctypes.byref(self.handle)), "create")
         self.algos = table
-        self.plans: dict[tuple[int, int, int], _Plan] = {}
+        self.plans: OrderedDict[tuple[int, int, int], _Plan] = OrderedDict()
         self.workspace = torch.empty(_WORKSPACE_BYTES, device=device, dtype=torch.uint8)
 
     def plan(self, m: int, n: int, k: int) -> _Plan:
         plan = self.plans.get((m, n, k))
         if plan is None:
             plan = self.plans[m, n, k] = _Plan(self.lt, self.handle, m, n, k)
+            if len(self.plans) > self.PLANS:
+                self.plans.popitem(last=False)[1].close()
+        else:
+            self.plans.move_to_end((m, n, k))
         return plan
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        shape = (x.shape[0], w.shape[0], w.shape[1]) if x.dim() == 2 else None
-        algo = self.algos.get(shape) if shape is not None else None
-        if algo is None or not _lt_ready(x, w):
+        if x.dim() != 2 or x.shape[0] == 0 or not _lt_ready(x, w):
+            return F.linear(x, w)
+        shape = (x.shape[0], w.shape[0], w.shape[1])
+        plan = self.plan(*shape)
+        algo = self.algos.get(shape)
+        if algo is None:
+            algo = plan.default
+        if algo is None:
             return F.linear(x, w)
         y = torch.empty(shape[0], shape[1], device=x.device, dtype=x.dtype)
-        self.plan(*shape).run(algo, x, w, y, self.workspace)
+        plan.run(algo, x, w, y, self.workspace)
         return y
 
     @classmethod
@@ -223,13 +257,19 @@ def check_table(table: str) -> str:
 
 
 def pretuned(device: torch.device, table: str = "auto") -> GemmAlgos | None:
-    """The pre-tuned algorithms for this GPU and cuBLASLt version, if a table matches: with `table` "auto" a
-    packaged one (TABLES), "off" none, anything else the table at that path (used only if it matches too)."""
-    if check_table(table) == "off" or device.type != "cuda":
+    """The projections' GEMMs on a CUDA device (None elsewhere): the pre-tuned algorithms of a table that matches
+    this GPU and cuBLASLt version (with `table` "auto" a packaged one, TABLES; anything but "off" the table at that
+    path, used only if it matches too), and every other shape on the heuristic's choice without split-K."""
+    if device.type != "cuda":
         return None
-    paths = sorted(TABLES.glob("*.json")) if table == "auto" else [Path(table)]
+    if check_table(table) == "off":
+        paths = []
+    elif table == "auto":
+        paths = sorted(TABLES.glob("*.json"))
+    else:
+        paths = [Path(table)]
     for path in paths:
         algos = GemmAlgos.load(path, device)
         if algos is not None:
             return algos
-    return None
+    return GemmAlgos({}, device)

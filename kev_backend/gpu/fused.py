@@ -191,8 +191,8 @@ class FusedQwen35:
         # kernel and torch's varlen attention ("fla"). Every other segment runs ours.
         self.long_kernels = long_kernels
         self._rows_attention, self._bank_kv = k.rows_attention, k.bank_kv
-        # The projections: F.linear, with the shapes of a pre-tuned table for this GPU on their cuBLASLt algorithms
-        # (the same outputs, bit for bit: kev_backend/gpu/cublaslt.py); `gemm_algos` chooses the table.
+        # The projections on cuBLASLt algorithms without split-K, so that a row's output is the same in any batch
+        # (kev_backend/gpu/cublaslt.py); `gemm_algos` chooses a pre-tuned table of the fastest. F.linear on a CPU.
         self.gemm_algos = cublaslt.pretuned(weights.embed.device, gemm_algos)
         self._linear = self.gemm_algos.linear if self.gemm_algos is not None else F.linear
         c = self.c
@@ -242,13 +242,11 @@ class FusedQwen35:
     def head_inputs(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """The picked tokens' residual stream after the last mixer (fp32) through the last MLP and the final norm:
         what the pointer head reads."""
-        w = self.w
-        x = self.rms_fp32(h, layer.post_norm)
+        w, eps = self.w, self.c.rms_norm_eps
+        # The norms' kernel in fp32, a row a program: torch's reductions split a row by the number of rows.
+        x, _ = self._rms_norm(h, layer.post_norm, eps)
         h = h + self.mlp(layer, pad_rows(x.to(w.dtype)))[: h.shape[0]].float()
-        return self.rms_fp32(h, w.final_norm)
-
-    def rms_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps) * weight
+        return self._rms_norm(h, w.final_norm, eps)[0]
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         return self._linear(self._silu_mul(self._linear(x, layer.gate_up)), layer.down)

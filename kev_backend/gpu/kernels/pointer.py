@@ -1,4 +1,5 @@
-"""Kev's pointer softmax in one kernel, from the head's projections of every picked token (scoring/head.py)."""
+"""Kev's pointer head on a GPU: the head's projection of every picked token, and the pointer softmax in one kernel
+from those projections (scoring/head.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,48 @@ import triton.language as tl
 
 # Options per step of a question's loop (System One allows up to 255; most questions have 2-6).
 OPTIONS_PER_STEP = 16
+
+
+# The projection's tiles: fixed, whatever the number of picks. Each output is its row's sum over the inner dimension
+# in steps of PROJECT_INNER, in order, so a pick's [q | k] has the same bits in any batch and any padding (cuBLAS
+# picks its kernel, and with it the order of the sums, by the row count).
+PROJECT_ROWS, PROJECT_COLS, PROJECT_INNER = 32, 64, 32
+
+
+@triton.jit(do_not_specialize=["M"])
+def _project_kernel(x, w, bias, y, M, N, K, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):  # fmt: skip
+    """y [M, N] = x [M, K] @ w [K, N] + bias, fp32 products and sums (no TF32): a (BM, BN) tile a program."""
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_m, m_n = rm < M, rn < N
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        m_k = kk < K
+        a = tl.load(x + rm[:, None] * stride_x + kk[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b = tl.load(w + kk[:, None] * stride_w + rn[None, :], mask=m_k[:, None] & m_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc += tl.load(bias + rn, mask=m_n, other=0.0)[None, :]
+    tl.store(y + rm[:, None] * stride_y + rn[None, :], acc, mask=m_m[:, None] & m_n[None, :])
+
+
+def pointer_project(hidden: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """hidden [n, d] fp32 @ weight_t [d, 2·dp] + bias → [n, 2·dp] fp32 (each pick's [q | k]), row by row the same
+    in any batch."""
+    assert hidden.dtype == weight_t.dtype == bias.dtype == torch.float32
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    assert weight_t.stride(1) == 1 and bias.stride(0) == 1
+    (m, k), n = hidden.shape, weight_t.shape[1]
+    y = torch.empty(m, n, device=hidden.device, dtype=torch.float32)
+    if m:
+        grid = (triton.cdiv(m, PROJECT_ROWS), triton.cdiv(n, PROJECT_COLS))
+        _project_kernel[grid](
+            hidden, weight_t, bias, y, m, n, k, hidden.stride(0), weight_t.stride(0), y.stride(0),
+            BM=PROJECT_ROWS, BN=PROJECT_COLS, BK=PROJECT_INNER,
+        )  # fmt: skip
+    return y
 
 
 @triton.jit
