@@ -116,6 +116,8 @@ def test_a_state_keys_dicts_as_its_plain_tuple(engine: Engine) -> None:
     assert token_ids(state) is state.ids and state.ids.tolist() == list(plain)
     assert token_ids(plain).tolist() == list(plain) and not state.ids.flags.writeable
     assert state + (1,) == plain + (1,)  # a row's tokens after its state: a plain tuple
+    _, other = engine.prepare(request(state="the same words " * 39 + "the other", questions={"q": QUESTIONS["team"]}))
+    assert state != other.state and not state == other.state and state[:-1] != plain  # compared by their ids
 
 
 def test_bad_requests_fail_alone(tiny_dir: Path) -> None:
