@@ -124,6 +124,28 @@ def test_graph_replay_matches_eager(tiny_dir: Path, parity_questions: int) -> No
     torch.cuda.empty_cache()
 
 
+def test_rows_over_a_long_state_replay_a_long_prefix_graph(tiny_dir: Path) -> None:
+    """Same-state requests on a state of more than SPLIT_ABOVE tokens replay a long-prefix graph (their attention
+    split in parts) and answer, bit for bit, as eagerly and as on the pass that banked the state."""
+    from kev_backend.dev.determinism import eagerly
+    from kev_backend.dev.workloads import sized, state_counter
+    from kev_backend.gpu.kernels.attention import SPLIT_ABOVE
+
+    engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(backend="fused", bank_bytes=4 << 30))
+    _, encoded = engine.prepare(sized(40_000, state_counter(engine.tokenizer)))
+    assert len(encoded.state) > SPLIT_ABOVE
+    scorer, graphs = engine.scorer, engine.scorer.graphs
+    banked = scorer.probabilities([encoded])  # a pass of its own, eagerly: too long for any bucket
+    replays = graphs.stats.replays
+    again = scorer.probabilities([encoded])
+    assert graphs.stats.replays == replays + 1 and any(b.long_prefix for b in graphs.seen)
+    with eagerly(scorer):
+        eager = scorer.probabilities([encoded])
+    assert again == eager == banked
+    del engine
+    torch.cuda.empty_cache()
+
+
 def test_after_a_failed_capture_passes_run_eagerly(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A capture that fails (here: a sync inside one bucket's capture) stops further captures, and the engine keeps
     answering: the graphs already captured replay, every other pass runs eagerly, with the answers of an engine

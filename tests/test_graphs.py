@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from kev_backend.gpu.graphs import MAX_PASS_STATES, Bucket, StaticInputs, all_buckets, smallest_bucket
+from kev_backend.gpu.graphs import (
+    LONG_PREFIX_MAX,
+    LONG_PREFIX_ROWS,
+    MAX_PASS_STATES,
+    Bucket,
+    StaticInputs,
+    all_buckets,
+    smallest_bucket,
+)
 from kev_backend.gpu.kernels import attention
 from kev_backend.gpu.passes import MIN_GEMM_ROWS, PassLayout
 
@@ -38,8 +46,11 @@ def layout(state_lengths: list[int], row_lengths: list[int], picks_per_row: int 
 
 def test_buckets_cover_every_size_with_enough_gemm_rows() -> None:
     buckets = all_buckets(4096)
-    assert len(buckets) == len(set(buckets)) == 105
+    assert len(buckets) == len(set(buckets)) == 111
     assert all(MIN_GEMM_ROWS <= b.tokens <= 4096 for b in buckets)
+    long_prefix = [b for b in buckets if b.long_prefix]  # rows only, after the others
+    assert buckets[-len(long_prefix) :] == long_prefix and [b.row_tokens for b in long_prefix] == [*LONG_PREFIX_ROWS]
+    assert all(b.state_tokens == 0 for b in long_prefix) and long_prefix[0].name == "s0r64p"
     assert Bucket(0, 64) in buckets and Bucket(64, 0) in buckets and Bucket(4096, 0) in buckets
     assert Bucket(64, 192) in buckets and Bucket(1024, 192) not in buckets
     # Long-state buckets of 128 or 256 row tokens come trimmed by a 128-token GEMM tile too, each before its twin.
@@ -72,11 +83,16 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
     assert smallest_bucket(buckets, many_long, 1000, long_states=True) == Bucket(1536, 64)
     assert smallest_bucket(buckets, layout([], [65]), 1000, long_states=True) is None  # a long row: eager
     assert bucket_for(layout([], [10] * 2000)) is None  # beyond the largest bucket
-    split = layout([], [39] * 6)  # rows on a banked state long enough for a split launch of their attention: eager
+    split = layout([], [39] * 6)  # rows on a banked state long enough for a split launch of their attention
     split.prefix_len[0] = attention.SPLIT_ABOVE + 1
+    assert smallest_bucket(buckets, split, 1 << 20) == Bucket(0, 256, long_prefix=True)
+    split.prefix_len[0] = LONG_PREFIX_MAX + 1  # past the long-prefix graphs' parts: eager
     assert smallest_bucket(buckets, split, 1 << 20) is None
     split.prefix_len[0] = attention.SPLIT_ABOVE  # one part: captured as any other
     assert smallest_bucket(buckets, split, 1 << 20) == Bucket(0, 256)
+    with_new_state = layout([34], [39] * 6)  # a new state beside them: no long-prefix bucket holds one
+    with_new_state.prefix_len[0] = attention.SPLIT_ABOVE + 1
+    assert smallest_bucket(buckets, with_new_state, 1 << 20) is None
     # At most MAX_PASS_STATES (64) short new states in any bucket: long5's s2560 holds 64 short slots, not 320; a pass
     # with more short new states than a batch of requests can bring runs eagerly.
     assert Bucket(2560, 256).states == MAX_PASS_STATES == 64 and Bucket(256, 0).states == 32
@@ -103,6 +119,14 @@ def test_padding_writes_only_scratch() -> None:
     assert p.row_prefix_len.tolist() == [5, 5] + [0] * (bucket.rows - 2)
     assert p.picks.tolist()[:6] == [64 + i for i in (38, 37, 36, 50, 49, 48)]
     assert p.positions[64:103].tolist() == list(range(50, 89)) and p.positions[39:64].eq(0).all()
+
+
+def test_a_long_prefix_bucket_launches_the_rows_attention_split() -> None:
+    """A long-prefix bucket's pass tells the rows' attention to split as for a LONG_PREFIX_MAX-token prefix (the
+    parts of any row it holds); every other bucket's, not at all."""
+    inputs = StaticInputs(Bucket(4096, 4096), prefix_tokens=1000, device=torch.device("cpu"))
+    assert inputs.pass_input(Bucket(0, 256, long_prefix=True)).row_prefix_max == LONG_PREFIX_MAX
+    assert inputs.pass_input(Bucket(0, 256)).row_prefix_max == 0
 
 
 def test_long_and_short_new_states_share_the_state_region() -> None:

@@ -77,7 +77,7 @@ class EngineOptions:
     bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
     row_pass_tokens: int = 16_384
     # fused path: CUDA graphs (kev_backend/gpu/graphs.py) for passes of short rows and new states (long new states
-    # only with long_kernels "triton"), buckets up to graph_max_tokens tokens (105 up to 4,096), at most max_graphs
+    # only with long_kernels "triton"), buckets up to graph_max_tokens tokens (111 up to 4,096), at most max_graphs
     # kept. Nothing is captured without CUDA; the reference path never uses them.
     graphs: bool = True
     graph_max_tokens: int = 4096

@@ -69,6 +69,14 @@ MAX_PASS_STATES = 64
 # where its 2,631 need 21.
 TRIM = 128
 TRIMMED_FROM_STATES = 1024
+# Rows over a state of more than kernels.attention.SPLIT_ABOVE tokens (same-state requests on long documents) take
+# buckets of their own, rows only (LONG_PREFIX_ROWS), whose rows' attention is the split launch with the parts of a
+# LONG_PREFIX_MAX-token prefix: a row's programs past its own parts return, so its answer is the eager pass's. Why:
+# an eager pass is ~385 launches of host time (~15 ms) for a few ms of GPU work. Rows over longer states run eagerly.
+LONG_PREFIX_ROWS = (64, 128, 192, 256, 384, 512)
+LONG_PREFIX_MAX = 65_536  # Kev's state limit
+# The prefix index a graph's pass holds: the K/V pages of the states its rows continue (1 MB of int64).
+PREFIX_TOKENS = 2 * LONG_PREFIX_MAX
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,7 @@ class Bucket:
     # Tokens cut from the pass's end (TRIM, or 0): the rows' region [tokens − row_tokens, tokens) then overlaps the
     # states' [0, state_tokens), and the rows sit at its end, after the new states' tokens (`fits` checks the total).
     trim: int = 0
+    long_prefix: bool = False  # rows over states of more than SPLIT_ABOVE tokens (LONG_PREFIX_ROWS)
 
     @property
     def tokens(self) -> int:
@@ -125,18 +134,23 @@ class Bucket:
 
     @property
     def name(self) -> str:
-        return f"s{self.state_tokens}r{self.row_tokens}" + (f"t{self.tokens}" if self.trim else "")
+        return (
+            f"s{self.state_tokens}r{self.row_tokens}"
+            + (f"t{self.tokens}" if self.trim else "")
+            + ("p" if self.long_prefix else "")
+        )
 
 
 def all_buckets(max_tokens: int) -> list[Bucket]:
     """Every bucket up to `max_tokens` tokens, smallest first (105 up to 4,096, 148 up to 8,192), a trimmed one
-    (TRIM) before its untrimmed twin. Each has at least MIN_GEMM_ROWS tokens."""
+    (TRIM) before its untrimmed twin, then the long-prefix ones (6). Each has at least MIN_GEMM_ROWS tokens."""
     shapes = [(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS)]
     shapes += [(s, r) for s in (0, *STATE_BUCKETS) for r in ROW_STEPS if s <= r]
     buckets = [Bucket(s, r) for s, r in shapes if 0 < s + r <= max_tokens]
     trimmed = [Bucket(s, r, TRIM) for s, r in shapes if s >= TRIMMED_FROM_STATES and TRIM <= r <= 2 * TRIM]
     buckets += [b for b in trimmed if b.tokens <= max_tokens]  # (at the top, without its twin)
     buckets.sort(key=lambda b: (b.state_tokens, b.row_tokens, -b.trim))
+    buckets += [Bucket(0, r, long_prefix=True) for r in LONG_PREFIX_ROWS if r <= max_tokens]
     assert all(b.tokens >= MIN_GEMM_ROWS for b in buckets)
     return buckets
 
@@ -145,17 +159,19 @@ def smallest_bucket(
     buckets: list[Bucket], layout: PassLayout, prefix_tokens: int, long_states: bool = False
 ) -> Bucket | None:
     """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a long new state
-    without `long_states`, a prefix index over `prefix_tokens`, a row whose state the rows' attention reads in parts
-    (kernels.attention.SPLIT_ABOVE: a captured launch could not split it), or too large for any (the pass runs
-    eagerly)."""
+    without `long_states`, a prefix index over `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX
+    tokens, or too large for any (the pass runs eagerly). Rows over a state of more than SPLIT_ABOVE tokens take a
+    long-prefix bucket."""
     if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
         return None
-    if max(layout.prefix_len, default=0) > attention.SPLIT_ABOVE:
+    longest = max(layout.prefix_len, default=0)
+    if longest > LONG_PREFIX_MAX:
         return None
     long = sum(not is_short(n) for n in layout.state_lengths)
     if long and not long_states:
         return None
-    return next((b for b in buckets if b.fits(layout, long)), None)
+    split = longest > attention.SPLIT_ABOVE
+    return next((b for b in buckets if b.long_prefix == split and b.fits(layout, long)), None)
 
 
 class StaticInputs:
@@ -245,6 +261,7 @@ class StaticInputs:
             row_prefix_start=self.view("prefix_start", bucket.rows),
             row_prefix_len=self.view("prefix_len", bucket.rows),
             picks=self.view("picks", bucket.picks),
+            row_prefix_max=LONG_PREFIX_MAX if bucket.long_prefix else 0,
         )
 
     def fill(self, bucket: Bucket, layout: PassLayout, pool: StatePool, pad_id: int) -> None:
@@ -325,7 +342,7 @@ class PassGraphs:
         pool: StatePool,
         pad_id: int,
         max_tokens: int = 4096,
-        prefix_tokens: int = 32_768,
+        prefix_tokens: int = PREFIX_TOKENS,
         max_graphs: int = 112,
         capture: bool = True,
         long_states: bool = False,

@@ -170,6 +170,6 @@ class PassInput:
     row_prefix_start: torch.Tensor  # where each row's state run starts in row_prefix
     row_prefix_len: torch.Tensor  # its length (the state's tokens)
     picks: torch.Tensor  # pass token index of every </opt> and <decide> read by the head
-    # The longest row prefix, on the host: over kernels.attention.SPLIT_ABOVE the rows' attention is a split launch
-    # (never in a captured pass: graphs.smallest_bucket leaves such passes eager)
+    # The longest row prefix, on the host (a long-prefix graph's: graphs.LONG_PREFIX_MAX): over
+    # kernels.attention.SPLIT_ABOVE the rows' attention is a split launch
     row_prefix_max: int = 0

@@ -94,7 +94,6 @@ class FusedScorer:
             self.bank.pool,
             self.pad_id,
             max_tokens=self.graph_max_tokens,
-            prefix_tokens=self.pass_tokens,
             max_graphs=self.max_graphs,
             capture=self.device.type == "cuda",
             long_states=self.long_kernels == "triton",  # fla's chunk maps live on the host: not capturable

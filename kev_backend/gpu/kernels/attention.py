@@ -32,8 +32,8 @@ LOG2_E = 1.4426950408889634
 # merged afterwards in part order (_merge_parts_kernel): one program walking a 64k-token prefix alone left the GPU
 # mostly idle (about 80 programs a layer for five questions). A row's parts depend on its own state's length alone,
 # and a row of one part ends as the unsplit kernel does, so its answer does not depend on the rows beside it, split
-# launch or not. SPLIT_ABOVE is the graphs' prefix limit (graphs.PassGraphs' prefix_tokens): passes with such a
-# row already run eagerly, so a captured launch never needs parts.
+# launch or not, nor on how many parts the launch has (a graph's: graphs.LONG_PREFIX_MAX). Rows over shorter states
+# keep the unsplit launch, which graphs capture for every other bucket.
 SPLIT_ABOVE = 32_768
 SPLIT_KEYS = 4096
 
