@@ -14,9 +14,9 @@ new states of the other class only. Attention still runs per class (KernelGroup.
 takes the first long segment in a launch of its own beside the others (chunked_rows' `lead_apart`).
 
 Padding segments are empty and write to the pool's scratch slot and page; padding tokens belong to no segment;
-padding picks are never read. The GEMMs see at least 64 rows either way, where cuBLASLt's results do not depend on
-the row count, so a replayed pass answers exactly like an eager one. All graphs share one memory pool (they never
-run at once); the LRU keeps at most `max_graphs`.
+padding picks are never read. Every kernel gives a row numbers that depend on that row alone (the GEMMs on cuBLASLt
+algorithms without split-K, at least 64 rows either way), so a replayed pass answers exactly like an eager one. All
+graphs share one memory pool (they never run at once); the LRU keeps at most `max_graphs`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ TRIMMED_FROM_STATES = 1024
 # Rows over a state of more than kernels.attention.SPLIT_ABOVE tokens (same-state requests on long documents) take
 # buckets of their own, rows only (LONG_PREFIX_ROWS), whose rows' attention is the split launch with the parts of a
 # LONG_PREFIX_MAX-token prefix: a row's programs past its own parts return, so its answer is the eager pass's. Why:
-# an eager pass is ~385 launches of host time (~15 ms) for a few ms of GPU work. Rows over longer states run eagerly.
+# an eager pass of rows is ~385 launches, bound by their host time (docs/kernels.md). Rows over longer states run
+# eagerly.
 LONG_PREFIX_ROWS = (64, 128, 192, 256, 384, 512)
 LONG_PREFIX_MAX = 65_536  # Kev's state limit
 # The prefix index a graph's pass holds: the K/V pages of the states its rows continue (1 MB of int64).
