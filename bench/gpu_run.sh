@@ -11,6 +11,7 @@
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
 #   determinism  every answer's bits alone against in batch mixes, graphs and eager (tests/test_determinism_gpu.py)
 #   latency    the engine's latency and 64-client throughput from graphs (~1 min)
+#   scaling    diag scaling: new and same-state latency on states of 2k to 64k tokens (~1 min)
 #   long       diag long: our delta rule and conv against fla's (~2 min)
 #   diag       long, then latency
 #   profile    diag kernels: GPU time by kernel for busy and single short6 and long5 passes, from graphs (~2 min)
@@ -74,6 +75,7 @@ run_step() {
     long) diag 240 . long ;;
     diag) run_step long; run_step latency ;;
     latency) diag 120 "^(kernels|short6|long5)|Error" latency ;;
+    scaling) diag 150 "^scaling|Error" scaling ;;
     profile) diag 180 "^==" kernels ;;
     timeline) diag 150 . timeline --shapes "${TIMELINE_SHAPES:-short6}" ;;
     gaps) diag 120 "^gaps|Error" gaps --workload "${GAPS_WORKLOAD:-short6}" ;;

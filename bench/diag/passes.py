@@ -42,6 +42,19 @@ def latency(args) -> None:
             print(label, "64 clients", "pipelined" if pipelined else "serial", measured, flush=True)
 
 
+def scaling(args) -> None:
+    """The bench's scaling points alone: long5's questions on states of 2k to 64k tokens, median model time of 3 new
+    and 3 same-state requests each, beside the new state's compute floor: a quick engine-level comparison of changes
+    to long states' passes."""
+    from kev_backend.dev import bench
+
+    engine = kev4b_engine(args)
+    ceil = bench.ceilings(engine.device)
+    for tokens in bench.SCALING_TOKENS:
+        point = bench.scaling_point(engine, tokens, ceil, repeat=3)
+        print("scaling", {key: round(point[key], 2) for key in ("state_tokens", "new_ms", "same_ms", "floor_ms")})
+
+
 def kernels(args) -> None:
     """GPU time by kernel for a busy short6 batch (32 new), a long5 batch (8 new), one new short6 and one short6 on a
     banked state, one new long5 (as the graphs replay them; --no-graphs: eager passes); then one layer's calls of
@@ -327,6 +340,7 @@ def batchtrace(args) -> None:
 
 def register(sub) -> None:
     command(sub, "latency", latency, "latency and 64-client throughput of short6 and long5", engine=True)
+    command(sub, "scaling", scaling, "new and same-state latency on states of 2k to 64k tokens", engine=True)
     command(sub, "kernels", kernels, "GPU time by kernel for busy and single short6 and long5 passes", engine=True)
     summary = "one request's model time against its kernels' busy time and gaps"
     parser = command(sub, "timeline", timeline, summary, engine=True)
