@@ -60,7 +60,7 @@ def test_a_batch_dependence_is_found_where_it_enters(tiny_dir: Path) -> None:
     assert report["first_difference_by_label"] == {"L00 norm.1": report["questions"]}, report
 
 
-def test_the_determinism_check_finds_no_difference_and_counts_one(tiny_dir: Path) -> None:
+def test_the_determinism_check_finds_no_difference_and_counts_a_batch_dependence(tiny_dir: Path) -> None:
     fused, encoded = traced_engine(tiny_dir)
     report = determinism.check(fused, encoded, mixes=1, max_batch=6)
     questions = sum(len(e.questions) for e in encoded)
