@@ -6,7 +6,8 @@
 #                                            ".ab" with the wheelhouse
 #   bash bench/gpu_ab.sh run [--out DIR] [--wheelhouse DIR] [STEP] [ROUNDS]
 #                                            there: STEP (default latency) from .ab/ then this tree, then this tree
-#                                            then .ab/, ROUNDS times (default 1); each run's output into DIR/ab-STEP.log
+#                                            then .ab/, ROUNDS times (default 1); each run's output into DIR/ab-STEP.log,
+#                                            its figures side by side in DIR/ab-STEP.json (bench/ab_report.py)
 # --out DIR, --wheelhouse DIR, --commit REV (the commit this tree is): as bench/gpu_run.sh. Both trees run on this
 # tree's environment (`make setup` from the wheelhouse), each with its own kev_backend first on the path.
 set -uo pipefail
@@ -37,6 +38,10 @@ case ${1:-} in
           | grep -E "^(short6|long5|== |$step)|Error" || status=1
       done
     done
+    gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)
+    "$PY" bench/ab_report.py --out "$out/ab-$step.json" --field "what=bench.diag $step, ABBA" \
+      --field "base=$(cat .ab/REV)" --field "this=$COMMIT" --field "gpu=${gpu%%,*}" --field "driver=${gpu##*, }" \
+      --field "date=$(date -u +%F)" "$log" >/dev/null || status=1
     exit $status
     ;;
   *)

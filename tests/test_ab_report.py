@@ -1,0 +1,77 @@
+"""bench/ab_report.py: bench/gpu_ab.sh's logs (made up here, as bench.diag prints them) into a results JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import REPO
+
+CALL_1 = """\
+== base aaa
+noise the diagnostic printed {'not': 'a figure'}
+short6 {'new_ms': 5.0, 'same_ms': 4.0}
+short6 64 clients pipelined {'rps': 300.0, 'p50_ms': 200.0, 'mean_batch': 20}
+== this bbb
+short6 {'new_ms': 5.5, 'same_ms': 4.2}
+short6 64 clients pipelined {'rps': 290.0, 'p50_ms': 210.0, 'mean_batch': 22}
+== this bbb
+short6 {'new_ms': 5.3, 'same_ms': 4.4}
+== base aaa
+short6 {'new_ms': 5.2, 'same_ms': 4.0}
+"""
+CALL_2 = """\
+== base aaa
+scaling {'state_tokens': 2048, 'new_ms': 30.0}
+scaling {'state_tokens': 4096, 'new_ms': 60.0}
+== this bbb
+scaling {'state_tokens': 2048, 'new_ms': 33.0}
+scaling {'state_tokens': 4096, 'new_ms': 54.0}
+"""
+
+
+def test_runs_are_pooled_by_label_and_each_figure_compared(tmp_path: Path) -> None:
+    logs = []
+    for name, text in (("one.log", CALL_1), ("two.log", CALL_2)):
+        (tmp_path / name).write_text(text)
+        logs.append(tmp_path / name)
+    out = tmp_path / "ab.json"
+    printed = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "ab_report.py"),
+            "--out",
+            str(out),
+            "--field",
+            "gpu=NVIDIA H200",
+            f"change={logs[0]}",
+            f"change={logs[1]}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    record = json.loads(out.read_text())
+    assert record["gpu"] == "NVIDIA H200" and list(record["measurements"]) == ["change"]
+    measured = record["measurements"]["change"]
+    assert [(run["log"], run["side"], run["commit"]) for run in measured["runs"]] == [
+        ("one.log", "base", "aaa"),
+        ("one.log", "this", "bbb"),
+        ("one.log", "this", "bbb"),
+        ("one.log", "base", "aaa"),
+        ("two.log", "base", "aaa"),
+        ("two.log", "this", "bbb"),
+    ]
+    summary = measured["summary"]
+    # medians over both sides' runs: base 5.0 and 5.2, this 5.5 and 5.3
+    assert summary["short6: new_ms"] == {"base_median": 5.1, "this_median": 5.4, "change_pct": 5.88, "runs": 4}
+    # a figure only one run of each side printed (the later runs were cut short)
+    assert summary["short6 64 clients pipelined: rps"]["change_pct"] == round((290 / 300 - 1) * 100, 2)
+    # a name repeated in a run is numbered from its second line
+    assert summary["scaling: new_ms"]["change_pct"] == 10.0
+    assert summary["scaling #2: new_ms"]["change_pct"] == -10.0
+    assert not any("not" in name for name in summary)
+    assert "short6: new_ms" in printed and "+5.88 %" in printed
