@@ -7,8 +7,9 @@ A log (DIR/ab-STEP.log) holds runs, each opened by `== base REV` or `== this REV
 lines of the form `NAME {python dict}` (`short6 {'new_ms': ...}`, `short6 64 clients pipelined {'rps': ...}`); a
 number in a dict is the figure `NAME: key`. A name repeated within a run (the scaling step's points) is numbered
 from its second line: `scaling #2: new_ms`. Logs given the same LABEL (several calls measuring one change, each on
-its own machine) are pooled: a side's median is over all their runs. A run cut short keeps the figures it printed.
-`--field` adds top-level keys (gpu, driver, command, ...).
+its own machine) are pooled: a figure's change is the mean of each log's change (each side's median within the log),
+so that a slower machine weighs on neither side; the medians shown are over all the label's runs. A run cut short
+keeps the figures it printed. `--field` adds top-level keys (gpu, driver, command, ...).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def parse_log(text: str) -> list[dict[str, Any]]:
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per figure both sides have: their medians and this side's change, percent of the base's."""
+    """Per figure both sides of these runs have: their medians and this side's change, percent of the base's."""
     sides: dict[str, dict[str, list[float]]] = {"base": {}, "this": {}}
     for run in runs:
         for name, value in run["figures"].items():
@@ -75,14 +76,37 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return result
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """summary() over all `runs`, each figure's change replaced by the mean of its logs' own changes (listed in
+    `change_pct_by_log`, log by log: a log without both sides of the figure has none, and a figure no log has both
+    sides of is left out)."""
+    by_log: dict[int, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_log.setdefault(run["call"], []).append(run)
+    changes: dict[str, list[float]] = {}
+    for log_runs in by_log.values():
+        for name, figure in summary(log_runs).items():
+            changes.setdefault(name, []).append(figure["change_pct"])
+    result: dict[str, dict[str, Any]] = {}
+    for name, figure in summary(runs).items():
+        if name not in changes:
+            continue
+        result[name] = figure | {
+            "change_pct": round(statistics.mean(changes[name]), 2),
+            "change_pct_by_log": changes[name],
+        }
+    return result
+
+
 def report(logs: list[tuple[str, Path]], fields: dict[str, str]) -> dict[str, Any]:
-    """The results JSON: `fields`, then per label its runs (each naming its log) and their summary."""
+    """The results JSON: `fields`, then per label its runs (each naming its log and the log's place among `logs`,
+    `call`) and their summary."""
     labels: dict[str, list[dict[str, Any]]] = {}
-    for label, path in logs:
+    for call, (label, path) in enumerate(logs, 1):
         for run in parse_log(path.read_text()):
-            labels.setdefault(label, []).append({"log": path.name, **run})
+            labels.setdefault(label, []).append({"call": call, "log": path.name, **run})
     return dict(fields) | {
-        "measurements": {label: {"summary": summary(runs), "runs": runs} for label, runs in labels.items()}
+        "measurements": {label: {"summary": pooled(runs), "runs": runs} for label, runs in labels.items()}
     }
 
 
