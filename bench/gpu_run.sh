@@ -27,7 +27,8 @@
 #   prepregs   diag prepregs: the chunked delta rule by the prep's register cap (~1 min)
 #   padded     diag padded: the delta rule on captured groups, unpadded, padded and lead apart (~30 s)
 #   rowsattn   diag rowsattn: rows' attention by query rows per program, keys per step and stages (~30 s)
-#   longattn   diag longattn: new long states' attention, varlen and SDPA against our kernel's tiles (~1 min)
+#   longattn   diag longattn: new long states' attention, varlen and SDPA against our kernel's tiles (~1 min;
+#              LONGATTN_ARGS, e.g. "--tokens 8192,65535 --states 1": other state lengths)
 #   convscan   diag convscan: the pass's conv by tokens, channels and warps a program (~1 min)
 #   ncu        Nsight Compute (--set full, if the image has ncu) on the chunked delta rule's prep and chain for 8 new
 #              2,200-token states and for 6 rows of 40 tokens: diag ncuprobe (~2 min)
@@ -45,7 +46,8 @@
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
 # Environment: PARITY_SELECT (pytest -k for parity), TIMELINE_SHAPES (timeline: e.g. short6,long5), GAPS_WORKLOAD
-# (gaps: short6 or long5), BENCH_ARGS (bench).
+# (gaps: short6 or long5), BENCH_ARGS (bench), LONGATTN_ARGS (longattn), PROFILE_ARGS (profile: e.g.
+# "--state-tokens 65535").
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
 out=$OUT steps=(${ARGS[@]+"${ARGS[@]}"})
@@ -76,12 +78,13 @@ run_step() {
     diag) run_step long; run_step latency ;;
     latency) diag 120 "^(kernels|short6|long5)|Error" latency ;;
     scaling) diag 150 "^scaling|Error" scaling ;;
-    profile) diag 180 "^==" kernels ;;
+    profile) diag 180 "^==" kernels ${PROFILE_ARGS:-} ;;
     timeline) diag 150 . timeline --shapes "${TIMELINE_SHAPES:-short6}" ;;
     gaps) diag 120 "^gaps|Error" gaps --workload "${GAPS_WORKLOAD:-short6}" ;;
     invariance) diag 400 . invariance ;;
     batchtrace) diag 400 "^batchtrace|Error" batchtrace --out "$out" ;;
-    chunkvariants | chainwaves | prepregs | padded | rowsattn | longattn | convscan | gemm | gemmpad)
+    longattn) diag 300 "^longattn|Error" longattn ${LONGATTN_ARGS:-} ;;
+    chunkvariants | chainwaves | prepregs | padded | rowsattn | convscan | gemm | gemmpad)
       diag 300 "^$1|Error" "$1" ;;
     hostsplit | hostops | launch) diag 150 "^$1|Error" "$1" ;;
     hostprofile) diag 150 . hostprofile ;;

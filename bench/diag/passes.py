@@ -57,13 +57,15 @@ def scaling(args) -> None:
 
 def kernels(args) -> None:
     """GPU time by kernel for a busy short6 batch (32 new), a long5 batch (8 new), one new short6 and one short6 on a
-    banked state, one new long5 (as the graphs replay them; --no-graphs: eager passes); then one layer's calls of
-    each segment kernel in launch order, µs: which of a pass's groups (long states, short states, rows) their time
-    goes to."""
+    banked state, one new long5 (as the graphs replay them; --no-graphs: eager passes), or with --state-tokens N
+    long5's questions on one new state of N tokens (the bench's scaling points: where a long state's time goes);
+    then one layer's calls of each segment kernel in launch order, µs: which of a pass's groups (long states, short
+    states, rows) their time goes to."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kev_backend.dev.workloads import long5, short6
+    from kev_backend.dev.bench import state_length
+    from kev_backend.dev.workloads import long5, short6, sized
 
     engine = kev4b_engine(args)
     counter = iter(range(10**6))
@@ -74,6 +76,9 @@ def kernels(args) -> None:
         "short6same": lambda: [short6(None)],
         "long5new": lambda: [long5(next(counter))],
     }
+    if args.state_tokens:
+        count = state_length(engine)
+        cases = {f"state{args.state_tokens}new": lambda: [sized(args.state_tokens, count, next(counter))]}
     for label, make in cases.items():
         engine.answer(make())
         engine.answer(make())
@@ -341,7 +346,9 @@ def batchtrace(args) -> None:
 def register(sub) -> None:
     command(sub, "latency", latency, "latency and 64-client throughput of short6 and long5", engine=True)
     command(sub, "scaling", scaling, "new and same-state latency on states of 2k to 64k tokens", engine=True)
-    command(sub, "kernels", kernels, "GPU time by kernel for busy and single short6 and long5 passes", engine=True)
+    summary = "GPU time by kernel for busy and single short6 and long5 passes"
+    parser = command(sub, "kernels", kernels, summary, engine=True)
+    parser.add_argument("--state-tokens", type=int, default=0, help="one new state of this many tokens instead")
     summary = "one request's model time against its kernels' busy time and gaps"
     parser = command(sub, "timeline", timeline, summary, engine=True)
     parser.add_argument("--shapes", default="short6", help="comma-separated workloads (default short6)")

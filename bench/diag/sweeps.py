@@ -248,7 +248,8 @@ def longattn(args) -> None:
     """New long states' causal attention (Kev-4B heads): torch's varlen attention (FlashAttention 2, the reference),
     scaled_dot_product_attention by backend, and our kernel by (query rows per program, keys per step, warps,
     stages) (attention's live LONG_TILE_ROWS, WIDE_HEAD_KEYS, WIDE_HEAD_WARPS, WIDE_HEAD_STAGES); ms, TFLOP/s and
-    the largest difference from varlen's output for one and eight 2,200-token states."""
+    the largest difference from varlen's output for --states states (default one and eight) of about --tokens tokens
+    each (default 2,200; up to 65,535, Kev's longest state: how near each gets to the bf16 rate on long states)."""
     from torch.nn.attention.varlen import varlen_attn
 
     from kev_backend.gpu.kernels import attention as A
@@ -257,8 +258,9 @@ def longattn(args) -> None:
     chosen = (A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.WIDE_HEAD_STAGES)
     tiles = [chosen, *(t for t in ((128, 32, 8, 3), (128, 128, 8, 1), (64, 64, 8, 2)) if t != chosen)]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for states in (1, 8):
-        lengths = [2200 - 37 * i for i in range(states)]
+    for tokens, states in ((t, n) for t in args.tokens for n in args.states):
+        lengths = [tokens - 37 * i for i in range(states)]
+        case = f"{states}x{tokens}"
         cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
         cu32 = cu.to(torch.int32)
         T = int(cu[-1])
@@ -269,17 +271,21 @@ def longattn(args) -> None:
         fa = functools.partial(varlen_attn, q, k, v, cu32, cu32, max(lengths), max(lengths), window_size=(-1, 0))
         reference = fa().float()
         ms = cuda_ms(fa)
-        print(f"longattn {states}x2200 varlen: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+        print(f"longattn {case} varlen: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
         for name, run in _sdpa_variants(q, k, v, lengths).items():
-            print(f"longattn {states}x2200 sdpa {name}: {_attention_result(run, reference, flops)}", flush=True)
+            print(f"longattn {case} sdpa {name}: {_attention_result(run, reference, flops)}", flush=True)
         ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
         for rows, keys, warps, stages in tiles:
             with patched(A, LONG_TILE_ROWS=rows, WIDE_HEAD_KEYS=keys, WIDE_HEAD_WARPS=warps, WIDE_HEAD_STAGES=stages):
                 result = _attention_result(ours, reference, flops)
             print(
-                f"longattn {states}x2200 ours rows {rows} keys {keys} warps {warps} stages {stages}: {result}",
+                f"longattn {case} ours rows {rows} keys {keys} warps {warps} stages {stages}: {result}",
                 flush=True,
             )
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
 
 
 def _attention_result(run, reference: torch.Tensor, flops: float) -> str:
@@ -390,6 +396,8 @@ def register(sub) -> None:
     command(sub, "prepregs", prepregs, "the chunked delta rule by the prep's register cap")
     command(sub, "padded", padded, "the delta rule on captured groups: unpadded, padded, lead apart")
     command(sub, "rowsattn", rowsattn, "rows' attention by query rows, keys per step and stages")
-    command(sub, "longattn", longattn, "new long states' attention: varlen, SDPA and our tiles")
+    parser = command(sub, "longattn", longattn, "new long states' attention: varlen, SDPA and our tiles")
+    parser.add_argument("--tokens", type=_ints, default=[2200], help="a state's tokens, comma-separated (2200)")
+    parser.add_argument("--states", type=_ints, default=[1, 8], help="states a call, comma-separated (1,8)")
     command(sub, "convscan", convscan, "the pass's conv by tokens, channels and warps a program")
     command(sub, "ncuprobe", ncuprobe, "a few delta-rule calls for Nsight Compute (bench/gpu_run.sh ncu)")
