@@ -22,11 +22,11 @@ done
 export OUT WHEELHOUSE COMMIT
 mkdir -p "$OUT"
 
-# device_setup: `make setup WHEELHOUSE=... TORCH=system SETS="serve bench"` in this tree (its log in
-# $OUT/setup.log), then PY (the project's python) and PYTHONUNBUFFERED are exported.
+# device_setup: `make setup WHEELHOUSE=... TORCH=system SETS="serve bench"` (SETS in the environment: others) in
+# this tree (its log in $OUT/setup.log), then PY (the project's python) and PYTHONUNBUFFERED are exported.
 device_setup() {
   local begun=$SECONDS
-  make setup WHEELHOUSE="$WHEELHOUSE" TORCH=system SETS="serve bench" PYTHON=python3 >"$OUT/setup.log" 2>&1 || {
+  make setup WHEELHOUSE="$WHEELHOUSE" TORCH=system SETS="${SETS:-serve bench}" PYTHON=python3 >"$OUT/setup.log" 2>&1 || {
     tail -30 "$OUT/setup.log"; return 1; }
   export PY=$PWD/.venv/bin/python PYTHONUNBUFFERED=1
   echo "setup from the wheelhouse: $((SECONDS - begun)) s"

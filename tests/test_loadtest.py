@@ -30,6 +30,13 @@ def test_traffic_shapes_and_repeat_share() -> None:
     new = Traffic("long5", repeat=0.0)
     assert len({new.next()["state"] for _ in range(10)}) == 10
 
+    # Two mix streams with the same seed and numbers apart share no state; from the same numbers they would.
+    def mix_states(numbered_from: int) -> set[str]:
+        stream = Traffic("mix", seed=1, numbered_from=numbered_from)
+        return {json.dumps(stream.next()["state"]) for _ in range(50)}
+
+    assert mix_states(0) == mix_states(0) and not mix_states(0) & mix_states(10**7)
+
 
 def test_locust_users(triton: TritonServer, tmp_path: Path) -> None:
     gateway = start_gateway(triton, tmp_path / "gateway.log")

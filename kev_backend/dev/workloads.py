@@ -208,11 +208,12 @@ def jevbench_cases() -> list[dict[str, Any]]:
 
 class Traffic:
     """An endless, reproducible stream of requests of one shape: `short6`, `long5` or `mix` (jevbench-240).
-    `repeat` is the share of requests that reuse a state already sent (the rest are new states)."""
+    `repeat` is the share of requests that reuse a state already sent (the rest are new states). A mix's new states
+    are numbered from `numbered_from` + 1: streams given ranges apart never send the same state."""
 
     SHAPES = ("short6", "long5", "mix")
 
-    def __init__(self, shape: str = "short6", repeat: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, shape: str = "short6", repeat: float = 0.0, seed: int = 0, numbered_from: int = 0) -> None:
         if shape not in self.SHAPES:
             raise ValueError(f"shape must be one of {self.SHAPES}, not {shape!r}")
         if not 0.0 <= repeat <= 1.0:
@@ -220,7 +221,7 @@ class Traffic:
         self.shape, self.repeat = shape, repeat
         self.rng = random.Random(seed)
         self.cases = jevbench_cases() if shape == "mix" else []
-        self.sent = 0
+        self.sent = numbered_from
         self.history: list[dict[str, Any]] = []
 
     def next(self) -> dict[str, Any]:
