@@ -43,7 +43,7 @@ from typing import Any
 
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import Traffic
-from kev_backend.serve import prometheus
+from kev_backend.serve import procs, prometheus
 from kev_backend.serve.client import AsyncKevClient, KevError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,7 +130,7 @@ class Server:
         """SIGKILL to this server's processes and every one they started (tritonserver runs in a process group of
         its own under the supervisor, so one group is not enough)."""
         self.bank()
-        for pid in [self.process.pid, *descendants(self.process.pid)]:
+        for pid in [self.process.pid, *procs.descendants(self.process.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -144,26 +144,6 @@ class Server:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.kill()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class Router:

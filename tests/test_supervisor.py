@@ -326,3 +326,20 @@ def test_restart_budget() -> None:
     assert budget.spend(5) == 3 and budget.exhausted()
     budget = RestartBudget(limit=2, window_s=10)
     assert [budget.spend(t) for t in (0, 1, 10.5, 11.5)] == [1, 2, 2, 2] and not budget.exhausted()
+
+
+def test_descendants_are_a_process_tree_below_its_root() -> None:
+    """procs.descendants (what the scale-out measurement kills to lose a server): children and grandchildren, not
+    the root itself."""
+    shell = subprocess.Popen(["bash", "-c", "sleep 30 & bash -c 'sleep 30 & wait' & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(procs.descendants(shell.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        below = procs.descendants(shell.pid)
+        assert shell.pid not in below and os.getpid() not in below
+        assert sorted(procs.proc_stat(pid)[0] for pid in below) == ["bash", "sleep", "sleep"]
+    finally:
+        for pid in [*procs.descendants(shell.pid), shell.pid]:
+            os.kill(pid, signal.SIGKILL)
+        shell.wait()

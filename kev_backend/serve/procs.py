@@ -1,5 +1,6 @@
-"""The process table as /proc shows it: what the supervisor watches (Triton's Python stubs) and what the soak and the
-tests measure (tritonserver's and the stubs' memory). Linux only."""
+"""The process table as /proc shows it: what the supervisor watches (Triton's Python stubs), what the soak and the
+tests measure (tritonserver's and the stubs' memory) and what the scale-out measurement kills (a server's whole
+tree). Linux only."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ def descendant_named(root: int, comm: str) -> int | None:
                 return pid
         frontier = [pid for pid, _ in below]
     return None
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root`, breadth first."""
+    found, frontier = [], [root]
+    while frontier:
+        frontier = [pid for parent in frontier for pid in children(parent)]
+        found.extend(frontier)
+    return found
