@@ -41,6 +41,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from served import ready
+
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve import procs, prometheus
@@ -59,14 +61,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
 
 
 @dataclasses.dataclass
@@ -114,7 +108,7 @@ class Server:
         """Triton answers ready; RuntimeError once the server has exited."""
         if self.process.poll() is not None:
             raise RuntimeError(f"exited with code {self.process.returncode}")
-        return http_ok(f"http://127.0.0.1:{self.http_port}/v2/health/ready")
+        return ready(f"127.0.0.1:{self.http_port}")
 
     def bank(self) -> dict[str, float]:
         """The bank's hits and misses so far; for a server that is gone, as last read (kill() reads them first)."""

@@ -143,7 +143,7 @@ class Bucket:
 
 
 def all_buckets(max_tokens: int) -> list[Bucket]:
-    """Every bucket up to `max_tokens` tokens, smallest first (105 up to 4,096, 148 up to 8,192), a trimmed one
+    """Every bucket up to `max_tokens` tokens, smallest first (111 up to 4,096, 154 up to 8,192), a trimmed one
     (TRIM) before its untrimmed twin, then the long-prefix ones (6). Each has at least MIN_GEMM_ROWS tokens."""
     shapes = [(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS)]
     shapes += [(s, r) for s in (0, *STATE_BUCKETS) for r in ROW_STEPS if s <= r]
