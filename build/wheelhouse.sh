@@ -149,5 +149,10 @@ manifest = {
 (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 (directory / "SHA256SUMS").write_text("".join(f"{w['sha256']}  {w['file']}\n" for w in manifest["wheels"]))
 total = sum(w["bytes"] for w in manifest["wheels"])
-print(f"{len(wheels)} wheels, {total / 2**20:.0f} MiB; {len(needed)} resolve offline for python {py} on {platform}")
+checked = (
+    f"{len(needed)} resolve offline for python {py} on {platform}"
+    if torch != "system"
+    else "not resolved here: the rest is the target's own (WHEEL_HAVE)"
+)
+print(f"{len(wheels)} wheels, {total / 2**20:.0f} MiB; {checked}")
 PY

@@ -27,7 +27,8 @@ from .common import (
 def long(args) -> None:
     """Our chunked delta rule against fla's chunked kernel on Kev-4B heads (new states from zero; rows continuing
     banked states): ms and largest difference. For new states the conv: the pass's scanning kernel against the
-    token-by-token one and fla's. --rows: the row cases only."""
+    token-by-token one and fla's. --rows: the row cases only; --tokens N: one new state of N tokens only (how each
+    scales to Kev's longest states)."""
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -43,6 +44,8 @@ def long(args) -> None:
         ([39] * 6, False),
         ([34], True),
     )
+    if args.tokens:
+        cases = (([args.tokens], True),)
     for lengths, new in cases:
         if args.rows and new:
             continue
@@ -97,7 +100,8 @@ def _config(c) -> str:
 def chunkvariants(args) -> None:
     """The chunked delta rule's chain by (value block, warps, register cap) (delta_rule's live CHUNK_NARROW and
     CHUNK_WIDE; the default picks one by program count) on Kev-4B heads: prep and chain ms a layer for 1 / 8 / 24 new
-    2,200-token states and 40 rows of 100 tokens; the largest difference from the default (must be 0)."""
+    2,200-token states and 40 rows of 100 tokens (--tokens N: one new state of N tokens instead); the largest
+    difference from the default (must be 0)."""
     from kev_backend.gpu import kernels
     from kev_backend.gpu.kernels import delta_rule as R
 
@@ -106,7 +110,8 @@ def chunkvariants(args) -> None:
     variants[f"wide {_config(wide)}"] = (wide, wide)
     for config in ((16, 1, None), (16, 2, None), (32, 2, None), (64, 8, None)):
         variants[_config(config)] = (config, config)
-    for lengths, new in (([2200], True), ([2200] * 8, True), ([2200] * 24, True), ([100] * 40, False)):
+    cases = (([2200], True), ([2200] * 8, True), ([2200] * 24, True), ([100] * 40, False))
+    for lengths, new in (([args.tokens], True),) if args.tokens else cases:
         _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
         run = functools.partial(kernels.chunked_rows, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)
         reference, line = None, []
@@ -391,7 +396,10 @@ def ncuprobe(args) -> None:
 def register(sub) -> None:
     parser = command(sub, "long", long, "our delta rule and conv against fla's, new long states and rows")
     parser.add_argument("--rows", action="store_true", help="the row cases only")
-    command(sub, "chunkvariants", chunkvariants, "the chunked delta rule's chain by value block, warps, register cap")
+    parser.add_argument("--tokens", type=int, default=0, help="one new state of this many tokens only")
+    summary = "the chunked delta rule's chain by value block, warps, register cap"
+    parser = command(sub, "chunkvariants", chunkvariants, summary)
+    parser.add_argument("--tokens", type=int, default=0, help="one new state of this many tokens only")
     command(sub, "chainwaves", chainwaves, "the chain narrow and wide by new long-state count (WIDE_ABOVE)")
     command(sub, "prepregs", prepregs, "the chunked delta rule by the prep's register cap")
     command(sub, "padded", padded, "the delta rule on captured groups: unpadded, padded, lead apart")
