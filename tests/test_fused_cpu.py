@@ -11,7 +11,7 @@ import torch
 
 from kev_backend.dev import tiny
 from kev_backend.dev.parity import compare
-from kev_backend.dev.workloads import realistic, short6
+from kev_backend.dev.workloads import realistic, short6, sized, state_counter
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.gpu.scorer import FusedScorer
 from kev_backend.model.checkpoint import KevCheckpoint
@@ -136,7 +136,6 @@ def test_new_states_over_cudnn_above_attend_on_calls_of_their_own(tiny_dir: Path
     """In an eager pass each new state over CUDNN_ABOVE tokens attends on long_attention (cuDNN's on a GPU), a call
     of its own; the long states between them run on ours, a run at a time. Answers as the reference's, alone and
     batched."""
-    from kev_backend.dev.workloads import sized, state_counter
     from kev_backend.gpu import fused as fused_pass
 
     monkeypatch.setattr(fused_pass, "CUDNN_ABOVE", 100)
@@ -161,3 +160,23 @@ def test_new_states_over_cudnn_above_attend_on_calls_of_their_own(tiny_dir: Path
     for result in (batched, alone):
         report = compare(expected, result)
         assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
+
+
+def test_buckets_over_eager_above_flops_are_left_to_eager_passes(tiny_dir: Path, monkeypatch) -> None:
+    """Buckets whose projections come to more than EAGER_ABOVE_FLOPS are not kept: a pass that would take one runs
+    eagerly (not through the graphs' buffers) and answers as from a bucket."""
+    from kev_backend.gpu import graphs as graph_module
+
+    reference, graphed = engines(tiny_dir, pass_tokens=2000)
+    per_token = graphed.model.w.projection_flops
+    monkeypatch.setattr(graph_module, "EAGER_ABOVE_FLOPS", 256 * per_token)
+    _, limited = engines(tiny_dir, pass_tokens=2000)
+    kept = limited.graphs.buckets
+    assert max(b.tokens for b in kept if not b.long_prefix) == 256 < max(b.tokens for b in graphed.graphs.buckets)
+    assert [b for b in graphed.graphs.buckets if b.tokens <= 256 or b.long_prefix] == kept
+    count = state_counter(reference.tokenizer)
+    small, large = (reference.prepare(sized(n, count, n))[1] for n in (40, 400))  # ~165 row tokens each
+    expected = reference.scorer.probabilities([small, large])
+    for fused in (graphed, limited):
+        assert compare(expected, fused.probabilities([small]) + fused.probabilities([large]))["max_abs"] < 2e-5
+    assert graphed.graphs.stats.runs == 2 and limited.graphs.stats.runs == 1  # the 400-token state's pass: eager

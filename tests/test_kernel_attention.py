@@ -156,7 +156,7 @@ def test_cudnn_attention_is_as_near_the_fp32_formula_as_ours() -> None:
     exact = reference_segment_attention(q[:L].float(), k[:L].float(), v[:L].float())
     out = torch.full((L + 300, HQ, HD), float("nan"), device="cuda", dtype=torch.bfloat16)
     cudnn_attention(q[:L], k[:L], v[:L], out[:L])
-    ours = rows_attention(q[:L], k[:L], v[:L], k, v, None, None, None, torch.tensor([0, L], device="cuda"), L)
+    ours = rows_attention(q[:L], k[:L], v[:L], k, k, None, None, None, torch.tensor([0, L], device="cuda"), L)
     error, ours_error = ((x.float() - exact).abs().max().item() for x in (out[:L], ours))
     print(f"cudnn_attention: max |error| {error:.2e}, ours {ours_error:.2e}")
     assert error <= max(1.5 * ours_error, 4e-3)

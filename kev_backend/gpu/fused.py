@@ -114,6 +114,11 @@ class FusedWeights:
                     )
                 )
 
+    @property
+    def projection_flops(self) -> int:
+        """A token's FLOPs in the layers' projections: 2 × their weights."""
+        return 2 * sum(w.in_proj.numel() + w.out_proj.numel() + w.gate_up.numel() + w.down.numel() for w in self.layers)
+
 
 @dataclass(frozen=True)
 class PassKernels:

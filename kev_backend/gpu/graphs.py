@@ -51,6 +51,12 @@ from .pool import StatePool
 ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ROW_STEPS = (192, 384, 768, 1536, 3072, 6144)
 STATE_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 8192)
+# A bucket whose projections alone come to more than EAGER_ABOVE_FLOPS (FusedWeights.projection_flops × its tokens)
+# is not captured: such a pass runs eagerly. Its GPU time (over ~120 ms at the bf16 rate) hides every launch of an
+# eager pass (Kev-27B's 64 layers: ~1,200 launches in ~35 ms of host time), while a bucket's padding tokens cost GPU
+# time: Kev-27B's long5 (2,630 tokens, ~128 TFLOP) took 225 ms eagerly against 232 ms from its 2,688-token bucket
+# (docs/kernels.md). Kev-9B's largest bucket is ~57 TFLOP, so only Kev-27B's buckets over ~2,050 tokens go.
+EAGER_ABOVE_FLOPS = 100e12
 # Fewest tokens per segment assumed when sizing a bucket's segment capacities; a pass with more (shorter) segments
 # than that takes a larger bucket. Long states (over RECURRENT_MAX_LEN) get their own, smaller capacity: each of
 # their kernels' grids grows with it.
@@ -352,7 +358,8 @@ class PassGraphs:
         self.long_states = long_states  # passes with long new states too (their kernels are capturable)
         self.pool = pool
         self.pad_id = pad_id
-        self.buckets = all_buckets(max_tokens)
+        most = EAGER_ABOVE_FLOPS / model.w.projection_flops
+        self.buckets = [b for b in all_buckets(max_tokens) if b.long_prefix or b.tokens <= most]
         self.max_graphs = max_graphs
         self.capture = capture
         device = pool.recurrent.device
