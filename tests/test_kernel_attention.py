@@ -1,5 +1,6 @@
 """kernels.attention.rows_attention against its torch reference (model.qwen35's causal attention, segment by
-segment): in Triton's interpreter on a CPU, compiled on a GPU (tests/conftest.py)."""
+segment): in Triton's interpreter on a CPU, compiled on a GPU (tests/conftest.py); cudnn_attention against the fp32
+formula and ours, on a GPU."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Attention of question rows over their state's K/V in the bank (by index) and their own, bottom-right causal;
-without a prefix, causal attention of new states over their own tokens."""
+without a prefix, causal attention of new states over their own tokens; for the longest new states, cuDNN's
+(cudnn_attention, CUDNN_ABOVE)."""
 
 from __future__ import annotations
 
