@@ -33,7 +33,8 @@
 #   ncu        Nsight Compute (--set full, if the image has ncu) on the chunked delta rule's prep and chain for 8 new
 #              2,200-token states and for 6 rows of 40 tokens: diag ncuprobe (~2 min)
 #   gemm       diag gemm: each projection's batch invariance by row count and speed, by BLAS library (~1 min)
-#   gemmpad    diag gemmpad: each projection's GEMM by row count, and the fastest padding (~2 min)
+#   gemmpad    diag gemmpad: each projection's GEMM by row count, and the fastest padding (~2 min; GEMMPAD_ARGS,
+#              e.g. "--size 27b --rows 2560:2816:32")
 #   hostsplit  diag hostsplit: one request's model time by host phase and GPU span, from graphs (~1 min)
 #   hostops    diag hostops: the host's primitive steps (launch, events, pinned copy), short6's layout and fill
 #   launch     diag launch: whether a graph's launch delays its first kernel (~1 min)
@@ -47,7 +48,7 @@
 #   all        tests parity bench
 # Environment: PARITY_SELECT (pytest -k for parity), TIMELINE_SHAPES (timeline: e.g. short6,long5), GAPS_WORKLOAD
 # (gaps: short6 or long5), BENCH_ARGS (bench), LONGATTN_ARGS (longattn), PROFILE_ARGS (profile: e.g.
-# "--state-tokens 65535").
+# "--state-tokens 65535" or "--size 27b"), GEMMPAD_ARGS (gemmpad).
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
 out=$OUT steps=(${ARGS[@]+"${ARGS[@]}"})
@@ -84,7 +85,8 @@ run_step() {
     invariance) diag 400 . invariance ;;
     batchtrace) diag 400 "^batchtrace|Error" batchtrace --out "$out" ;;
     longattn) diag 300 "^longattn|Error" longattn ${LONGATTN_ARGS:-} ;;
-    chunkvariants | chainwaves | prepregs | padded | rowsattn | convscan | gemm | gemmpad)
+    gemmpad) diag 300 "^gemmpad|Error" gemmpad ${GEMMPAD_ARGS:-} ;;
+    chunkvariants | chainwaves | prepregs | padded | rowsattn | convscan | gemm)
       diag 300 "^$1|Error" "$1" ;;
     hostsplit | hostops | launch) diag 150 "^$1|Error" "$1" ;;
     hostprofile) diag 150 . hostprofile ;;

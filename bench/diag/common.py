@@ -14,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from kev_backend.dev.tiny import SIZES
 from kev_backend.gpu.passes import LONG_KERNELS
 
 # DeltaNet key heads, value heads, key dim, value dim of Kev-4B.
@@ -70,7 +71,7 @@ def command(sub, name: str, run: Callable, summary: str, engine: bool = False) -
             "--long-kernels", choices=LONG_KERNELS, default="triton", help="new long states' kernels (default: triton)"
         )
         parser.add_argument(
-            "--size", default="4b", help="random weights of a Kev size's shapes, bf16 (0.8b, 4b, 9b, 27b; default 4b)"
+            "--size", choices=SIZES, default="4b", help="random weights of a Kev size's shapes, bf16 (default 4b)"
         )
     return parser
 
@@ -174,10 +175,17 @@ def kev4b_engine(args: argparse.Namespace | None = None, checkpoint=None, **opti
     return Engine(checkpoint, EngineOptions(device="cuda", backend="fused", **(chosen | options)))
 
 
-def delta_rule_inputs(T: int):
+def delta_rule_heads(size: str) -> tuple[int, int, int, int]:
+    """A Kev size's DeltaNet heads: (key heads, value heads, key width, value width)."""
+    c = SIZES[size].config
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    return tuple(c[name] for name in names)
+
+
+def delta_rule_inputs(T: int, heads: tuple[int, int, int, int] = KEV4B_HEADS):
     """Random bf16 conv output [T, conv_dim] with its q, k, v views and raw gates a, b [T, Hv] (strided, as slices of
-    the projection), at Kev-4B's DeltaNet shapes."""
-    H, HV, K, V = KEV4B_HEADS
+    the projection), at Kev-4B's DeltaNet shapes (or `heads`: delta_rule_heads)."""
+    H, HV, K, V = heads
     mixed = torch.randn(T, 2 * H * K + HV * V, device="cuda", dtype=torch.bfloat16)
     q = mixed[:, : H * K].view(T, H, K)
     k = mixed[:, H * K : 2 * H * K].view(T, H, K)
@@ -186,14 +194,14 @@ def delta_rule_inputs(T: int):
     return mixed, q, k, v, gates[:, :HV], gates[:, HV:]
 
 
-def segments_case(lengths: list[int]):
+def segments_case(lengths: list[int], heads: tuple[int, int, int, int] = KEV4B_HEADS):
     """Seeded delta-rule inputs for segments of these lengths (delta_rule_inputs), gate constants, a bank of one slot
     per segment plus scratch, its slots and the offsets on the host and the GPU."""
     from kev_backend.gpu.passes import offsets
 
-    _, HV, K, V = KEV4B_HEADS
+    _, HV, K, V = heads
     torch.manual_seed(0)
-    mixed, q, k, v, a, b = delta_rule_inputs(sum(lengths))
+    mixed, q, k, v, a, b = delta_rule_inputs(sum(lengths), heads)
     a_log, dt_bias = torch.randn(HV, device="cuda") * 0.5, torch.randn(HV, device="cuda")
     pool = torch.randn(len(lengths) + 1, HV, K, V, device="cuda") * 0.05
     cu_cpu = torch.tensor(offsets(lengths))

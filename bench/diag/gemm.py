@@ -1,10 +1,13 @@
-"""The projections' GEMMs at Kev-4B's shapes: the row counts from which a row's output stops depending on the pass's
-size (batch invariance) and each library's speed, and the cost of each row count a graph bucket may give."""
+"""The projections' GEMMs at Kev's shapes (Kev-4B's, or a size's for gemmpad): the row counts from which a row's
+output stops depending on the pass's size (batch invariance) and each library's speed, and the cost of each row count
+a pass may give."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kev_backend.dev.tiny import SIZES
 
 from .common import KEV4B_PROJECTIONS, command, cuda_ms, graph_ms
 
@@ -37,34 +40,41 @@ def gemm(args) -> None:
 
 
 def gemmpad(args) -> None:
-    """Each Kev-4B projection's GEMM (cuBLASLt, as the fused path runs it) by row count M, 64 to 3,328 in steps of
-    32: µs a GEMM, weights cold (cycling through 4 copies, more than L2 holds), from a graph. Then, for the row
-    counts the graph buckets give, the fastest M' ≥ M within 256 rows and whether its rows equal the M-row GEMM's
-    (cuBLASLt's are the same from ~52 rows on): what padding a bucket's GEMMs would gain on this GPU."""
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        torch.manual_seed(0)
-        counts = range(64, 3328 + 1, 32)
-        targets = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560, 2688, 2816, 3072)
-        for name, (n, k) in KEV4B_PROJECTIONS.items():
-            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
-            x = torch.randn(counts[-1], k, device="cuda", dtype=torch.bfloat16)
-            us = {}
-            for m in counts:
-                gemms = lambda m=m, x=x, weights=weights: [F.linear(x[:m], w) for w in weights]  # noqa: E731
-                us[m] = graph_ms(gemms, repeat=2) * 1000 / 4
-            print(f"gemmpad {name} " + " ".join(f"{m}:{t:.1f}" for m, t in us.items()), flush=True)
-            best = []
-            for m in targets:
-                pad = min((c for c in counts if m <= c <= m + 256), key=lambda c: us[c])
-                same = torch.equal(F.linear(x[:pad], weights[0])[:m], F.linear(x[:m], weights[0]))
-                best.append(f"{m}->{pad} {us[m]:.1f}->{us[pad]:.1f}{'' if same else ' DIFFERS'}")
-            print(f"gemmpad {name} best: " + ", ".join(best), flush=True)
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
+    """Each projection's GEMM of a Kev size's shapes (--size, default 4b) as the fused path runs it (cublaslt.GemmAlgos
+    with the packaged table: no split-K) by row count M (--rows FIRST:LAST:STEP, default 64:3328:32): µs a GEMM,
+    weights cold (cycling through 4 copies, more than L2 holds), from a graph. Then, for the row counts in range that
+    graph buckets and the bench's passes give, the fastest M' ≥ M within 256 rows and whether its rows equal the
+    M-row GEMM's: what padding a pass's GEMMs would gain on this GPU."""
+    from kev_backend.dev import tiny
+    from kev_backend.gpu import cublaslt
+    from kev_backend.model.qwen35 import Qwen35Config
+
+    gemms = cublaslt.pretuned(torch.device("cuda"))
+    first, last, step = (int(part) for part in args.rows.split(":"))
+    counts = range(first, last + 1, step)
+    targets = [m for m in (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560, 2630, 2688, 2816, 3072) if m in counts]
+    config = Qwen35Config.from_dict(tiny.SIZES[args.size].config)
+    shapes = dict.fromkeys(shape for kind in tiny.fused_projections(config).values() for shape in kind)
+    torch.manual_seed(0)
+    for n, k in shapes:
+        name = f"{args.size} {n}x{k}"
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+        x = torch.randn(counts[-1], k, device="cuda", dtype=torch.bfloat16)
+        us = {}
+        for m in counts:
+            run = lambda m=m, x=x, weights=weights: [gemms.linear(x[:m], w) for w in weights]  # noqa: E731
+            us[m] = graph_ms(run, repeat=2) * 1000 / 4
+        print(f"gemmpad {name} " + " ".join(f"{m}:{t:.1f}" for m, t in us.items()), flush=True)
+        best = []
+        for m in targets:
+            pad = min((c for c in counts if m <= c <= m + 256), key=lambda c: us[c])
+            same = torch.equal(gemms.linear(x[:pad], weights[0])[:m], gemms.linear(x[:m], weights[0]))
+            best.append(f"{m}->{pad} {us[m]:.1f}->{us[pad]:.1f}{'' if same else ' DIFFERS'}")
+        print(f"gemmpad {name} best: " + ", ".join(best), flush=True)
 
 
 def register(sub) -> None:
     command(sub, "gemm", gemm, "each projection's GEMM: batch invariance by row count and speed, by BLAS library")
-    command(sub, "gemmpad", gemmpad, "each projection's GEMM by row count, and the fastest padding of each bucket")
+    parser = command(sub, "gemmpad", gemmpad, "each projection's GEMM by row count, and the fastest padding")
+    parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's projections (default 4b)")
+    parser.add_argument("--rows", default="64:3328:32", help="row counts FIRST:LAST:STEP (default 64:3328:32)")

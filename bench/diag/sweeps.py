@@ -9,10 +9,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kev_backend.dev.tiny import SIZES
+
 from .common import (
     KEV4B_HEADS,
     command,
     cuda_ms,
+    delta_rule_heads,
     delta_rule_inputs,
     graph_kernel_us,
     graph_ms,
@@ -99,9 +102,9 @@ def _config(c) -> str:
 
 def chunkvariants(args) -> None:
     """The chunked delta rule's chain by (value block, warps, register cap) (delta_rule's live CHUNK_NARROW and
-    CHUNK_WIDE; the default picks one by program count) on Kev-4B heads: prep and chain ms a layer for 1 / 8 / 24 new
-    2,200-token states and 40 rows of 100 tokens (--tokens N: one new state of N tokens instead); the largest
-    difference from the default (must be 0)."""
+    CHUNK_WIDE; the default picks one by program count) on Kev-4B heads (--size: another Kev size's): prep and chain
+    ms a layer for 1 / 8 / 24 new 2,200-token states and 40 rows of 100 tokens (--tokens N: one new state of N tokens
+    instead); the largest difference from the default (must be 0)."""
     from kev_backend.gpu import kernels
     from kev_backend.gpu.kernels import delta_rule as R
 
@@ -112,7 +115,7 @@ def chunkvariants(args) -> None:
         variants[_config(config)] = (config, config)
     cases = (([2200], True), ([2200] * 8, True), ([2200] * 24, True), ([100] * 40, False))
     for lengths, new in (([args.tokens], True),) if args.tokens else cases:
-        _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths)
+        _, q, k, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case(lengths, delta_rule_heads(args.size))
         run = functools.partial(kernels.chunked_rows, q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=new)
         reference, line = None, []
         for name, (chain_narrow, chain_wide) in variants.items():
@@ -400,6 +403,7 @@ def register(sub) -> None:
     summary = "the chunked delta rule's chain by value block, warps, register cap"
     parser = command(sub, "chunkvariants", chunkvariants, summary)
     parser.add_argument("--tokens", type=int, default=0, help="one new state of this many tokens only")
+    parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's DeltaNet heads (default 4b)")
     command(sub, "chainwaves", chainwaves, "the chain narrow and wide by new long-state count (WIDE_ABOVE)")
     command(sub, "prepregs", prepregs, "the chunked delta rule by the prep's register cap")
     command(sub, "padded", padded, "the delta rule on captured groups: unpadded, padded, lead apart")
