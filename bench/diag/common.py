@@ -147,26 +147,15 @@ def kev4b_checkpoint():
     return tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
 
 
-def size_checkpoint(size: str):
-    """Random bf16 weights of a Kev size's shapes (tiny.SIZES; LoRA merged where that size ships one), drawn a tensor
-    at a time on the GPU (Kev-27B's fit), with the tiny tokenizer."""
-    from kev_backend.dev import tiny
-
-    chosen = tiny.SIZES[size]
-    directory = Path(tempfile.mkdtemp())
-    tiny.write_tokenizer(directory)
-    lora_rank = 16 if chosen.weights == "lora" else 0
-    return tiny.synthetic_checkpoint(chosen.config, directory, "cuda", lora_rank=lora_rank, dtype=torch.bfloat16)
-
-
 def kev4b_engine(args: argparse.Namespace | None = None, checkpoint=None, **options):
     """An engine on random Kev-4B weights (8 GiB bank; `checkpoint`: kev4b_checkpoint's, made here if not given; a
-    subcommand's --size other than 4b: size_checkpoint's), otherwise with EngineOptions' defaults (the GPU config's),
-    but for a subcommand's engine options in `args` (command's `engine`) and then `options`."""
+    subcommand's --size other than 4b: that size's in bf16, tiny.Size.checkpoint), otherwise with EngineOptions'
+    defaults (the GPU config's), but for a subcommand's engine options in `args` (command's `engine`) and then
+    `options`."""
     from kev_backend.engine.engine import Engine, EngineOptions
 
     size = getattr(args, "size", "4b")
-    checkpoint = checkpoint or (kev4b_checkpoint() if size == "4b" else size_checkpoint(size))
+    checkpoint = checkpoint or (kev4b_checkpoint() if size == "4b" else SIZES[size].checkpoint("cuda", torch.bfloat16))
     chosen: dict[str, object] = {"bank_bytes": 8 << 30}
     if args is not None:
         chosen.update(graphs=args.graphs, long_kernels=args.long_kernels)

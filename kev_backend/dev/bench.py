@@ -23,7 +23,6 @@ import json
 import math
 import queue
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -405,13 +404,8 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[KevCheck
                 raise SystemExit(f"{args.checkpoint} is not of {size.label}: {', '.join(wrong)} differ")
         model = size.label if args.size else args.checkpoint.name
         return checkpoint, model, str(args.checkpoint)
-    tokenizer_dir = Path(tempfile.mkdtemp(prefix="kev-bench-tokenizer-"))
-    tiny.write_tokenizer(tokenizer_dir)
-    lora_rank = 16 if size.weights == "lora" else 0
-    checkpoint = tiny.synthetic_checkpoint(
-        size.config, tokenizer_dir, device, lora_rank=lora_rank, dtype=torch.bfloat16
-    )
-    shipped = "LoRA r=16 merged" if lora_rank else "full weights"
+    checkpoint = size.checkpoint(device, torch.bfloat16)
+    shipped = "LoRA r=16 merged" if size.lora_rank else "full weights"
     return checkpoint, size.label, f"random weights, {size.label} ({shipped}, bf16)"
 
 

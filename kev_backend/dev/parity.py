@@ -120,17 +120,13 @@ def size_checkpoint(size: str, device: Any, layers: int | None = None) -> tuple[
     """A Kev size's random weights in fp32 on `device` (tiny.synthetic_model: LoRA merged for a LoRA size), at the
     depth its fp32 reference fits at (Size.parity_config, or the first `layers`), with the tiny tokenizer; and what
     the report says of it."""
-    import tempfile
-    from pathlib import Path
+    import torch
 
-    from .tiny import SIZES, synthetic_checkpoint, truncated, write_tokenizer
+    from .tiny import SIZES, truncated
 
     spec = SIZES[size]
     config = truncated(spec.config, layers) if layers else spec.parity_config()
-    tokenizer = Path(tempfile.mkdtemp(prefix="kev-parity-tokenizer-"))
-    write_tokenizer(tokenizer)
-    lora_rank = 16 if spec.weights == "lora" else 0
-    checkpoint = synthetic_checkpoint(config, tokenizer, device, seed=0, lora_rank=lora_rank)
+    checkpoint = spec.checkpoint(device, torch.float32, config)
     depth, full = config["num_hidden_layers"], spec.config["num_hidden_layers"]
     about = {"model": spec.label, "weights": spec.weights, "layers": depth, "model_layers": full}
     if depth < full:

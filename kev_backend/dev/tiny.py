@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,8 +167,22 @@ class Size:
     def label(self) -> str:
         return f"kev-{self.name}-shapes"
 
+    @property
+    def lora_rank(self) -> int:
+        """The rank its random weights merge (Kev's LoRA for a "lora" size, none for a full fine-tune)."""
+        return 16 if self.weights == "lora" else 0
+
     def parity_config(self) -> dict[str, Any]:
         return truncated(self.config, self.parity_layers) if self.parity_layers else self.config
+
+    def checkpoint(
+        self, device: str | torch.device, dtype: torch.dtype, config: dict[str, Any] | None = None
+    ) -> KevCheckpoint:
+        """Random weights of these shapes (or of `config`, e.g. parity_config's) on `device` in `dtype`, drawn a
+        tensor at a time (synthetic_checkpoint, seed 0), with the tiny tokenizer in a new temporary directory."""
+        tokenizer = Path(tempfile.mkdtemp(prefix=f"kev-{self.name}-tokenizer-"))
+        write_tokenizer(tokenizer)
+        return synthetic_checkpoint(config or self.config, tokenizer, device, lora_rank=self.lora_rank, dtype=dtype)
 
 
 SIZES: dict[str, Size] = {
