@@ -73,8 +73,69 @@ def gemmpad(args) -> None:
         print(f"gemmpad {name} best: " + ", ".join(best), flush=True)
 
 
+def gemmrows(args) -> None:
+    """The GEMMs of an eager pass: a Kev size's projections (--size) at row counts no table holds (--rows, comma-
+    separated), each on the heuristic's first algorithm without split-K (what runs today), on the table's algorithm
+    of the nearest tabled row count at or above it (else below), and on the fastest candidate at that count (what
+    tuning the count itself would give), µs a GEMM from a graph, weights cold; then ms for a whole pass's projections
+    (each shape times its layers) and whether every variant gave the heuristic's bits."""
+    from collections import Counter
+
+    from kev_backend.dev import tiny
+    from kev_backend.gpu import cublaslt
+    from kev_backend.model.qwen35 import Qwen35Config
+
+    device = torch.device("cuda")
+    gemms = cublaslt.pretuned(device)
+    config = Qwen35Config.from_dict(tiny.SIZES[args.size].config)
+    by_kind = tiny.fused_projections(config)
+    layers = Counter(shape for kind in config.layer_types for shape in by_kind[kind])
+    torch.manual_seed(0)
+    for m in (int(part) for part in args.rows.split(",")):
+        totals = {"heuristic": 0.0, "neighbour": 0.0, "best": 0.0}
+        same = True
+        for (n, k), count in sorted(layers.items()):
+            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(2)]
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+            plan = gemms.plan(m, n, k)
+            near = gemms.nearest_tabled(m, n, k)
+            variants = {"heuristic": plan.default, "neighbour": plan.untabled}
+            expected = None
+            us = {}
+            for name, algo in [*variants.items(), *((f"c{i}", a) for i, a in enumerate(plan.candidates()))]:
+                try:
+                    plan.run(algo, x, weights[0], y, gemms.workspace)
+                except RuntimeError as error:  # an algorithm this row count cannot take
+                    print(f"gemmrows {args.size} M={m} {n}x{k} {name}: {error}", flush=True)
+                    continue
+                run = lambda a=algo, p=plan, x=x, y=y, ws=weights: [p.run(a, x, w, y, gemms.workspace) for w in ws]  # noqa: E731
+                if expected is None:
+                    expected = y.clone()
+                same = same and torch.equal(y, expected)
+                us[name] = graph_ms(run, repeat=3) * 1000 / len(weights)
+            best = min(value for name, value in us.items() if name.startswith("c"))
+            us["best"] = best
+            for name in totals:
+                totals[name] += us.get(name, us["heuristic"]) * count / 1000
+            print(
+                f"gemmrows {args.size} M={m} {n}x{k} x{count} (nearest tabled {near}): heuristic "
+                f"{us['heuristic']:.1f} neighbour {us.get('neighbour', float('nan')):.1f} best {best:.1f} us",
+                flush=True,
+            )
+        print(
+            f"gemmrows {args.size} M={m} pass: "
+            + " ".join(f"{name} {ms:.2f} ms" for name, ms in totals.items())
+            + f"; {'same bits' if same else 'BITS DIFFER'}",
+            flush=True,
+        )
+
+
 def register(sub) -> None:
     command(sub, "gemm", gemm, "each projection's GEMM: batch invariance by row count and speed, by BLAS library")
     parser = command(sub, "gemmpad", gemmpad, "each projection's GEMM by row count, and the fastest padding")
     parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's projections (default 4b)")
     parser.add_argument("--rows", default="64:3328:32", help="row counts FIRST:LAST:STEP (default 64:3328:32)")
+    parser = command(sub, "gemmrows", gemmrows, "an eager pass's GEMMs: heuristic, nearest tabled and tuned algorithm")
+    parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's projections (default 4b)")
+    parser.add_argument("--rows", default="2630", help="row counts, comma-separated (default 2630)")
