@@ -84,7 +84,7 @@ def attention(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1)):
 # segment (outputs left as zeros here) and empty segments (a new one writes an empty state into its slot).
 
 
-CALLS: Counter[str] = Counter()  # delta-rule launches by kernel, for routing checks
+CALLS: Counter[str] = Counter()  # delta-rule and long-state attention launches, for routing checks
 
 
 def chunked_rows(
@@ -99,6 +99,13 @@ def chunked_rows(
     return reference_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, segment_delta_rule)
 
 
+def long_attention(q, k, v, out):
+    """cudnn_attention's job: one new state's causal attention over its own tokens, into `out`."""
+    CALLS["long_attention"] += 1
+    CALLS[f"long_attention {q.shape[0]}"] += 1
+    out.copy_(segment_attention(q, k, v))
+
+
 TORCH_KERNELS = PassKernels(
     chunk=delta_rule,
     attention=attention,
@@ -111,4 +118,5 @@ TORCH_KERNELS = PassKernels(
     conv=reference_conv_rows,  # conv_tokens' job, segment by segment
     rows_attention=reference_rows_attention,
     bank_kv=reference_bank_kv,
+    long_attention=long_attention,
 )

@@ -3,23 +3,33 @@ reference engine. Catches wrong indices, slots, picks, pool writes and pass spli
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from kev_backend.dev import tiny
 from kev_backend.dev.parity import compare
 from kev_backend.dev.workloads import realistic, short6, sized, state_counter
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.gpu.scorer import FusedScorer
+from kev_backend.model.checkpoint import KevCheckpoint
+from kev_backend.model.qwen35 import FULL_ATTENTION, LINEAR_ATTENTION
 
 from .fused_cpu_ops import CALLS, TORCH_KERNELS
 
 
-def engines(tiny_dir: Path, bank_bytes: int = 1 << 26, **options) -> tuple[Engine, FusedScorer]:
-    """The reference engine on the tiny checkpoint and a fused scorer (fp32, torch stand-ins) on the same model, with
-    FusedScorer's defaults (the shipped configuration: graphs, our long kernels) unless `options` say otherwise."""
-    reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
+def engines(
+    tiny_dir: Path, bank_bytes: int = 1 << 26, checkpoint: KevCheckpoint | None = None, **options
+) -> tuple[Engine, FusedScorer]:
+    """The reference engine on the tiny checkpoint (or `checkpoint`) and a fused scorer (fp32, torch stand-ins) on
+    the same model, with FusedScorer's defaults (the shipped configuration: graphs, our long kernels) unless
+    `options` say otherwise."""
+    if checkpoint is None:
+        reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
+    else:
+        reference = Engine(checkpoint, EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
     fused = FusedScorer(
         ck.model,
@@ -120,6 +130,36 @@ def test_a_trimmed_bucket_answers_like_the_reference(tiny_dir: Path, state_words
     report = compare(reference.scorer.probabilities(encoded), fused.probabilities(encoded))
     assert report["max_abs"] < 2e-5, report
     assert fused.graphs.seen == {Bucket(1024, 128, 128)}, fused.graphs.seen
+
+
+def test_new_states_over_cudnn_above_attend_on_calls_of_their_own(tiny_dir: Path, monkeypatch) -> None:
+    """In an eager pass each new state over CUDNN_ABOVE tokens attends on long_attention (cuDNN's on a GPU), a call
+    of its own; the long states between them run on ours, a run at a time. Answers as the reference's, alone and
+    batched."""
+    from kev_backend.gpu import fused as fused_pass
+
+    monkeypatch.setattr(fused_pass, "CUDNN_ABOVE", 100)
+    # The tiny model's one attention layer is its last, which computes no new state's attention: two more first.
+    config = {**tiny.TINY_CONFIG, "layer_types": [FULL_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, FULL_ATTENTION]}
+    config["vocab_size"] = json.loads((tiny_dir / "base" / "config.json").read_text())["vocab_size"]
+    checkpoint = tiny.synthetic_checkpoint(config, tiny_dir / "base", "cpu", seed=3)
+    reference, fused = engines(tiny_dir, checkpoint=checkpoint, pass_tokens=2000, graphs=False)
+    count = state_counter(reference.tokenizer)
+    lengths = [90, 150, 80, 70, 120, 30]  # runs: [90] ours, 150 alone, [80, 70] ours, 120 alone; 30 is short
+    encoded = [reference.prepare(sized(n, count, i))[1] for i, n in enumerate(lengths)]
+    assert [len(e.state) for e in encoded] == lengths
+    expected = reference.scorer.probabilities(encoded)
+    CALLS.clear()
+    batched = fused.probabilities(encoded)  # one pass: every state new
+    attends = [kind == FULL_ATTENTION for kind in fused.model.c.layer_types]
+    layers = sum(attends) - attends[-1]  # a last attention layer computes no new state's attention
+    assert layers > 0 and CALLS["long_attention 150"] == CALLS["long_attention 120"] == layers, CALLS
+    assert CALLS["long_attention"] == 2 * layers, CALLS
+    fresh = engines(tiny_dir, checkpoint=checkpoint, pass_tokens=2000, graphs=False)[1]
+    alone = [fresh.probabilities([e])[0] for e in encoded]
+    for result in (batched, alone):
+        report = compare(expected, result)
+        assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
 
 
 def test_buckets_over_eager_above_flops_are_left_to_eager_passes(tiny_dir: Path, monkeypatch) -> None:

@@ -342,8 +342,8 @@ def cudnnlengths(args) -> None:
     """cuDNN's causal attention (torch's SDPA, key/value heads shared) on one new state at each of --tokens in turn
     (Kev-4B heads, packed [T, heads, D] inputs as the pass holds them): the first call's ms (which builds cuDNN's
     graph and plan when its cache has none for the call) against the next calls', beside ours; then every length
-    again (a second build would show here). With TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 in the environment torch keys
-    its plans by the lengths rounded up to powers of two: the run says which mode it is in."""
+    again (a second build would show here). As the engine runs it, torch keys its plans by the lengths rounded up to
+    powers of two (attention.RAGGED_PLANS); --exact-plans: by the exact lengths, torch's default."""
     import os
     import time
 
@@ -352,7 +352,9 @@ def cudnnlengths(args) -> None:
     from kev_backend.gpu.kernels import attention as A
 
     HQ, HKV, D = 16, 4, 256
-    mode = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "unset")
+    if args.exact_plans:  # before the process's first cuDNN attention call, when torch reads it
+        os.environ[A.RAGGED_PLANS] = "0"
+    mode = "exact" if args.exact_plans else "by class"
     gen = torch.Generator(device="cuda").manual_seed(0)
     longest = max(args.tokens)
     q = torch.randn(longest, HQ, D, device="cuda", generator=gen).bfloat16()
@@ -377,7 +379,7 @@ def cudnnlengths(args) -> None:
             flops = n * (n + 1) / 2 * HQ * D * 4
             ms, ours_ms = cuda_ms(lambda n=n: cudnn(n), repeat=3), cuda_ms(ours, repeat=3)
             print(
-                f"cudnnlengths avoid_recompile={mode} {sweep} {n}: call {first_ms:.1f} ms, then {ms:.3f} ms "
+                f"cudnnlengths plans {mode} {sweep} {n}: call {first_ms:.1f} ms, then {ms:.3f} ms "
                 f"({flops / ms / 1e9:.0f} TFLOP/s), ours {ours_ms:.3f} ms, max diff {diff:.1e}",
                 flush=True,
             )
@@ -458,5 +460,6 @@ def register(sub) -> None:
     parser.add_argument("--states", type=_ints, default=[1, 8], help="states a call, comma-separated (1,8)")
     parser = command(sub, "cudnnlengths", cudnnlengths, "cuDNN's attention: plan builds by state length")
     parser.add_argument("--tokens", type=_ints, default=[5000, 8192, 8300, 12000, 16384, 30000, 65535])
+    parser.add_argument("--exact-plans", action="store_true", help="plans keyed by exact lengths (torch's default)")
     command(sub, "convscan", convscan, "the pass's conv by tokens, channels and warps a program")
     command(sub, "ncuprobe", ncuprobe, "a few delta-rule calls for Nsight Compute (bench/gpu_run.sh ncu)")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..model.qwen35 import FULL_ATTENTION, Qwen35TextModel
 from . import cublaslt
+from .kernels.attention import CUDNN_ABOVE, cudnn_attention_runs
 from .kernels.streams import beside
 from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, check_long_kernels, pad_rows
 from .pool import StatePool
@@ -137,6 +138,9 @@ class PassKernels:
     conv: Callable
     rows_attention: Callable
     bank_kv: Callable
+    # One new state's attention over its own tokens when it is over CUDNN_ABOVE tokens in an eager pass (cuDNN's,
+    # where it runs the model's heads); None: rows_attention's.
+    long_attention: Callable | None = None
 
     @classmethod
     def gpu(cls, long_kernels: str = "triton") -> PassKernels:
@@ -159,6 +163,7 @@ class PassKernels:
             kernels.conv_tokens,
             kernels.rows_attention,
             kernels.bank_kv,
+            kernels.cudnn_attention,
         )
 
 
@@ -196,6 +201,12 @@ class FusedQwen35:
         # kernel and torch's varlen attention ("fla"). Every other segment runs ours.
         self.long_kernels = long_kernels
         self._rows_attention, self._bank_kv = k.rows_attention, k.bank_kv
+        self._long_attention = k.long_attention if long_kernels == "triton" else None
+        if self._long_attention is not None and weights.embed.is_cuda:
+            c = weights.config
+            heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, weights.embed.dtype)
+            if not cudnn_attention_runs(weights.embed.device, *heads):
+                self._long_attention = None
         # The projections on cuBLASLt algorithms without split-K, so that a row's output is the same in any batch
         # (kev_backend/gpu/cublaslt.py); `gemm_algos` chooses a pre-tuned table of the fastest. F.linear on a CPU.
         self.gemm_algos = cublaslt.pretuned(weights.embed.device, gemm_algos)
@@ -385,7 +396,9 @@ class FusedQwen35:
         if (s := p.states) is not None:
             for group in s.groups:
                 span = group.span
-                if group.short_segments or group.short or self.long_kernels == "triton":  # ours: causal, own tokens
+                if self._long_attention is not None and not group.padded and group.max_len > CUDNN_ABOVE:
+                    self._long_states_attention(group, q, k, v, keys, values, out)
+                elif group.short_segments or group.short or self.long_kernels == "triton":  # ours: causal, own tokens
                     # A captured pass's short and long new states in one group: by class, as in two groups.
                     n = group.short_segments
                     classes = [(group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)]
@@ -405,6 +418,33 @@ class FusedQwen35:
                         group.max_len,
                         window_size=(-1, 0),
                     )
+
+    def _long_states_attention(
+        self,
+        group: KernelGroup,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """An eager pass's long new states with one over CUDNN_ABOVE tokens: each such state on a call of its own
+        (long_attention), each run of the others between them on ours (a state's output does not depend on the
+        states launched with it)."""
+        cu, span = group.cu_cpu.tolist(), group.span  # cu: offsets from the group's first token
+        first = 0  # the current run of states at most CUDNN_ABOVE tokens long: [first, n)
+        for n in range(len(cu)):
+            if n < len(cu) - 1 and cu[n + 1] - cu[n] <= CUDNN_ABOVE:
+                continue
+            if n > first:  # the run before state n (or before the end)
+                run_max = max(b - a for a, b in zip(cu[first:n], cu[first + 1 : n + 1]))
+                run = (q[span], k[span], v[span], keys, values, None, None, None, group.cu[first : n + 1], run_max)
+                self._rows_attention(*run, out[span])
+            if n < len(cu) - 1:
+                own = slice(group.start + cu[n], group.start + cu[n + 1])
+                self._long_attention(q[own], k[own], v[own], out[own])
+            first = n + 1
 
     def _bank_states_kv(
         self, p: PassInput, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -1,9 +1,14 @@
 """Attention of question rows over their state's K/V in the bank (by index) and their own, bottom-right causal;
-without a prefix, causal attention of new states over their own tokens."""
+without a prefix, causal attention of new states over their own tokens; for the longest new states, cuDNN's
+(cudnn_attention, CUDNN_ABOVE)."""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -36,6 +41,20 @@ LOG2_E = 1.4426950408889634
 # keep the unsplit launch, which graphs capture for every other bucket.
 SPLIT_ABOVE = 32_768
 SPLIT_KEYS = 4096
+# A new state of more than CUDNN_ABOVE tokens in an eager pass attends over its own tokens on cuDNN (torch's SDPA,
+# cudnn_attention), a call of its own: with Kev's 256-wide heads cuDNN's kernel runs at ~617 TFLOP/s on 8k-64k-token
+# states against ~535 for ours (64k tokens: 57 against 66 ms a layer), while up to a few thousand tokens ours is
+# faster (docs/kernels.md). The choice depends on the state's own length alone, so its answer does not depend on its
+# batch; every state bucket of a captured pass is at most CUDNN_ABOVE tokens, so graphs never hold the call.
+CUDNN_ABOVE = 4096
+# torch builds a cuDNN graph and plan for each attention shape it has not seen and keeps them per thread without bound.
+# Its key holds the sequence lengths, so each new state length would pay a build and grow that cache with what clients
+# send. With RAGGED_PLANS set, calls whose q, k and v are [batch, tokens, heads, D] contiguous (cudnn_attention's) are
+# keyed by their lengths rounded up to powers of two and run on their own lengths: one plan a class, four from 4,097
+# to 65,536 tokens (docs/kernels.md). torch reads the variable once, at the process's first cuDNN attention call: it
+# is set here, when the fused path's kernels are imported, before any.
+RAGGED_PLANS = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+os.environ[RAGGED_PLANS] = "1"
 
 
 @triton.jit
@@ -332,6 +351,36 @@ def rows_attention(
                 num_warps=warps,
             )
     return o
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """One new state's causal attention over its own tokens on cuDNN (CUDNN_ABOVE), GQA, written into `out`.
+    q, out: [L, Hq, D]; k, v: [L, Hkv, D], any token stride (copied to [L, heads, D] where needed: the layout in
+    which torch keys cuDNN's plans by length class, RAGGED_PLANS)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(
+            *(x.contiguous().transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True, enable_gqa=True
+        )
+    out.copy_(o[0].transpose(0, 1))
+
+
+@functools.cache
+def cudnn_attention_runs(device: torch.device, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether cudnn_attention runs these heads on this device (cuDNN's SDPA needs a recent GPU, cuDNN 9 and a
+    supported head width): one small call, against our kernel's output."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(256, heads, head_dim, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(256, kv_heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(2))
+    out = torch.empty_like(q)
+    try:
+        cudnn_attention(q, k, v, out)
+    except RuntimeError:  # no cuDNN kernel for these shapes here
+        return False
+    cu = torch.tensor([0, 256], device=device)
+    ours = rows_attention(q, k, v, k, v, None, None, None, cu, 256)
+    return bool(((out.float() - ours.float()).abs().max() < 0.05).item())
 
 
 def reference_segment_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
