@@ -6,9 +6,7 @@ the partial products in another order (split-K): a row's output then moves with 
 bf16 GEMM here runs on an algorithm of cuBLASLt's without split-K. Those all sum in the same order, so they give the
 same bits (checked against each other when a table is tuned and by the GPU tests), and which one runs is a matter of
 speed alone: a pre-tuned table (one per GPU and cuBLASLt version) names the fastest for the shapes where it beats the
-heuristic's first without split-K. A row count the table was not tuned at (an eager pass's: one request's tokens)
-takes the algorithm tabled for the nearest row count at or above it of the same projection (else the largest below),
-which cuBLASLt checks for that shape; the heuristic's first without split-K runs every other shape.
+heuristic's first without split-K, which runs every other shape.
 
 A table file holds, for one GPU and cuBLASLt version, the algorithm of each (rows, out features, in features) worth
 changing; `python -m kev_backend.dev.gemm_tuner tune CHECKPOINT OUT.json` makes one. At run time `pretuned(device,
@@ -22,7 +20,6 @@ test runs a stored table against the heuristic's choice."""
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import json
 from collections import OrderedDict
@@ -108,7 +105,6 @@ class _Plan:
             _check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(layout), _CUDA_R_16BF, rows, cols, ld), "layout")
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._default: _Algo | None = None
-        self.untabled: _Algo | None = None  # the algorithm a row count without a table entry runs (GemmAlgos.plan)
 
     def close(self) -> None:
         """Frees the descriptors (a plan dropped from GemmAlgos' plans)."""
@@ -143,16 +139,6 @@ class _Plan:
         )  # fmt: skip
         self.lt.cublasLtMatmulPreferenceDestroy(preference)
         return [r.algo for r in results[: returned.value] if r.state == 0 and _split_k(self.lt, r.algo) == 1]
-
-    def supports(self, algo: _Algo) -> bool:
-        """Whether cuBLASLt runs `algo` on this shape within the workspace (an algorithm tuned at another row count
-        may need another tile or more workspace)."""
-        result = _HeuristicResult()
-        status = self.lt.cublasLtMatmulAlgoCheck(
-            self.handle, self.desc, self.w_layout, self.x_layout, self.y_layout, self.y_layout,
-            ctypes.byref(algo), ctypes.byref(result),
-        )  # fmt: skip
-        return status == 0 and result.workspace_size <= _WORKSPACE_BYTES
 
     def run(self, algo: _Algo, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, workspace: torch.Tensor) -> None:
         _check(
@@ -196,27 +182,13 @@ class GemmAlgos:
         with torch.cuda.device(device):  # the handle on this GPU's context
             _check(self.lt.cublasLtCreate(ctypes.byref(self.handle)), "create")
         self.algos = table
-        self.tabled_rows: dict[tuple[int, int], list[int]] = {}  # each projection's tabled row counts, ascending
-        for m, n, k in sorted(table):
-            self.tabled_rows.setdefault((n, k), []).append(m)
         self.plans: OrderedDict[tuple[int, int, int], _Plan] = OrderedDict()
         self.workspace = torch.empty(_WORKSPACE_BYTES, device=device, dtype=torch.uint8)
-
-    def nearest_tabled(self, m: int, n: int, k: int) -> int | None:
-        """The projection's tabled row count nearest `m` at or above it, else its largest (None: none tabled)."""
-        rows = self.tabled_rows.get((n, k))
-        if not rows:
-            return None
-        return rows[min(bisect.bisect_left(rows, m), len(rows) - 1)]
 
     def plan(self, m: int, n: int, k: int) -> _Plan:
         plan = self.plans.get((m, n, k))
         if plan is None:
             plan = self.plans[m, n, k] = _Plan(self.lt, self.handle, m, n, k)
-            if (m, n, k) not in self.algos:
-                near = self.nearest_tabled(m, n, k)
-                algo = self.algos[near, n, k] if near is not None else None
-                plan.untabled = algo if algo is not None and plan.supports(algo) else plan.default
             if len(self.plans) > self.PLANS:
                 self.plans.popitem(last=False)[1].close()
         else:
@@ -230,7 +202,7 @@ class GemmAlgos:
         plan = self.plan(*shape)
         algo = self.algos.get(shape)
         if algo is None:
-            algo = plan.untabled
+            algo = plan.default
         if algo is None:
             return F.linear(x, w)
         y = torch.empty(shape[0], shape[1], device=x.device, dtype=x.dtype)
