@@ -14,6 +14,7 @@ from kev_backend.gpu.kernels.attention import (  # noqa: E402
     CUDNN_ABOVE,
     cudnn_attention,
     cudnn_attention_runs,
+    cudnn_plan_lengths,
     reference_rows_attention,
     reference_segment_attention,
     rows_attention,
@@ -166,3 +167,12 @@ def test_cudnn_attention_is_as_near_the_fp32_formula_as_ours() -> None:
     cudnn_attention(q[100 : L + 100], k[100 : L + 100], v[100 : L + 100], again[100 : L + 100])
     cudnn_attention(q[:L], k[:L], v[:L], again[:L])
     assert torch.equal(again[:L], out[:L])
+
+
+def test_cudnn_plan_lengths_take_the_smallest_state_of_each_class() -> None:
+    """torch keys cuDNN's plans by lengths rounded up to powers of two (RAGGED_PLANS): one state length a class, from
+    just over CUDNN_ABOVE to the limit, each the class's smallest."""
+    assert CUDNN_ABOVE == 4096
+    assert cudnn_plan_lengths(65_536) == [4097, 8193, 16385, 32769]
+    assert cudnn_plan_lengths(8193) == [4097, 8193]
+    assert cudnn_plan_lengths(4096) == []

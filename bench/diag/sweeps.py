@@ -343,7 +343,8 @@ def cudnnlengths(args) -> None:
     (Kev-4B heads, packed [T, heads, D] inputs as the pass holds them): the first call's ms (which builds cuDNN's
     graph and plan when its cache has none for the call) against the next calls', beside ours; then every length
     again (a second build would show here). As the engine runs it, torch keys its plans by the lengths rounded up to
-    powers of two (attention.RAGGED_PLANS); --exact-plans: by the exact lengths, torch's default."""
+    powers of two (attention.RAGGED_PLANS); --exact-plans: by the exact lengths, torch's default; --prebuilt: each
+    class built first, as the engine's model thread does at start-up (build_cudnn_plans), its seconds printed."""
     import os
     import time
 
@@ -355,6 +356,11 @@ def cudnnlengths(args) -> None:
     if args.exact_plans:  # before the process's first cuDNN attention call, when torch reads it
         os.environ[A.RAGGED_PLANS] = "0"
     mode = "exact" if args.exact_plans else "by class"
+    if args.prebuilt:
+        started = time.perf_counter()
+        A.build_cudnn_plans(torch.device("cuda"), HQ, HKV, D, torch.bfloat16, max(args.tokens))
+        torch.cuda.synchronize()
+        mode += f", prebuilt up to {max(args.tokens)} in {time.perf_counter() - started:.2f} s"
     gen = torch.Generator(device="cuda").manual_seed(0)
     longest = max(args.tokens)
     q = torch.randn(longest, HQ, D, device="cuda", generator=gen).bfloat16()
@@ -461,5 +467,6 @@ def register(sub) -> None:
     parser = command(sub, "cudnnlengths", cudnnlengths, "cuDNN's attention: plan builds by state length")
     parser.add_argument("--tokens", type=_ints, default=[5000, 8192, 8300, 12000, 16384, 30000, 65535])
     parser.add_argument("--exact-plans", action="store_true", help="plans keyed by exact lengths (torch's default)")
+    parser.add_argument("--prebuilt", action="store_true", help="each length class's plan built first")
     command(sub, "convscan", convscan, "the pass's conv by tokens, channels and warps a program")
     command(sub, "ncuprobe", ncuprobe, "a few delta-rule calls for Nsight Compute (bench/gpu_run.sh ncu)")

@@ -63,6 +63,8 @@ class Scorer(Protocol):
 
     def warm_head(self) -> None: ...
 
+    def prepare_thread(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -241,6 +243,15 @@ class Engine:
         self.answer([{"state": f"{words} {i}", "questions": {"r": long_question}} for i in range(wide)])
         self.scorer.warm_head()
         self.startup["warm_batch"] = time.perf_counter() - started
+
+    def prepare_thread(self) -> None:
+        """Builds what the scorer keeps per thread (cuDNN's attention plans on the fused path) on the calling thread:
+        the pipeline's model thread calls it before its first batch; start-up seconds as `thread`."""
+        started = time.perf_counter()
+        try:
+            self.scorer.prepare_thread()
+        finally:
+            self.startup["thread"] = time.perf_counter() - started
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:

@@ -124,12 +124,14 @@ class Pipeline:
         self._last_done = 0.0  # delivery thread: when the last batch was done
         self._to_model: queue.Queue = queue.Queue(maxsize=1)
         self._to_delivery: queue.Queue = queue.Queue(maxsize=1)
+        self._prepared = threading.Event()
         self._threads = [
             threading.Thread(target=self._model_loop, name="kev-model", daemon=True),
             threading.Thread(target=self._delivery_loop, name="kev-delivery", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
+        self._prepared.wait()  # the model thread's own state built: a server is ready only after it
 
     def submit(
         self,
@@ -162,6 +164,11 @@ class Pipeline:
             thread.join()
 
     def _model_loop(self) -> None:
+        try:
+            self.engine.prepare_thread()
+        except Exception:  # noqa: BLE001 - what it would have built is built by the first batch that needs it
+            log.exception("kev: preparing the model thread failed")
+        self._prepared.set()
         while (job := self._to_model.get()) is not _STOP:
             job.taken = time.perf_counter()
             self._to_model.task_done()

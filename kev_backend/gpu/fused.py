@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..model.qwen35 import FULL_ATTENTION, Qwen35TextModel
 from . import cublaslt
-from .kernels.attention import CUDNN_ABOVE, cudnn_attention_runs
+from .kernels.attention import CUDNN_ABOVE, build_cudnn_plans, cudnn_attention_runs
 from .kernels.streams import beside
 from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, check_long_kernels, pad_rows
 from .pool import StatePool
@@ -217,6 +217,15 @@ class FusedQwen35:
         dim = c.rotary_dim
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.inv_freq = inv_freq.to(weights.embed.device)  # no host copy inside a pass (it may be captured)
+
+    def build_long_attention_plans(self, max_state_tokens: int) -> None:
+        """On the calling thread, the plans of long new states' cuDNN attention for states up to `max_state_tokens`
+        (kernels.attention.build_cudnn_plans), where it runs (a GPU whose cuDNN takes the model's heads)."""
+        if self._long_attention is None or not self.w.embed.is_cuda:
+            return
+        c = self.c
+        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.w.embed.dtype)
+        build_cudnn_plans(self.w.embed.device, *heads, max_state_tokens)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
         """Residual add + RMSNorm in one kernel; the residual stream stays fp32: rounding it to bf16 would make it

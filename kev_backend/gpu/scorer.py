@@ -119,6 +119,11 @@ class FusedScorer:
     def warm_head(self) -> None:
         self.pointer.warm()
 
+    def prepare_thread(self) -> None:
+        """What the thread that will run the passes builds before its first: cuDNN's attention plans for long new
+        states, which torch keeps per thread."""
+        self.model.build_long_attention_plans(self.max_state_tokens)
+
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         return self.launch(batch).result()
 

@@ -62,6 +62,9 @@ class ReferenceScorer:
     def warm_head(self) -> None:
         warm_pointer_head(self.head)
 
+    def prepare_thread(self) -> None:
+        """Nothing: the reference path keeps no state per thread."""
+
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         """Per request, per question, the option probabilities."""
         return self.launch(batch).result()

@@ -383,6 +383,29 @@ def cudnn_attention_runs(device: torch.device, heads: int, kv_heads: int, head_d
     return bool(((out.float() - ours.float()).abs().max() < 0.05).item())
 
 
+def cudnn_plan_lengths(max_tokens: int) -> list[int]:
+    """A state length in each of the classes that RAGGED_PLANS keys cuDNN's plans by, for new states over CUDNN_ABOVE
+    (a power of two) up to `max_tokens` tokens: the smallest of each class, whose call needs the least memory."""
+    lengths = []
+    length = CUDNN_ABOVE + 1
+    while length <= max_tokens:
+        lengths.append(length)
+        length = 2 * length - 1
+    return lengths
+
+
+def build_cudnn_plans(
+    device: torch.device, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_tokens: int
+) -> None:
+    """Builds cuDNN's attention plan of each length class up to `max_tokens` on the calling thread (torch keeps them
+    per thread): a call each on zeros, so that no request pays a build."""
+    for length in cudnn_plan_lengths(max_tokens):
+        q = torch.zeros(length, heads, head_dim, device=device, dtype=dtype)
+        k = torch.zeros(length, kv_heads, head_dim, device=device, dtype=dtype)
+        cudnn_attention(q, k, k, q)
+        del q, k
+
+
 def reference_segment_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Causal attention of one segment's queries [L, Hq, D] over keys and values [S, Hkv, D], bottom-right aligned
     (query i sees keys 0..S-L+i), GQA (query head h reads key/value head h // (Hq/Hkv)), in one softmax."""

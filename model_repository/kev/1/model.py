@@ -44,12 +44,12 @@ class TritonPythonModel:
         self.engine = load_engine(settings, args)
         self.metrics = KevMetrics(pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]})
         warmed = warm_up(self.engine, self.metrics, settings, config)
+        self.pipeline = Pipeline(self.engine, submit_bytes=settings.submit_bytes or SUBMIT_BYTES)
         pb_utils.Logger.log_info(f"kev: {settings.checkpoint}; {warmed} warm-up requests; {self.engine.summary()}")
         if self.engine.backend == "reference" and gpu_visible():
             pb_utils.Logger.log_warn(
                 f"kev: WARNING: a GPU is visible but the slow fp32 reference path serves: {self.engine.backend_why}"
             )
-        self.pipeline = Pipeline(self.engine, submit_bytes=settings.submit_bytes or SUBMIT_BYTES)
 
     def execute(self, requests):
         # Responses go out through each request's sender once the pipeline has answered (execute returns None, so
