@@ -1,8 +1,10 @@
 """kernels.attention.rows_attention against its torch reference (model.qwen35's causal attention, segment by
 segment): in Triton's interpreter on a CPU, compiled on a GPU (tests/conftest.py); cudnn_attention against the fp32
-formula and ours, on a GPU."""
+formula and ours, on a GPU, and the layout and length classes it gives torch, anywhere."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -176,3 +178,29 @@ def test_cudnn_plan_lengths_take_the_smallest_state_of_each_class() -> None:
     assert cudnn_plan_lengths(65_536) == [4097, 8193, 16385, 32769]
     assert cudnn_plan_lengths(8193) == [4097, 8193]
     assert cudnn_plan_lengths(4096) == []
+
+
+def test_cudnn_attention_hands_torch_the_layout_keyed_by_length_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch keys cuDNN's plans by length class (RAGGED_PLANS, set on import) only for q, k and v laid out [batch,
+    tokens, heads, D] contiguous: cudnn_attention gives it that layout whatever the strides it gets (v read in place
+    from a wider projection here), and writes the result into `out`."""
+    import torch.nn.functional as F
+
+    from kev_backend.gpu.kernels import attention
+
+    assert os.environ[attention.RAGGED_PLANS] == "1"
+    seen = []
+
+    def sdpa(q, k, v, is_causal, enable_gqa):
+        seen.extend(x.transpose(1, 2).is_contiguous() for x in (q, k, v))
+        assert is_causal and enable_gqa and q.shape == (1, 4, 9, 8) and k.shape == v.shape == (1, 2, 9, 8)
+        return q * 2
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    q, k = torch.randn(9, 4, 8), torch.randn(9, 2, 8)
+    v = torch.randn(9, 3 * 2 * 8)[:, : 2 * 8].view(9, 2, 8)
+    assert not v.is_contiguous()
+    out = torch.zeros(9, 4, 8)
+    attention.cudnn_attention(q, k, v, out)
+    assert seen == [True, True, True]
+    assert torch.equal(out, q * 2)
