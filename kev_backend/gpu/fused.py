@@ -202,10 +202,10 @@ class FusedQwen35:
         self.long_kernels = long_kernels
         self._rows_attention, self._bank_kv = k.rows_attention, k.bank_kv
         self._long_attention = k.long_attention if long_kernels == "triton" else None
+        c = weights.config
+        self._attention_heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, weights.embed.dtype)
         if self._long_attention is not None and weights.embed.is_cuda:
-            c = weights.config
-            heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, weights.embed.dtype)
-            if not cudnn_attention_runs(weights.embed.device, *heads):
+            if not cudnn_attention_runs(weights.embed.device, *self._attention_heads):
                 self._long_attention = None
         # The projections on cuBLASLt algorithms without split-K, so that a row's output is the same in any batch
         # (kev_backend/gpu/cublaslt.py); `gemm_algos` chooses a pre-tuned table of the fastest. F.linear on a CPU.
@@ -223,9 +223,7 @@ class FusedQwen35:
         (kernels.attention.build_cudnn_plans), where it runs (a GPU whose cuDNN takes the model's heads)."""
         if self._long_attention is None or not self.w.embed.is_cuda:
             return
-        c = self.c
-        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.w.embed.dtype)
-        build_cudnn_plans(self.w.embed.device, *heads, max_state_tokens)
+        build_cudnn_plans(self.w.embed.device, *self._attention_heads, max_state_tokens)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
         """Residual add + RMSNorm in one kernel; the residual stream stays fp32: rounding it to bf16 would make it

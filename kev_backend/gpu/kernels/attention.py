@@ -403,7 +403,6 @@ def build_cudnn_plans(
         q = torch.zeros(length, heads, head_dim, device=device, dtype=dtype)
         k = torch.zeros(length, kv_heads, head_dim, device=device, dtype=dtype)
         cudnn_attention(q, k, k, q)
-        del q, k
 
 
 def reference_segment_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
