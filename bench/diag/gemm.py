@@ -4,6 +4,13 @@ a pass may give."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -132,6 +139,117 @@ def gemmrows(args) -> None:
         )
 
 
+@contextlib.contextmanager
+def gpu_clocks(samples: list[tuple[float, float]]) -> Iterator[None]:
+    """Appends (SM MHz, watts) of GPU 0 every 20 ms while the block runs, read from nvidia-smi (nothing without it)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        yield
+        return
+    query = [smi, "-i", "0", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "20"]
+    child = subprocess.Popen(query, stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # nvidia-smi's own start-up
+    try:
+        yield
+    finally:
+        time.sleep(0.05)
+        child.terminate()
+        out, _ = child.communicate()
+        for line in out.splitlines()[1:]:  # the first sample predates the block
+            parts = [part.strip() for part in line.split(",")]
+            with contextlib.suppress(ValueError, IndexError):
+                samples.append((float(parts[0]), float(parts[1])))
+
+
+def clocks_text(samples: list[tuple[float, float]]) -> str:
+    if not samples:
+        return "no clock samples"
+    mhz, watts = zip(*samples)
+    return f"SM {statistics.median(mhz):.0f} MHz (min {min(mhz):.0f}), {statistics.median(watts):.0f} W"
+
+
+def gemmsustained(args) -> None:
+    """A GEMM rate in bursts against sustained: a Kev size's projections of one pass (--size) at --rows rows, each
+    layer with weights of its own, on the heuristic's algorithm without split-K (an eager pass's). First each shape
+    timed alone in a short graph, as gemmrows does, summed over the pass; then the pass's GEMMs back to back in one
+    graph, as the pass runs them, replayed --replays times after a second idle. Then the 8,192³ GEMM of the bench's
+    floor: alone with the GPU idle between calls (the bench's ceiling) and back to back for as long as the pass.
+    With nvidia-smi, the SM clock and the power drawn in each sustained run."""
+    from kev_backend.dev import tiny
+    from kev_backend.gpu import cublaslt
+    from kev_backend.model.qwen35 import Qwen35Config
+
+    device = torch.device("cuda")
+    gemms = cublaslt.pretuned(device, "off")
+    config = Qwen35Config.from_dict(tiny.SIZES[args.size].config)
+    by_kind = tiny.fused_projections(config)
+    sequence = [shape for kind in config.layer_types for shape in by_kind[kind]]
+    m = args.rows
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for n, k in sequence]
+    inputs = {k: torch.randn(m, k, device=device, dtype=torch.bfloat16) for k in {k for _, k in sequence}}
+    outputs = {n: torch.empty(m, n, device=device, dtype=torch.bfloat16) for n in {n for n, _ in sequence}}
+    plans = {(n, k): gemms.plan(m, n, k) for n, k in set(sequence)}
+    tflop = sum(2 * m * n * k for n, k in sequence) / 1e12
+
+    def run(shapes: list[int]) -> None:
+        for i in shapes:
+            n, k = sequence[i]
+            plan = plans[n, k]
+            plan.run(plan.default, inputs[k], weights[i], outputs[n], gemms.workspace)
+
+    alone = 0.0
+    for shape in set(sequence):
+        first = [i for i, s in enumerate(sequence) if s == shape]
+        ms = graph_ms(lambda first=first: run(first[:2]), repeat=3) / 2
+        alone += ms * len(first)
+    print(f"gemmsustained {args.size} M={m}: {tflop:.1f} TFLOP a pass; each shape alone, summed: "
+          f"{alone:.1f} ms ({tflop / alone * 1000:.0f} TFLOP/s)", flush=True)  # fmt: skip
+
+    whole = torch.cuda.CUDAGraph()
+    run(list(range(len(sequence))))
+    with torch.cuda.graph(whole):
+        run(list(range(len(sequence))))
+    whole.replay()
+    torch.cuda.synchronize()
+    time.sleep(1.0)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.replays + 1)]
+    samples: list[tuple[float, float]] = []
+    with gpu_clocks(samples):
+        events[0].record()
+        for event in events[1:]:
+            whole.replay()
+            event.record()
+        torch.cuda.synchronize()
+    times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+    print(f"gemmsustained {args.size} M={m}: the pass's GEMMs back to back: first {times[0]:.1f} ms, then median "
+          f"{statistics.median(times[1:]):.1f} ms ({tflop / statistics.median(times[1:]) * 1000:.0f} TFLOP/s); "
+          f"{clocks_text(samples)}", flush=True)  # fmt: skip
+    del whole
+    weights.clear()  # the pass's memory back before the 8,192³ GEMM
+    inputs.clear()
+    outputs.clear()
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    square = 2 * 8192**3 / 1e12
+    burst = []
+    for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        burst.append(start.elapsed_time(end))
+    count = max(1, round(statistics.median(times[1:]) / statistics.median(burst[3:])))
+    time.sleep(1.0)
+    samples = []
+    with gpu_clocks(samples):
+        back = graph_ms(lambda: a @ b, repeat=count)
+    print(f"gemmsustained 8192^3: alone {square / statistics.median(burst[3:]) * 1000:.0f} TFLOP/s; {count} back to "
+          f"back {square / back * 1000:.0f} TFLOP/s; {clocks_text(samples)}", flush=True)  # fmt: skip
+
+
 def register(sub) -> None:
     command(sub, "gemm", gemm, "each projection's GEMM: batch invariance by row count and speed, by BLAS library")
     parser = command(sub, "gemmpad", gemmpad, "each projection's GEMM by row count, and the fastest padding")
@@ -140,3 +258,7 @@ def register(sub) -> None:
     parser = command(sub, "gemmrows", gemmrows, "an eager pass's GEMMs: heuristic, nearest tabled and tuned algorithm")
     parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's projections (default 4b)")
     parser.add_argument("--rows", default="2630", help="row counts, comma-separated (default 2630)")
+    parser = command(sub, "gemmsustained", gemmsustained, "a pass's GEMMs and the floor's GEMM in bursts and sustained")
+    parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's projections (default 4b)")
+    parser.add_argument("--rows", type=int, default=2630, help="the pass's rows (default 2630)")
+    parser.add_argument("--replays", type=int, default=5, help="replays of the pass's GEMMs (default 5)")
