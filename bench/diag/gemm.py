@@ -172,9 +172,11 @@ def gemmsustained(args) -> None:
     """A GEMM rate in bursts against sustained: a Kev size's projections of one pass (--size) at --rows rows, each
     layer with weights of its own, on the heuristic's algorithm without split-K (an eager pass's). First each shape
     timed alone in a short graph, as gemmrows does, summed over the pass; then the pass's GEMMs back to back in one
-    graph, as the pass runs them, replayed --replays times after a second idle. Then the 8,192³ GEMM of the bench's
-    floor: alone with the GPU idle between calls (the bench's ceiling) and back to back for as long as the pass.
-    With nvidia-smi, the SM clock and the power drawn in each sustained run."""
+    graph, as the pass runs them, replayed --replays times after a second idle. With --candidates, each shape's
+    algorithms without split-K sustained (that shape's GEMMs back to back for a quarter of a second, after as long
+    again), and the pass with each shape on its fastest sustained algorithm against the heuristic's, in turn. Then
+    the 8,192³ GEMM of the bench's floor: alone with the GPU idle between calls (the bench's ceiling) and back to back
+    for as long as the pass. With nvidia-smi, the SM clock and the power drawn in each sustained run."""
     from kev_backend.dev import tiny
     from kev_backend.gpu import cublaslt
     from kev_backend.model.qwen35 import Qwen35Config
@@ -190,41 +192,82 @@ def gemmsustained(args) -> None:
     inputs = {k: torch.randn(m, k, device=device, dtype=torch.bfloat16) for k in {k for _, k in sequence}}
     outputs = {n: torch.empty(m, n, device=device, dtype=torch.bfloat16) for n in {n for n, _ in sequence}}
     plans = {(n, k): gemms.plan(m, n, k) for n, k in set(sequence)}
+    heuristic = {shape: plan.default for shape, plan in plans.items()}
     tflop = sum(2 * m * n * k for n, k in sequence) / 1e12
 
-    def run(shapes: list[int]) -> None:
-        for i in shapes:
+    def run(layers: list[int], algos: dict) -> None:
+        for i in layers:
             n, k = sequence[i]
-            plan = plans[n, k]
-            plan.run(plan.default, inputs[k], weights[i], outputs[n], gemms.workspace)
+            plans[n, k].run(algos[n, k], inputs[k], weights[i], outputs[n], gemms.workspace)
 
+    def captured(layers: list[int], algos: dict) -> torch.cuda.CUDAGraph:
+        run(layers, algos)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(layers, algos)
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph
+
+    def replayed(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
+        """ms of each of `replays` replays back to back."""
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+        events[0].record()
+        for event in events[1:]:
+            graph.replay()
+            event.record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+
+    everything = list(range(len(sequence)))
     alone = 0.0
     for shape in set(sequence):
-        first = [i for i, s in enumerate(sequence) if s == shape]
-        ms = graph_ms(lambda first=first: run(first[:2]), repeat=3) / 2
-        alone += ms * len(first)
+        layers = [i for i, s in enumerate(sequence) if s == shape]
+        alone += graph_ms(lambda layers=layers: run(layers[:2], heuristic), repeat=3) / 2 * len(layers)
     print(f"gemmsustained {args.size} M={m}: {tflop:.1f} TFLOP a pass; each shape alone, summed: "
           f"{alone:.1f} ms ({tflop / alone * 1000:.0f} TFLOP/s)", flush=True)  # fmt: skip
 
-    whole = torch.cuda.CUDAGraph()
-    run(list(range(len(sequence))))
-    with torch.cuda.graph(whole):
-        run(list(range(len(sequence))))
-    whole.replay()
-    torch.cuda.synchronize()
+    whole = captured(everything, heuristic)
     time.sleep(1.0)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.replays + 1)]
     samples: list[tuple[float, float]] = []
     with gpu_clocks(samples):
-        events[0].record()
-        for event in events[1:]:
-            whole.replay()
-            event.record()
-        torch.cuda.synchronize()
-    times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        times = replayed(whole, args.replays)
+    sustained = statistics.median(times[1:])
+    rate = tflop / sustained * 1000
     print(f"gemmsustained {args.size} M={m}: the pass's GEMMs back to back: first {times[0]:.1f} ms, then median "
-          f"{statistics.median(times[1:]):.1f} ms ({tflop / statistics.median(times[1:]) * 1000:.0f} TFLOP/s); "
-          f"{clocks_text(samples)}", flush=True)  # fmt: skip
+          f"{sustained:.1f} ms ({rate:.0f} TFLOP/s); {clocks_text(samples)}", flush=True)  # fmt: skip
+
+    if args.candidates:
+        fastest = dict(heuristic)
+        for shape in sorted(set(sequence)):
+            layers = [i for i, s in enumerate(sequence) if s == shape]
+            n, k = shape
+            us: dict[int, float] = {}
+            expected = None
+            candidates = plans[shape].candidates()
+            for index, algo in enumerate(candidates):
+                algos = {shape: algo}
+                try:
+                    run(layers[:1], algos)
+                except RuntimeError:  # an algorithm this row count cannot take
+                    continue
+                expected = outputs[n].clone() if expected is None else expected
+                if not torch.equal(outputs[n], expected):
+                    print(f"gemmsustained {n}x{k} c{index}: BITS DIFFER", flush=True)
+                graph = captured(layers, algos)
+                count = max(2, round(250 / replayed(graph, 1)[0]))
+                replayed(graph, count)  # the power limit reached, as inside a long pass
+                us[index] = sum(replayed(graph, count)) / count / len(layers) * 1000
+                del graph
+            best = min(us, key=us.__getitem__)
+            fastest[shape] = candidates[best]
+            print(f"gemmsustained {args.size} M={m} {n}x{k} x{len(layers)} sustained us a GEMM: "
+                  + " ".join(f"c{i} {t:.1f}" for i, t in us.items()) + f"; fastest c{best}", flush=True)  # fmt: skip
+        tuned = captured(everything, fastest)
+        pairs = [[statistics.median(replayed(g, args.replays)[1:]) for g in (whole, tuned)] for _ in range(3)]
+        print(f"gemmsustained {args.size} M={m}: the pass's GEMMs back to back, heuristic against fastest sustained, "
+              "in turn: " + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in pairs) + " ms", flush=True)  # fmt: skip
+        del tuned
     del whole
     weights.clear()  # the pass's memory back before the 8,192³ GEMM
     inputs.clear()
@@ -241,7 +284,7 @@ def gemmsustained(args) -> None:
         end.record()
         torch.cuda.synchronize()
         burst.append(start.elapsed_time(end))
-    count = max(1, round(statistics.median(times[1:]) / statistics.median(burst[3:])))
+    count = max(1, round(sustained / statistics.median(burst[3:])))
     time.sleep(1.0)
     samples = []
     with gpu_clocks(samples):
@@ -262,3 +305,4 @@ def register(sub) -> None:
     parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's projections (default 4b)")
     parser.add_argument("--rows", type=int, default=2630, help="the pass's rows (default 2630)")
     parser.add_argument("--replays", type=int, default=5, help="replays of the pass's GEMMs (default 5)")
+    parser.add_argument("--candidates", action="store_true", help="each shape's algorithms, sustained")
