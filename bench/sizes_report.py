@@ -69,7 +69,8 @@ def table(record: dict[str, Any]) -> list[str]:
         for point in bench["workloads"].get("scaling", []):
             lines.append(
                 f"  scaling {point['state_tokens']:6d} tokens: new {ms(point['new_ms'])} same {ms(point['same_ms'])}"
-                f" floor {ms(point['floor_ms'])} GPU peak {point['gpu_gib'] or 0:.1f} GiB"
+                f" floor {ms(point['floor_ms'])} (sustained {ms(point.get('floor_sustained_ms'))})"
+                f" GPU peak {point['gpu_gib'] or 0:.1f} GiB"
             )
         if "bank_capacity" in bench:
             room = bench["bank_capacity"]

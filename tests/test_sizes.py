@@ -195,13 +195,14 @@ def test_floor_counts_by_hand() -> None:
 
 def test_scaling_point_on_the_reference_path(tiny_dir: Path) -> None:
     engine = Engine(load_checkpoint(tiny_dir / "kev", "cpu"))
-    point = bench.scaling_point(engine, 300, {"bf16_gemm_tflops": 1.0}, repeat=2)
+    point = bench.scaling_point(engine, 300, {"bf16_gemm_tflops": 1.0, "bf16_gemm_tflops_sustained": 0.8}, repeat=2)
     assert point["state_tokens"] == 300
     assert point["new_ms"] > 0 and point["same_ms"] > 0
     _, encoded = engine.prepare(sized(300, bench.state_length(engine)))
     rows = [len(q.tokens) for q in encoded.questions]
     expected = bench.pass_flops(engine.checkpoint.model.config, 300, rows)["total"]
     assert point["floor_ms"] == pytest.approx(expected / 1e9)  # ms at 1 TFLOP/s
+    assert point["floor_sustained_ms"] == pytest.approx(expected / 0.8e9)
     assert engine.bank_stats.hits >= 2  # the same state came from the bank
 
 
@@ -336,12 +337,13 @@ def test_quick_workloads_and_their_table_on_the_reference_path(tiny_dir: Path, c
     from kev_backend.dev.workloads import long5, short6
 
     engine = Engine(load_checkpoint(tiny_dir / "kev", "cpu"))
-    ceil = {"bf16_gemm_tflops": 1.0, "copy_tb_s": 1.0}
+    ceil = {"bf16_gemm_tflops": 1.0, "bf16_gemm_tflops_sustained": 0.5, "copy_tb_s": 1.0}
     short = bench.measure(engine, short6, ceil, 0.3, (2,), full=False, baseline=False, label="short6")
     long = bench.measure(engine, long5, ceil, 0.3, (), full=False, baseline=False, label="long5")
     assert set(short["rps"]) == {"2"} and long["rps"] == {}
     assert not {"profile_new", "serial_rps_64"} & (set(short) | set(long))
     assert short["baseline_rps"] is None and short["new_ms"] > 0 and long["floor_new_ms"] > 0
+    assert long["floor_new_sustained_ms"] == pytest.approx(2 * long["floor_new_ms"])  # compute-bound at 1 TFLOP/s
     point = bench.scaling_point(engine, 100, ceil, repeat=1)
     bench.print_table({"short6": short, "long5": long, "scaling": [point]})
     out = capsys.readouterr().out

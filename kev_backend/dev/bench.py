@@ -44,31 +44,50 @@ CLIENTS = (1, 8, 32, 64)
 # The scaling workload's states, <state> included: 2k to 32k, and one under Kev's 65,536-token limit.
 SCALING_TOKENS = (2048, 4096, 8192, 16384, 32768, 65_535)
 GIB = 1 << 30
+SUSTAINED_S = 0.5  # the sustained GEMM rate's run (ceilings)
 
 
 def ceilings(device: torch.device) -> dict[str, float]:
-    """Measured bf16 GEMM rate and device-to-device copy bandwidth (bytes read + written)."""
+    """Measured bf16 GEMM rates and device-to-device copy bandwidth (bytes read + written). The GEMM rate twice: the
+    8,192³ GEMM with the GPU idle before each call (bf16_gemm_tflops: what a short pass's GEMMs get), and back to
+    back for SUSTAINED_S (bf16_gemm_tflops_sustained: by then an H200 runs at its power limit, its SM clock ~1,500
+    MHz against 1,980, and a pass over ~50 ms runs its GEMMs near this rate)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     src = torch.randn(1 << 28, device=device)
     dst = torch.empty_like(src)
 
-    def timed(fn, repeat: int) -> float:
+    def timed(fn, repeat: int, calls: int = 1) -> float:
+        """Median seconds a call over `repeat` timings of `calls` calls back to back, after 3 calls."""
         for _ in range(3):
             fn()
         times = []
         for _ in range(repeat):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(calls):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
+            times.append(start.elapsed_time(end) / 1000 / calls)
         return statistics.median(times)
 
     gemm_s = timed(lambda: a @ b, 10)
+    sustained_s = timed(lambda: a @ b, 1, calls=max(1, round(SUSTAINED_S / gemm_s)))
     copy_s = timed(lambda: dst.copy_(src), 10)
-    return {"bf16_gemm_tflops": 2 * 8192**3 / gemm_s / 1e12, "copy_tb_s": 2 * src.numel() * 4 / copy_s / 1e12}
+    return {
+        "bf16_gemm_tflops": 2 * 8192**3 / gemm_s / 1e12,
+        "bf16_gemm_tflops_sustained": 2 * 8192**3 / sustained_s / 1e12,
+        "copy_tb_s": 2 * src.numel() * 4 / copy_s / 1e12,
+    }
+
+
+def floors(flops: float, ceil: dict[str, float]) -> dict[str, float]:
+    """ms of `flops` at the burst and at the sustained GEMM rate (ceilings)."""
+    return {
+        "floor_ms": 1000 * flops / (ceil["bf16_gemm_tflops"] * 1e12),
+        "floor_sustained_ms": 1000 * flops / (ceil["bf16_gemm_tflops_sustained"] * 1e12),
+    }
 
 
 def model_time(engine: Engine, body: dict) -> float:
@@ -206,8 +225,12 @@ def request_cost(engine: Engine, body: dict) -> dict[str, float]:
     return {"tokens": tokens, "flops": flops, "weight_bytes": params * 2}
 
 
-def floor_rps(cost: dict[str, float], ceil: dict[str, float], clients: int = 64) -> float:
-    compute = clients * cost["flops"] / (ceil["bf16_gemm_tflops"] * 1e12)
+def floor_rps(
+    cost: dict[str, float], ceil: dict[str, float], clients: int = 64, rate: str = "bf16_gemm_tflops"
+) -> float:
+    """Requests/s at `clients` at once: their FLOPs at the GEMM rate `rate` (a ceilings key) or the weights read once,
+    whichever takes longer."""
+    compute = clients * cost["flops"] / (ceil[rate] * 1e12)
     weights = cost["weight_bytes"] / (ceil["copy_tb_s"] * 1e12)
     return clients / max(compute, weights)
 
@@ -253,7 +276,7 @@ def scaling_point(engine: Engine, tokens: int, ceil: dict[str, float], repeat: i
     """long5's questions on states of `tokens` tokens: median model time of `repeat` new states and of `repeat`
     requests on one banked state (after one untimed request of each: kernels at this length, the state banked);
     the GPU memory the point needed at its peak (gpu_gib: max_memory_allocated since the point began) and held
-    after it; the compute floor of a new state (pass_flops at the measured bf16 rate)."""
+    after it; the compute floor of a new state (pass_flops at the measured bf16 rates: floors)."""
     count = state_length(engine)
     same = sized(tokens, count)
     model_time(engine, sized(tokens, count, next(NEW_STATE)))
@@ -268,7 +291,7 @@ def scaling_point(engine: Engine, tokens: int, ceil: dict[str, float], repeat: i
         "state_tokens": len(encoded.state),
         "new_ms": statistics.median(new),
         "same_ms": statistics.median(banked),
-        "floor_ms": 1000 * flops["total"] / (ceil["bf16_gemm_tflops"] * 1e12),
+        **floors(flops["total"], ceil),
         **memory_gib(),
         "flops": flops,
     }
@@ -447,6 +470,7 @@ def measure(
     entry["tokens"] = cost["tokens"]
     entry["floor_rps"] = floor_rps(cost, ceil)
     entry["floor_new_ms"] = 1000 / floor_rps(cost, ceil, clients=1)
+    entry["floor_new_sustained_ms"] = 1000 / floor_rps(cost, ceil, clients=1, rate="bf16_gemm_tflops_sustained")
     result = naive_baseline(engine, make, 10) if baseline else {"rps": None, "error": "skipped"}
     entry["baseline_rps"] = result["rps"]
     if result.get("error"):
@@ -465,7 +489,8 @@ def print_table(workloads: dict[str, Any]) -> None:
     for point in workloads.get("scaling", []):
         print(
             f"state {point['state_tokens']:6d} tokens: new {point['new_ms']:9.2f} ms, same {point['same_ms']:7.2f} ms,"
-            f" floor {point['floor_ms']:8.2f} ms, GPU peak {point['gpu_gib'] or 0:6.1f} GiB"
+            f" floor {point['floor_ms']:8.2f} ms (sustained {point['floor_sustained_ms']:8.2f}),"
+            f" GPU peak {point['gpu_gib'] or 0:6.1f} GiB"
         )
 
 
