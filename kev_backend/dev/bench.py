@@ -6,7 +6,8 @@ ticket, 6 questions) and `long5` (~2,200-token document, 5 questions), each on a
 on the same state: median model time of 20; then requests/s at 1, 8, 32 and 64 concurrent in-process clients on new
 states, batched the way the Triton dynamic batcher batches them (every request waiting when the engine frees up rides
 the next batch). Beside each: the floor (FLOPs at the measured bf16 GEMM rate, weight bytes at the measured copy
-bandwidth) and the naive transformers baseline (one full sequence per question) where the image has transformers.
+bandwidth; new-state latency and scaling points also at the sustained GEMM rate, `ceilings`) and the naive
+transformers baseline (one full sequence per question) where the image has transformers.
 `--quick` keeps latencies and short6 at 64 clients (no profiler passes, serial loop or baseline); `--scaling` adds
 long5's questions on states of 2k to 64k tokens, new and banked, with the GPU memory each needed, their compute
 floors, and how many 64k states the bank holds; `--determinism N` answers N questions alone and in batch mixes, bit
