@@ -449,6 +449,57 @@ def ncuprobe(args) -> None:
         torch.cuda.synchronize()
 
 
+def overlap(args) -> None:
+    """What two streams could hide if a long new state ran in two halves, one half's delta rule and memory-bound
+    kernels beside the other half's GEMMs: a Kev size's (--size) MLP input projection at --rows rows (cycling 4 weights,
+    cold), back to back, beside (a) one new state of --tokens tokens through the chunked delta rule (prep and chain),
+    (b) the MLP activation (silu·mul) at --rows rows; each alone and both at once on two streams, from CUDA graphs,
+    each side repeated to take about as long as the other. Prints ms and the share of the shorter side hidden."""
+    from kev_backend.dev import tiny
+    from kev_backend.gpu import cublaslt, kernels
+    from kev_backend.model.qwen35 import LINEAR_ATTENTION, Qwen35Config
+
+    device = torch.device("cuda")
+    config = Qwen35Config.from_dict(SIZES[args.size].config)
+    n, k = tiny.fused_projections(config)[LINEAR_ATTENTION][2]  # the MLP's gate and up together
+    gemms = cublaslt.pretuned(device, "off")
+    plan = gemms.plan(args.rows, n, k)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+    x = torch.randn(args.rows, k, device=device, dtype=torch.bfloat16)
+    y = torch.empty(args.rows, n, device=device, dtype=torch.bfloat16)
+
+    def gemm() -> None:
+        for w in weights:
+            plan.run(plan.default, x, w, y, gemms.workspace)
+
+    _, q, kk, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case([args.tokens], delta_rule_heads(args.size))
+    delta = functools.partial(kernels.chunked_rows, q, kk, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=True)
+    activation = functools.partial(kernels.silu_mul, torch.randn_like(y))
+    for name, side in (("delta rule", delta), ("silu_mul", activation)):
+        gemm_ms, side_ms = graph_ms(gemm, repeat=4), graph_ms(side, repeat=4)
+        gemm_calls = max(1, round(side_ms / gemm_ms)) if side_ms > gemm_ms else 1
+        side_calls = max(1, round(gemm_ms / side_ms)) if gemm_ms >= side_ms else 1
+
+        def both(gemm_calls=gemm_calls, side_calls=side_calls, side=side) -> None:
+            main, beside = torch.cuda.current_stream(), torch.cuda.Stream()
+            beside.wait_stream(main)
+            with torch.cuda.stream(beside):
+                for _ in range(side_calls):
+                    side()
+            for _ in range(gemm_calls):
+                gemm()
+            main.wait_stream(beside)
+
+        alone = graph_ms(lambda c=gemm_calls: [gemm() for _ in range(c)], repeat=4)
+        alone_side = graph_ms(lambda side=side, c=side_calls: [side() for _ in range(c)], repeat=4)
+        together = graph_ms(both, repeat=4)
+        hidden = (alone + alone_side - together) / min(alone, alone_side)
+        print(f"overlap {args.size} {n}x{k} M={args.rows} x{4 * gemm_calls} beside {name} x{side_calls}: alone "
+              f"{alone:.3f} + {alone_side:.3f} ms, together {together:.3f} ms; {hidden:.0%} of the shorter hidden",
+              flush=True)  # fmt: skip
+
+
 def register(sub) -> None:
     parser = command(sub, "long", long, "our delta rule and conv against fla's, new long states and rows")
     parser.add_argument("--rows", action="store_true", help="the row cases only")
@@ -469,4 +520,8 @@ def register(sub) -> None:
     parser.add_argument("--exact-plans", action="store_true", help="plans keyed by exact lengths (torch's default)")
     parser.add_argument("--prebuilt", action="store_true", help="each length class's plan built first")
     command(sub, "convscan", convscan, "the pass's conv by tokens, channels and warps a program")
+    parser = command(sub, "overlap", overlap, "a GEMM beside the delta rule or the activation, on two streams")
+    parser.add_argument("--size", choices=SIZES, default="27b", help="a Kev size's shapes (default 27b)")
+    parser.add_argument("--rows", type=int, default=1315, help="the GEMM's rows (default 1315: half of long5's pass)")
+    parser.add_argument("--tokens", type=int, default=1232, help="the state's tokens (default 1232: half of long5's)")
     command(sub, "ncuprobe", ncuprobe, "a few delta-rule calls for Nsight Compute (bench/gpu_run.sh ncu)")
