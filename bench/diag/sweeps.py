@@ -253,16 +253,18 @@ def rowsattn(args) -> None:
 
 
 def longattn(args) -> None:
-    """New long states' causal attention (Kev-4B heads): torch's varlen attention (FlashAttention 2, the reference),
-    scaled_dot_product_attention by backend, and our kernel by (query rows per program, keys per step, warps,
-    stages) (attention's live LONG_TILE_ROWS, WIDE_HEAD_KEYS, WIDE_HEAD_WARPS, WIDE_HEAD_STAGES); ms, TFLOP/s and
-    the largest difference from varlen's output for --states states (default one and eight) of about --tokens tokens
-    each (default 2,200; up to 65,535, Kev's longest state: how near each gets to the bf16 rate on long states)."""
+    """New long states' causal attention (Kev-4B heads; --size: another Kev size's): torch's varlen attention
+    (FlashAttention 2, the reference), scaled_dot_product_attention by backend, and our kernel by (query rows per
+    program, keys per step, warps, stages) (attention's live LONG_TILE_ROWS, WIDE_HEAD_KEYS, WIDE_HEAD_WARPS,
+    WIDE_HEAD_STAGES); ms, TFLOP/s and the largest difference from varlen's output for --states states (default one
+    and eight) of about --tokens tokens each (default 2,200; up to 65,535, Kev's longest state: how near each gets to
+    the bf16 rate on long states)."""
     from torch.nn.attention.varlen import varlen_attn
 
     from kev_backend.gpu.kernels import attention as A
 
-    HQ, HKV, D = 16, 4, 256
+    c = SIZES[args.size].config
+    HQ, HKV, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     chosen = (A.LONG_TILE_ROWS, A.WIDE_HEAD_KEYS, A.WIDE_HEAD_WARPS, A.WIDE_HEAD_STAGES)
     tiles = [chosen, *(t for t in ((128, 32, 8, 3), (128, 128, 8, 1), (64, 64, 8, 2)) if t != chosen)]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -515,6 +517,7 @@ def register(sub) -> None:
     parser = command(sub, "longattn", longattn, "new long states' attention: varlen, SDPA and our tiles")
     parser.add_argument("--tokens", type=_ints, default=[2200], help="a state's tokens, comma-separated (2200)")
     parser.add_argument("--states", type=_ints, default=[1, 8], help="states a call, comma-separated (1,8)")
+    parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's attention heads (default 4b)")
     parser = command(sub, "cudnnlengths", cudnnlengths, "cuDNN's attention: plan builds by state length")
     parser.add_argument("--tokens", type=_ints, default=[5000, 8192, 8300, 12000, 16384, 30000, 65535])
     parser.add_argument("--exact-plans", action="store_true", help="plans keyed by exact lengths (torch's default)")
