@@ -256,9 +256,9 @@ def longattn(args) -> None:
     """New long states' causal attention (Kev-4B heads; --size: another Kev size's): torch's varlen attention
     (FlashAttention 2, the reference), scaled_dot_product_attention by backend, and our kernel by (query rows per
     program, keys per step, warps, stages) (attention's live LONG_TILE_ROWS, WIDE_HEAD_KEYS, WIDE_HEAD_WARPS,
-    WIDE_HEAD_STAGES); ms, TFLOP/s and the largest difference from varlen's output (ours also with its GQA tiles
-    interleaved) for --states states (default one and eight) of about --tokens tokens each (default 2,200; up to
-    65,535, Kev's longest state: how near each gets to the bf16 rate on long states)."""
+    WIDE_HEAD_STAGES); ms, TFLOP/s and the largest difference from varlen's output for --states states (default one
+    and eight) of about --tokens tokens each (default 2,200; up to 65,535, Kev's longest state: how near each gets to
+    the bf16 rate on long states)."""
     from torch.nn.attention.varlen import varlen_attn
 
     from kev_backend.gpu.kernels import attention as A
@@ -285,12 +285,6 @@ def longattn(args) -> None:
         for name, run in _sdpa_variants(q, k, v, lengths).items():
             print(f"longattn {case} sdpa {name}: {_attention_result(run, reference, flops)}", flush=True)
         ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
-        blocked = ours()
-        with patched(A, GQA_INTERLEAVED=True):
-            result = _attention_result(ours, reference, flops)
-            same = torch.equal(ours(), blocked)
-        print(f"longattn {case} ours interleaved: {result}; {'same bits' if same else 'BITS DIFFER'} as by head",
-              flush=True)  # fmt: skip
         for rows, keys, warps, stages in tiles:
             with patched(A, LONG_TILE_ROWS=rows, WIDE_HEAD_KEYS=keys, WIDE_HEAD_WARPS=warps, WIDE_HEAD_STAGES=stages):
                 result = _attention_result(ours, reference, flops)

@@ -29,10 +29,6 @@ WIDE_HEAD_WARPS = 8
 # depend on the states batched with it.
 LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
-# A tile's rows interleaved (row r: token r // G, query head r % G of the G sharing a key/value head; rows past the
-# last whole token masked) rather than by head (row r: head r // BM, token r % BM, G rounded up to a power of two):
-# read at each launch.
-GQA_INTERLEAVED = False
 # Pipeline stages of the key loop for heads up to 128 wide (Triton's default on sm_90), read at each launch.
 ATTENTION_STAGES = 3
 # The scale holds log2(e) and the softmax exponentiates in base 2 (the same softmax, fewer instructions).
@@ -76,26 +72,6 @@ def _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, MASKED: tl.constexpr
 
 
 @triton.jit
-def _tile_rows(
-    i_m, L, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, ROWS: tl.constexpr, INTERLEAVED: tl.constexpr
-):
-    """A tile's ROWS rows, BM tokens of a segment (from token i_m · BM of L) × the G query heads of one key/value
-    head: each row's head within the group, its token within the segment and whether it is a real row. Interleaved
-    (GQA_INTERLEAVED), row r is token r // G and head r % G; otherwise head r // BM and token r % BM, GP (G rounded
-    up to a power of two) heads a tile."""
-    o_r = tl.arange(0, ROWS)
-    if INTERLEAVED:
-        g = o_r % G
-        o_m = i_m * BM + o_r // G
-        m_r = (o_m < L) & (o_r < G * BM)
-    else:
-        g = o_r // BM
-        o_m = i_m * BM + o_r % BM
-        m_r = (o_m < L) & (g < G)
-    return g, o_m, m_r
-
-
-@triton.jit
 def _rows_attention_kernel(
     q,
     k,
@@ -121,8 +97,6 @@ def _rows_attention_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     GP: tl.constexpr,
-    ROWS: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     PARTS: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -159,14 +133,17 @@ def _rows_attention_kernel(
             else:  # new states: their own tokens only
                 p_bos, P = 0, 0
             lo, hi = 0, P
-        g, o_m, m_r = _tile_rows(i_m, L, G, GP, BM, ROWS, INTERLEAVED)
+        o_r = tl.arange(0, GP * BM)
+        g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
+        o_m = i_m * BM + o_r % BM
+        m_r = (o_m < L) & (g < G)
         head = hk * G + g
         o_d = tl.arange(0, D)
         q_rows = (bos + o_m)[:, None] * stride_qt + head[:, None] * D + o_d[None, :]
         b_q = tl.load(q + q_rows, mask=m_r[:, None], other=0.0)
-        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([ROWS], dtype=tl.float32)
-        acc = tl.zeros([ROWS, D], dtype=tl.float32)
+        m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP * BM], dtype=tl.float32)
+        acc = tl.zeros([GP * BM, D], dtype=tl.float32)
         # The state's K/V (this part's keys), read in place from the bank pool through its token index: its whole key
         # blocks without masks, then the rest masked.
         if PARTS > 1:
@@ -235,8 +212,6 @@ def _merge_parts_kernel(
     D: tl.constexpr,
     BM: tl.constexpr,
     GP: tl.constexpr,
-    ROWS: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
     PARTS: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_ABOVE: tl.constexpr,
@@ -252,13 +227,16 @@ def _merge_parts_kernel(
     if i_m * BM < L:
         P = tl.load(prefix_len + n).to(tl.int64)
         parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
-        g, o_m, m_r = _tile_rows(i_m, L, G, GP, BM, ROWS, INTERLEAVED)
+        o_r = tl.arange(0, GP * BM)
+        g = o_r // BM
+        o_m = i_m * BM + o_r % BM
+        m_r = (o_m < L) & (g < G)
         head = hk * G + g
         o_d = tl.arange(0, D)
         base = ((bos + o_m) * HQ + head) * PARTS
-        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([ROWS], dtype=tl.float32)
-        acc = tl.zeros([ROWS, D], dtype=tl.float32)
+        m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP * BM], dtype=tl.float32)
+        acc = tl.zeros([GP * BM, D], dtype=tl.float32)
         for j in range(0, parts):
             m_j = tl.load(part_ml + (base + j) * 2, mask=m_r, other=0.0)
             l_j = tl.load(part_ml + (base + j) * 2 + 1, mask=m_r, other=1.0)
@@ -308,13 +286,10 @@ def rows_attention(
     o = torch.empty_like(q) if out is None else out
     assert o.shape == q.shape and o.is_contiguous()
     n = cu.shape[0] - 1
-    # TILE_ROWS (LONG_TILE_ROWS) rows a program: BM tokens × the query heads of one key/value head (_tile_rows).
-    G, GP = HQ // HKV, triton.next_power_of_2(HQ // HKV)
+    # TILE_ROWS rows a program: BM tokens × the query heads of one key/value head.
+    GP = triton.next_power_of_2(HQ // HKV)
     has_prefix = prefix is not None
-    rows = TILE_ROWS if has_prefix or max_len <= LONG_ABOVE else LONG_TILE_ROWS
-    interleaved = GQA_INTERLEAVED and rows >= G
-    BM = rows // G if interleaved else max(1, rows // GP)
-    ROWS = rows if interleaved else GP * BM
+    BM = max(1, (TILE_ROWS if has_prefix or max_len <= LONG_ABOVE else LONG_TILE_ROWS) // GP)
     BN, stages = (64, ATTENTION_STAGES) if D <= 128 else (WIDE_HEAD_KEYS, WIDE_HEAD_STAGES)
     warps = 4 if D <= 128 else WIDE_HEAD_WARPS
     if not has_prefix:
@@ -350,8 +325,6 @@ def rows_attention(
             BM=BM,
             BN=BN,
             GP=GP,
-            ROWS=ROWS,
-            INTERLEAVED=interleaved,
             HAS_PREFIX=has_prefix,
             PARTS=parts,
             SPLIT=SPLIT_KEYS,
@@ -372,8 +345,6 @@ def rows_attention(
                 D=D,
                 BM=BM,
                 GP=GP,
-                ROWS=ROWS,
-                INTERLEAVED=interleaved,
                 PARTS=parts,
                 SPLIT=SPLIT_KEYS,
                 SPLIT_ABOVE=SPLIT_ABOVE,
