@@ -36,12 +36,20 @@ def check_mix(record: dict) -> None:
     assert affinity["hit_rate"] >= 0.75 * affinity["repeated_states"] / affinity["requests"], affinity
 
 
+def repeats_answered(mix: dict) -> float:
+    """The share of a mix run's repeated requests answered without computing their state: the requests whose state
+    was not computed (hit_rate: 1 - misses / requests; only a repeat can find its state) over the repeats."""
+    return mix["hit_rate"] * mix["requests"] / mix["repeated_states"]
+
+
 def test_servers_behind_the_router_against_one(tiny_dir: Path, tmp_path: Path) -> None:
     two = run(tiny_dir, 2, tmp_path / "two.json")
     assert two["servers"] == 2 and two["gpus"] == [] and two["gpu"] == "cpu"
     check_mix(two)
-    # Without affinity a repeated state reaches the server that banked it only by chance.
-    assert two["mix"]["no_affinity"]["hit_rate"] < two["mix"]["affinity"]["hit_rate"], two["mix"]
+    # Without affinity a repeated state reaches the server that banked it only by chance. Compared per repeated
+    # request: the share of repeats differs from run to run (0.42-0.54 of requests in five runs at these settings),
+    # which moved the hit rate over all requests more than affinity did.
+    assert repeats_answered(two["mix"]["no_affinity"]) < repeats_answered(two["mix"]["affinity"]), two["mix"]
     lost = two["failover"]
     # Only requests in flight on the killed server fail; the rest, its states included, are answered by the other.
     assert 0 < lost["errors_after_kill"] <= MIX_CLIENTS and lost["errors"] == lost["errors_after_kill"], lost
