@@ -288,19 +288,22 @@ def bank_totals(servers: list[Server]) -> dict[str, float]:
 def measured(url: str, load: Load, procs: int, phase: int, servers: list[Server], during=None) -> dict[str, Any]:
     """A 2-s warm-up of `load`, then `load` itself: its summary, the repeated states it sent and what the servers'
     banks counted over the run. hit_rate: the share of requests whose state was not computed (found in a bank, or
-    computed once for several requests in one batch): 1 - kev_bank_misses_total / requests. bank_hit_rate: the
-    banks' own hits / (hits + misses), where a state shared within a batch counts once. `phase`: a number of the
-    measurement's own (its seeds, hence its states)."""
+    computed once for several requests in one batch): 1 - kev_bank_misses_total / requests. repeats_answered: the
+    same requests over the repeated ones (only a repeat can find its state), which does not move with the share of
+    repeats a run happens to send. bank_hit_rate: the banks' own hits / (hits + misses), where a state shared within a
+    batch counts once. `phase`: a number of the measurement's own (its seeds, hence its states)."""
     closed_loop(url, Load(load.shape, load.repeat, load.affinity, load.clients, 2.0), procs, PHASE_SEEDS * phase)
     before = bank_totals(servers)
     records = closed_loop(url, load, procs, PHASE_SEEDS * phase + PHASE_SEEDS // 2, during)
     after = bank_totals(servers)
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    repeated = sum(1 for *_, repeated, _ in records if repeated)
     result = summary(records, load.seconds) | {
-        "repeated_states": sum(1 for *_, repeated, _ in records if repeated),
+        "repeated_states": repeated,
         "bank_hits": hits,
         "bank_misses": misses,
         "hit_rate": max(0.0, 1 - misses / len(records)) if records else None,
+        "repeats_answered": min(1.0, max(0.0, (len(records) - misses) / repeated)) if repeated else None,
         "bank_hit_rate": hits / (hits + misses) if hits + misses else None,
     }
     return result | {"records": records} if during is not None else result
@@ -426,6 +429,9 @@ def report(one: dict[str, Any], many: dict[str, Any] | None) -> dict[str, Any]:
         "p50_ratio": many["throughput"][best]["p50_ms"] / base["p50_ms"],
         "hit_rate_affinity": many["mix"]["affinity"]["hit_rate"],
         "hit_rate_no_affinity": many["mix"]["no_affinity"]["hit_rate"],
+        "repeats_answered_one_gpu": one["mix"]["affinity"]["repeats_answered"],
+        "repeats_answered_affinity": many["mix"]["affinity"]["repeats_answered"],
+        "repeats_answered_no_affinity": many["mix"]["no_affinity"]["repeats_answered"],
         "several_gpus": many,
     }
 
