@@ -297,13 +297,13 @@ def measured(url: str, load: Load, procs: int, phase: int, servers: list[Server]
     records = closed_loop(url, load, procs, PHASE_SEEDS * phase + PHASE_SEEDS // 2, during)
     after = bank_totals(servers)
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-    repeated = sum(1 for *_, repeated, _ in records if repeated)
+    repeats = sum(1 for *_, repeated, _ in records if repeated)
     result = summary(records, load.seconds) | {
-        "repeated_states": repeated,
+        "repeated_states": repeats,
         "bank_hits": hits,
         "bank_misses": misses,
         "hit_rate": max(0.0, 1 - misses / len(records)) if records else None,
-        "repeats_answered": min(1.0, max(0.0, (len(records) - misses) / repeated)) if repeated else None,
+        "repeats_answered": min(1.0, max(0.0, (len(records) - misses) / repeats)) if repeats else None,
         "bank_hit_rate": hits / (hits + misses) if hits + misses else None,
     }
     return result | {"records": records} if during is not None else result
