@@ -89,7 +89,8 @@ def cuda_ms(fn: Callable[[], object], repeat: int = 10, warmup: int = 3) -> floa
     return start.elapsed_time(end) / repeat
 
 
-def _captured(fn: Callable[[], object], repeat: int) -> torch.cuda.CUDAGraph:
+def captured_graph(fn: Callable[[], object], repeat: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `repeat` calls of `fn` back to back, replayed once (after one call outside it)."""
     fn()  # compiled and warm before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -103,7 +104,7 @@ def _captured(fn: Callable[[], object], repeat: int) -> torch.cuda.CUDAGraph:
 def graph_ms(fn: Callable[[], object], repeat: int = 20) -> float:
     """Mean time of `fn` replayed from a CUDA graph (`repeat` calls captured back to back, as a pass's graph holds
     them): GPU time without the host's launches, which bound small eager calls."""
-    graph = _captured(fn, repeat)
+    graph = captured_graph(fn, repeat)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
@@ -118,7 +119,7 @@ def graph_kernel_us(fn: Callable[[], object], repeat: int = 20) -> dict[str, flo
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    graph = _captured(fn, repeat)
+    graph = captured_graph(fn, repeat)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()

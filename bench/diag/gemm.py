@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kev_backend.dev.tiny import SIZES
 
-from .common import KEV4B_PROJECTIONS, command, cuda_ms, graph_ms
+from .common import KEV4B_PROJECTIONS, captured_graph, command, cuda_ms, graph_ms
 
 
 def gemm(args) -> None:
@@ -178,6 +178,7 @@ def gemmsustained(args) -> None:
     the 8,192³ GEMM of the bench's floor: alone with the GPU idle between calls (the bench's ceiling) and back to back
     for as long as the pass. With nvidia-smi, the SM clock and the power drawn in each sustained run."""
     from kev_backend.dev import tiny
+    from kev_backend.dev.bench import ceilings
     from kev_backend.gpu import cublaslt
     from kev_backend.model.qwen35 import Qwen35Config
 
@@ -201,13 +202,7 @@ def gemmsustained(args) -> None:
             plans[n, k].run(algos[n, k], inputs[k], weights[i], outputs[n], gemms.workspace)
 
     def captured(layers: list[int], algos: dict) -> torch.cuda.CUDAGraph:
-        run(layers, algos)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run(layers, algos)
-        graph.replay()
-        torch.cuda.synchronize()
-        return graph
+        return captured_graph(lambda: run(layers, algos))
 
     def replayed(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
         """ms of each of `replays` replays back to back."""
@@ -273,23 +268,16 @@ def gemmsustained(args) -> None:
     inputs.clear()
     outputs.clear()
 
+    burst = ceilings(device)["bf16_gemm_tflops"]  # the bench's: the GPU idle before each call
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     square = 2 * 8192**3 / 1e12
-    burst = []
-    for _ in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize()
-        burst.append(start.elapsed_time(end))
-    count = max(1, round(sustained / statistics.median(burst[3:])))
+    count = max(1, round(sustained / (square / burst * 1000)))
     time.sleep(1.0)
     samples = []
     with gpu_clocks(samples):
         back = graph_ms(lambda: a @ b, repeat=count)
-    print(f"gemmsustained 8192^3: alone {square / statistics.median(burst[3:]) * 1000:.0f} TFLOP/s; {count} back to "
+    print(f"gemmsustained 8192^3: alone {burst:.0f} TFLOP/s; {count} back to "
           f"back {square / back * 1000:.0f} TFLOP/s; {clocks_text(samples)}", flush=True)  # fmt: skip
 
 

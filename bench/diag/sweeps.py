@@ -478,13 +478,14 @@ def overlap(args) -> None:
     _, q, kk, v, a, b, a_log, dt_bias, pool, slots, _, cu = segments_case([args.tokens], delta_rule_heads(args.size))
     delta = functools.partial(kernels.chunked_rows, q, kk, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=True)
     activation = functools.partial(kernels.silu_mul, torch.randn_like(y))
+    beside = torch.cuda.Stream()
     for name, side in (("delta rule", delta), ("silu_mul", activation)):
         gemm_ms, side_ms = graph_ms(gemm, repeat=4), graph_ms(side, repeat=4)
         gemm_calls = max(1, round(side_ms / gemm_ms)) if side_ms > gemm_ms else 1
         side_calls = max(1, round(gemm_ms / side_ms)) if gemm_ms >= side_ms else 1
 
         def both(gemm_calls=gemm_calls, side_calls=side_calls, side=side) -> None:
-            main, beside = torch.cuda.current_stream(), torch.cuda.Stream()
+            main = torch.cuda.current_stream()
             beside.wait_stream(main)
             with torch.cuda.stream(beside):
                 for _ in range(side_calls):

@@ -211,7 +211,6 @@ class FusedQwen35:
         # (kev_backend/gpu/cublaslt.py); `gemm_algos` chooses a pre-tuned table of the fastest. F.linear on a CPU.
         self.gemm_algos = cublaslt.pretuned(weights.embed.device, gemm_algos)
         self._linear = self.gemm_algos.linear if self.gemm_algos is not None else F.linear
-        c = self.c
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         self.value_dim = c.linear_num_value_heads * c.linear_value_head_dim
         dim = c.rotary_dim
