@@ -29,7 +29,6 @@ import multiprocessing
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from typing import Any
 
 from served import ready
 
+from kev_backend.dev.ports import free_port
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve import procs, prometheus
@@ -55,12 +55,6 @@ BUCKET_S = 0.5
 # Seeds a measurement: its warm-up's client processes take the first half, its run's the second (so --procs is
 # at most half of it); each client process numbers its new states from its seed x 10**7.
 PHASE_SEEDS = 1000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

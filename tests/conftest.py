@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from kev_backend.dev import tiny
+from kev_backend.dev.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,12 +130,6 @@ class TritonServer:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_triton(

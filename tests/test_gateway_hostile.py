@@ -21,11 +21,12 @@ import pytest
 from backports.zstd import ZstdCompressor, compress
 from starlette.testclient import TestClient
 
+from kev_backend.dev.ports import free_port
 from kev_backend.serve import gateway as gateway_module
 from kev_backend.serve.gateway import MAX_FRAMES, Refused, create_app, decompress
 from kev_backend.settings import GatewaySettings
 
-from .conftest import Gateway, TritonServer, free_port, start_gateway, stop_gateway
+from .conftest import Gateway, TritonServer, start_gateway, stop_gateway
 
 KEY = "hostile-key"
 LIMIT = 4 << 20  # the default for both byte limits

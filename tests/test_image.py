@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,6 +19,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from kev_backend.dev.ports import free_port
 
 pytestmark = pytest.mark.image
 
@@ -102,12 +103,6 @@ def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.C
     if check and result.returncode != 0:
         raise AssertionError(f"podman {' '.join(args)} exited {result.returncode}: {result.stderr[-2000:]}")
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Container:

@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kev_backend.dev.ports import free_port
 from kev_backend.protocol.systemone import state_key, state_key_of
 from kev_backend.serve import prometheus
 from kev_backend.serve.client import KevClient
 from kev_backend.serve.router import Server, config
 
-from .conftest import REPO, TritonServer, free_port, start_triton, stop_triton, wait_ready
+from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready
 
 ENVOY = shutil.which("envoy") or str(Path(sys.prefix) / "bin" / "envoy")
 

@@ -26,12 +26,13 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from kev_backend.dev.ports import free_port
 from kev_backend.serve import procs, supervisor
 from kev_backend.serve.procs import children
 from kev_backend.serve.supervisor import SHM_DIR, SHM_PREFIX, RestartBudget, shm_prefix
 from kev_backend.settings import ServeSettings
 
-from .conftest import REPO, TritonServer, free_port, start_triton, stop_triton, wait_ready
+from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready
 
 BODY = {"state": "my card was charged twice", "questions": {"urgent": {"type": "noul", "instructions": "urgent ?"}}}
 
