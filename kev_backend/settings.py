@@ -370,6 +370,10 @@ class GatewaySettings:
         """The model's limits (`params` from Triton's model config), the body limit being the decoded one."""
         return replace(model_limits(params, self.env), max_request_bytes=self.max_decoded_bytes)
 
+    def dtype(self, params: Mapping[str, str]) -> str | None:
+        """The weights' dtype the model was given (its parameter, or KEV_DTYPE), None for the load's default."""
+        return read_parameters(params, self.env).get("dtype")
+
 
 def gateway_address(env: Environment = os.environ) -> tuple[str, int]:
     """A stand-alone gateway's listening address: GATEWAY_HOST and GATEWAY_PORT (kev-serve passes its own)."""

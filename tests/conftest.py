@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +19,7 @@ import torch
 
 from kev_backend.dev import tiny
 from kev_backend.dev.ports import free_port
+from kev_backend.serve import prometheus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,6 +165,26 @@ def start_triton(
             stop_triton(server)
             pytest.fail(f"tritonserver not ready (exit code {process.poll()}):\n{server.log_tail()}")
     return server
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Polls `condition` until it holds; fails naming `what` if it never does (a bound on hanging, not a speed
+    check)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def metric_values(server: TritonServer) -> dict[str, float]:
+    """Triton's Prometheus samples by name, summed over their labels."""
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
+        samples = prometheus.parse(response.read().decode())
+    values: dict[str, float] = {}
+    for name, _, value in samples:
+        values[name] = values.get(name, 0.0) + value
+    return values
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> bool:

@@ -64,7 +64,7 @@ def test_lora_merge_equals_peft_unmerged(tiny_dir: Path) -> None:
         return pointer_probabilities(engine.checkpoint.head, 2.0, torch.stack(decide), torch.cat(options), counts)
 
     def gap(a: list[list[float]], b: list[list[float]]) -> float:
-        return max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+        return max(abs(x - y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True))
 
     expected = row_form(unmerged)
     assert gap(row_form(merged), expected) <= 1e-6
@@ -79,7 +79,7 @@ def test_full_weight_checkpoint_answers_like_the_lora(tiny_dir: Path) -> None:
     _, encoded = lora.prepare(REQUEST)
     a = lora.scorer.probabilities([encoded])[0]
     b = full.scorer.probabilities([encoded])[0]
-    assert max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)) <= 1e-6
+    assert max(abs(x - y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True)) <= 1e-6
 
 
 def test_head_pt_defaults_and_temperature_override(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,3 +92,10 @@ def test_kev_score_cli_orders_reports_and_resumes(triton: TritonServer, engine: 
             assert a == b
         else:
             assert_same_answer(json.loads(a), json.loads(b) | {"latency_ms": json.loads(a)["latency_ms"]})
+
+
+def test_http_without_its_client_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The serve set holds Triton's gRPC client only: asking for HTTP without tritonclient[http] says what to add."""
+    monkeypatch.setitem(sys.modules, "tritonclient.http", None)  # an import of it now fails, as where it is missing
+    with pytest.raises(ImportError, match=r"pip install 'tritonclient\[http\]'"):
+        KevClient("127.0.0.1:8000", protocol="http")

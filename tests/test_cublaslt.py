@@ -45,6 +45,11 @@ def test_committed_tables_hold_bucket_shapes_of_the_projections(path: Path) -> N
     assert shapes and all(m in tokens and (n, k) in projections for m, n, k in shapes)
 
 
+def test_a_table_is_packaged() -> None:
+    """The tests over each packaged table run only if one is found: an empty gemm_algos/ fails here, not silently."""
+    assert TABLES, f"no GEMM table in {cublaslt.TABLES}"
+
+
 def test_the_tuner_knows_kev4b_projections() -> None:
     assert gemm_tuner.size_projections("4b") == kev4b_projections()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.model.checkpoint import LoadOptions
 from kev_backend.protocol.encoding import Limits, StateTokens, token_ids
 from kev_backend.protocol.systemone import RequestError
 
@@ -150,7 +151,8 @@ def test_bad_requests_fail_alone(tiny_dir: Path) -> None:
 
 
 def test_parity_report_plumbing(tiny_dir: Path) -> None:
-    """The parity figures the GPU tests assert on, computed here reference vs reference (exactly equal)."""
+    """The parity figures the GPU tests assert on: reference against reference exactly equal, and against a model
+    that answers otherwise (the head's temperature 1 instead of 2) a gap the report sees."""
     from kev_backend.dev.parity import parity_report
     from kev_backend.dev.workloads import realistic, short6
 
@@ -162,6 +164,10 @@ def test_parity_report_plumbing(tiny_dir: Path) -> None:
     assert report["vs_reference"]["max_abs"] <= 1e-6 and report["vs_reference"]["flips"] == 0
     assert report["alone_vs_batch"]["max_abs"] <= 1e-6 and report["bank_hit_vs_miss"]["max_abs"] <= 1e-6
     assert 0.0 < report["spread_reference"]["normalised_entropy_mean"] < 1.0
+    sharper = Engine.from_checkpoint(
+        tiny_dir / "kev", EngineOptions(bank_bytes=1 << 26, load=LoadOptions(temperature=1.0))
+    )
+    assert parity_report(reference, sharper, requests[:8], batch_size=8)["vs_reference"]["max_abs"] > 1e-3
 
 
 def test_engine_options_default_to_the_shipped_configuration_and_refuse_unknown_values(tmp_path: Path) -> None:

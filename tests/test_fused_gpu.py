@@ -324,10 +324,14 @@ def test_cuda_eager_reference_matches_cpu(tiny_dir: Path) -> None:
     assert cuda.backend == "reference" and cuda.device.type == "cuda"
     a, b = cpu.answer(requests), cuda.answer(requests)
     for x, y in zip(a, b, strict=True):
+        assert list(x["answers"]) == list(y["answers"])
         for qid, answer in x["answers"].items():
             for key, value in answer.items():
                 if isinstance(value, float):
                     assert abs(value - y["answers"][qid][key]) <= 2e-4
+                elif key == "probabilities":
+                    other = y["answers"][qid][key]
+                    assert list(other) == list(value) and all(abs(v - other[k]) <= 2e-4 for k, v in value.items())
 
 
 def test_fused_engine_serves_through_the_engine_api(tiny_dir: Path) -> None:

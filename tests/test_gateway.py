@@ -26,7 +26,17 @@ from typesafe_sdk import (
 
 from kev_backend.engine.engine import Engine
 
-from .conftest import REPO, Gateway, TritonServer, start_gateway, start_triton, stop_gateway, stop_triton
+from .conftest import (
+    REPO,
+    Gateway,
+    TritonServer,
+    metric_values,
+    start_gateway,
+    start_triton,
+    stop_gateway,
+    stop_triton,
+    wait_until,
+)
 from .test_triton_e2e import assert_same_answer
 
 KEY = "test-key-123"
@@ -227,6 +237,7 @@ def test_permute(gateway: Gateway) -> None:
     assert reply["runs"][0]["order"] == ["billing", "technical", "sales"]
     assert all(sorted(run["order"]) == ["billing", "sales", "technical"] for run in reply["runs"])
     assert reply["argmax_stable"] == (len({run["choice"] for run in reply["runs"]}) == 1)
+    assert list(reply["spread"]) == ["billing", "technical", "sales"]
     for key, spread in reply["spread"].items():
         values = [run["probabilities"][key] for run in reply["runs"]]
         assert abs(spread - (max(values) - min(values))) <= 1e-4
@@ -292,9 +303,11 @@ def test_triton_queue_full_is_529(tiny_dir: Path, tmp_path: Path) -> None:
             status, headers, _ = post(gateway, "/v1/systemone", body, key=None)
             results.append((status, headers))
 
+        executions = metric_values(triton).get("nv_inference_exec_count", 0.0)
         first = threading.Thread(target=call, args=(long_body,))
         first.start()
-        time.sleep(0.3)  # the long request is running; the queue holds one more
+        # Triton counts a batch once the model's execute has taken it: the long request is running, the queue empty.
+        wait_until(lambda: metric_values(triton).get("nv_inference_exec_count", 0.0) > executions, "the long batch")
         threads = [
             threading.Thread(target=call, args=({"state": f"order {i}", "questions": QUESTIONS},)) for i in range(10)
         ]

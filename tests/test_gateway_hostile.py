@@ -10,7 +10,6 @@ import json
 import logging
 import socket
 import threading
-import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +25,7 @@ from kev_backend.serve import gateway as gateway_module
 from kev_backend.serve.gateway import MAX_FRAMES, Refused, create_app, decompress
 from kev_backend.settings import GatewaySettings
 
-from .conftest import Gateway, TritonServer, start_gateway, stop_gateway
+from .conftest import Gateway, TritonServer, start_gateway, stop_gateway, wait_until
 
 KEY = "hostile-key"
 LIMIT = 4 << 20  # the default for both byte limits
@@ -144,16 +143,6 @@ def zstd_bomb(total: int) -> bytes:
 def gzip_bomb(total: int) -> bytes:
     compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
     return b"".join(compressor.compress(block) for block in zeros(total)) + compressor.flush()
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    """Polls `condition` until it holds; fails naming `what` if it never does (a bound on hanging, not a speed
-    check)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def in_parallel(*calls: Callable[[], object]) -> list[object]:

@@ -16,21 +16,19 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from kev_backend.protocol.systemone import MAX_QUESTIONS, MAX_REQUEST_BYTES, RequestError
+from kev_backend.serve import prometheus
 
-from .conftest import Gateway, TritonServer, start_gateway, stop_gateway
-from .test_triton_e2e import metric_values
+from .conftest import Gateway, TritonServer, metric_values, start_gateway, stop_gateway
 
 
 def errors_by_reason(server: TritonServer) -> dict[str, float]:
     """kev_request_errors_total per reason label, summed over instances."""
     with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
+        samples = prometheus.parse(response.read().decode())
     counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kev_request_errors_total{"):
-            labels, value = line.rsplit(" ", 1)
-            reason = labels.split('reason="')[1].split('"')[0]
-            counts[reason] = counts.get(reason, 0.0) + float(value)
+    for name, labels, value in samples:
+        if name == "kev_request_errors_total":
+            counts[labels["reason"]] = counts.get(labels["reason"], 0.0) + value
     return counts
 
 
@@ -56,6 +54,8 @@ def raw(text: str) -> bytes:
 
 
 OK = "ok"
+PARSE_ERROR = "There was an error parsing the body"  # Kev's (FastAPI's) message for a body that is not JSON text
+NOT_AN_OBJECT = "Input should be a valid dictionary"
 WORDS = "the refund is late please help "
 
 # (case, body, expected): OK, or (reason, text in the error message). Reasons: "invalid" (Kev's 422; the gateway may
@@ -127,10 +127,14 @@ CASES: list[tuple[str, bytes, object]] = [
     ("emoji and scripts", body("😀 مرحبا 你好 e\u0301 \u202e"), OK),
     ("delimiter text", body("<|fim_prefix|> <|box_end|> <|fim_suffix|>"), OK),
     ("escaped unicode", raw('{"state": "caf\\u00e9 \\/ \\"q\\"", "questions": {"q": {"type": "noul"}}}'), OK),
-    ("invalid UTF-8", b'{"state": "\xff\xfe", "questions": {"q": {"type": "noul"}}}', ("invalid", "")),
+    ("invalid UTF-8", b'{"state": "\xff\xfe", "questions": {"q": {"type": "noul"}}}', ("invalid", PARSE_ERROR)),
     ("UTF-8 BOM", b"\xef\xbb\xbf" + body(), OK),
     # numbers
-    ("5000-digit int", raw('{"state": ' + "9" * 5000 + ', "questions": {"q": {"type": "noul"}}}'), ("invalid", "")),
+    (
+        "5000-digit int",
+        raw('{"state": ' + "9" * 5000 + ', "questions": {"q": {"type": "noul"}}}'),
+        ("invalid", PARSE_ERROR),
+    ),
     ("NaN", raw('{"state": NaN, "questions": {"q": {"type": "noul"}}}'), OK),
     ("Infinity", raw('{"state": [Infinity, -Infinity], "questions": {"q": {"type": "noul"}}}'), OK),
     ("1e400", raw('{"state": 1e400, "questions": {"q": {"type": "noul"}}}'), OK),
@@ -144,8 +148,8 @@ CASES: list[tuple[str, bytes, object]] = [
     ("truncated JSON", body()[:-3], ("invalid", "JSON decode error")),
     ("trailing garbage", body() + b" ]", ("invalid", "JSON decode error")),
     ("single quotes", b"{'state': 'x'}", ("invalid", "JSON decode error")),
-    ("top-level list", b"[1, 2]", ("invalid", "")),
-    ("top-level string", b'"state"', ("invalid", "")),
+    ("top-level list", b"[1, 2]", ("invalid", NOT_AN_OBJECT)),
+    ("top-level string", b'"state"', ("invalid", NOT_AN_OBJECT)),
     ("state null", body(None), OK),
     ("state true", body(True), OK),
     ("state whitespace", body("   \n\t "), OK),

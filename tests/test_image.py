@@ -9,8 +9,10 @@ PODMAN (default build/image/podman.sh) is the podman command. Measurements go to
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -30,32 +32,21 @@ PODMAN = shlex.split(os.environ.get("PODMAN", "build/image/podman.sh"))
 KEY = "image-test-key"
 STUB_COMM = "triton_python_b"  # the Python backend's stub as /proc spells it
 
-# README's example request (curl to Triton's HTTP port) and the embedded toy checkpoint's answer printed there.
-README_REQUEST = {
-    "state": "My card was charged twice for the same order.",
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Does this need a reply today?"},
-        "team": {
-            "type": "choice",
-            "instructions": "Which team?",
-            "criteria": {"billing": "payments and refunds", "technical": None},
-        },
-    },
-}
-README_ANSWERS = {
-    "urgent": {"type": "noul", "noul": 0.5808},
-    "team": {
-        "type": "choice",
-        "choice": "technical",
-        "confidence": 0.4842,
-        "probabilities": {"billing": 0.2579, "technical": 0.7421},
-    },
-}
-# README's tritonclient (gRPC) example.
-README_GRPC_REQUEST = {
-    "state": {"ticket": "My card was charged twice", "plan": "pro"},
-    "questions": {"tone": {"type": "score", "instructions": "Sentiment", "criteria": ["angry", "neutral", "happy"]}},
-}
+
+def readme_examples() -> tuple[dict, dict, dict]:
+    """README's examples, read from it so that what it shows is what is tested: the curl request to Triton's HTTP
+    port, the answers it prints (the embedded toy checkpoint's), and the tritonclient (gRPC) example's request."""
+    text = (REPO / "README.md").read_text()
+    curl = re.search(r"curl -s localhost:8000/v2/models/kev/infer -d '(.*?)'\n```", text, re.DOTALL)
+    shown = re.search(r"```json\n(.*?)\n```", text, re.DOTALL)
+    grpc = re.search(r"\nrequest = (\{.*?\n\})\nclient = grpcclient", text, re.DOTALL)
+    assert curl and shown and grpc, "README's Triton examples were not found"
+    request = json.loads(json.loads(curl.group(1))["inputs"][0]["data"][0])
+    answers = json.loads(json.loads(shown.group(1))["outputs"][0]["data"][0])["answers"]
+    return request, answers, ast.literal_eval(grpc.group(1))
+
+
+README_REQUEST, README_ANSWERS, README_GRPC_REQUEST = readme_examples()
 
 TRITON_HTTP = """
 import json, sys, urllib.request
@@ -303,7 +294,12 @@ def test_healthcheck_needs_a_real_inference(container):
         time.sleep(0.2)
 
 
-def test_sigterm_stops_within_two_seconds(container):
+def test_sigterm_stops_within_the_stop_timeout(container):
+    """podman stop: kev-serve stops everything by its stop timeout (the image's KEV_STOP_TIMEOUT_S; SIGKILL at the
+    deadline) and exits 0 on its own."""
+    listed = container.inspect("{{range .Config.Env}}{{println .}}{{end}}")
+    env = dict(line.split("=", 1) for line in listed.splitlines() if line)
+    stop_timeout_s = float(env["KEV_STOP_TIMEOUT_S"])
     assert gateway_ready(container)
     started = time.monotonic()
     podman("stop", "-t", "10", container.name)
@@ -313,4 +309,4 @@ def test_sigterm_stops_within_two_seconds(container):
     assert container.inspect("{{.State.ExitCode}}") == "0"
     logs = container.logs()
     assert "SIGTERM received: stopping" in logs and "stopped in" in logs, logs[-3000:]
-    assert elapsed < 2.0, f"podman stop took {elapsed:.2f} s"
+    assert elapsed < stop_timeout_s + 1, f"podman stop took {elapsed:.2f} s"  # + podman's own second at most

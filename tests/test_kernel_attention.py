@@ -9,10 +9,8 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from kev_backend.gpu.kernels import grid  # noqa: E402
-from kev_backend.gpu.kernels.attention import (  # noqa: E402
+from kev_backend.gpu.kernels import grid
+from kev_backend.gpu.kernels.attention import (
     CUDNN_ABOVE,
     cudnn_attention,
     cudnn_attention_runs,
@@ -21,7 +19,7 @@ from kev_backend.gpu.kernels.attention import (  # noqa: E402
     reference_segment_attention,
     rows_attention,
 )
-from kev_backend.model.qwen35 import causal_attention  # noqa: E402
+from kev_backend.model.qwen35 import causal_attention
 
 D, T, POOL = 32, 28, 200
 CU = [0, 7, 27, 28]

@@ -3,12 +3,9 @@ GPU (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from kev_backend.gpu.kernels.bank import bank_kv, reference_bank_kv  # noqa: E402
+from kev_backend.gpu.kernels.bank import bank_kv, reference_bank_kv
 
 
 def test_bank_kv_copies_exactly_v_in_place(kernel_run) -> None:

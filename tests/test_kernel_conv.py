@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from kev_backend.gpu.kernels import conv as conv_kernels  # noqa: E402
-from kev_backend.gpu.kernels import grid  # noqa: E402
-from kev_backend.gpu.kernels.conv import conv_rows, conv_tokens, reference_conv_rows  # noqa: E402
+from kev_backend.gpu.kernels import conv as conv_kernels
+from kev_backend.gpu.kernels import grid
+from kev_backend.gpu.kernels.conv import conv_rows, conv_tokens, reference_conv_rows
 
 C = 300  # channels: a partial last block of 256
 ROWS_CU = [0, 7, 27, 28]

@@ -10,14 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from kev_backend.gpu.kernels.delta_rule import (  # noqa: E402
+from kev_backend.gpu.kernels.delta_rule import (
     chunked_rows,
     reference_rows,
     reference_segment_delta_rule,
 )
-from kev_backend.model.qwen35 import gated_delta_rule, l2_normalize  # noqa: E402
+from kev_backend.model.qwen35 import gated_delta_rule, l2_normalize
 
 H, HV, K, V = 2, 4, 16, 32
 NAN = float("nan")

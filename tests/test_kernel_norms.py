@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from kev_backend.gpu.kernels.norms import (  # noqa: E402
+from kev_backend.gpu.kernels.norms import (
     gated_rms_norm,
     reference_gated_rms_norm,
     reference_rms_norm,
@@ -20,7 +18,7 @@ from kev_backend.gpu.kernels.norms import (  # noqa: E402
     sigmoid_gate,
     silu_mul,
 )
-from kev_backend.model.qwen35 import apply_rope  # noqa: E402
+from kev_backend.model.qwen35 import apply_rope
 
 EPS = 1e-6
 

@@ -3,12 +3,9 @@ compiled on a GPU (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from kev_backend.gpu.kernels.pointer import (  # noqa: E402
+from kev_backend.gpu.kernels.pointer import (
     PROJECT_ROWS,
     pointer_project,
     pointer_softmax,

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-
-from kev_backend.gpu.kernels.grid import segment_spans  # noqa: E402
-from kev_backend.gpu.kernels.segments import (  # noqa: E402
+from kev_backend.gpu.kernels.grid import segment_spans
+from kev_backend.gpu.kernels.segments import (
     MAX_SEGMENTS,
     reference_segment_of,
     search_steps,

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-triton = pytest.importorskip("triton")
+import triton
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -101,7 +101,7 @@ def wait_healthy(routed: Routed, count: int, timeout_s: float = 20) -> float:
     """Seconds until Envoy counts `count` healthy servers."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        with urllib.request.urlopen(f"{routed.admin}/clusters") as reply:
+        with urllib.request.urlopen(f"{routed.admin}/clusters", timeout=10) as reply:
             healthy = sum(
                 1
                 for line in reply.read().decode().splitlines()
@@ -114,7 +114,7 @@ def wait_healthy(routed: Routed, count: int, timeout_s: float = 20) -> float:
 
 
 def bank(server: TritonServer) -> Counter:
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics") as reply:
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as reply:
         samples = prometheus.parse(reply.read().decode())
     return Counter({name: int(prometheus.total(samples, f"kev_bank_{name}_total")) for name in ("hits", "misses")})
 
@@ -139,7 +139,8 @@ def test_a_repeated_state_reaches_the_server_that_banked_it(routed: Routed) -> N
     assert sum(a["hits"] - b["hits"] for a, b in zip(after, before)) == len(states), (before, after)
     assert all(a["misses"] == b["misses"] for a, b in zip(after, before))
     share = Counter(first.values())
-    assert min(share.values()) >= 0.3 * len(states), share  # 60 keys over 2 servers: each takes a fair share
+    # 60 keys over 2 servers: each takes a fair share (a server given none is absent from the counter, so ask each).
+    assert all(share[server] >= 0.3 * len(states) for server in range(len(routed.servers))), share
 
 
 def test_a_dead_server_takes_only_its_own_keys(routed: Routed) -> None:

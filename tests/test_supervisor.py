@@ -198,13 +198,16 @@ def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
     """A stopped stub is alive, so only the inference probe can tell: Triton refuses it as not healthy. The health
     check (kev_backend.serve.probe) says unhealthy meanwhile, though Triton's process is up, and healthy after."""
     assert (result := health(served)).returncode == 0 and result.stdout.startswith("healthy"), result
+    log = served.triton.log.read_text(errors="replace")  # the module's earlier tests may have restarted it already
+    restarts, answering = log.count("TRITON RESTART "), log.count("tritonserver answering again after")
     triton = child_named(served.pid, "tritonserver")
     os.kill(child_named(triton, procs.STUB_COMM), signal.SIGSTOP)
     stopped = time.monotonic()
     result = health(served)
     assert result.returncode == 1 and result.stdout.startswith("unhealthy: "), result
-    wait_for_log(served.triton, "TRITON RESTART 2: probe: INTERNAL: Stub process 'kev_0_0' is not healthy", 30)
-    wait_for_log(served.triton, "tritonserver answering again after", 60, times=2)
+    restart = f"TRITON RESTART {restarts + 1}: probe: INTERNAL: Stub process 'kev_0_0' is not healthy"
+    wait_for_log(served.triton, restart, 30)
+    wait_for_log(served.triton, "tritonserver answering again after", 60, times=answering + 1)
     print(f"\nSIGSTOP of the stub to answering again: {time.monotonic() - stopped:.1f} s; health: {result.stdout}")
     assert infer(served.triton.grpc_url, 30)[0] is not None
     deadline = time.monotonic() + 10  # the gateway's /ready: its own inference within its last 2 s
@@ -216,9 +219,10 @@ def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
 def test_killed_gateway_is_restarted(served: Served) -> None:
     gateway = gateway_child(served.pid)
     os.kill(gateway, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not wait_ready(f"{served.gateway_url}/health", served.triton.process, 1):
-        pass
+    deadline, back = time.monotonic() + 60, False
+    while not back and time.monotonic() < deadline:
+        back = wait_ready(f"{served.gateway_url}/health", served.triton.process, 1)
+    assert back, f"the gateway did not answer again within 60 s:\n{served.triton.log_tail()}"
     assert gateway_child(served.pid) != gateway
     assert f"GATEWAY RESTART 1: gateway pid {gateway} was killed by SIGKILL" in served.triton.log.read_text()
 
@@ -234,7 +238,7 @@ def test_sigterm_stops_everything_and_removes_shared_memory(served: Served) -> N
     elapsed = time.monotonic() - started
     print(f"\nSIGTERM to exit: {elapsed:.1f} s")
     assert code == 0, served.triton.log_tail()
-    assert elapsed < 6.0
+    assert elapsed < ServeSettings().stop_timeout_s + 1  # the stop timeout's promise (SIGKILL at its deadline)
     assert all(gone(pid) for pid in processes)
     assert not list(SHM_DIR.glob(f"{SHM_PREFIX}{served.pid}_*"))
     assert "SIGTERM received: stopping" in served.triton.log.read_text()

@@ -7,7 +7,6 @@ import asyncio
 import json
 import queue
 import re
-import time
 import urllib.request
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from kev_backend.engine.engine import Engine
 from kev_backend.protocol.systemone import STATE_KEY_HEADER, state_key_of
 from kev_backend.serve import prometheus
 
-from .conftest import REPO, TritonServer
+from .conftest import REPO, TritonServer, metric_values, wait_until
 
 TEAMS = {"billing": "payments and refunds", "technical": None, "sales": {"covers": ["plans", "upgrade"]}}
 STATES = [
@@ -201,19 +200,6 @@ def test_admin_apis_are_restricted(triton: TritonServer) -> None:
         client.close()
 
 
-def metric_values(server: TritonServer) -> dict[str, float]:
-    """Unlabelled view of Triton's Prometheus text: `name{...}` summed over labels."""
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            key = name.split("{")[0] + ("{le=" + name.split('le="')[1].split('"')[0] + "}" if 'le="' in name else "")
-            values[key] = values.get(key, 0.0) + float(value)
-    return values
-
-
 def test_prometheus_metrics_from_the_backend(triton: TritonServer) -> None:
     before = metric_values(triton)
     bodies = [make_request(100 + i) for i in range(20)] + [{"state": "x", "questions": {}}]
@@ -248,7 +234,9 @@ def test_cancelled_while_queued_costs_no_model_work(triton: TritonServer) -> Non
         # Occupy the model with a long request, then queue one and cancel it at once.
         long_body = {"state": " ".join(["the refund is late"] * 3000), "questions": make_request(0)["questions"]}
         client.async_infer("kev", [grpc_input(long_body)], callback=lambda result, error: done.put(("long", error)))
-        time.sleep(0.2)
+        # Triton counts a batch once the model's execute has taken it: from then on the long request is not queued.
+        executions = before.get("nv_inference_exec_count", 0.0)
+        wait_until(lambda: metric_values(triton).get("nv_inference_exec_count", 0.0) > executions, "the long batch")
         context = client.async_infer(
             "kev", [grpc_input(make_request(7))], callback=lambda result, error: done.put(("cut", error))
         )

@@ -19,6 +19,7 @@ from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.protocol import encoding
 from kev_backend.protocol.encoding import KevTokenizer
 from kev_backend.protocol.systemone import (
+    MAX_JSON_DEPTH,
     Limits,
     Record,
     RequestError,
@@ -155,7 +156,7 @@ def test_cut_states_share_a_bank_entry(tiny_dir: Path) -> None:
 # --- end to end: one server with both options on ------------------------------------------------------------------
 
 MAX_STATE = 64
-OPTIONS = {"truncate_states": "on", "max_state_tokens": str(MAX_STATE), "max_row_tokens": "96"}
+OPTIONS = {"truncate_states": "on", "max_state_tokens": str(MAX_STATE), "max_row_tokens": "96", "max_questions": "40"}
 DATED = "the order was placed on 2026-01-05 and the refund came on 2026-02-14"
 UNDATED = "the refund is late and the customer is angry"
 
@@ -174,11 +175,13 @@ def repository_with(parameters: dict[str, str], root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """tritonserver with truncate_states (config.pbtxt) and date_facts (KEV_DATE_FACTS) on, and a gateway before it."""
+    """tritonserver with truncate_states (config.pbtxt) and date_facts (KEV_DATE_FACTS) on, and a gateway before it;
+    both given KEV_DTYPE and a body limit, as kev-serve gives its children one environment."""
     root = tmp_path_factory.mktemp("options")
     repository = repository_with(OPTIONS, root / "repository")
-    server = start_triton(tiny_dir / "kev", root / "triton.log", repository=repository, KEV_DATE_FACTS="1")
-    gateway = start_gateway(server, root / "gateway.log")
+    env = {"KEV_DATE_FACTS": "1", "KEV_DTYPE": "fp32", "KEV_GATEWAY_MAX_DECODED_BYTES": "300000"}
+    server = start_triton(tiny_dir / "kev", root / "triton.log", repository=repository, **env)
+    gateway = start_gateway(server, root / "gateway.log", **env)
     yield server, gateway
     stop_gateway(gateway)
     stop_triton(server)
@@ -217,7 +220,17 @@ def test_through_the_gateway_and_the_sdk(served, engine_with_options: Engine) ->
     close(reply, engine_with_options.answer([{"state": LONG, "questions": {"q": NOUL}}])[0])
     with urllib.request.urlopen(f"{gateway.url}/v1/models", timeout=30) as response:
         cards = json.loads(response.read())["models"]
-    assert all(card["truncate_states"] is True and card["max_state_tokens"] == MAX_STATE for card in cards)
+    # The limits in force: the model config's, the gateway's decoded-body limit, the defaults for the rest.
+    limits = {
+        "max_request_bytes": 300000,
+        "max_json_depth": MAX_JSON_DEPTH,
+        "max_questions": 40,
+        "max_state_tokens": MAX_STATE,
+        "max_row_tokens": 96,
+        "truncate_states": True,
+        "dtype": "fp32",
+    }
+    assert [{key: card[key] for key in limits} for card in cards] == [limits, limits]
     with TypeSafeClient(api_key="any", base_url=gateway.url, retry=RetryPolicy(max_retries=0)) as client:
         result = client.system_one(state=LONG, questions={"q": Noul(instructions=NOUL["instructions"])})
     assert result.usage.input_tokens == reply["usage"]["input_tokens"]

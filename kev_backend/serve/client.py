@@ -73,8 +73,13 @@ def _module(protocol: Protocol, asynchronous: bool):
         import tritonclient.grpc as sync_module
         import tritonclient.grpc.aio as async_module
     elif protocol == "http":
-        import tritonclient.http as sync_module
-        import tritonclient.http.aio as async_module
+        try:
+            import tritonclient.http as sync_module
+            import tritonclient.http.aio as async_module
+        except ImportError as error:  # the serve set has the gRPC client only
+            raise ImportError(
+                f"protocol 'http' needs Triton's HTTP client: pip install 'tritonclient[http]' ({error})"
+            ) from error
     else:
         raise ValueError(f"protocol must be grpc or http, not {protocol!r}")
     return sync_module, (async_module if asynchronous else sync_module)

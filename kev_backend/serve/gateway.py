@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import hmac
 import json
 import logging
@@ -578,10 +579,8 @@ class Gateway:
         extras = {
             "backend": "triton",
             "triton_model": self.settings.model,
-            "max_state_tokens": limits.max_state_tokens,
-            "max_row_tokens": limits.max_row_tokens,
-            "truncate_states": limits.truncate_states,
-            "dtype": params.get("dtype") or None,
+            **dataclasses.asdict(limits),  # the request limits in force, the body limit being the decoded one
+            "dtype": self.settings.dtype(params),
             "serving": await asyncio.to_thread(serving_statistics, self.settings.metrics_url, self.settings.model),
         }
         cards = [
