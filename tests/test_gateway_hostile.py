@@ -5,6 +5,7 @@ never scored)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
@@ -503,3 +504,36 @@ def test_clients_that_leave_are_not_scored(triton: TritonServer, gateway: Gatewa
     gateway_after = gateway_metrics(gateway)
     for path, n in (("/v1/systemone", 14), ("/v1/systemone/separate", 4), ("/v1/systemone/permute", 2)):
         assert request_count(gateway_after, path, 499) - request_count(before, path, 499) == n
+
+
+def test_a_failed_part_cancels_the_others_before_its_admission_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/separate and /permute score their parts at once. When one fails, the others are cancelled (and with them
+    their Triton calls) before the failure reaches the handler, so none runs on once the request's slots are given
+    back: orphaned parts would fill Triton's queue past the gateway's in-flight limit."""
+    gateway = gateway_module.Gateway(GatewaySettings(triton_url="127.0.0.1:1"))
+    cancelled: list[str] = []
+
+    async def run() -> None:
+        others_started = asyncio.Event()
+        started: list[str] = []
+
+        async def score(body: object, request_id: str, key: str) -> bytes:
+            if request_id.endswith("-0"):
+                await others_started.wait()
+                raise gateway_module.KevError("invalid", "the model refused part 0")
+            started.append(request_id)
+            if len(started) == 2:
+                others_started.set()
+            try:
+                await asyncio.Event().wait()  # a call that would never end by itself
+            except asyncio.CancelledError:
+                cancelled.append(request_id)
+                raise
+            return b""
+
+        monkeypatch.setattr(gateway, "score", score)
+        with gateway.admitted(3), pytest.raises(gateway_module.KevError):
+            await gateway.score_all([{}, {}, {}], "r", "key")
+        assert sorted(cancelled) == ["r-1", "r-2"] and gateway.in_flight == 0  # before asyncio.run cancels leftovers
+
+    asyncio.run(run())

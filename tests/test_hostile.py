@@ -41,10 +41,11 @@ def body(state: object = "the refund is late", questions: dict | None = None, **
     return json.dumps({"state": state, "questions": questions or {"q": NOUL}, **extra}).encode()
 
 
-def nested(depth: int, kind: str = "list") -> bytes:
-    """A state nested `depth` levels deep (the body itself is one more), written as bytes so no recursion builds it."""
+def nested(depth: int, kind: str = "list", leaves: int = 1) -> bytes:
+    """A state nested `depth` levels deep (the body itself is one more) around `leaves` leaves, written as bytes so no
+    recursion builds it."""
     opening, closing = ("[", "]") if kind == "list" else ('{"k":', "}")
-    inner = opening * depth + '"leaf"' + closing * depth
+    inner = opening * depth + ",".join(['"leaf"'] * leaves) + closing * depth
     return b'{"state": ' + inner.encode() + b', "questions": {"q": {"type": "noul"}}}'
 
 
@@ -67,6 +68,9 @@ CASES: list[tuple[str, bytes, object]] = [
     ("deep dict 400", nested(400, "dict"), ("invalid", "nested more than 64 levels")),
     ("deep list 150000", nested(150_000), ("invalid", "nested more than 64 levels")),
     ("deep list at limit", nested(62), OK),
+    # Kev renders each of these 150,000 leaves on a line indented 124 spaces: 20 MB of text from a 1 MB body, refused
+    # for its tokens once counted past the limit, without copying the text again at each of the 62 levels.
+    ("deep and wide", nested(62, leaves=150_000), ("invalid", "over the 65,536-token limit")),
     ("deep dict at limit", nested(62, "dict"), OK),
     (
         "deep instructions",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -64,6 +65,42 @@ def test_render_cases(text: str, expected: str):
 
 def test_render_indent_argument():
     assert render({"a": {"b": 1}}, indent=1) == "  a:\n    b: 1"
+
+
+def kev_render(value: object, indent: int = 0) -> str:
+    """Kev's rendering in its recursive form (every nested text built, then copied into its parent's): the oracle."""
+    pad = "  " * indent
+    if value is None:
+        return ""
+    if isinstance(value, (str, int, float, bool)):
+        return str(value)
+    if isinstance(value, list):
+        return "\n".join(f"{pad}- {kev_render(item, indent + 1).lstrip()}" for item in value)
+    lines = []
+    for key, item in value.items():
+        if isinstance(item, (dict, list)):
+            lines.append(f"{pad}{key}:\n{kev_render(item, indent + 1)}")
+        else:
+            lines.append(f"{pad}{key}: {kev_render(item)}")
+    return "\n".join(lines)
+
+
+def random_json(rng: random.Random, depth: int) -> object:
+    # Whitespace of every kind where a list item's text begins: leading whitespace is stripped across lines there.
+    texts = ["", " ", "  x", "\n y", " \n ", "\u2028z", "\x1c", "a b", "é ", "<|q|>"]
+    kind = rng.choice(["scalar", "scalar", "list", "dict"] if depth < 6 else ["scalar"])
+    if kind == "list":
+        return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == "dict":
+        return {rng.choice(texts) + str(i): random_json(rng, depth + 1) for i in range(rng.randrange(4))}
+    return rng.choice([None, True, False, 0, -3, 2.5, 1e-07, *texts])
+
+
+def test_render_is_kevs_rendering() -> None:
+    rng = random.Random(11)
+    for _ in range(3000):
+        value, indent = random_json(rng, 0), rng.randrange(3)
+        assert render(value, indent) == kev_render(value, indent), value
 
 
 # --- escaping ---------------------------------------------------------------------------------------------------------

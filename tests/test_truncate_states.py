@@ -156,7 +156,14 @@ def test_cut_states_share_a_bank_entry(tiny_dir: Path) -> None:
 # --- end to end: one server with both options on ------------------------------------------------------------------
 
 MAX_STATE = 64
-OPTIONS = {"truncate_states": "on", "max_state_tokens": str(MAX_STATE), "max_row_tokens": "96", "max_questions": "40"}
+MAX_BYTES = 300_000
+OPTIONS = {
+    "truncate_states": "on",
+    "max_state_tokens": str(MAX_STATE),
+    "max_row_tokens": "96",
+    "max_questions": "40",
+    "max_request_bytes": str(MAX_BYTES),
+}
 DATED = "the order was placed on 2026-01-05 and the refund came on 2026-02-14"
 UNDATED = "the refund is late and the customer is angry"
 
@@ -179,7 +186,7 @@ def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     both given KEV_DTYPE and a body limit, as kev-serve gives its children one environment."""
     root = tmp_path_factory.mktemp("options")
     repository = repository_with(OPTIONS, root / "repository")
-    env = {"KEV_DATE_FACTS": "1", "KEV_DTYPE": "fp32", "KEV_GATEWAY_MAX_DECODED_BYTES": "300000"}
+    env = {"KEV_DATE_FACTS": "1", "KEV_DTYPE": "fp32", "KEV_GATEWAY_MAX_DECODED_BYTES": str(MAX_BYTES)}
     server = start_triton(tiny_dir / "kev", root / "triton.log", repository=repository, **env)
     gateway = start_gateway(server, root / "gateway.log", **env)
     yield server, gateway
@@ -222,7 +229,7 @@ def test_through_the_gateway_and_the_sdk(served, engine_with_options: Engine) ->
         cards = json.loads(response.read())["models"]
     # The limits in force: the model config's, the gateway's decoded-body limit, the defaults for the rest.
     limits = {
-        "max_request_bytes": 300000,
+        "max_request_bytes": MAX_BYTES,
         "max_json_depth": MAX_JSON_DEPTH,
         "max_questions": 40,
         "max_state_tokens": MAX_STATE,
@@ -253,6 +260,17 @@ def test_separate_and_permute_carry_the_marks(served) -> None:
     assert permute["truncated"] is True and permute["usage"] == {"state_tokens": 121, "state_tokens_used": MAX_STATE}
     status, _, short = post(gateway, "/v1/systemone/separate", {"state": UNDATED, "questions": {"q": NOUL}}, key=None)
     assert status == 200 and short["truncated"] is False
+
+
+def test_the_parts_of_a_request_within_the_byte_limit_stay_within_it(served) -> None:
+    """/separate sends the state again with each question. Written as compact UTF-8 JSON a part is no larger than
+    the request, so non-ASCII text (six bytes a character once escaped) does not take it past the model's limit."""
+    _, gateway = served
+    body = {"state": "déjà été " * 20_000, "questions": {"q": NOUL, "r": NOUL}}
+    sent = json.dumps(body, ensure_ascii=False).encode()
+    assert len(sent) < MAX_BYTES < len(json.dumps(body).encode())
+    status, _, reply = post(gateway, "/v1/systemone/separate", sent, key=None)
+    assert status == 200 and reply["truncated"] is True and list(reply["answers"]) == ["q", "r"], reply
 
 
 def test_date_facts_change_only_dated_states(served, triton: TritonServer) -> None:

@@ -206,38 +206,52 @@ def too_deep(limit: int) -> RequestError:
     return RequestError(f"request JSON is nested more than {limit} levels deep")
 
 
+# Where a value sits in a request's JSON: its key or index and its container's place, out to the body (None).
+Place = tuple[Any, "Place"] | None
+
+
 def check_json(data: Any, limits: Limits) -> None:
     """Walks parsed JSON without recursion: refuses nesting deeper than the limit and any string (key or value)
-    that is not valid Unicode, naming where it is."""
-    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(data, 1, ())]
+    that is not valid Unicode, naming where it is. A value's place links to its container's, the path spelled out
+    only for an error: a wide body nested deep costs what its size does, not its size times its depth."""
+    stack: list[tuple[Any, int, Place]] = [(data, 1, None)]
     while stack:
-        value, depth, path = stack.pop()
+        value, depth, place = stack.pop()
         if isinstance(value, dict):
             if depth > limits.max_json_depth:
                 raise too_deep(limits.max_json_depth)
             for key, item in value.items():
-                _check_text(key, (*path, key))
-                stack.append((item, depth + 1, (*path, key)))
+                _check_text(key, (key, place))
+                if isinstance(item, (dict, list)) or (isinstance(item, str) and not item.isascii()):
+                    stack.append((item, depth + 1, (key, place)))
         elif isinstance(value, list):
             if depth > limits.max_json_depth:
                 raise too_deep(limits.max_json_depth)
-            stack.extend((item, depth + 1, (*path, i)) for i, item in enumerate(value))
+            stack.extend(
+                (item, depth + 1, (i, place))
+                for i, item in enumerate(value)
+                if isinstance(item, (dict, list)) or (isinstance(item, str) and not item.isascii())
+            )
         elif isinstance(value, str):
-            _check_text(value, path)
+            _check_text(value, place)
 
 
-def _check_text(text: Any, path: tuple[Any, ...]) -> None:
+def _check_text(text: Any, place: Place) -> None:
     if not isinstance(text, str) or text.isascii():
         return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
+        path = []
+        while place is not None:
+            key, place = place
+            path.append(printable(key) if isinstance(key, str) else key)
         bad = f"U+{ord(text[e.start]):04X}"
         raise RequestError(
             [
                 {
                     "type": "string_unicode",
-                    "loc": ["body", *(printable(p) if isinstance(p, str) else p for p in path)],
+                    "loc": ["body", *reversed(path)],
                     "msg": f"Input should be valid Unicode text: it holds a lone surrogate ({bad})",
                     "input": printable(text[:64]),
                 }
@@ -342,20 +356,51 @@ def _option_text(name: str, description: Any) -> str:
 def render(value: Any, indent: int = 0) -> str:
     """JSON -> the text the model reads, as Kev renders it. Python str() of scalars is part of the contract (True,
     532.0, 1e-07)."""
-    pad = "  " * indent
+    parts: list[str] = []
+    _render(value, indent, parts)
+    return "".join(parts)
+
+
+def _render(value: Any, indent: int, out: list[str]) -> None:
+    """Kev's recursive rendering, written once into `out`: a list item is "- " and the item's own text with its
+    leading whitespace stripped, a key with a list or object under it is "key:" and the value's lines below, one
+    more indent each; any other key is "key: value". Each piece is appended once, so the work is the text's length
+    (Kev's own form copies every nested text again at every level above it)."""
     if value is None:
-        return ""
+        return
     if isinstance(value, (str, int, float, bool)):
-        return str(value)
+        out.append(str(value))
+        return
+    pad = "  " * indent
     if isinstance(value, list):
-        return "\n".join(f"{pad}- {render(item, indent + 1).lstrip()}" for item in value)
-    lines = []
-    for key, item in value.items():
+        first, then = f"{pad}- ", f"\n{pad}- "  # one string each, however many items
+        for i, item in enumerate(value):
+            out.append(then if i else first)
+            if isinstance(item, str):
+                out.append(item.lstrip())
+            elif isinstance(item, (dict, list)):
+                start = len(out)
+                _render(item, indent + 1, out)
+                _lstrip(out, start)
+            elif item is not None:  # a number or a bool: str() never starts with whitespace
+                out.append(str(item))
+        return
+    for i, (key, item) in enumerate(value.items()):
+        line = f"\n{pad}{key}" if i else f"{pad}{key}"
         if isinstance(item, (dict, list)):
-            lines.append(f"{pad}{key}:\n{render(item, indent + 1)}")
+            out.append(f"{line}:\n")
+            _render(item, indent + 1, out)
         else:
-            lines.append(f"{pad}{key}: {render(item)}")
-    return "\n".join(lines)
+            out.append(f"{line}: ")
+            _render(item, 0, out)
+
+
+def _lstrip(parts: list[str], start: int) -> None:
+    """str.lstrip() of the text parts[start:] make up, in place."""
+    for i in range(start, len(parts)):
+        parts[i] = parts[i].lstrip()
+        if parts[i]:
+            return
 
 
 _DELIMITER = re.compile(r"<\|([A-Za-z0-9_]+)\|>")

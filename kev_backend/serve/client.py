@@ -63,9 +63,18 @@ GRPC_CHANNEL = [
 
 
 def encode(body: Body) -> bytes:
+    """The request's bytes. A dict is written as compact UTF-8 JSON: escaped, non-ASCII text takes up to six bytes a
+    character, and a part of a request the gateway splits could then pass the server's byte limit where the request
+    did not. One holding a lone surrogate, which UTF-8 cannot carry, is escaped, for the server to refuse with Kev's
+    message."""
     if isinstance(body, bytes):
         return body
-    return (body if isinstance(body, str) else json.dumps(body)).encode()
+    if isinstance(body, str):
+        return body.encode()
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _module(protocol: Protocol, asynchronous: bool):

@@ -54,7 +54,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..protocol.systemone import Record, RequestError, parse_request, round4, state_key
+from ..protocol.systemone import Limits, Record, RequestError, parse_request, round4, state_key
 from ..settings import GatewaySettings, SettingError, gateway_address, parameters
 from . import prometheus
 from .client import AsyncKevClient, KevError
@@ -66,7 +66,7 @@ except ImportError:  # Python 3.14+
 
 REQUEST_ID = "x-typesafe-request-id"
 DRAIN_FACTOR = 4  # a body up to this many times the limit is read (and dropped) before its 413: see read_body
-OFFLOAD_BYTES = 64 << 10  # compressed bodies over this decompress on a worker thread, off the event loop
+OFFLOAD_BYTES = 64 << 10  # bodies over this decompress, and are parsed, on a worker thread, off the event loop
 # A decompressor is fed DECODE_IN bytes at a time (what a frame leaves over, its `unused_data`, is a copy of at most
 # that) and asked for at most DECODE_OUT bytes a call (a bomb's output stops within DECODE_OUT of the limit).
 DECODE_IN = 16 << 10
@@ -300,6 +300,12 @@ def truncation_marks(reply: dict[str, Any]) -> tuple[dict[str, int], bool] | Non
     return {"state_tokens": usage["state_tokens"], "state_tokens_used": usage["state_tokens_used"]}, reply["truncated"]
 
 
+def parsed_and_keyed(body: bytes | dict[str, Any], limits: Limits) -> tuple[Record, str]:
+    """The request's record and its state's routing key."""
+    record = parse_request(body, limits)
+    return record, state_key(record.state_text)
+
+
 def single_question(raw: dict[str, Any], qid: str, question: dict[str, Any]) -> dict[str, Any]:
     body = {"state": raw.get("state"), "questions": {qid: question}}
     if "model" in raw:
@@ -436,10 +442,30 @@ class Gateway:
         finally:
             self.in_flight -= n
 
-    async def score(self, body: dict[str, Any] | bytes, request_id: str, record: Record) -> bytes:
-        """One call to Triton, with the state's routing key (x-kev-state-key) for a router in front of several."""
+    async def parse(self, body: bytes | dict[str, Any], size: int) -> tuple[Record, str]:
+        """The request's record (Kev's 422s before any model work) and its state's routing key (x-kev-state-key, for
+        a router in front of several servers), computed once for all of a request's calls. A body over
+        OFFLOAD_BYTES (`size`) is parsed on a worker thread: its rendered state can be many times its size."""
+        if size > OFFLOAD_BYTES:
+            return await asyncio.to_thread(parsed_and_keyed, body, self.limits)
+        return parsed_and_keyed(body, self.limits)
+
+    async def score(self, body: dict[str, Any] | bytes, request_id: str, key: str) -> bytes:
+        """One call to Triton, with the state's routing key."""
         assert self.kev is not None
-        return await self.kev.score_raw(body, request_id, state_key=state_key(record.state_text))
+        return await self.kev.score_raw(body, request_id, state_key=key)
+
+    async def score_all(self, parts: list[dict[str, Any]], request_id: str, key: str) -> list[bytes]:
+        """One call per part, at once; when one fails the others are cancelled (and with them their Triton calls)
+        before the failure is raised, so none runs on after the request's admission ends."""
+        calls = [asyncio.ensure_future(self.score(part, f"{request_id}-{i}", key)) for i, part in enumerate(parts)]
+        try:
+            return await asyncio.gather(*calls)
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            raise
 
     async def probe(self) -> None:
         assert self.kev is not None
@@ -493,16 +519,16 @@ class Gateway:
         return error.response()
 
     async def system_one(self, raw: bytes, request_id: str) -> Response:
-        record = parse_request(raw, self.limits)  # Kev's 422s before any model work
+        _, key = await self.parse(raw, len(raw))
         with self.admitted():
-            return Response(await self.score(raw, request_id, record), media_type="application/json")
+            return Response(await self.score(raw, request_id, key), media_type="application/json")
 
     async def separate(self, raw: bytes, request_id: str) -> Response:
-        record = parse_request(raw, self.limits)
+        record, key = await self.parse(raw, len(raw))
         body = load_json(raw)
         parts = [single_question(body, q.id, body["questions"][q.id]) for q in record.questions]
         with self.admitted(len(parts)):
-            replies = await asyncio.gather(*(self.score(p, f"{request_id}-{i}", record) for i, p in enumerate(parts)))
+            replies = await self.score_all(parts, request_id, key)
         answers: dict[str, Any] = {}
         input_tokens = output_tokens = 0
         latency = 0.0
@@ -530,7 +556,7 @@ class Gateway:
             detail = [{**e, "loc": ["body", *e["loc"]]} for e in error.errors(include_url=False)]
             raise RequestError(json.loads(json.dumps(detail, default=lambda _: {}))) from None
         try:
-            record = parse_request(envelope.request, self.limits)
+            record, key = await self.parse(envelope.request, len(raw))
         except RequestError as error:
             raise nested(error, "request") from None
         question = next((q for q in record.questions if q.id == envelope.question), None)
@@ -551,7 +577,7 @@ class Gateway:
             for order in orders
         ]
         with self.admitted(len(parts)):
-            replies = await asyncio.gather(*(self.score(p, f"{request_id}-{i}", record) for i, p in enumerate(parts)))
+            replies = await self.score_all(parts, request_id, key)
         runs = []
         parsed = [json.loads(reply) for reply in replies]
         for order, reply in zip(orders, parsed):
