@@ -537,3 +537,33 @@ def test_a_failed_part_cancels_the_others_before_its_admission_ends(monkeypatch:
         assert sorted(cancelled) == ["r-1", "r-2"] and gateway.in_flight == 0  # before asyncio.run cancels leftovers
 
     asyncio.run(run())
+
+
+def test_a_request_counts_from_its_first_byte(triton: TritonServer, tmp_path: Path) -> None:
+    """A client still sending its body holds a slot: with the limit of one taken so, the next request is refused at
+    once with 429, its body unread (so the bodies held are bounded by the limit, however many clients send), and
+    the first is answered once its body is complete."""
+    limited = start_gateway(triton, tmp_path / "limited.log", KEV_GATEWAY_MAX_IN_FLIGHT="1")
+    try:
+        data = json.dumps({"state": f"slow {uuid.uuid4().hex}", "questions": {"urgent": URGENT}}).encode()
+        head = (
+            f"POST /v1/systemone HTTP/1.1\r\nhost: kev\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(data)}\r\nconnection: close\r\n\r\n"
+        )
+        url = urlsplit(limited.url)
+        slow = socket.create_connection((url.hostname, url.port), timeout=60)
+        slow.sendall(head.encode() + data[:10])  # the rest of the body later
+        wait_until(lambda: gateway_metrics(limited)["kev_gateway_arriving"] == 1, "the slow request to arrive")
+        status, headers, reply = call_json(limited, "/v1/systemone", BODY, key=None)
+        assert status == 429 and headers["retry-after"] == "1", reply
+        assert reply["detail"].startswith("overloaded: 0 requests in flight, 1 arriving (limit 1)"), reply
+        slow.sendall(data[10:])
+        answer = b""
+        while chunk := slow.recv(65536):
+            answer += chunk
+        slow.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        metrics = gateway_metrics(limited)
+        assert (metrics["kev_gateway_arriving"], metrics["kev_gateway_in_flight"]) == (0, 0)
+    finally:
+        stop_gateway(limited)

@@ -19,8 +19,8 @@ Every error body is JSON `{"detail": ...}`. CORS preflights are answered without
 
 Operations: `GET /health` (the process is up), `GET /ready` (200 only when a real inference through Triton succeeded
 in the last 2 s: a Triton whose Python stub crashed still reports ready itself) and `GET /metrics` (Prometheus text:
-`kev_gateway_requests_total{route,status}`, `kev_gateway_errors_total{reason}`, `kev_gateway_in_flight`), none behind
-the key.
+`kev_gateway_requests_total{route,status}`, `kev_gateway_errors_total{reason}`, `kev_gateway_in_flight`,
+`kev_gateway_arriving`), none behind the key.
 
 Settings: kev_backend.settings.GatewaySettings (docs/configuration.md). The request limits are the model's: read
 from Triton's model config (its parameters with the same KEV_* overrides) once Triton answers, so both doors agree.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import hmac
@@ -86,6 +87,8 @@ REASONS = (
     "model_error",  # 500 from Triton
     "internal",  # 500 from the gateway itself
 )
+# The arrival of the request a task serves (a one-item list: whether it still counts as arriving), for `admitted`.
+_arrival: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("arrival")
 READY_PROBE = {"state": "ready?", "questions": {"ok": {"type": "noul", "instructions": "ok?"}}}
 READY_FRESH_S = 2.0  # /ready is 200 while the last successful probe is at most this old
 READY_INTERVAL_S = 1.0  # at most one probe a second, however often /ready is asked
@@ -327,7 +330,7 @@ class Metrics:
         assert reason in REASONS, reason
         self.errors[reason] += 1
 
-    def render(self, in_flight: int) -> str:
+    def render(self, in_flight: int, arriving: int) -> str:
         lines = [
             "# HELP kev_gateway_requests_total HTTP requests answered, by route (the path, or other) and status.",
             "# TYPE kev_gateway_requests_total counter",
@@ -341,6 +344,9 @@ class Metrics:
             "# HELP kev_gateway_in_flight Requests holding an admission slot (at Triton).",
             "# TYPE kev_gateway_in_flight gauge",
             f"kev_gateway_in_flight {in_flight}",
+            "# HELP kev_gateway_arriving Requests whose body is being read or parsed, before their admission.",
+            "# TYPE kev_gateway_arriving gauge",
+            f"kev_gateway_arriving {arriving}",
         ]
         return "\n".join(lines) + "\n"
 
@@ -419,7 +425,8 @@ class Gateway:
         self.limits = settings.limits({})
         self.limits_known = False
         self.kev: AsyncKevClient | None = None
-        self.in_flight = 0
+        self.in_flight = 0  # admission slots held: one per Triton call under way
+        self.arriving = 0  # requests whose body is being read, decoded or parsed: not yet admitted
         self.metrics = Metrics()
         self.readiness = Readiness(self.probe)
 
@@ -430,12 +437,39 @@ class Gateway:
         if self.kev is not None:
             await self.kev.close()
 
+    def overloaded(self) -> Refused:
+        limit, retry = self.settings.max_in_flight, str(self.settings.retry_after_s)
+        message = (
+            f"overloaded: {self.in_flight} requests in flight, {self.arriving} arriving (limit {limit}); retry later"
+        )
+        return Refused(429, "overloaded", message, {"retry-after": retry})
+
+    @contextlib.contextmanager
+    def arrival(self) -> Iterator[None]:
+        """A request from its first byte to its admission: counted with those in flight, and refused at once, its body
+        unread, when they fill the limit. So the bodies the gateway holds are bounded by max_in_flight (each by the
+        body limit) however many connections send them."""
+        if self.in_flight + self.arriving >= self.settings.max_in_flight:
+            raise self.overloaded()
+        self.arriving += 1
+        pending = [True]  # until admitted: `admitted`, in the handler's task, moves it to in_flight
+        token = _arrival.set(pending)
+        try:
+            yield
+        finally:
+            _arrival.reset(token)
+            if pending[0]:
+                self.arriving -= 1
+
     @contextlib.contextmanager
     def admitted(self, n: int = 1) -> Iterator[None]:
-        limit = self.settings.max_in_flight
-        if self.in_flight + n > limit:
-            message = f"overloaded: {self.in_flight} requests in flight (limit {limit}); retry later"
-            raise Refused(429, "overloaded", message, {"retry-after": str(self.settings.retry_after_s)})
+        pending = _arrival.get(None)
+        arriving = 1 if pending and pending[0] else 0
+        if self.in_flight + self.arriving - arriving + n > self.settings.max_in_flight:
+            raise self.overloaded()
+        if arriving:
+            pending[0] = False
+            self.arriving -= 1
         self.in_flight += n
         try:
             yield
@@ -495,12 +529,13 @@ class Gateway:
         async def endpoint(request: Request) -> Response:
             settings = self.settings
             try:
-                raw = await read_body(request, settings.max_body_bytes)
-                encoding = request.headers.get("content-encoding", "")
-                raw = await decode_body(raw, encoding, settings.max_decoded_bytes)
-                if not self.limits_known:  # until Triton has said what the model's limits are
-                    await self.model_parameters()
-                return await unless_disconnected(request, handler(raw, request.state.request_id))
+                with self.arrival():
+                    raw = await read_body(request, settings.max_body_bytes)
+                    encoding = request.headers.get("content-encoding", "")
+                    raw = await decode_body(raw, encoding, settings.max_decoded_bytes)
+                    if not self.limits_known:  # until Triton has said what the model's limits are
+                        await self.model_parameters()
+                    return await unless_disconnected(request, handler(raw, request.state.request_id))
             except RequestError as error:  # Kev's refusals, in FastAPI's shapes
                 self.metrics.error("too_large" if error.status == 413 else "invalid")
                 return json_response(error.body, error.status)
@@ -632,7 +667,9 @@ class Gateway:
         return json_response({"status": "not ready", "detail": why_not}, 503)
 
     async def prometheus(self) -> Response:
-        return Response(self.metrics.render(self.in_flight), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            self.metrics.render(self.in_flight, self.arriving), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
 
 # --- middleware, outermost first: Observe, CORS, Guard ---------------------------------------------------------------

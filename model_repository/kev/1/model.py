@@ -99,9 +99,12 @@ class TritonPythonModel:
                     for sender in senders:
                         sender.fail(message, pb_utils.TritonError.INTERNAL, "engine_error")
                     return
-                if batch.report.requests:
-                    self.metrics.record(self.engine, batch.report)
-                count_state_keys(self.metrics, senders, spans, batch)
+                try:  # counted before the answers leave, so a client that reads the metrics after its answer sees it
+                    if batch.report.requests:
+                        self.metrics.record(self.engine, batch.report)
+                    count_state_keys(self.metrics, senders, spans, batch)
+                except Exception as error:  # noqa: BLE001 - counting must never cost an answer
+                    pb_utils.Logger.log_error(f"kev: batch metrics not recorded: {error!r}")
                 for sender, span in zip(senders, spans):
                     sender.answer(results[span.start : span.stop])
             finally:  # whatever failed above, no request is left without its one response
