@@ -242,7 +242,7 @@ def _check_text(text: Any, place: Place) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        path = []
+        path: list[Any] = []
         while place is not None:
             key, place = place
             path.append(printable(key) if isinstance(key, str) else key)
