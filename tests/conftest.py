@@ -16,6 +16,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from kev_backend.dev import tiny
 from kev_backend.dev.ports import free_port
@@ -165,6 +166,14 @@ def start_triton(
             stop_triton(server)
             pytest.fail(f"tritonserver not ready (exit code {process.poll()}):\n{server.log_tail()}")
     return server
+
+
+@pytest.fixture(scope="module")
+def qwen_bpe() -> Tokenizer:
+    """A byte-level BPE with Qwen's pre-tokenizer (tests/helpers.py), one per module: kev_tokenizer adds to it."""
+    from .helpers import qwen_bpe as train  # helpers imports this module
+
+    return train()
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:

@@ -9,9 +9,11 @@ varlen_attn are checked on the GPU.
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import torch
 
+from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.gpu.fused import PassKernels
 from kev_backend.gpu.kernels.attention import reference_rows_attention
 from kev_backend.gpu.kernels.bank import reference_bank_kv
@@ -25,6 +27,8 @@ from kev_backend.gpu.kernels.norms import (
     reference_silu_mul,
 )
 from kev_backend.gpu.kernels.segments import segment_bounds
+from kev_backend.gpu.scorer import FusedScorer
+from kev_backend.model.checkpoint import KevCheckpoint
 from kev_backend.model.qwen35 import causal_attention, gated_delta_rule, l2_normalize
 
 
@@ -120,3 +124,28 @@ TORCH_KERNELS = PassKernels(
     bank_kv=reference_bank_kv,
     long_attention=long_attention,
 )
+
+
+def engines(
+    tiny_dir: Path, bank_bytes: int = 1 << 26, checkpoint: KevCheckpoint | None = None, **options
+) -> tuple[Engine, FusedScorer]:
+    """The reference engine on the tiny checkpoint (or `checkpoint`) and a fused scorer (fp32, torch stand-ins) on
+    the same model, with FusedScorer's defaults (the shipped configuration: graphs, our long kernels) unless
+    `options` say otherwise."""
+    if checkpoint is None:
+        reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
+    else:
+        reference = Engine(checkpoint, EngineOptions(bank_bytes=0))
+    ck = reference.checkpoint
+    fused = FusedScorer(
+        ck.model,
+        ck.head,
+        ck.temperature,
+        reference.tokenizer.delimiters.pad,
+        bank_bytes=bank_bytes,
+        dtype=torch.float32,
+        kernels=TORCH_KERNELS,
+        graph_max_tokens=1024,
+        **options,
+    )
+    return reference, fused

@@ -18,6 +18,7 @@ from kev_backend.model.weights import load_text_weights
 from kev_backend.scoring.head import pointer_probabilities
 
 from .conftest import hf_qwen35_torch_path
+from .helpers import max_gap
 
 REQUEST = {
     "state": {"ticket": "card charged twice for the same order", "customer": {"plan": "pro", "months": 14}},
@@ -63,14 +64,11 @@ def test_lora_merge_equals_peft_unmerged(tiny_dir: Path) -> None:
             counts.append(len(row.option_ends))
         return pointer_probabilities(engine.checkpoint.head, 2.0, torch.stack(decide), torch.cat(options), counts)
 
-    def gap(a: list[list[float]], b: list[list[float]]) -> float:
-        return max(abs(x - y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True))
-
     expected = row_form(unmerged)
-    assert gap(row_form(merged), expected) <= 1e-6
-    assert gap(row_form(base), expected) > 1e-3  # the adapter matters, so the check above means something
+    assert max_gap(row_form(merged), expected) <= 1e-6
+    assert max_gap(row_form(base), expected) > 1e-3  # the adapter matters, so the check above means something
     # Our own model with the merged weights (the engine's row form) agrees with transformers + PEFT.
-    assert gap(engine.scorer.row_form_probabilities(encoded), expected) <= 1e-5
+    assert max_gap(engine.scorer.row_form_probabilities(encoded), expected) <= 1e-5
 
 
 def test_full_weight_checkpoint_answers_like_the_lora(tiny_dir: Path) -> None:
@@ -79,7 +77,7 @@ def test_full_weight_checkpoint_answers_like_the_lora(tiny_dir: Path) -> None:
     _, encoded = lora.prepare(REQUEST)
     a = lora.scorer.probabilities([encoded])[0]
     b = full.scorer.probabilities([encoded])[0]
-    assert max(abs(x - y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True)) <= 1e-6
+    assert max_gap(a, b) <= 1e-6
 
 
 def test_head_pt_defaults_and_temperature_override(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

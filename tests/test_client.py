@@ -14,7 +14,7 @@ from kev_backend.engine.engine import Engine
 from kev_backend.serve.client import AsyncKevClient, KevClient, KevError
 
 from .conftest import TritonServer
-from .test_triton_e2e import assert_same_answer, make_request
+from .helpers import assert_same_answer, make_request
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ import yaml
 from referencing import Registry, Resource
 
 from kev_backend.protocol.systemone import STATE_KEY_HEADER
-from tests.test_image import README_ANSWERS, README_REQUEST, TRITON_HTTP
+from tests.helpers import README_ANSWERS, README_REQUEST, TRITON_HTTP
 
 pytestmark = pytest.mark.deploy
 

@@ -12,30 +12,12 @@ from kev_backend.model.checkpoint import LoadOptions
 from kev_backend.protocol.encoding import Limits, StateTokens, token_ids
 from kev_backend.protocol.systemone import RequestError
 
-TICKET = "my card was charged twice for the same order , please refund one payment today"
-QUESTIONS = {
-    "urgent": {"type": "noul", "instructions": "is this urgent ?", "criteria": {"true": "needs a reply today"}},
-    "team": {
-        "type": "choice",
-        "instructions": {"task": "route the ticket", "note": "pick one team"},
-        "criteria": {"billing": "payments and refunds", "technical": None, "sales": {"covers": ["plans", "upgrade"]}},
-    },
-    "tone": {"type": "score", "instructions": "customer sentiment", "criteria": ["angry", "neutral", "happy"]},
-    "lang": {"type": "choice", "instructions": "language", "criteria": {"english": "", "french": None}},
-}
-
-
-def request(state: object = TICKET, questions: dict | None = None, **extra: object) -> dict:
-    return {"state": state, "questions": QUESTIONS if questions is None else questions, **extra}
+from .helpers import QUESTIONS, max_gap, request
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path) -> Engine:
     return Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=1 << 24))
-
-
-def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True))
 
 
 def test_row_form_bank_alone_and_siblings_agree(engine: Engine) -> None:

@@ -7,42 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from kev_backend.dev import tiny
 from kev_backend.dev.parity import compare
 from kev_backend.dev.workloads import realistic, short6, sized, state_counter
-from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.gpu.scorer import FusedScorer
-from kev_backend.model.checkpoint import KevCheckpoint
 from kev_backend.model.qwen35 import FULL_ATTENTION, LINEAR_ATTENTION
 
-from .fused_cpu_ops import CALLS, TORCH_KERNELS
-
-
-def engines(
-    tiny_dir: Path, bank_bytes: int = 1 << 26, checkpoint: KevCheckpoint | None = None, **options
-) -> tuple[Engine, FusedScorer]:
-    """The reference engine on the tiny checkpoint (or `checkpoint`) and a fused scorer (fp32, torch stand-ins) on
-    the same model, with FusedScorer's defaults (the shipped configuration: graphs, our long kernels) unless
-    `options` say otherwise."""
-    if checkpoint is None:
-        reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
-    else:
-        reference = Engine(checkpoint, EngineOptions(bank_bytes=0))
-    ck = reference.checkpoint
-    fused = FusedScorer(
-        ck.model,
-        ck.head,
-        ck.temperature,
-        reference.tokenizer.delimiters.pad,
-        bank_bytes=bank_bytes,
-        dtype=torch.float32,
-        kernels=TORCH_KERNELS,
-        graph_max_tokens=1024,
-        **options,
-    )
-    return reference, fused
+from .fused_cpu_ops import CALLS, engines
 
 
 @pytest.mark.parametrize("graphs,long_kernels", [(False, "fla"), (True, "fla"), (False, "triton"), (True, "triton")])

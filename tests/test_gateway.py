@@ -5,6 +5,7 @@ overload."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -37,9 +38,11 @@ from .conftest import (
     stop_triton,
     wait_until,
 )
-from .test_triton_e2e import assert_same_answer
+from .helpers import assert_same_answer
+from .helpers import post as post_as
 
 KEY = "test-key-123"
+post = functools.partial(post_as, key=KEY)  # this module's gateway has a key
 STATE = {"ticket": "my card was charged twice for the same order , please refund", "customer": {"months": 14}}
 QUESTIONS = {
     "urgent": {"type": "noul", "instructions": "is this urgent ?", "criteria": {"true": "reply today"}},
@@ -71,21 +74,6 @@ def engine(tiny_dir: Path) -> Engine:
 
 def expected(engine: Engine, state=STATE, questions=QUESTIONS, model: str = "kev-latest") -> dict:
     return engine.answer([{"state": state, "questions": questions, "model": model}])[0]
-
-
-def post(gateway: Gateway, path: str, body: bytes | dict, key: str | None = KEY, **headers: str):
-    """(status, headers, parsed body) of a plain HTTP POST."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        gateway.url + path, data=data, method="POST", headers={"content-type": "application/json", **headers}
-    )
-    if key:
-        request.add_header("authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), json.loads(error.read())
 
 
 def serving(gateway: Gateway) -> dict:

@@ -9,10 +9,8 @@ PODMAN (default build/image/podman.sh) is the podman command. Measurements go to
 
 from __future__ import annotations
 
-import ast
 import json
 import os
-import re
 import shlex
 import subprocess
 import time
@@ -24,6 +22,8 @@ import pytest
 
 from kev_backend.dev.ports import free_port
 
+from .helpers import README_ANSWERS, README_GRPC_REQUEST, README_REQUEST, TRITON_HTTP
+
 pytestmark = pytest.mark.image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,27 +33,6 @@ KEY = "image-test-key"
 STUB_COMM = "triton_python_b"  # the Python backend's stub as /proc spells it
 
 
-def readme_examples() -> tuple[dict, dict, dict]:
-    """README's examples, read from it so that what it shows is what is tested: the curl request to Triton's HTTP
-    port, the answers it prints (the embedded toy checkpoint's), and the tritonclient (gRPC) example's request."""
-    text = (REPO / "README.md").read_text()
-    curl = re.search(r"curl -s localhost:8000/v2/models/kev/infer -d '(.*?)'\n```", text, re.DOTALL)
-    shown = re.search(r"```json\n(.*?)\n```", text, re.DOTALL)
-    grpc = re.search(r"\nrequest = (\{.*?\n\})\nclient = grpcclient", text, re.DOTALL)
-    assert curl and shown and grpc, "README's Triton examples were not found"
-    request = json.loads(json.loads(curl.group(1))["inputs"][0]["data"][0])
-    answers = json.loads(json.loads(shown.group(1))["outputs"][0]["data"][0])["answers"]
-    return request, answers, ast.literal_eval(grpc.group(1))
-
-
-README_REQUEST, README_ANSWERS, README_GRPC_REQUEST = readme_examples()
-
-TRITON_HTTP = """
-import json, sys, urllib.request
-body = {"inputs": [{"name": "REQUEST", "shape": [1, 1], "datatype": "BYTES", "data": [sys.argv[1]]}]}
-request = urllib.request.Request("http://127.0.0.1:8000/v2/models/kev/infer", json.dumps(body).encode())
-print(urllib.request.urlopen(request, timeout=30).read().decode())
-"""
 TRITON_GRPC = """
 import json, sys, numpy as np, tritonclient.grpc as grpcclient
 client = grpcclient.InferenceServerClient("localhost:8001")

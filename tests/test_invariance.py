@@ -15,7 +15,7 @@ from kev_backend.dev.invariance import trace
 from kev_backend.dev.workloads import realistic, short6
 from kev_backend.gpu.scorer import FusedScorer
 
-from .test_fused_cpu import engines
+from .fused_cpu_ops import engines
 
 
 def row_by_row(gemm):

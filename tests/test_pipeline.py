@@ -13,7 +13,7 @@ from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline, parts_by_size
 from kev_backend.protocol.systemone import RequestError
 
-from .test_engine import request
+from .helpers import request
 
 BAD = {"state": "x", "questions": {}}
 

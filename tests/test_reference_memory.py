@@ -17,7 +17,7 @@ from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.model import qwen35
 from kev_backend.model.qwen35 import SequenceCache, causal_attention
 
-from .test_engine import QUESTIONS, max_gap, request
+from .helpers import QUESTIONS, max_gap, request
 
 REPO = Path(__file__).resolve().parents[1]
 

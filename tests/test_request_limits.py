@@ -9,59 +9,17 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from kev_backend.engine.engine import Engine, EngineOptions, RequestFault
 from kev_backend.protocol import encoding
-from kev_backend.protocol.encoding import KevTokenizer, TextCache, safe_cuts
+from kev_backend.protocol.encoding import TextCache, safe_cuts
 from kev_backend.protocol.systemone import Limits, RequestError, parse_request
 
-# Qwen2/3's pre-tokenizer: this split, then byte-level without its own regex.
-QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-CORPUS = [
-    "My card was charged twice for the same order. Please refund one payment!",
-    "Timeout on login page: status 504, retries [1, 2.5, None] -- see logs at 12:30.",
-    "Das Passwort-Zurücksetzen kam nie an; 你好，世界。 Ça marche très bien, naïve café.",
-    "    indented code = {'a': 1}\n\n\tdef f(x):\n        return x ** 2\r\n",
-]
+from .helpers import CORPUS, kev_tokenizer, random_text
 
 
-@pytest.fixture(scope="module")
-def bpe() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS * 50, trainer)
-    return tokenizer
-
-
-def random_text(rng: random.Random, n: int) -> str:
-    pieces = [
-        *" ".join(CORPUS).split(" "),
-        " ",
-        "  ",
-        "\n",
-        "\n\n",
-        "\t",
-        "!!",
-        "42",
-        "x" * 40,
-        "é",
-        "你好",
-    ]
-    return "".join(rng.choice(pieces) + rng.choice(["", " "]) for _ in range(n))
-
-
-def test_safe_cuts_keep_the_token_count(bpe: Tokenizer) -> None:
+def test_safe_cuts_keep_the_token_count(qwen_bpe: Tokenizer) -> None:
     """Pieces cut by safe_cuts tokenize to exactly as many tokens as the whole text, whatever the text."""
     rng = random.Random(7)
     checked = 0
@@ -72,8 +30,8 @@ def test_safe_cuts_keep_the_token_count(bpe: Tokenizer) -> None:
             assert "".join(text[a:b] for a, b, _ in spans) == text
             if all(safe for *_, safe in spans):
                 checked += len(spans) > 2
-                pieces = sum(len(bpe.encode(text[a:b]).ids) for a, b, _ in spans)
-                assert pieces == len(bpe.encode(text).ids)
+                pieces = sum(len(qwen_bpe.encode(text[a:b]).ids) for a, b, _ in spans)
+                assert pieces == len(qwen_bpe.encode(text).ids)
     assert checked >= 40
 
 
@@ -83,14 +41,8 @@ def test_safe_cuts_cut_a_huge_word_anyway() -> None:
     assert [safe for *_, safe in spans] == [False, False, True]
 
 
-def kev_tokenizer(bpe: Tokenizer, tmp_path: Path) -> KevTokenizer:
-    bpe.add_special_tokens(list(encoding.DELIMITER_TOKENS.values()))
-    bpe.save(str(tmp_path / "tokenizer.json"))
-    return KevTokenizer(tmp_path)
-
-
-def test_a_long_state_is_refused_having_tokenized_little(bpe: Tokenizer, tmp_path: Path) -> None:
-    tokenizer = kev_tokenizer(bpe, tmp_path)
+def test_a_long_state_is_refused_having_tokenized_little(qwen_bpe: Tokenizer, tmp_path: Path) -> None:
+    tokenizer = kev_tokenizer(qwen_bpe, tmp_path)
     state = " ".join(CORPUS) * 20_000  # ~4 MB, ~1.4 M tokens
     record = parse_request({"state": state, "questions": {"q": {"type": "noul"}}}, Limits(max_request_bytes=8 << 20))
     with pytest.raises(RequestError, match=r"state is at least [\d,]+ tokens \(counted in its first"):
@@ -100,16 +52,16 @@ def test_a_long_state_is_refused_having_tokenized_little(bpe: Tokenizer, tmp_pat
     # Under the limit, the answer is the whole text's tokens and they are cached (short texts only).
     record = parse_request({"state": " ".join(CORPUS) * 500, "questions": {"q": {"type": "noul", "instructions": "x"}}})
     encoded = encoding.encode(record, tokenizer)
-    assert list(encoded.state[1:]) == bpe.encode(record.state_text).ids
+    assert list(encoded.state[1:]) == qwen_bpe.encode(record.state_text).ids
     assert tokenizer.cache.get("x") is not None and tokenizer.cache.get(record.state_text) is None  # too long
 
 
-def test_lazy_count_agrees_with_the_exact_limit(bpe: Tokenizer, tmp_path: Path) -> None:
+def test_lazy_count_agrees_with_the_exact_limit(qwen_bpe: Tokenizer, tmp_path: Path) -> None:
     """Around the limit the lazy count and the whole text's count agree: a state of exactly the limit passes, one
     token more is refused."""
-    tokenizer = kev_tokenizer(bpe, tmp_path)
+    tokenizer = kev_tokenizer(qwen_bpe, tmp_path)
     text = random_text(random.Random(3), 40_000)
-    n = len(bpe.encode(text).ids)
+    n = len(qwen_bpe.encode(text).ids)
     assert len(text) > encoding.LAZY_CHARS
     questions = {"q": {"type": "noul"}}
     encoding.encode(

@@ -3,7 +3,6 @@ in-process engine's, real dynamic batches, and bad requests failing alone inside
 
 from __future__ import annotations
 
-import asyncio
 import json
 import queue
 import re
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
 from kev_backend.engine.engine import Engine
@@ -22,26 +20,7 @@ from kev_backend.protocol.systemone import STATE_KEY_HEADER, state_key_of
 from kev_backend.serve import prometheus
 
 from .conftest import REPO, TritonServer, metric_values, wait_until
-
-TEAMS = {"billing": "payments and refunds", "technical": None, "sales": {"covers": ["plans", "upgrade"]}}
-STATES = [
-    "my card was charged twice for the same order , please refund one payment",
-    {"log": "timeout on login page", "status": 504, "retries": [1, 2.5, None]},
-    ["password reset email never arrived", {"customer": "pro plan", "months": 14}],
-    "the app crash after the last update , data lost",
-    " ".join(["the invoice total was wrong and the refund is late"] * 40),  # ~400 tokens
-]
-
-
-def make_request(i: int) -> dict:
-    questions = {
-        "urgent": {"type": "noul", "instructions": "is this urgent ?", "criteria": {"true": "reply today"}},
-        "team": {"type": "choice", "instructions": f"route ticket {i}", "criteria": TEAMS},
-        "tone": {"type": "score", "instructions": "sentiment", "criteria": ["angry", "neutral", "happy"]},
-    }
-    keep = list(questions)[: 1 + i % 3]  # 1 to 3 questions, states shared between requests
-    return {"state": STATES[i % len(STATES)], "model": f"kev-{i}", "questions": {k: questions[k] for k in keep}}
-
+from .helpers import assert_same_answer, grpc_all, http_all, make_request, request_array
 
 BAD = {
     "missing state": ({"questions": {"q": {"type": "noul"}}}, "state: Field required"),
@@ -61,69 +40,6 @@ BAD = {
 def expected(tiny_dir: Path) -> list[dict]:
     engine = Engine.from_checkpoint(tiny_dir / "kev")
     return [engine.answer([make_request(i)])[0] for i in range(48)]
-
-
-def assert_same_answer(actual: dict, expected: dict) -> None:
-    """Equal to the in-process engine: the same fields, keys, choices and usage; probabilities may differ only by
-    one unit of the 4th decimal (a different batch shape can move fp32 sums across a rounding boundary)."""
-    assert actual["model"] == expected["model"] and actual["usage"] == expected["usage"]
-    assert set(actual) == {"model", "answers", "usage", "latency_ms"}
-    for qid, want in expected["answers"].items():
-        got = actual["answers"][qid]
-        assert list(got) == list(want)
-        for key, value in want.items():
-            if isinstance(value, float):
-                assert abs(got[key] - value) <= 1.00001e-4, (qid, key)
-            elif key == "probabilities":
-                assert list(got[key]) == list(value)
-                assert all(abs(got[key][k] - v) <= 1.00001e-4 for k, v in value.items()), qid
-            else:
-                assert got[key] == value, (qid, key)
-
-
-def request_array(body: dict | bytes) -> np.ndarray:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return np.array([[raw]], dtype=np.object_)
-
-
-def http_all(server: TritonServer, bodies: list) -> list:
-    """All bodies in flight at once over HTTP (asyncio client); each result is a response dict or the exception."""
-
-    async def run() -> list:
-        client = httpaio.InferenceServerClient(server.http_url)
-
-        async def one(body: dict | bytes) -> dict | InferenceServerException:
-            inp = httpclient.InferInput("REQUEST", [1, 1], "BYTES")
-            inp.set_data_from_numpy(request_array(body))
-            try:
-                result = await client.infer("kev", [inp])
-            except InferenceServerException as error:
-                return error
-            return json.loads(result.as_numpy("RESPONSE")[0, 0])
-
-        try:
-            return await asyncio.gather(*(one(body) for body in bodies))
-        finally:
-            await client.close()
-
-    return asyncio.run(run())
-
-
-def grpc_all(server: TritonServer, bodies: list) -> list:
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    done: queue.Queue = queue.Queue()
-    try:
-        for i, body in enumerate(bodies):
-            inp = grpcclient.InferInput("REQUEST", [1, 1], "BYTES")
-            inp.set_data_from_numpy(request_array(body))
-            client.async_infer("kev", [inp], callback=lambda result, error, i=i: done.put((i, result, error)))
-        results: list = [None] * len(bodies)
-        for _ in bodies:
-            i, result, error = done.get(timeout=120)
-            results[i] = error if error is not None else json.loads(result.as_numpy("RESPONSE")[0, 0])
-        return results
-    finally:
-        client.close()
 
 
 def batch_sizes(server: TritonServer) -> dict[int, int]:

@@ -30,13 +30,8 @@ from kev_backend.protocol.systemone import (
 )
 from kev_backend.settings import GatewaySettings, ModelSettings
 
-from . import test_request_limits
 from .conftest import REPO, TritonServer, start_gateway, start_triton, stop_gateway, stop_triton
-from .test_gateway import post
-from .test_request_limits import CORPUS, kev_tokenizer, random_text
-from .test_triton_e2e import http_all
-
-qwen_bpe = test_request_limits.bpe  # that file's fixture: a byte-level BPE with Qwen's pre-tokenizer
+from .helpers import CORPUS, http_all, kev_tokenizer, post, random_text
 
 NOUL = {"type": "noul", "instructions": "is this urgent ?"}
 
