@@ -66,6 +66,14 @@ def seconds(raw: str) -> float:
     return value
 
 
+def positive_seconds(raw: str) -> float:
+    """Seconds where 0 would mean nothing sensible (a window that counts nothing, a probe that cannot succeed)."""
+    value = seconds(raw)
+    if value == 0:
+        raise ValueError("must be more than 0")
+    return value
+
+
 def number(raw: str) -> float:
     try:
         return float(raw.strip())
@@ -273,12 +281,12 @@ class ServeSettings:
             venv=Path(get("KEV_VENV", text, d.venv)).resolve(),
             model=get("KEV_TRITON_MODEL", text, d.model),
             probe_interval_s=get("KEV_PROBE_INTERVAL_S", seconds, d.probe_interval_s),
-            probe_timeout_s=get("KEV_PROBE_TIMEOUT_S", seconds, d.probe_timeout_s),
+            probe_timeout_s=get("KEV_PROBE_TIMEOUT_S", positive_seconds, d.probe_timeout_s),
             probe_failures=get("KEV_PROBE_FAILURES", integer(1), d.probe_failures),
             start_timeout_s=get("KEV_START_TIMEOUT_S", seconds, d.start_timeout_s),
             stop_timeout_s=max(2.0, get("KEV_STOP_TIMEOUT_S", seconds, d.stop_timeout_s)),
             max_restarts=get("KEV_MAX_RESTARTS", integer(0), d.max_restarts),
-            restart_window_s=get("KEV_RESTART_WINDOW_S", seconds, d.restart_window_s),
+            restart_window_s=get("KEV_RESTART_WINDOW_S", positive_seconds, d.restart_window_s),
             extra_args=tuple(argv),
         )
 

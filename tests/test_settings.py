@@ -104,6 +104,8 @@ def test_serve_settings_grammar() -> None:
         ({"HTTP_PORT": "80a"}, "HTTP_PORT='80a': must be a whole number"),
         ({"GRPC_PORT": "70000"}, "GRPC_PORT='70000': must be 0..65535"),
         ({"KEV_PROBE_TIMEOUT_S": "-1"}, "must not be negative"),
+        ({"KEV_PROBE_TIMEOUT_S": "0"}, "KEV_PROBE_TIMEOUT_S='0': must be more than 0"),
+        ({"KEV_RESTART_WINDOW_S": "0"}, "KEV_RESTART_WINDOW_S='0': must be more than 0"),
         ({"KEV_PROBE_FAILURES": "0"}, "KEV_PROBE_FAILURES='0': must be at least 1"),
         ({"GATEWAY": "2"}, "GATEWAY='2'"),
     ]:

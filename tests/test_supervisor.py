@@ -34,6 +34,7 @@ from kev_backend.settings import ServeSettings
 
 from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready
 
+API_KEY = f"bearer-{secrets.token_hex(8)}"
 BODY = {"state": "my card was charged twice", "questions": {"urgent": {"type": "noul", "instructions": "urgent ?"}}}
 
 
@@ -62,6 +63,7 @@ def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         GATEWAY_PORT=str(port),
         KEV_PROBE_INTERVAL_S="1",
         TRITON_ADMIN_KEY_FILE=str(tmp / "admin-key"),
+        KEV_API_KEY=API_KEY,
     )
     served = Served(server, f"http://127.0.0.1:{port}", key)
     if not wait_ready(f"{served.gateway_url}/health", server.process, 60):
@@ -153,6 +155,19 @@ def test_admin_key_from_file_only_in_tritonservers_argv(served: Served) -> None:
     request = urllib.request.Request(url, data=b"{}", headers={"admin-key": served.admin_key})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.loads(response.read())[0]["name"] == "kev"
+
+
+def test_bearer_key_only_in_the_gateways_environment(served: Served) -> None:
+    """KEV_API_KEY reaches the gateway, which checks it, and neither tritonserver nor its Python stub, which parse
+    what clients send."""
+
+    def environment(pid: int) -> list[bytes]:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+    assert f"KEV_API_KEY={API_KEY}".encode() in environment(gateway_child(served.pid))
+    triton = child_named(served.pid, "tritonserver")
+    for pid in (triton, child_named(triton, procs.STUB_COMM)):
+        assert not [entry for entry in environment(pid) if entry.startswith(b"KEV_API_KEY=")], pid
 
 
 def test_killed_stub_is_restarted_and_answers_again(served: Served) -> None:

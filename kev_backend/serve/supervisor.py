@@ -285,7 +285,9 @@ class Supervisor:
 
     def start_triton(self) -> None:
         self.starts += 1
-        self.triton = Child("tritonserver", self.triton_command(), self.env)
+        # The gateway's bearer key stays out of Triton and its Python stubs, which parse what clients send.
+        triton_env = {name: value for name, value in self.env.items() if name != "KEV_API_KEY"}
+        self.triton = Child("tritonserver", self.triton_command(), triton_env)
         now = time.monotonic()
         self.ready = False
         self.start_deadline = now + self.config.start_timeout_s
