@@ -29,7 +29,14 @@ from tritonclient.utils import InferenceServerException
 from kev_backend.dev.ports import free_port
 from kev_backend.serve import procs, supervisor
 from kev_backend.serve.procs import children
-from kev_backend.serve.supervisor import SHM_DIR, SHM_PREFIX, RestartBudget, shm_prefix
+from kev_backend.serve.supervisor import (
+    SHM_DIR,
+    SHM_PREFIX,
+    RestartBudget,
+    process_start,
+    remove_stale_shm,
+    shm_prefix,
+)
 from kev_backend.settings import ServeSettings
 
 from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready
@@ -155,6 +162,24 @@ def test_admin_key_from_file_only_in_tritonservers_argv(served: Served) -> None:
     request = urllib.request.Request(url, data=b"{}", headers={"admin-key": served.admin_key})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.loads(response.read())[0]["name"] == "kev"
+
+
+def test_stale_regions_are_those_of_no_running_supervisor() -> None:
+    """At start, kev-serve removes the regions of supervisors no longer running: their pid gone, or now another
+    process's (in a container every supervisor has the same pid, and a pod's /dev/shm outlives its container)."""
+    me, tag = os.getpid(), secrets.token_hex(4)
+    mine = SHM_DIR / f"{shm_prefix(me, 1)}{tag}"
+    earlier = SHM_DIR / f"{SHM_PREFIX}{me}_{process_start(me) - 1}_1_{tag}"  # this pid, an earlier process
+    gone = SHM_DIR / f"{SHM_PREFIX}{(1 << 22) + 1}_5_1_{tag}"  # past Linux's largest pid
+    regions = (mine, earlier, gone)
+    try:
+        for region in regions:
+            region.write_bytes(b"")
+        removed = remove_stale_shm()
+        assert earlier.name in removed and gone.name in removed and mine.name not in removed and mine.exists()
+    finally:
+        for region in regions:
+            region.unlink(missing_ok=True)
 
 
 def test_bearer_key_only_in_the_gateways_environment(served: Served) -> None:

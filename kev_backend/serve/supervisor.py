@@ -54,8 +54,10 @@ from .probe import Probe, answered
 STATE_KEY_PATTERN = f"^{re.escape(STATE_KEY_HEADER)}$"
 
 SHM_DIR = Path("/dev/shm")
-# Every region of a start is named f"{SHM_PREFIX}{supervisor pid}_{start number}_<uuid>" (the Python backend adds
-# the uuid), so a start's regions, this supervisor's, and those of a supervisor no longer running can be found.
+# Every region of a start is named f"{SHM_PREFIX}{supervisor pid}_{its start time}_{start number}_<uuid>" (the
+# Python backend adds the uuid), so a start's regions, this supervisor's, and those of a supervisor no longer running
+# can be found. The start time tells a supervisor from an earlier one with the same pid: in a container the
+# supervisor has the same pid every time the container starts, and /dev/shm may outlive a container (a pod's).
 SHM_PREFIX = "kev_serve_"
 UNHEALTHY = "is not healthy"  # the Python backend's refusal once its stub is gone
 QUEUE_FULL = "Exceeds maximum queue size"
@@ -82,8 +84,21 @@ class GiveUp(Exception):
     """Supervision cannot go on: the reason is logged, everything is stopped, the exit code is 1."""
 
 
+def process_start(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's field 22); None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # the fields after the command's closing ")" start at field 3
+
+
+def supervisor_prefix(supervisor_pid: int) -> str:
+    return f"{SHM_PREFIX}{supervisor_pid}_{process_start(supervisor_pid)}_"
+
+
 def shm_prefix(supervisor_pid: int, start: int) -> str:
-    return f"{SHM_PREFIX}{supervisor_pid}_{start}_"
+    return f"{supervisor_prefix(supervisor_pid)}{start}_"
 
 
 def remove_shm(prefix: str) -> list[str]:
@@ -99,13 +114,16 @@ def remove_shm(prefix: str) -> list[str]:
 
 
 def remove_stale_shm() -> list[str]:
-    """Regions of this user left by supervisors no longer running (one killed by SIGKILL cannot clean up). Unlinking
-    a region a process still maps is safe: the memory lives until it is unmapped."""
+    """Regions of this user left by supervisors no longer running (one killed by SIGKILL cannot clean up): their pid
+    gone, or now another process's (another start time). Unlinking a region a process still maps is safe: the memory
+    lives until it is unmapped."""
     removed = []
     for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
-        match = re.match(rf"{SHM_PREFIX}(\d+)_", path.name)
+        match = re.match(rf"{SHM_PREFIX}(\d+)_(\d+)_", path.name)
         try:
-            if not match or path.stat().st_uid != os.getuid() or pid_alive(int(match[1])):
+            if not match or path.stat().st_uid != os.getuid():
+                continue
+            if pid_alive(int(match[1])) and process_start(int(match[1])) == int(match[2]):
                 continue
             path.unlink()
             removed.append(path.name)
@@ -504,7 +522,7 @@ class Supervisor:
         children = [child for child in (self.gateway, self.triton) if child is not None]
         # SIGKILL 1 s before the stop timeout: the supervisor's own exit fits in what is left.
         graceful = stop_children(children, started + self.config.stop_timeout_s - 1.0, lambda: self.hurry)
-        removed = remove_shm(f"{SHM_PREFIX}{os.getpid()}_")
+        removed = remove_shm(supervisor_prefix(os.getpid()))
         if self.probe is not None:
             self.probe.close()
         killed = "" if graceful else "; SIGKILL to what had not exited by the deadline"
