@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.model.checkpoint import LoadOptions, Meta, load_checkpoint
 from kev_backend.model.qwen35 import Qwen35Config
+from kev_backend.model.safetensors_reader import read_index
 from kev_backend.model.weights import load_text_weights
 from kev_backend.scoring.head import pointer_probabilities
 
@@ -141,6 +143,73 @@ def test_a_hub_base_needs_a_local_copy(tiny_dir: Path, tmp_path: Path, monkeypat
     with pytest.raises(FileNotFoundError, match="KEV_BASE"):
         load_checkpoint(directory)
     assert load_checkpoint(directory, options=LoadOptions(base=str(tmp_path / "base"))).kind == "lora"
+
+
+def test_a_file_that_is_not_a_regular_file_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    """A FIFO named model.safetensors would block the load until something writes to it: it is refused unread."""
+    directory = copy_checkpoint(tiny_dir, tmp_path, "kev-full")
+    (directory / "model.safetensors").unlink()
+    os.mkfifo(directory / "model.safetensors")
+    with pytest.raises(ValueError, match="model.safetensors: not a regular file"):
+        load_checkpoint(directory)
+
+
+def test_a_shard_index_names_files_inside_its_directory(tiny_dir: Path, tmp_path: Path) -> None:
+    directory = copy_checkpoint(tiny_dir, tmp_path, "kev-full")
+    names = [stored.name for stored in read_index(directory / "model.safetensors")]
+    (directory / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    for outside in ("../elsewhere.safetensors", str(tmp_path / "elsewhere.safetensors")):
+        index = {"metadata": {}, "weight_map": dict.fromkeys(names, outside)}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(ValueError, match="not a file in this directory"):
+            load_checkpoint(directory)
+
+
+def adapter_with(directory: Path, change) -> None:
+    """The adapter's first tensor (a lora_A) replaced by `change(it)`."""
+    path = directory / "adapter_model.safetensors"
+    tensors = load_file(path)
+    first = sorted(tensors)[0]  # a lora_A
+    save_file({name: (change(tensor) if name == first else tensor) for name, tensor in tensors.items()}, path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a[:, :1].contiguous(), r"the weight is \("),  # would broadcast across every column
+        (lambda a: a[:8].contiguous(), "not a pair of rank"),  # r is 16
+        (lambda a: a.to(torch.int32), "not two floating-point matrices"),
+    ],
+)
+def test_a_malformed_lora_pair_is_refused_before_its_product(tiny_dir: Path, tmp_path: Path, change, message) -> None:
+    directory = copy_checkpoint(tiny_dir, tmp_path)
+    adapter_with(directory, change)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(directory)
+
+
+def test_weights_must_be_floating_point(tiny_dir: Path, tmp_path: Path) -> None:
+    directory = copy_checkpoint(tiny_dir, tmp_path, "kev-full")
+    tensors = load_file(directory / "model.safetensors")
+    name = sorted(tensors)[0]
+    save_file({**tensors, name: tensors[name].to(torch.bool)}, directory / "model.safetensors")
+    with pytest.raises(ValueError, match="not a floating-point type"):
+        load_checkpoint(directory)
+    meta = torch.load(directory / "head.pt", weights_only=True)
+    torch.save({**meta, "head": {k: v.to(torch.int64) for k, v in meta["head"].items()}}, directory / "head.pt")
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(ValueError, match="must all be floating-point tensors"):
+        load_checkpoint(directory)
+
+
+def test_a_config_of_absurd_depth_is_refused_before_a_model_is_built(tiny_dir: Path, tmp_path: Path) -> None:
+    directory = copy_checkpoint(tiny_dir, tmp_path, "kev-full")
+    config = json.loads((directory / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["num_hidden_layers"], text["layer_types"] = 10_000_000, None
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="num_hidden_layers 10000000: a Qwen3.5 text model has 1..1024"):
+        load_checkpoint(directory)
 
 
 def test_config_reads_text_config_of_multimodal(tiny_dir: Path) -> None:

@@ -8,6 +8,7 @@ delta (B·A)·(alpha/r) to the fp32 base weight and rounds once to the serving d
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from .files import regular
 from .qwen35 import Qwen35Config, Qwen35TextModel
 from .weights import load_text_weights, read_config, text_model_name
 
@@ -57,7 +59,7 @@ class Meta:
     @classmethod
     def load(cls, path: Path) -> Meta:
         # head.pt is a pickle: weights_only refuses anything but tensors and plain containers.
-        raw = torch.load(path, map_location="cpu", weights_only=True)
+        raw = torch.load(regular(path), map_location="cpu", weights_only=True)
         if not isinstance(raw, dict) or "base" not in raw or "head" not in raw:
             raise ValueError(f"{path}: not a Kev head.pt (needs 'base' and 'head')")
         if raw.get("special_embeddings"):
@@ -131,9 +133,15 @@ def choose_dtype(
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def lora_deltas(checkpoint_dir: Path, lora_scale: float, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """fp32 ΔW = (B·A)·scaling per bare weight name, from a PEFT adapter directory, computed on `device`."""
-    config = json.loads((checkpoint_dir / "adapter_config.json").read_text())
+def lora_deltas(
+    checkpoint_dir: Path,
+    lora_scale: float,
+    device: torch.device | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """fp32 ΔW = (B·A)·scaling per bare weight name, from a PEFT adapter directory, computed on `device`. `shapes`:
+    the weights' shapes by bare name; given, each pair is checked against its weight before B·A is formed."""
+    config = json.loads(regular(checkpoint_dir / "adapter_config.json").read_text())
     for unsupported in ("trainable_token_indices", "modules_to_save", "rank_pattern", "alpha_pattern"):
         if config.get(unsupported):
             raise ValueError(f"adapter_config.json: {unsupported} is not supported by this loader")
@@ -142,11 +150,19 @@ def lora_deltas(checkpoint_dir: Path, lora_scale: float, device: torch.device | 
     r, alpha = int(config["r"]), float(config["lora_alpha"])
     scaling = (alpha / r**0.5 if config.get("use_rslora") else alpha / r) * lora_scale
     device = torch.device(device or "cpu")
-    return merge_deltas(load_file(str(checkpoint_dir / "adapter_model.safetensors"), device=str(device)), scaling)
+    adapter = regular(checkpoint_dir / "adapter_model.safetensors")
+    return merge_deltas(load_file(str(adapter), device=str(device)), scaling, r, shapes)
 
 
-def merge_deltas(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """PEFT-named `lora_A`/`lora_B` pairs → fp32 ΔW = (B·A)·scaling keyed by bare weight name."""
+def merge_deltas(
+    tensors: dict[str, torch.Tensor],
+    scaling: float,
+    rank: int | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """PEFT-named `lora_A`/`lora_B` pairs → fp32 ΔW = (B·A)·scaling keyed by bare weight name. Each pair must be
+    floating point, A [r, in] and B [out, r] (r = `rank` when given), and with `shapes` [out, in] its weight's shape:
+    checked before the product, which a malformed pair would broadcast or make as large as it names."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
@@ -160,7 +176,20 @@ def merge_deltas(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, 
     for weight, ab in pairs.items():
         if set(ab) != {"lora_A", "lora_B"}:
             raise ValueError(f"adapter_model.safetensors: incomplete LoRA pair for {weight}")
-        deltas[weight] = (ab["lora_B"].float() @ ab["lora_A"].float()) * scaling
+        a, b = ab["lora_A"], ab["lora_B"]
+        pair = (
+            f"adapter_model.safetensors: {weight}: lora_A {tuple(a.shape)} {a.dtype}, lora_B {tuple(b.shape)} {b.dtype}"
+        )
+        if not (a.is_floating_point() and b.is_floating_point()) or a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"{pair}: not two floating-point matrices")
+        if a.shape[0] != b.shape[1] or (rank is not None and a.shape[0] != rank):
+            raise ValueError(f"{pair}: not a pair of rank {rank if rank is not None else a.shape[0]}")
+        if shapes is not None:
+            if weight not in shapes:
+                raise ValueError(f"{pair}: the model has no such weight")
+            if (b.shape[0], a.shape[1]) != tuple(shapes[weight]):
+                raise ValueError(f"{pair}: the weight is {tuple(shapes[weight])}")
+        deltas[weight] = (b.float() @ a.float()) * scaling
     return deltas
 
 
@@ -190,6 +219,10 @@ def build_model(
         tensor = weights[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name}: stored as {tensor.dtype}, not a floating-point type")
+        if name in deltas and tuple(deltas[name].shape) != tuple(param.shape):
+            raise ValueError(f"{name}: LoRA delta {tuple(deltas[name].shape)} != expected {tuple(param.shape)}")
         if device is not None:
             tensor = tensor.to(device)
         if name in deltas:
@@ -217,6 +250,7 @@ def load_checkpoint(
     base_dir = resolve_base(directory, meta, options.base)
     if not (base_dir / "tokenizer.json").exists():
         raise FileNotFoundError(f"the base {base_dir} has no tokenizer.json (Kev always tokenizes with the base's)")
+    regular(base_dir / "tokenizer.json")
     weights_dir = base_dir if has_adapter else directory
     raw_config = read_config(weights_dir)
     config = Qwen35Config.from_dict(raw_config)
@@ -230,9 +264,13 @@ def load_checkpoint(
             f"head.pt says weights_dtype={meta.weights_dtype!r} but config.json says dtype={config.dtype!r}"
         )
     dtype = choose_dtype(options.dtype, device, meta.weights_dtype, kind, config.dtype)
-    deltas = lora_deltas(directory, options.lora_scale, device) if has_adapter else None
-    model = build_model(config, load_text_weights(weights_dir, device), dtype, deltas, device)
+    weights = load_text_weights(weights_dir, device)
+    shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
+    deltas = lora_deltas(directory, options.lora_scale, device, shapes) if has_adapter else None
+    model = build_model(config, weights, dtype, deltas, device)
 
+    if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in meta.head.values()):
+        raise ValueError(f"head.pt head tensors {sorted(meta.head)} must all be floating-point tensors")
     head = {k: v.float().to(device) for k, v in meta.head.items()}
     expected_head = {
         "q.weight": (meta.head_dim, config.hidden_size),

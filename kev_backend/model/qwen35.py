@@ -43,6 +43,9 @@ ATTENTION_CHUNK_ELEMENTS = 1 << 22
 ATTENTION_CHUNK_ELEMENTS_GPU = 1 << 26
 # Tokens (across the batch) a chunked pass runs at a time: activations scale with it, not with the sequence.
 PASS_CHUNK_TOKENS = 4096
+# Kev's bases have 24 to 64 layers. A config that names more is refused before the model is built (built on the meta
+# device first, 10,000 layers took 14 s and 629 MB, and the time grows with the count the file names).
+MAX_LAYERS = 1024
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class Qwen35Config:
         """Reads a text config, or the `text_config` of a multimodal (`qwen3_5`) config."""
         text = raw.get("text_config", raw)
         n_layers = int(text["num_hidden_layers"])
+        if not 1 <= n_layers <= MAX_LAYERS:
+            raise ValueError(f"num_hidden_layers {n_layers}: a Qwen3.5 text model has 1..{MAX_LAYERS}")
         layer_types = text.get("layer_types")
         if not layer_types:
             interval = int(text.get("full_attention_interval", 4))

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .files import regular
+
 DTYPES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
@@ -61,7 +63,7 @@ class _Chunk:
 
 def read_index(path: Path) -> list[StoredTensor]:
     """The tensors `path` holds, as its header places them, checked against the file's size."""
-    size = path.stat().st_size
+    size = regular(path).stat().st_size
     with path.open("rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .files import inside, regular
 from .safetensors_reader import StoredTensor, read_index, read_tensors
 
 # Prefixes of the text tower in the layouts we accept, longest first.
@@ -21,8 +22,8 @@ def safetensors_files(directory: Path) -> list[Path]:
     """`model.safetensors`, or the shards named by `model.safetensors.index.json`."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in sorted(set(weight_map.values()))]
+        weight_map = json.loads(regular(index).read_text())["weight_map"]
+        return [inside(directory, name) for name in sorted(set(weight_map.values()))]
     single = directory / "model.safetensors"
     if single.exists():
         return [single]
@@ -61,4 +62,4 @@ def load_text_weights(directory: Path, device: str | torch.device = "cpu") -> di
 
 
 def read_config(directory: Path) -> dict:
-    return json.loads((directory / "config.json").read_text())
+    return json.loads(regular(directory / "config.json").read_text())
