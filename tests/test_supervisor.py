@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import secrets
 import signal
@@ -39,7 +40,7 @@ from kev_backend.serve.supervisor import (
 )
 from kev_backend.settings import ServeSettings
 
-from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready
+from .conftest import REPO, TritonServer, metric_values, start_triton, stop_triton, wait_ready, wait_until
 
 API_KEY = f"bearer-{secrets.token_hex(8)}"
 BODY = {"state": "my card was charged twice", "questions": {"urgent": {"type": "noul", "instructions": "urgent ?"}}}
@@ -223,14 +224,14 @@ def test_killed_stub_is_restarted_and_answers_again(served: Served) -> None:
     assert not list(SHM_DIR.glob(f"{shm_prefix(served.pid, 1)}*"))  # the first start's regions are gone
 
 
-def health(served: Served) -> subprocess.CompletedProcess[str]:
+def health(served: Served, timeout_s: float = 3) -> subprocess.CompletedProcess[str]:
     """`python -m kev_backend.serve.probe` (the image's HEALTHCHECK) against this server, as its settings say."""
     ports = {
         "HTTP_PORT": served.triton.http_url.rsplit(":", 1)[1],
         "GRPC_PORT": served.triton.grpc_url.rsplit(":", 1)[1],
         "GATEWAY_PORT": served.gateway_url.rsplit(":", 1)[1],
     }
-    command = [sys.executable, "-m", "kev_backend.serve.probe", "--timeout", "3"]
+    command = [sys.executable, "-m", "kev_backend.serve.probe", "--timeout", str(timeout_s)]
     return subprocess.run(command, env={**os.environ, **ports}, capture_output=True, text=True, timeout=60)
 
 
@@ -254,6 +255,32 @@ def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
     while (result := health(served)).returncode != 0 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert result.returncode == 0, result
+
+
+def test_a_saturated_server_is_busy_not_unhealthy(served: Served) -> None:
+    """With Triton's queue full of work, the probe's own inference waits past its timeout or is refused, while other
+    inferences complete: the health check says busy and healthy (a liveness probe must not restart a server for
+    being saturated), and kev-serve restarts nothing."""
+    # ~200-token states, 700 of them: past the 512 Triton queues, and seconds of work on a CPU, batches completing
+    # every second or two meanwhile (the probe's timeout here is the Kubernetes probes' 5 s).
+    state = " ".join(["the invoice total was wrong and the refund is late"] * 20)
+    bodies = [{"state": f"{i} {state}", "questions": BODY["questions"]} for i in range(700)]
+    restarts = served.triton.log.read_text(errors="replace").count("TRITON RESTART ")
+    client = grpcclient.InferenceServerClient(served.triton.grpc_url)
+    done: queue.Queue = queue.Queue()
+    try:
+        for body in bodies:
+            tensor = grpcclient.InferInput("REQUEST", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[json.dumps(body).encode()]], dtype=object))
+            client.async_infer("kev", [tensor], callback=lambda result, error: done.put(error))
+        wait_until(lambda: metric_values(served.triton).get("nv_inference_pending_request_count", 0) >= 200, "a queue")
+        result = health(served, timeout_s=5)
+        for _ in bodies:
+            done.get(timeout=300)  # the flood drains (the requests past the queue's 512 were refused)
+    finally:
+        client.close()
+    assert result.returncode == 0 and result.stdout.startswith("healthy: Triton busy: "), result
+    assert served.triton.log.read_text(errors="replace").count("TRITON RESTART ") == restarts
 
 
 def test_killed_gateway_is_restarted(served: Served) -> None:

@@ -3,6 +3,10 @@ its reply holds Kev's answer. tritonserver 2.51 keeps reporting ready after its 
 proves nothing. kev-serve sends it every KEV_PROBE_INTERVAL_S; `python -m kev_backend.serve.probe` is the same check
 for a container's HEALTHCHECK or a Kubernetes probe: Triton's ready endpoint, then the inference, then (with the
 gateway on) the gateway's /ready. It prints one line and exits 0 when healthy, 1 when not (2: a bad setting).
+
+A busy server is healthy: a probe whose inference timed out in Triton's queue, or was refused by the full queue,
+while Triton completed other inferences within the probe's timeout (its statistics), is not a failure. kev-serve
+judges its own probes so; this keeps a container's liveness probe from restarting a server for being saturated.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import json
 import struct
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -20,6 +25,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from ..settings import ServeSettings, SettingError
 
 PROBE_BODY = b'{"state":"probe","questions":{"ok":{"type":"noul","instructions":"ok?"}}}'
+QUEUE_FULL = "Exceeds maximum queue size"  # Triton's refusal when the model's queue is full
 
 
 class Probe:
@@ -77,21 +83,54 @@ def not_ready(what: str, url: str, timeout_s: float) -> str | None:
     return None if code == 200 else f"{what} not ready: {url} answered {code}"
 
 
-def unhealthy(settings: ServeSettings, timeout_s: float) -> str | None:
-    """None when a real inference is answered (and the gateway, when on, is ready), else why not."""
+def completed(probe: Probe) -> int | None:
+    """Inferences Triton has completed for the model (its statistics), None if it does not say."""
+    try:
+        stats = probe.statistics().result().model_stats
+    except grpc.RpcError:
+        return None
+    return sum(s.inference_stats.success.count for s in stats)
+
+
+def progressing(probe: Probe, before: int | None, deadline: float) -> bool:
+    """Triton completes inferences: more than `before` by `deadline` (polled)."""
+    while before is not None:
+        now = completed(probe)
+        if now is not None and now > before:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def check(settings: ServeSettings, timeout_s: float) -> tuple[bool, str]:
+    """Whether a real inference is answered, or Triton is busy answering others (and the gateway, when on, is up),
+    and what was found."""
     ready = f"http://{settings.triton_host}:{settings.http_port}/v2/health/ready"
     if why_not := not_ready("Triton", ready, timeout_s):
-        return why_not
+        return False, why_not
     probe = Probe(settings.grpc_target, settings.model)
     try:
-        reply = probe.infer(timeout_s).result()
-    except grpc.RpcError as error:
-        return f"inference through Triton failed: {error.code().name}: {error.details()}"
+        before, started = completed(probe), time.monotonic()
+        try:
+            reply = probe.infer(timeout_s).result()
+        except grpc.RpcError as error:
+            detail = f"{error.code().name}: {error.details()}"
+            queued = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED or QUEUE_FULL in detail
+            if not (queued and progressing(probe, before, started + timeout_s)):
+                return False, f"inference through Triton failed: {detail}"
+            # The gateway's /ready needs an inference of its own within 2 s, which a busy server cannot give.
+            if settings.gateway and (why_not := not_ready("gateway", f"{settings.gateway_url}/health", timeout_s)):
+                return False, why_not
+            return True, f"Triton busy: the probe's inference was queued or refused ({detail}) while others completed"
     finally:
         probe.close()
     if not answered(reply):
-        return "inference through Triton: the reply holds no answer"
-    return not_ready("gateway", f"{settings.gateway_url}/ready", timeout_s) if settings.gateway else None
+        return False, "inference through Triton: the reply holds no answer"
+    if settings.gateway and (why_not := not_ready("gateway", f"{settings.gateway_url}/ready", timeout_s)):
+        return False, why_not
+    return True, "Triton ready, a real inference answered"
 
 
 def main() -> int:
@@ -103,9 +142,9 @@ def main() -> int:
     except SettingError as error:
         print(f"unhealthy: {error}", flush=True)
         return 2
-    why_not = unhealthy(settings, args.timeout)
-    print(f"unhealthy: {why_not}" if why_not else "healthy: Triton ready, a real inference answered", flush=True)
-    return 1 if why_not else 0
+    healthy, found = check(settings, args.timeout)
+    print(f"{'healthy' if healthy else 'unhealthy'}: {found}", flush=True)
+    return 0 if healthy else 1
 
 
 if __name__ == "__main__":

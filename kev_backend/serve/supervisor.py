@@ -46,7 +46,7 @@ from ..protocol.systemone import STATE_KEY_HEADER
 from ..settings import REPO, ServeSettings, SettingError, admin_key
 from . import procs
 from .gpus import cuda_devices
-from .probe import Probe, answered
+from .probe import QUEUE_FULL, Probe, answered
 
 # Triton forwards the headers this RE2 pattern matches as request parameters. It matches names as sent, and a (?i)
 # flag did not make 2.51 match other cases: over HTTP the header must come in lower case, as gRPC metadata, Envoy
@@ -60,7 +60,6 @@ SHM_DIR = Path("/dev/shm")
 # supervisor has the same pid every time the container starts, and /dev/shm may outlive a container (a pod's).
 SHM_PREFIX = "kev_serve_"
 UNHEALTHY = "is not healthy"  # the Python backend's refusal once its stub is gone
-QUEUE_FULL = "Exceeds maximum queue size"
 TICK_S = 0.1
 # A server being restarted is broken (its stub is dead or hung): nothing it holds is worth waiting for, so it is
 # killed at once (a grace of 2 s was 2 s more of outage on every restart) and its shared memory removed here.
