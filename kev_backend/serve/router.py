@@ -35,6 +35,10 @@ HTTP_CONNECTION_MANAGER = "envoy.filters.network.http_connection_manager"
 # grpc-timeout, when shorter, wins.
 TIMEOUT = "130s"
 ROUTER = "envoy.extensions.filters.http.router.v3.Router"
+# HTTP/2 flow-control windows, Envoy's own advice for a proxy facing clients (its defaults are 256 MiB each): a peer
+# may send 64 KiB a stream and 1 MiB a connection ahead of what Envoy has passed on, so the memory one client can
+# make the router hold is bounded; a 4 MiB request still flows, a window at a time.
+HTTP2_WINDOWS = {"initial_stream_window_size": 65536, "initial_connection_window_size": 1048576}
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ def triton_cluster(servers: list[Server], dns: bool) -> dict[str, Any]:
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                explicit_http_config={"http2_protocol_options": {"max_concurrent_streams": 1024}},
+                explicit_http_config={"http2_protocol_options": {"max_concurrent_streams": 1024, **HTTP2_WINDOWS}},
             )
         },
         # Triton's ready endpoint every second; two misses take a server out (dead, or being restarted by kev-serve
@@ -190,7 +194,7 @@ def config(
             listen,
             [inference_route()],
             codec_type="AUTO",
-            http2_protocol_options={"max_concurrent_streams": 1024},
+            http2_protocol_options={"max_concurrent_streams": 1024, **HTTP2_WINDOWS},
             request_headers_timeout="10s",
             stream_idle_timeout="300s",
         )
