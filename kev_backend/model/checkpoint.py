@@ -250,7 +250,9 @@ def load_checkpoint(
     base_dir = resolve_base(directory, meta, options.base)
     if not (base_dir / "tokenizer.json").exists():
         raise FileNotFoundError(f"the base {base_dir} has no tokenizer.json (Kev always tokenizes with the base's)")
-    regular(base_dir / "tokenizer.json")
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):  # what the tokenizer reads, when present
+        if (base_dir / tokenizer_file).exists():
+            regular(base_dir / tokenizer_file)
     weights_dir = base_dir if has_adapter else directory
     raw_config = read_config(weights_dir)
     config = Qwen35Config.from_dict(raw_config)

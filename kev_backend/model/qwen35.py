@@ -76,7 +76,7 @@ class Qwen35Config:
         text = raw.get("text_config", raw)
         n_layers = int(text["num_hidden_layers"])
         if not 1 <= n_layers <= MAX_LAYERS:
-            raise ValueError(f"num_hidden_layers {n_layers}: a Qwen3.5 text model has 1..{MAX_LAYERS}")
+            raise ValueError(f"num_hidden_layers {n_layers}: this loader takes 1..{MAX_LAYERS} layers")
         layer_types = text.get("layer_types")
         if not layer_types:
             interval = int(text.get("full_attention_interval", 4))
