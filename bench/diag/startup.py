@@ -117,8 +117,9 @@ def load_split(directory: Path) -> None:
     meta = timed("head.pt", lambda: ck.Meta.load(directory / "head.pt"))
     base = ck.resolve_base(directory, meta, None)
     config = timed("config", lambda: Qwen35Config.from_dict(read_config(base)))
-    deltas = timed("lora", lambda: ck.lora_deltas(directory, 1.0, device))
     weights = timed("weights", lambda: load_text_weights(base, device))
+    shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
+    deltas = timed("lora", lambda: ck.lora_deltas(directory, 1.0, shapes, device))
     timed("build_model", lambda: ck.build_model(config, weights, torch.bfloat16, deltas, device))
     timed("load_checkpoint", lambda: ck.load_checkpoint(directory, device))
     print(f"coldstart load steps (s): {steps}", flush=True)

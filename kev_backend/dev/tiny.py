@@ -488,7 +488,8 @@ def build(out: Path, seed: int = 0) -> None:
     head = random_head(config.hidden_size, 32, seed + 2)
     write_lora_checkpoint(kev_dir, "../base", config, 16, head, seed + 1)
     # The same model as full weights: the LoRA merged in fp32.
-    merged = {name: t + lora_deltas(kev_dir, 1.0).get(name, 0.0) for name, t in weights.items()}
+    deltas = lora_deltas(kev_dir, 1.0, {name: tuple(t.shape) for name, t in weights.items()})
+    merged = {name: t + deltas.get(name, 0.0) for name, t in weights.items()}
     write_full_checkpoint(out / "kev-full", "../base", config_dict, merged, head)
 
 

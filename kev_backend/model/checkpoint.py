@@ -136,11 +136,11 @@ def choose_dtype(
 def lora_deltas(
     checkpoint_dir: Path,
     lora_scale: float,
+    shapes: Mapping[str, tuple[int, ...]],
     device: torch.device | None = None,
-    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """fp32 ΔW = (B·A)·scaling per bare weight name, from a PEFT adapter directory, computed on `device`. `shapes`:
-    the weights' shapes by bare name; given, each pair is checked against its weight before B·A is formed."""
+    the base weights' shapes by bare name, each pair checked against its weight before B·A is formed."""
     config = json.loads(regular(checkpoint_dir / "adapter_config.json").read_text())
     for unsupported in ("trainable_token_indices", "modules_to_save", "rank_pattern", "alpha_pattern"):
         if config.get(unsupported):
@@ -157,12 +157,12 @@ def lora_deltas(
 def merge_deltas(
     tensors: dict[str, torch.Tensor],
     scaling: float,
-    rank: int | None = None,
-    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    rank: int,
+    shapes: Mapping[str, tuple[int, ...]],
 ) -> dict[str, torch.Tensor]:
     """PEFT-named `lora_A`/`lora_B` pairs → fp32 ΔW = (B·A)·scaling keyed by bare weight name. Each pair must be
-    floating point, A [r, in] and B [out, r] (r = `rank` when given), and with `shapes` [out, in] its weight's shape:
-    checked before the product, which a malformed pair would broadcast or make as large as it names."""
+    floating point, A [rank, in] and B [out, rank] with [out, in] its weight's shape in `shapes`: checked before the
+    product, which a malformed pair would broadcast or make as large as it names."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
@@ -182,13 +182,12 @@ def merge_deltas(
         )
         if not (a.is_floating_point() and b.is_floating_point()) or a.dim() != 2 or b.dim() != 2:
             raise ValueError(f"{pair}: not two floating-point matrices")
-        if a.shape[0] != b.shape[1] or (rank is not None and a.shape[0] != rank):
-            raise ValueError(f"{pair}: not a pair of rank {rank if rank is not None else a.shape[0]}")
-        if shapes is not None:
-            if weight not in shapes:
-                raise ValueError(f"{pair}: the model has no such weight")
-            if (b.shape[0], a.shape[1]) != tuple(shapes[weight]):
-                raise ValueError(f"{pair}: the weight is {tuple(shapes[weight])}")
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise ValueError(f"{pair}: not a pair of rank {rank}")
+        if weight not in shapes:
+            raise ValueError(f"{pair}: the model has no such weight")
+        if (b.shape[0], a.shape[1]) != tuple(shapes[weight]):
+            raise ValueError(f"{pair}: the weight is {tuple(shapes[weight])}")
         deltas[weight] = (b.float() @ a.float()) * scaling
     return deltas
 
@@ -221,8 +220,6 @@ def build_model(
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
         if not tensor.is_floating_point():
             raise ValueError(f"{name}: stored as {tensor.dtype}, not a floating-point type")
-        if name in deltas and tuple(deltas[name].shape) != tuple(param.shape):
-            raise ValueError(f"{name}: LoRA delta {tuple(deltas[name].shape)} != expected {tuple(param.shape)}")
         if device is not None:
             tensor = tensor.to(device)
         if name in deltas:
@@ -268,7 +265,7 @@ def load_checkpoint(
     dtype = choose_dtype(options.dtype, device, meta.weights_dtype, kind, config.dtype)
     weights = load_text_weights(weights_dir, device)
     shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
-    deltas = lora_deltas(directory, options.lora_scale, device, shapes) if has_adapter else None
+    deltas = lora_deltas(directory, options.lora_scale, shapes, device) if has_adapter else None
     model = build_model(config, weights, dtype, deltas, device)
 
     if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in meta.head.values()):

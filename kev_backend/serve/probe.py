@@ -83,25 +83,28 @@ def not_ready(what: str, url: str, timeout_s: float) -> str | None:
     return None if code == 200 else f"{what} not ready: {url} answered {code}"
 
 
+def successes(reply: service_pb2.ModelStatisticsResponse) -> int:
+    """Inferences Triton has completed for the model, from its statistics."""
+    return sum(s.inference_stats.success.count for s in reply.model_stats)
+
+
 def completed(probe: Probe) -> int | None:
-    """Inferences Triton has completed for the model (its statistics), None if it does not say."""
+    """successes, None if Triton does not say."""
     try:
-        stats = probe.statistics().result().model_stats
+        return successes(probe.statistics().result())
     except grpc.RpcError:
         return None
-    return sum(s.inference_stats.success.count for s in stats)
 
 
 def progressing(probe: Probe, before: int | None, deadline: float) -> bool:
     """Triton completes inferences: more than `before` by `deadline` (polled)."""
-    while before is not None:
-        now = completed(probe)
-        if now is not None and now > before:
-            return True
+    if before is None:
+        return False
+    while (now := completed(probe)) is None or now <= before:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
-    return False
+    return True
 
 
 def check(settings: ServeSettings, timeout_s: float) -> tuple[bool, str]:

@@ -46,7 +46,7 @@ from ..protocol.systemone import STATE_KEY_HEADER
 from ..settings import REPO, ServeSettings, SettingError, admin_key
 from . import procs
 from .gpus import cuda_devices
-from .probe import QUEUE_FULL, Probe, answered
+from .probe import QUEUE_FULL, Probe, answered, successes
 
 # Triton forwards the headers this RE2 pattern matches as request parameters. It matches names as sent, and a (?i)
 # flag did not make 2.51 match other cases: over HTTP the header must come in lower case, as gRPC metadata, Envoy
@@ -429,8 +429,7 @@ class Supervisor:
         c = self.config
         if self.statistics is not None and self.statistics.done():
             try:
-                stats = self.statistics.result().model_stats
-                self.successes.append((self.statistics_sent, sum(s.inference_stats.success.count for s in stats)))
+                self.successes.append((self.statistics_sent, successes(self.statistics.result())))
             except grpc.RpcError:
                 pass  # no sample: no evidence of progress
             self.statistics = None
