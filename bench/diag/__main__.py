@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from . import __doc__ as summary
-from . import gemm, host, passes, startup, sweeps
+from . import gemm, gemm_swiglu, host, passes, startup, sweeps
 
 FAMILIES = {
     "passes and latency": passes,
     "kernel sweeps": sweeps,
     "GEMMs": gemm,
+    "GEMM epilogues": gemm_swiglu,
     "host path": host,
     "start-up": startup,
 }
