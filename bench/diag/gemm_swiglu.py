@@ -125,6 +125,8 @@ FUSED_CONFIGS = [
     (128, 64, 64, 4, 8, 8, 132),
     (64, 128, 64, 4, 4, 8, 0),
     (256, 64, 64, 3, 8, 8, 132),
+    (64, 128, 64, 4, 4, 8, 132),
+    (64, 64, 64, 4, 4, 8, 0),
 ]
 PLAIN_CONFIGS = [
     (128, 256, 64, 3, 8, 8, 0),
@@ -216,6 +218,7 @@ def _measure(size: str, m: int, weights: list[torch.Tensor], gemms, silu_mul) ->
         print(f"gemmswiglu {size} M={m} plain triton {plain}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s)",
               flush=True)  # fmt: skip
     timed: dict[tuple[int, ...], float] = {}
+    first: torch.Tensor | None = None  # the first configuration's output: do the others give its bits?
     for fused in FUSED_CONFIGS:
         try:
             gate_up_silu(x, weights[0], y, fused)
@@ -224,8 +227,10 @@ def _measure(size: str, m: int, weights: list[torch.Tensor], gemms, silu_mul) ->
             print(f"gemmswiglu fused {fused}: failed {type(failure).__name__}: {str(failure)[:160]}", flush=True)
             continue
         timed[fused] = ms
+        first = y.clone() if first is None else first
         print(f"gemmswiglu {size} M={m} fused {fused}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s), "
-              f"{ms / base_alone:.3f}x; error {error(y):.2e}", flush=True)  # fmt: skip
+              f"{ms / base_alone:.3f}x; error {error(y):.2e}; bits as the first: {torch.equal(y, first)}",
+              flush=True)  # fmt: skip
     if not timed:
         return
     best = min(timed, key=timed.__getitem__)
