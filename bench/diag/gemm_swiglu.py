@@ -13,41 +13,10 @@ import triton
 import triton.language as tl
 
 from kev_backend.dev.tiny import SIZES
+from kev_backend.gpu.kernels.norms import rms_norm, silu_mul
 
 from .common import captured_graph, command, graph_ms
 from .gemm import clocks_text, gpu_clocks
-
-
-@triton.jit
-def _gate_up_silu_kernel(
-    x_desc, g_desc, u_desc, y_desc, M, WIDTH, K,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
-    STAGES: tl.constexpr,
-):  # fmt: skip
-    """y[M, WIDTH] = silu(x·Gᵀ)·(x·Uᵀ) in fp32, one rounding. Tiles in groups of GROUP_M row tiles per column tile (L2
-    reuse of the weights' tiles); a persistent grid of PROGRAMS programs walks them. The K loop's order is fixed, so
-    a row's output depends on nothing but its row."""
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(WIDTH, BN)
-    k_tiles = tl.cdiv(K, BK)
-    tiles = num_m * num_n
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, num_stages=STAGES):
-        in_group = GROUP_M * num_n
-        first_m = (tile // in_group) * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % size_m
-        pid_n = (tile % in_group) // size_m
-        om = pid_m * BM
-        on = pid_n * BN
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for kk in range(k_tiles):
-            ok = kk * BK
-            a = x_desc.load([om, ok])
-            acc_g = tl.dot(a, g_desc.load([on, ok]).T, acc_g)
-            acc_u = tl.dot(a, u_desc.load([on, ok]).T, acc_u)
-        y = acc_g * tl.sigmoid(acc_g) * acc_u
-        y_desc.store([om, on], y.to(y_desc.dtype))
 
 
 @triton.jit
@@ -76,169 +45,221 @@ def _gemm_kernel(
         y_desc.store([om, on], acc.to(y_desc.dtype))
 
 
-def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, y: torch.Tensor, config: tuple[int, ...]) -> None:
-    """y = silu(x·Gᵀ)·(x·Uᵀ) for gate_up = [G | U] stored [2I, K], on `config` = (BM, BN, BK, stages, warps, group,
-    programs; 0 programs: a program a tile)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+@triton.jit
+def _swiglu_interleaved_kernel(
+    x_desc, w_desc, y_desc, M, WIDTH, K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """y[M, WIDTH] = silu(g)·u with W's rows interleaved (g0, u0, g1, u1, ...): one accumulator of 2·BN columns,
+    whose gate and up columns sit side by side in each thread's registers, split in the epilogue."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(WIDTH, BN)
+    k_tiles = tl.cdiv(K, BK)
+    tiles = num_m * num_n
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, num_stages=STAGES):
+        in_group = GROUP_M * num_n
+        first_m = (tile // in_group) * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % size_m
+        pid_n = (tile % in_group) // size_m
+        om = pid_m * BM
+        on = pid_n * BN
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        for kk in range(k_tiles):
+            ok = kk * BK
+            acc = tl.dot(x_desc.load([om, ok]), w_desc.load([2 * on, ok]).T, acc)
+        g, u = acc.reshape(BM, BN, 2).split()
+        y_desc.store([om, on], (g * tl.sigmoid(g) * u).to(y_desc.dtype))
 
+
+@triton.jit
+def _gemm_residual_kernel(
+    x_desc, w_desc, r_desc, M, N, K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """r[M, N] += x·Wᵀ with r fp32 (the residual stream): the output projection adding into it in its epilogue."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    tiles = num_m * num_n
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, num_stages=STAGES):
+        in_group = GROUP_M * num_n
+        first_m = (tile // in_group) * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % size_m
+        pid_n = (tile % in_group) // size_m
+        om = pid_m * BM
+        on = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kk in range(k_tiles):
+            ok = kk * BK
+            acc = tl.dot(x_desc.load([om, ok]), w_desc.load([on, ok]).T, acc)
+        r_desc.store([om, on], r_desc.load([om, on]) + acc)
+
+
+def _launch(kernel, descs: list, m: int, n: int, k: int, tile_n: int, config: tuple[int, ...]) -> None:
     bm, bn, bk, stages, warps, group, programs = config
-    m, k = x.shape
-    width = gate_up.shape[0] // 2
-    tiles = triton.cdiv(m, bm) * triton.cdiv(width, bn)
-    programs = programs or tiles
-    _gate_up_silu_kernel[(min(programs, tiles),)](
-        TensorDescriptor.from_tensor(x, [bm, bk]),
-        TensorDescriptor.from_tensor(gate_up[:width], [bn, bk]),
-        TensorDescriptor.from_tensor(gate_up[width:], [bn, bk]),
-        TensorDescriptor.from_tensor(y, [bm, bn]),
-        m, width, k,
-        BM=bm, BN=bn, BK=bk, GROUP_M=group, PROGRAMS=min(programs, tiles), STAGES=stages, num_warps=warps,
-    )  # fmt: skip
-
-
-def gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, ...]) -> None:
-    """y = x·Wᵀ on `config` as gate_up_silu takes it."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bm, bn, bk, stages, warps, group, programs = config
-    m, k = x.shape
-    n = w.shape[0]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, tile_n)
     programs = min(programs or tiles, tiles)
-    _gemm_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [bm, bk]),
-        TensorDescriptor.from_tensor(w, [bn, bk]),
-        TensorDescriptor.from_tensor(y, [bm, bn]),
-        m, n, k,
+    kernel[(programs,)](
+        *descs, m, n, k,
         BM=bm, BN=bn, BK=bk, GROUP_M=group, PROGRAMS=programs, STAGES=stages, num_warps=warps,
     )  # fmt: skip
 
 
-# (BM, BN, BK, stages, warps, group, programs): BN is each accumulator's width; 132 programs is one an SM.
-FUSED_CONFIGS = [
-    (128, 128, 64, 3, 8, 8, 0),
-    (128, 128, 64, 4, 8, 8, 0),
-    (128, 128, 64, 3, 8, 8, 132),
-    (128, 128, 64, 4, 8, 8, 132),
-    (128, 128, 64, 3, 8, 64, 132),
-    (128, 64, 64, 4, 4, 8, 0),
-    (128, 64, 64, 4, 8, 8, 132),
-    (64, 128, 64, 4, 4, 8, 0),
-    (256, 64, 64, 3, 8, 8, 132),
-    (64, 128, 64, 4, 4, 8, 132),
-    (64, 64, 64, 4, 4, 8, 0),
-]
-PLAIN_CONFIGS = [
-    (128, 256, 64, 3, 8, 8, 0),
-    (128, 256, 64, 3, 8, 8, 132),
-    (128, 256, 64, 4, 8, 8, 132),
-    (128, 128, 64, 4, 8, 8, 132),
-]
+def swiglu_interleaved(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, ...]) -> None:
+    """y = silu(g)·u for w [2I, K] with its rows interleaved (gate, up, gate, up, ...)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = config[:3]
+    m, k = x.shape
+    descs = [TensorDescriptor.from_tensor(t, block) for t, block in ((x, [bm, bk]), (w, [2 * bn, bk]), (y, [bm, bn]))]
+    _launch(_swiglu_interleaved_kernel, descs, m, w.shape[0] // 2, k, bn, config)
+
+
+def gemm_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, config: tuple[int, ...]) -> None:
+    """residual += x·Wᵀ (residual fp32 [M, N])."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = config[:3]
+    m, k = x.shape
+    descs = [TensorDescriptor.from_tensor(t, b) for t, b in ((x, [bm, bk]), (w, [bn, bk]), (residual, [bm, bn]))]
+    _launch(_gemm_residual_kernel, descs, m, w.shape[0], k, bn, config)
+
+
+def interleaved(gate_up: torch.Tensor) -> torch.Tensor:
+    """[G | U] as rows g0, u0, g1, u1, ..."""
+    width = gate_up.shape[0] // 2
+    return torch.stack([gate_up[:width], gate_up[width:]], 1).reshape(gate_up.shape)
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, ...]) -> None:
+    """y = x·Wᵀ."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = config[:3]
+    m, k = x.shape
+    descs = [TensorDescriptor.from_tensor(t, b) for t, b in ((x, [bm, bk]), (w, [bn, bk]), (y, [bm, bn]))]
+    _launch(_gemm_kernel, descs, m, w.shape[0], k, bn, config)
+
+
+# (BM, BN, BK, stages, warps, group, programs; 0 programs: one a tile, else a persistent grid). For the interleaved
+# activation BN is the output's tile width: the weights' tile is 2·BN rows.
+PLAIN_CONFIGS = [(128, 256, 64, 3, 8, 8, 132), (128, 256, 64, 3, 8, 8, 0)]
+SWIGLU_CONFIGS = [(128, 128, 64, 3, 8, 8, 132), (128, 128, 64, 3, 8, 8, 0), (128, 128, 64, 3, 8, 64, 132)]
+RESIDUAL_CONFIGS = [(128, 256, 64, 3, 8, 8, 132), (128, 128, 64, 4, 8, 8, 132), (128, 128, 64, 3, 8, 8, 0)]
 
 
 def gemmswiglu(args) -> None:
-    """A Kev size's MLP input projection and activation (--size) at each of --rows: cuBLASLt's [gate | up] GEMM (the
-    heuristic's algorithm without split-K, an eager pass's) then silu_mul, against the Triton GEMM with the activation
-    as its epilogue on each configuration, and Triton's plain [gate | up] GEMM beside cuBLASLt's. Times are ms of one
-    layer, alone (from a graph of a few calls) and sustained (a pass's layers, each with weights of its own, back to
-    back for half a second, after a second idle). Errors are against the fp32 product on 256 rows."""
+    """A Kev size's MLP at each of --rows, each layer with weights of its own: (1) the input projection and
+    activation, cuBLASLt's [gate | up] GEMM (the heuristic's algorithm without split-K, an eager pass's) then
+    silu_mul, against Triton's GEMM on the weights' rows interleaved with the activation as its epilogue (and
+    Triton's plain [gate | up] GEMM beside cuBLASLt's); (2) the down projection and the next residual add + RMSNorm,
+    cuBLASLt's GEMM (bf16 out) then the norm adding it into the fp32 stream, against Triton's GEMM adding into the
+    stream in its epilogue then the norm of the stream. ms of one layer, alone (a graph of a few calls) and sustained
+    (every layer back to back for half a second after a second idle, each way twice in turn). Errors against fp32."""
     from kev_backend.dev import tiny
     from kev_backend.gpu import cublaslt
-    from kev_backend.gpu.kernels.norms import silu_mul
     from kev_backend.model.qwen35 import Qwen35Config
 
     device = torch.device("cuda")
     gemms = cublaslt.pretuned(device, "off")
     config = Qwen35Config.from_dict(tiny.SIZES[args.size].config)
+    hidden, width = config.hidden_size, config.intermediate_size
     torch.manual_seed(0)
-    weights = [
-        torch.randn(2 * config.intermediate_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
-        for _ in range(config.num_hidden_layers)
-    ]
+    layers = range(config.num_hidden_layers)
+    gate_up = [torch.randn(2 * width, hidden, device=device, dtype=torch.bfloat16) * 0.02 for _ in layers]
+    down = [torch.randn(hidden, width, device=device, dtype=torch.bfloat16) * 0.02 for _ in layers]
     for m in (int(rows) for rows in args.rows.split(",")):
-        _measure(args.size, m, weights, gemms, silu_mul)
+        _mlp(f"gemmswiglu {args.size} M={m}", m, gemms, gate_up, down)
 
 
-def _measure(size: str, m: int, weights: list[torch.Tensor], gemms, silu_mul) -> None:
+def _mlp(label: str, m: int, gemms, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
     """gemmswiglu at m rows."""
-    width, hidden = weights[0].shape[0] // 2, weights[0].shape[1]
-    device = weights[0].device
+    width, hidden = down[0].shape[1], down[0].shape[0]
+    device = down[0].device
+    mixed = [interleaved(w) for w in gate_up]
+    norm_weight = torch.ones(hidden, device=device)
     x = torch.randn(m, hidden, device=device, dtype=torch.bfloat16)
+    h = torch.randn(m, width, device=device, dtype=torch.bfloat16)
     projected = torch.empty(m, 2 * width, device=device, dtype=torch.bfloat16)
     y = torch.empty(m, width, device=device, dtype=torch.bfloat16)
-    plan = gemms.plan(m, 2 * width, hidden)
+    out = torch.empty(m, hidden, device=device, dtype=torch.bfloat16)
+    stream = torch.randn(m, hidden, device=device)
+    up_plan, down_plan = gemms.plan(m, 2 * width, hidden), gemms.plan(m, hidden, width)
     tflop = 2 * m * 2 * width * hidden / 1e12
 
-    def projection(w: torch.Tensor) -> None:
-        plan.run(plan.default, x, w, projected, gemms.workspace)
-
-    def cublas(w: torch.Tensor) -> torch.Tensor:
-        projection(w)
+    def activation(i: int) -> torch.Tensor:
+        up_plan.run(up_plan.default, x, gate_up[i], projected, gemms.workspace)
         return silu_mul(projected)
 
-    exact = x[:256].float() @ weights[0].float().T
+    def added(i: int) -> None:
+        down_plan.run(down_plan.default, h, down[i], out, gemms.workspace)
+        rms_norm(out, norm_weight, 1e-6, stream, store_residual=True)
+
+    exact = x[:256].float() @ gate_up[0].float().T
     exact = torch.nn.functional.silu(exact[:, :width]) * exact[:, width:]
-
-    def error(out: torch.Tensor) -> float:
-        return (out[:256].float() - exact).abs().max().item()
-
-    def sustained(step) -> tuple[float, list[tuple[float, float]]]:
-        """ms a layer of step(w) over every layer's weights back to back for ~0.5 s, after a second idle."""
-        graph = captured_graph(lambda: [step(w) for w in weights])
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        count = max(2, round(500 / start.elapsed_time(end)))
-        time.sleep(1.0)
-        samples: list[tuple[float, float]] = []
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
-        with gpu_clocks(samples):
-            events[0].record()
-            for event in events[1:]:
-                graph.replay()
-                event.record()
-            torch.cuda.synchronize()
-        del graph
-        times = [a.elapsed_time(b) / len(weights) for a, b in zip(events, events[1:])]
-        return statistics.median(times[1:]), samples
-
-    base_alone = graph_ms(lambda: cublas(weights[0]), repeat=4)
-    gemm_alone = graph_ms(lambda: projection(weights[0]), repeat=4)
-    print(f"gemmswiglu {size} M={m}: cuBLASLt [gate|up] {gemm_alone:.3f} ms ({tflop / gemm_alone * 1e3:.0f} "
-          f"TFLOP/s) + silu_mul {base_alone - gemm_alone:.3f} = {base_alone:.3f} ms; error "
-          f"{error(cublas(weights[0])):.2e}", flush=True)  # fmt: skip
+    print(f"{label}: activation error, cuBLASLt+silu_mul {(activation(0)[:256].float() - exact).abs().max():.2e}",
+          flush=True)  # fmt: skip
+    ways = {"cuBLASLt+silu_mul": activation}
     for plain in PLAIN_CONFIGS:
-        try:
-            ms = graph_ms(lambda plain=plain: gemm(x, weights[0], projected, plain), repeat=4)
-        except Exception as failure:  # a configuration this Triton or GPU cannot build
-            print(f"gemmswiglu plain {plain}: failed {type(failure).__name__}: {str(failure)[:160]}", flush=True)
-            continue
-        print(f"gemmswiglu {size} M={m} plain triton {plain}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s)",
-              flush=True)  # fmt: skip
-    timed: dict[tuple[int, ...], float] = {}
-    first: torch.Tensor | None = None  # the first configuration's output: do the others give its bits?
-    for fused in FUSED_CONFIGS:
-        try:
-            gate_up_silu(x, weights[0], y, fused)
-            ms = graph_ms(lambda fused=fused: gate_up_silu(x, weights[0], y, fused), repeat=4)
-        except Exception as failure:
-            print(f"gemmswiglu fused {fused}: failed {type(failure).__name__}: {str(failure)[:160]}", flush=True)
-            continue
-        timed[fused] = ms
-        first = y.clone() if first is None else first
-        print(f"gemmswiglu {size} M={m} fused {fused}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s), "
-              f"{ms / base_alone:.3f}x; error {error(y):.2e}; bits as the first: {torch.equal(y, first)}",
-              flush=True)  # fmt: skip
-    if not timed:
-        return
-    best = min(timed, key=timed.__getitem__)
-    ways = (("cuBLASLt+silu_mul", cublas), (f"fused {best}", lambda w: gate_up_silu(x, w, y, best)))
-    for name, step in ways + ways:  # in turn, twice: the power state drifts over a run
-        ms, samples = sustained(step)
-        print(f"gemmswiglu {size} M={m} sustained, {len(weights)} layers back to back: {name} {ms:.3f} ms a layer; "
-              f"{clocks_text(samples)}", flush=True)  # fmt: skip
+        ms = _alone(lambda plain=plain: gemm(x, gate_up[0], projected, plain))
+        print(f"{label} plain triton [gate|up] {plain}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s)", flush=True)
+    for fused in SWIGLU_CONFIGS:
+        swiglu_interleaved(x, mixed[0], y, fused)
+        error = (y[:256].float() - exact).abs().max()
+        ways[f"interleaved {fused}"] = lambda i, fused=fused: swiglu_interleaved(x, mixed[i], y, fused)
+        print(f"{label} interleaved {fused}: error {error:.2e}", flush=True)
+    _compare(label, ways, len(gate_up), tflop)
+
+    ways = {"cuBLASLt+norm": added}
+    for fused in RESIDUAL_CONFIGS:
+        ways[f"residual {fused}"] = lambda i, fused=fused: (
+            gemm_residual(h, down[i], stream, fused),
+            rms_norm(stream, norm_weight, 1e-6),
+        )
+    _compare(label, ways, len(gate_up), tflop / 2)
+
+
+def _alone(step) -> float:
+    return graph_ms(step, repeat=4)
+
+
+def _compare(label: str, ways: dict, layers: int, tflop: float) -> None:
+    """Each way alone (layer 0, from a graph), then the two fastest sustained, in turn, twice."""
+    alone = {name: _alone(lambda step=step: step(0)) for name, step in ways.items()}
+    for name, ms in alone.items():
+        print(f"{label} alone {name}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s of GEMM)", flush=True)
+    base = next(iter(ways))
+    best = min((name for name in ways if name != base), key=alone.__getitem__)
+    for name in (base, best, base, best):
+        ms, samples = _sustained(ways[name], layers)
+        print(f"{label} sustained {name}: {ms:.3f} ms a layer; {clocks_text(samples)}", flush=True)
+
+
+def _sustained(step, layers: int) -> tuple[float, list[tuple[float, float]]]:
+    """ms a layer of step(i) over every layer back to back for ~0.5 s, after a second idle."""
+    graph = captured_graph(lambda: [step(i) for i in range(layers)])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    count = max(2, round(500 / start.elapsed_time(end)))
+    time.sleep(1.0)
+    samples: list[tuple[float, float]] = []
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+    with gpu_clocks(samples):
+        events[0].record()
+        for event in events[1:]:
+            graph.replay()
+            event.record()
+        torch.cuda.synchronize()
+    del graph
+    times = [a.elapsed_time(b) / layers for a, b in zip(events, events[1:])]
+    return statistics.median(times[1:]), samples
 
 
 def register(sub) -> None:
