@@ -75,11 +75,13 @@ def _swiglu_interleaved_kernel(
 
 @triton.jit
 def _gemm_residual_kernel(
-    x_desc, w_desc, r_desc, M, N, K,
+    x_desc, w_desc, residual, M, N, K,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
     STAGES: tl.constexpr,
 ):  # fmt: skip
-    """r[M, N] += x·Wᵀ with r fp32 (the residual stream): the output projection adding into it in its epilogue."""
+    """residual[M, N] += x·Wᵀ with the residual fp32 (the stream): the output projection adding into it in its
+    epilogue, read and written from registers (an fp32 tile through shared memory leaves too little for the
+    stages)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -96,7 +98,11 @@ def _gemm_residual_kernel(
         for kk in range(k_tiles):
             ok = kk * BK
             acc = tl.dot(x_desc.load([om, ok]), w_desc.load([on, ok]).T, acc)
-        r_desc.store([om, on], r_desc.load([om, on]) + acc)
+        rows = (om + tl.arange(0, BM)).to(tl.int64)
+        cols = on + tl.arange(0, BN)
+        where = residual + rows[:, None] * N + cols[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(where, tl.load(where, mask=mask) + acc, mask=mask)
 
 
 def _launch(kernel, descs: list, m: int, n: int, k: int, tile_n: int, config: tuple[int, ...]) -> None:
@@ -125,7 +131,7 @@ def gemm_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, conf
 
     bm, bn, bk = config[:3]
     m, k = x.shape
-    descs = [TensorDescriptor.from_tensor(t, b) for t, b in ((x, [bm, bk]), (w, [bn, bk]), (residual, [bm, bn]))]
+    descs = [TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]), residual]
     _launch(_gemm_residual_kernel, descs, m, w.shape[0], k, bn, config)
 
 
@@ -149,7 +155,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, .
 # activation BN is the output's tile width: the weights' tile is 2·BN rows.
 PLAIN_CONFIGS = [(128, 256, 64, 3, 8, 8, 132), (128, 256, 64, 3, 8, 8, 0)]
 SWIGLU_CONFIGS = [(128, 128, 64, 3, 8, 8, 132), (128, 128, 64, 3, 8, 8, 0), (128, 128, 64, 3, 8, 64, 132)]
-RESIDUAL_CONFIGS = [(128, 256, 64, 3, 8, 8, 132), (128, 128, 64, 4, 8, 8, 132), (128, 128, 64, 3, 8, 8, 0)]
+RESIDUAL_CONFIGS = [(128, 256, 64, 3, 8, 8, 132), (128, 128, 64, 4, 8, 8, 132), (128, 256, 64, 3, 8, 8, 0)]
 
 
 def gemmswiglu(args) -> None:
@@ -173,14 +179,14 @@ def gemmswiglu(args) -> None:
     gate_up = [torch.randn(2 * width, hidden, device=device, dtype=torch.bfloat16) * 0.02 for _ in layers]
     down = [torch.randn(hidden, width, device=device, dtype=torch.bfloat16) * 0.02 for _ in layers]
     for m in (int(rows) for rows in args.rows.split(",")):
-        _mlp(f"gemmswiglu {args.size} M={m}", m, gemms, gate_up, down)
+        _mlp(f"gemmswiglu {args.size} M={m}", m, gemms, gate_up, down, args.only)
 
 
-def _mlp(label: str, m: int, gemms, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
+def _mlp(label: str, m: int, gemms, gate_up: list[torch.Tensor], down: list[torch.Tensor], only: str) -> None:
     """gemmswiglu at m rows."""
     width, hidden = down[0].shape[1], down[0].shape[0]
     device = down[0].device
-    mixed = [interleaved(w) for w in gate_up]
+    mixed = [interleaved(w) for w in gate_up] if only != "residual" else []
     norm_weight = torch.ones(hidden, device=device)
     x = torch.randn(m, hidden, device=device, dtype=torch.bfloat16)
     h = torch.randn(m, width, device=device, dtype=torch.bfloat16)
@@ -199,28 +205,29 @@ def _mlp(label: str, m: int, gemms, gate_up: list[torch.Tensor], down: list[torc
         down_plan.run(down_plan.default, h, down[i], out, gemms.workspace)
         rms_norm(out, norm_weight, 1e-6, stream, store_residual=True)
 
-    exact = x[:256].float() @ gate_up[0].float().T
-    exact = torch.nn.functional.silu(exact[:, :width]) * exact[:, width:]
-    print(f"{label}: activation error, cuBLASLt+silu_mul {(activation(0)[:256].float() - exact).abs().max():.2e}",
-          flush=True)  # fmt: skip
-    ways = {"cuBLASLt+silu_mul": activation}
-    for plain in PLAIN_CONFIGS:
-        ms = _alone(lambda plain=plain: gemm(x, gate_up[0], projected, plain))
-        print(f"{label} plain triton [gate|up] {plain}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s)", flush=True)
-    for fused in SWIGLU_CONFIGS:
-        swiglu_interleaved(x, mixed[0], y, fused)
-        error = (y[:256].float() - exact).abs().max()
-        ways[f"interleaved {fused}"] = lambda i, fused=fused: swiglu_interleaved(x, mixed[i], y, fused)
-        print(f"{label} interleaved {fused}: error {error:.2e}", flush=True)
-    _compare(label, ways, len(gate_up), tflop)
-
-    ways = {"cuBLASLt+norm": added}
-    for fused in RESIDUAL_CONFIGS:
-        ways[f"residual {fused}"] = lambda i, fused=fused: (
-            gemm_residual(h, down[i], stream, fused),
-            rms_norm(stream, norm_weight, 1e-6),
-        )
-    _compare(label, ways, len(gate_up), tflop / 2)
+    if only != "residual":
+        exact = x[:256].float() @ gate_up[0].float().T
+        exact = torch.nn.functional.silu(exact[:, :width]) * exact[:, width:]
+        error = (activation(0)[:256].float() - exact).abs().max()
+        print(f"{label}: activation error, cuBLASLt+silu_mul {error:.2e}", flush=True)
+        ways = {"cuBLASLt+silu_mul": activation}
+        for plain in PLAIN_CONFIGS:
+            ms = _alone(lambda plain=plain: gemm(x, gate_up[0], projected, plain))
+            print(f"{label} plain triton [gate|up] {plain}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s)", flush=True)
+        for fused in SWIGLU_CONFIGS:
+            swiglu_interleaved(x, mixed[0], y, fused)
+            error = (y[:256].float() - exact).abs().max()
+            ways[f"interleaved {fused}"] = lambda i, fused=fused: swiglu_interleaved(x, mixed[i], y, fused)
+            print(f"{label} interleaved {fused}: error {error:.2e}", flush=True)
+        _compare(label, ways, len(gate_up), tflop)
+    if only != "activation":
+        ways = {"cuBLASLt+norm": added}
+        for fused in RESIDUAL_CONFIGS:
+            ways[f"residual {fused}"] = lambda i, fused=fused: (
+                gemm_residual(h, down[i], stream, fused),
+                rms_norm(stream, norm_weight, 1e-6),
+            )
+        _compare(label, ways, len(gate_up), tflop / 2)
 
 
 def _alone(step) -> float:
@@ -266,3 +273,4 @@ def register(sub) -> None:
     parser = command(sub, "gemmswiglu", gemmswiglu, "the MLP activation in the GEMM's epilogue against cuBLASLt + silu")
     parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's MLP shapes (default 4b)")
     parser.add_argument("--rows", default="2630,8320", help="row counts, comma-separated (default 2630,8320)")
+    parser.add_argument("--only", choices=("activation", "residual"), help="one of the two comparisons")
