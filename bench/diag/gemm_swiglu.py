@@ -155,7 +155,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, .
 # activation BN is the output's tile width: the weights' tile is 2·BN rows.
 PLAIN_CONFIGS = [(128, 256, 64, 3, 8, 8, 132), (128, 256, 64, 3, 8, 8, 0)]
 SWIGLU_CONFIGS = [(128, 128, 64, 3, 8, 8, 132), (128, 128, 64, 3, 8, 8, 0), (128, 128, 64, 3, 8, 64, 132)]
-RESIDUAL_CONFIGS = [(128, 256, 64, 3, 8, 8, 132), (128, 128, 64, 4, 8, 8, 132), (128, 256, 64, 3, 8, 8, 0)]
+RESIDUAL_CONFIGS = [(128, 128, 64, 3, 8, 8, 132), (128, 128, 64, 4, 8, 8, 132), (128, 256, 64, 2, 8, 8, 132)]
 
 
 def gemmswiglu(args) -> None:
