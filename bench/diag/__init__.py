@@ -4,5 +4,6 @@ timed against each other and fla's, start-up phases, and whether answers depend 
     python -m bench.diag SUBCOMMAND [OPTIONS]      (from the repository root; `--help` lists the subcommands)
 
 One module per family: `passes` (latency, GPU time by kernel, idle gaps, batch invariance), `sweeps` (kernel
-configurations and fla's kernels), `gemm` (the projections' GEMMs), `host` (the host's work around a pass), `startup`
-(start-up phases); shared helpers in `common`. bench/gpu_run.sh runs them as steps."""
+configurations and fla's kernels), `gemm` (the projections' GEMMs), `gemm_epilogues` (the MLP's memory-bound work in
+Triton GEMMs' epilogues), `host` (the host's work around a pass), `startup` (start-up phases); shared helpers in
+`common`. bench/gpu_run.sh runs them as steps."""

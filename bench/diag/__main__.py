@@ -6,13 +6,13 @@ import argparse
 import sys
 
 from . import __doc__ as summary
-from . import gemm, gemm_swiglu, host, passes, startup, sweeps
+from . import gemm, gemm_epilogues, host, passes, startup, sweeps
 
 FAMILIES = {
     "passes and latency": passes,
     "kernel sweeps": sweeps,
     "GEMMs": gemm,
-    "GEMM epilogues": gemm_swiglu,
+    "GEMM epilogues": gemm_epilogues,
     "host path": host,
     "start-up": startup,
 }

@@ -1,7 +1,8 @@
-"""The MLP's activation inside its GEMM: silu(x·Wgᵀ)·(x·Wuᵀ) from one Triton kernel with two accumulators, against
-the fused path's cuBLASLt [gate | up] GEMM followed by `silu_mul`. The fused form never writes the [rows, 2I]
-projection: on a long pass that is most of the MLP's memory traffic outside its GEMMs. It pays only if the Triton GEMM
-keeps cuBLASLt's rate, which this measures at a Kev size's MLP shapes."""
+"""Work beside the MLP's GEMMs moved into their epilogues, in Triton GEMMs of our own, against the fused path's
+cuBLASLt GEMMs and the memory-bound kernels after them: the activation silu(x·Gᵀ)·(x·Uᵀ) computed from the [gate | up]
+accumulator (the [rows, 2I] projection never written), and the down projection added into the fp32 residual stream
+(the norm after it then reads the stream alone). Either pays only where the Triton GEMM keeps cuBLASLt's rate; this
+measures both at a Kev size's MLP shapes, alone and at the GPU's power limit (docs/kernels.md, Projections)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ from .gemm import clocks_text, gpu_clocks
 
 
 @triton.jit
+def _tile_origin(tile, num_m, num_n, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """The first row and column of output tile `tile`: tiles go GROUP_M row tiles down a column of tiles before the
+    next column, so a weight tile is read from L2 by the row tiles after the first."""
+    in_group = GROUP_M * num_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    return (first_m + (tile % in_group) % size_m) * BM, ((tile % in_group) // size_m) * BN
+
+
+@triton.jit
 def _gemm_kernel(
     x_desc, w_desc, y_desc, M, N, K,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
@@ -29,15 +40,8 @@ def _gemm_kernel(
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    tiles = num_m * num_n
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, num_stages=STAGES):
-        in_group = GROUP_M * num_n
-        first_m = (tile // in_group) * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % size_m
-        pid_n = (tile % in_group) // size_m
-        om = pid_m * BM
-        on = pid_n * BN
+    for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True, num_stages=STAGES):
+        om, on = _tile_origin(tile, num_m, num_n, BM, BN, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(k_tiles):
             ok = kk * BK
@@ -56,15 +60,8 @@ def _swiglu_interleaved_kernel(
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(WIDTH, BN)
     k_tiles = tl.cdiv(K, BK)
-    tiles = num_m * num_n
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, num_stages=STAGES):
-        in_group = GROUP_M * num_n
-        first_m = (tile // in_group) * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % size_m
-        pid_n = (tile % in_group) // size_m
-        om = pid_m * BM
-        on = pid_n * BN
+    for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True, num_stages=STAGES):
+        om, on = _tile_origin(tile, num_m, num_n, BM, BN, GROUP_M)
         acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
         for kk in range(k_tiles):
             ok = kk * BK
@@ -85,15 +82,8 @@ def _gemm_residual_kernel(
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    tiles = num_m * num_n
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, num_stages=STAGES):
-        in_group = GROUP_M * num_n
-        first_m = (tile // in_group) * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % size_m
-        pid_n = (tile % in_group) // size_m
-        om = pid_m * BM
-        on = pid_n * BN
+    for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True, num_stages=STAGES):
+        om, on = _tile_origin(tile, num_m, num_n, BM, BN, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(k_tiles):
             ok = kk * BK
@@ -158,7 +148,7 @@ SWIGLU_CONFIGS = [(128, 128, 64, 3, 8, 8, 132), (128, 128, 64, 3, 8, 8, 0), (128
 RESIDUAL_CONFIGS = [(128, 128, 64, 3, 8, 8, 132), (128, 128, 64, 4, 8, 8, 132), (128, 256, 64, 2, 8, 8, 132)]
 
 
-def gemmswiglu(args) -> None:
+def gemmepilogues(args) -> None:
     """A Kev size's MLP at each of --rows, each layer with weights of its own: (1) the input projection and
     activation, cuBLASLt's [gate | up] GEMM (the heuristic's algorithm without split-K, an eager pass's) then
     silu_mul, against Triton's GEMM on the weights' rows interleaved with the activation as its epilogue (and
@@ -179,11 +169,11 @@ def gemmswiglu(args) -> None:
     gate_up = [torch.randn(2 * width, hidden, device=device, dtype=torch.bfloat16) * 0.02 for _ in layers]
     down = [torch.randn(hidden, width, device=device, dtype=torch.bfloat16) * 0.02 for _ in layers]
     for m in (int(rows) for rows in args.rows.split(",")):
-        _mlp(f"gemmswiglu {args.size} M={m}", m, gemms, gate_up, down, args.only)
+        _mlp(f"gemmepilogues {args.size} M={m}", m, gemms, gate_up, down, args.only)
 
 
 def _mlp(label: str, m: int, gemms, gate_up: list[torch.Tensor], down: list[torch.Tensor], only: str) -> None:
-    """gemmswiglu at m rows."""
+    """gemmepilogues at m rows."""
     width, hidden = down[0].shape[1], down[0].shape[0]
     device = down[0].device
     mixed = [interleaved(w) for w in gate_up] if only != "residual" else []
@@ -270,7 +260,8 @@ def _sustained(step, layers: int) -> tuple[float, list[tuple[float, float]]]:
 
 
 def register(sub) -> None:
-    parser = command(sub, "gemmswiglu", gemmswiglu, "the MLP activation in the GEMM's epilogue against cuBLASLt + silu")
+    summary = "the MLP's activation and residual add in a Triton GEMM's epilogue, against cuBLASLt"
+    parser = command(sub, "gemmepilogues", gemmepilogues, summary)
     parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's MLP shapes (default 4b)")
     parser.add_argument("--rows", default="2630,8320", help="row counts, comma-separated (default 2630,8320)")
     parser.add_argument("--only", choices=("activation", "residual"), help="one of the two comparisons")
