@@ -113,6 +113,17 @@ def graph_ms(fn: Callable[[], object], repeat: int = 20) -> float:
     return start.elapsed_time(end) / repeat
 
 
+def replayed(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
+    """ms of each of `replays` replays of `graph` back to back."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+    events[0].record()
+    for event in events[1:]:
+        graph.replay()
+        event.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+
+
 def graph_kernel_us(fn: Callable[[], object], repeat: int = 20) -> dict[str, float]:
     """µs a call of each kernel `fn` launches, replayed from a CUDA graph of `repeat` calls (torch's profiler sees a
     graph's kernels): which of several kernels a graph_ms difference is in."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kev_backend.dev.tiny import SIZES
 
-from .common import KEV4B_PROJECTIONS, captured_graph, command, cuda_ms, graph_ms
+from .common import KEV4B_PROJECTIONS, captured_graph, command, cuda_ms, graph_ms, replayed
 
 
 def gemm(args) -> None:
@@ -203,16 +203,6 @@ def gemmsustained(args) -> None:
 
     def captured(layers: list[int], algos: dict) -> torch.cuda.CUDAGraph:
         return captured_graph(lambda: run(layers, algos))
-
-    def replayed(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
-        """ms of each of `replays` replays back to back."""
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
-        events[0].record()
-        for event in events[1:]:
-            graph.replay()
-            event.record()
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
 
     everything = list(range(len(sequence)))
     alone = 0.0

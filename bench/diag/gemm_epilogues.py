@@ -16,7 +16,7 @@ import triton.language as tl
 from kev_backend.dev.tiny import SIZES
 from kev_backend.gpu.kernels.norms import rms_norm, silu_mul
 
-from .common import captured_graph, command, graph_ms
+from .common import captured_graph, command, graph_ms, replayed
 from .gemm import clocks_text, gpu_clocks
 
 
@@ -31,6 +31,16 @@ def _tile_origin(tile, num_m, num_n, BM: tl.constexpr, BN: tl.constexpr, GROUP_M
 
 
 @triton.jit
+def _tile_product(x_desc, w_desc, om, on, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """x[om:om+BM]·W[on:on+BN]ᵀ in fp32, the inner dimension walked in BK steps in order (so a row's sums never
+    depend on the rows beside it)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kk in range(tl.cdiv(K, BK)):
+        acc = tl.dot(x_desc.load([om, kk * BK]), w_desc.load([on, kk * BK]).T, acc)
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     x_desc, w_desc, y_desc, M, N, K,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
@@ -39,13 +49,9 @@ def _gemm_kernel(
     """y[M, N] = x·Wᵀ, the same walk with one accumulator: Triton's plain GEMM rate beside cuBLASLt's."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    k_tiles = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True, num_stages=STAGES):
         om, on = _tile_origin(tile, num_m, num_n, BM, BN, GROUP_M)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kk in range(k_tiles):
-            ok = kk * BK
-            acc = tl.dot(x_desc.load([om, ok]), w_desc.load([on, ok]).T, acc)
+        acc = _tile_product(x_desc, w_desc, om, on, K, BM, BN, BK)
         y_desc.store([om, on], acc.to(y_desc.dtype))
 
 
@@ -59,13 +65,9 @@ def _swiglu_interleaved_kernel(
     whose gate and up columns sit side by side in each thread's registers, split in the epilogue."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(WIDTH, BN)
-    k_tiles = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True, num_stages=STAGES):
         om, on = _tile_origin(tile, num_m, num_n, BM, BN, GROUP_M)
-        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
-        for kk in range(k_tiles):
-            ok = kk * BK
-            acc = tl.dot(x_desc.load([om, ok]), w_desc.load([2 * on, ok]).T, acc)
+        acc = _tile_product(x_desc, w_desc, om, 2 * on, K, BM, 2 * BN, BK)
         g, u = acc.reshape(BM, BN, 2).split()
         y_desc.store([om, on], (g * tl.sigmoid(g) * u).to(y_desc.dtype))
 
@@ -81,13 +83,9 @@ def _gemm_residual_kernel(
     stages)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    k_tiles = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True, num_stages=STAGES):
         om, on = _tile_origin(tile, num_m, num_n, BM, BN, GROUP_M)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kk in range(k_tiles):
-            ok = kk * BK
-            acc = tl.dot(x_desc.load([om, ok]), w_desc.load([on, ok]).T, acc)
+        acc = _tile_product(x_desc, w_desc, om, on, K, BM, BN, BK)
         rows = (om + tl.arange(0, BM)).to(tl.int64)
         cols = on + tl.arange(0, BN)
         where = residual + rows[:, None] * N + cols[None, :]
@@ -154,7 +152,8 @@ def gemmepilogues(args) -> None:
     silu_mul, against Triton's GEMM on the weights' rows interleaved with the activation as its epilogue (and
     Triton's plain [gate | up] GEMM beside cuBLASLt's); (2) the down projection and the next residual add + RMSNorm,
     cuBLASLt's GEMM (bf16 out) then the norm adding it into the fp32 stream, against Triton's GEMM adding into the
-    stream in its epilogue then the norm of the stream. ms of one layer, alone (a graph of a few calls) and sustained
+    stream in its epilogue then the norm of the stream (its output fp32 here: 2 bytes a value more than an engine's
+    would write, charged to the Triton side). ms of one layer, alone (a graph of a few calls) and sustained
     (every layer back to back for half a second after a second idle, each way twice in turn). Errors against fp32."""
     from kev_backend.dev import tiny
     from kev_backend.gpu import cublaslt
@@ -202,7 +201,7 @@ def _mlp(label: str, m: int, gemms, gate_up: list[torch.Tensor], down: list[torc
         print(f"{label}: activation error, cuBLASLt+silu_mul {error:.2e}", flush=True)
         ways = {"cuBLASLt+silu_mul": activation}
         for plain in PLAIN_CONFIGS:
-            ms = _alone(lambda plain=plain: gemm(x, gate_up[0], projected, plain))
+            ms = graph_ms(lambda plain=plain: gemm(x, gate_up[0], projected, plain), repeat=4)
             print(f"{label} plain triton [gate|up] {plain}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s)", flush=True)
         for fused in SWIGLU_CONFIGS:
             swiglu_interleaved(x, mixed[0], y, fused)
@@ -220,13 +219,9 @@ def _mlp(label: str, m: int, gemms, gate_up: list[torch.Tensor], down: list[torc
         _compare(label, ways, len(gate_up), tflop / 2)
 
 
-def _alone(step) -> float:
-    return graph_ms(step, repeat=4)
-
-
 def _compare(label: str, ways: dict, layers: int, tflop: float) -> None:
     """Each way alone (layer 0, from a graph), then the two fastest sustained, in turn, twice."""
-    alone = {name: _alone(lambda step=step: step(0)) for name, step in ways.items()}
+    alone = {name: graph_ms(lambda step=step: step(0), repeat=4) for name, step in ways.items()}
     for name, ms in alone.items():
         print(f"{label} alone {name}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s of GEMM)", flush=True)
     base = next(iter(ways))
@@ -239,24 +234,13 @@ def _compare(label: str, ways: dict, layers: int, tflop: float) -> None:
 def _sustained(step, layers: int) -> tuple[float, list[tuple[float, float]]]:
     """ms a layer of step(i) over every layer back to back for ~0.5 s, after a second idle."""
     graph = captured_graph(lambda: [step(i) for i in range(layers)])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    count = max(2, round(500 / start.elapsed_time(end)))
+    count = max(2, round(500 / replayed(graph, 1)[0]))
     time.sleep(1.0)
     samples: list[tuple[float, float]] = []
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
     with gpu_clocks(samples):
-        events[0].record()
-        for event in events[1:]:
-            graph.replay()
-            event.record()
-        torch.cuda.synchronize()
+        times = replayed(graph, count)
     del graph
-    times = [a.elapsed_time(b) / layers for a, b in zip(events, events[1:])]
-    return statistics.median(times[1:]), samples
+    return statistics.median(times[1:]) / layers, samples
 
 
 def register(sub) -> None:
