@@ -167,15 +167,23 @@ def gemmepilogues(args) -> None:
     layers = range(config.num_hidden_layers)
     gate_up = [torch.randn(2 * width, hidden, device=device, dtype=torch.bfloat16) * 0.02 for _ in layers]
     down = [torch.randn(hidden, width, device=device, dtype=torch.bfloat16) * 0.02 for _ in layers]
+    mixed = [interleaved(w) for w in gate_up] if args.only != "residual" else []
     for m in (int(rows) for rows in args.rows.split(",")):
-        _mlp(f"gemmepilogues {args.size} M={m}", m, gemms, gate_up, down, args.only)
+        _mlp(f"gemmepilogues {args.size} M={m}", m, gemms, gate_up, mixed, down, args.only)
 
 
-def _mlp(label: str, m: int, gemms, gate_up: list[torch.Tensor], down: list[torch.Tensor], only: str) -> None:
-    """gemmepilogues at m rows."""
+def _mlp(
+    label: str,
+    m: int,
+    gemms,
+    gate_up: list[torch.Tensor],
+    mixed: list[torch.Tensor],
+    down: list[torch.Tensor],
+    only: str | None,
+) -> None:
+    """gemmepilogues at m rows; `mixed`: gate_up's layers interleaved."""
     width, hidden = down[0].shape[1], down[0].shape[0]
     device = down[0].device
-    mixed = [interleaved(w) for w in gate_up] if only != "residual" else []
     norm_weight = torch.ones(hidden, device=device)
     x = torch.randn(m, hidden, device=device, dtype=torch.bfloat16)
     h = torch.randn(m, width, device=device, dtype=torch.bfloat16)

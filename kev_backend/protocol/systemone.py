@@ -222,18 +222,19 @@ def check_json(data: Any, limits: Limits) -> None:
                 raise too_deep(limits.max_json_depth)
             for key, item in value.items():
                 _check_text(key, (key, place))
-                if isinstance(item, (dict, list)) or (isinstance(item, str) and not item.isascii()):
+                if _to_walk(item):
                     stack.append((item, depth + 1, (key, place)))
         elif isinstance(value, list):
             if depth > limits.max_json_depth:
                 raise too_deep(limits.max_json_depth)
-            stack.extend(
-                (item, depth + 1, (i, place))
-                for i, item in enumerate(value)
-                if isinstance(item, (dict, list)) or (isinstance(item, str) and not item.isascii())
-            )
+            stack.extend((item, depth + 1, (i, place)) for i, item in enumerate(value) if _to_walk(item))
         elif isinstance(value, str):
             _check_text(value, place)
+
+
+def _to_walk(item: Any) -> bool:
+    """Whether check_json has anything to check in `item`: a container, or a string that is not plain ASCII."""
+    return isinstance(item, (dict, list)) or (isinstance(item, str) and not item.isascii())
 
 
 def _check_text(text: Any, place: Place) -> None:

@@ -122,23 +122,13 @@ def remove_stale_shm() -> list[str]:
         try:
             if not match or path.stat().st_uid != os.getuid():
                 continue
-            if pid_alive(int(match[1])) and process_start(int(match[1])) == int(match[2]):
+            if process_start(int(match[1])) == int(match[2]):  # its supervisor still runs
                 continue
             path.unlink()
             removed.append(path.name)
         except FileNotFoundError:
             pass
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def python_stubs(parent: int) -> dict[int, str]:
