@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,6 +48,16 @@ class RequestFault(Exception):
 
 
 Result = dict | RequestError | RequestFault | None
+
+
+def unrecoverable(error: BaseException) -> bool:
+    """An engine fault after which no batch can be answered in this process: a CUDA error (an illegal address, a
+    launch failure) leaves the device context unusable, and only a new process helps. Running out of memory is not
+    one: the scorer frees its bank and retries."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator = getattr(torch, "AcceleratorError", None)
+    return (accelerator is not None and isinstance(error, accelerator)) or "CUDA error" in str(error)
 
 
 class Pending(Protocol):
@@ -138,6 +148,8 @@ class PreparedBatch:
     dropped: int = 0  # requests taken out before scoring (cancelled): not counted in the report
     probabilities: list[list[list[float]]] = field(default_factory=list)
     report: BatchReport = field(default_factory=BatchReport)
+    # Requests whose response reports each question's own usage (protocol/envelope.py, USAGE_BY_QUESTION).
+    usage_by_question: frozenset[int] = frozenset()
     pending: Pending | None = None  # launched, not yet collected
     launched_at: float = 0.0
 
@@ -244,6 +256,11 @@ class Engine:
         self.scorer.warm_head()
         self.startup["warm_batch"] = time.perf_counter() - started
 
+    def on_progress(self, beat: Callable[[], None]) -> None:
+        """`beat` is called after each unit of model work from now on (a layer of a chunk on the reference path)."""
+        if hasattr(self.scorer, "on_progress"):
+            self.scorer.on_progress = beat
+
     def prepare_thread(self) -> None:
         """Builds what the scorer keeps per thread (cuDNN's attention plans on the fused path) on the calling thread:
         the pipeline's model thread calls it before its first batch; start-up seconds as `thread`."""
@@ -319,10 +336,10 @@ class Engine:
     # work (parsing, tokenizing; answers and their token counts) overlaps another's GPU work. Only `score` touches the
     # model and the bank; `prepare_batch` and `finish` read the tokenizer, which is safe to share.
 
-    def prepare_batch(self, bodies: Sequence[Body]) -> PreparedBatch:
+    def prepare_batch(self, bodies: Sequence[Body], usage_by_question: Collection[int] = ()) -> PreparedBatch:
         """Validates and encodes each request (host work only); a refused one keeps its RequestError, one that failed
-        otherwise its RequestFault."""
-        batch = PreparedBatch(results=[None] * len(bodies))
+        otherwise its RequestFault. The requests at `usage_by_question` get each question's usage in their response."""
+        batch = PreparedBatch(results=[None] * len(bodies), usage_by_question=frozenset(usage_by_question))
         for i, body in enumerate(bodies):
             try:
                 record, encoded = self.prepare(body)
@@ -371,24 +388,38 @@ class Engine:
                 answered.append((i, record, encoded, answers_from_probabilities(record, probabilities)))
             except Exception as error:  # noqa: BLE001
                 results[i] = RequestFault.of("building the answers", error)
+        # Each request's answers, then each question's alone for the requests that report usage by question.
         texts = [answers_json(answers) for *_, answers in answered]
-        try:
-            output_tokens: list[int | None] = list(self.tokenizer.count_tokens_batch(texts))
-        except Exception:  # noqa: BLE001 - find the one text at fault
-            output_tokens = [self._count_tokens(text) for text in texts]
-        for (i, record, encoded, answers), tokens in zip(answered, output_tokens):
-            if tokens is None:
+        for i, _, _, answers in answered:
+            if i in batch.usage_by_question:
+                texts.extend(answers_json({qid: answer}) for qid, answer in answers.items())
+        counts = self._count_tokens_of(texts)
+        singles = len(answered)
+        for (i, record, encoded, answers), tokens in zip(answered, counts):
+            by_question: list[int | None] = []
+            if i in batch.usage_by_question:
+                by_question = counts[singles : singles + len(answers)]
+                singles += len(answers)
+            if tokens is None or None in by_question:
                 results[i] = RequestFault("counting the output tokens failed")
-            else:
-                results[i] = response_body(
-                    record.model,
-                    answers,
-                    encoded.input_tokens,
-                    tokens,
-                    batch.report.model_ms,
-                    self._state_marks(encoded),
-                )
+                continue
+            body = response_body(
+                record.model, answers, encoded.input_tokens, tokens, batch.report.model_ms, self._state_marks(encoded)
+            )
+            if i in batch.usage_by_question:
+                body["usage"]["questions"] = {
+                    question.id: {"input_tokens": len(encoded.state) + len(branch.tokens), "output_tokens": count}
+                    for question, branch, count in zip(record.questions, encoded.questions, by_question)
+                }
+            results[i] = body
         return results
+
+    def _count_tokens_of(self, texts: list[str]) -> list[int | None]:
+        """Each text's token count (usage.output_tokens), None for a text that could not be counted."""
+        try:
+            return list(self.tokenizer.count_tokens_batch(texts))
+        except Exception:  # noqa: BLE001 - find the one text at fault
+            return [self._count_tokens(text) for text in texts]
 
     def _state_marks(self, encoded: Encoded) -> tuple[int, int] | None:
         """(whole state, state read) in tokens for a server that truncates states: it marks every response."""

@@ -36,11 +36,12 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..protocol.systemone import RequestError
-from .engine import Body, Engine, PreparedBatch
+from .engine import Body, Engine, PreparedBatch, unrecoverable
 
 Results = list[dict | RequestError | None]
 log = logging.getLogger(__name__)
@@ -63,6 +64,34 @@ class Job:
 
 
 _STOP = object()
+
+
+class Progress(Protocol):
+    """Who hears of the model's progress (kev-serve's heartbeat, kev_backend/serve/heartbeat.py): a batch taken by
+    the model thread, a unit of its work done, a batch answered, and an engine that can no longer answer."""
+
+    def started(self) -> None: ...
+
+    def beat(self) -> None: ...
+
+    def finished(self) -> None: ...
+
+    def broken(self) -> None: ...
+
+
+class NoProgress:
+    def started(self) -> None:
+        pass
+
+    def beat(self) -> None:
+        pass
+
+    def finished(self) -> None:
+        pass
+
+    def broken(self) -> None:
+        pass
+
 
 # The default of Pipeline's `submit_bytes`: a batch whose bodies hold more than this many bytes of JSON goes to
 # `submit` in parts (parts_by_size), each scored and answered on its own. Why: under closed-loop load of long requests
@@ -109,10 +138,18 @@ class Recent:
 
 
 class Pipeline:
-    def __init__(self, engine: Engine, recheck_after_s: float = 0.005, submit_bytes: int = SUBMIT_BYTES) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        recheck_after_s: float = 0.005,
+        submit_bytes: int = SUBMIT_BYTES,
+        progress: Progress | None = None,
+    ) -> None:
         if submit_bytes < 1:
             raise ValueError(f"submit_bytes must be at least 1, not {submit_bytes}")
         self.engine = engine
+        self.progress = progress or NoProgress()
+        engine.on_progress(self.progress.beat)
         self.recheck_after_s = recheck_after_s
         self.submit_bytes = submit_bytes  # the callers' parts_by_size budget
         # A batch's service time: from when it was taken, or when the batch before it was done if later, to its
@@ -138,10 +175,12 @@ class Pipeline:
         bodies: Sequence[Body],
         deliver: Callable[[Results | Exception, PreparedBatch], None],
         cancelled: Callable[[], set[int]] | None = None,
+        usage_by_question: Collection[int] = (),
     ) -> None:
         """Prepares the batch on this thread, hands it to the model thread, and returns once the next batch, formed
-        from now on, would arrive about when this one is scored (or once it is, or at once without a history)."""
-        job = Job(self.engine.prepare_batch(bodies), deliver, cancelled)
+        from now on, would arrive about when this one is scored (or once it is, or at once without a history).
+        `usage_by_question`: the bodies whose responses report each question's usage (Engine.prepare_batch)."""
+        job = Job(self.engine.prepare_batch(bodies, usage_by_question), deliver, cancelled)
         if self._returned is not None:
             self.arrival_s.add(time.perf_counter() - self._returned)
         self._to_model.put(job)
@@ -172,6 +211,7 @@ class Pipeline:
         while (job := self._to_model.get()) is not _STOP:
             job.taken = time.perf_counter()
             self._to_model.task_done()
+            self.progress.started()
             try:
                 if job.cancelled is not None and job.taken - job.queued >= self.recheck_after_s:
                     if dropped := job.cancelled():
@@ -180,8 +220,7 @@ class Pipeline:
                     self.engine.launch(job.batch)
                     job.launched = True
             except Exception as error:  # noqa: BLE001 - one batch's fault goes to its own requests
-                log.exception("kev: batch failed")
-                job.error = error
+                self._failed(job, error)
             self._to_delivery.put(job)  # blocks while the delivery thread has one waiting already
         self._to_delivery.put(_STOP)
 
@@ -191,8 +230,7 @@ class Pipeline:
                 try:
                     self.engine.collect(job.batch)  # waits for the GPU (the GIL released); the batch's report
                 except Exception as error:  # noqa: BLE001 - a fault surfacing at the sync fails its own batch
-                    log.exception("kev: batch failed")
-                    job.error = error
+                    self._failed(job, error)
             job.done = time.perf_counter()
             self.service_s.add(job.done - max(job.taken, self._last_done))
             self._last_done = job.done
@@ -206,3 +244,10 @@ class Pipeline:
                 job.deliver(results, job.batch)
             except Exception:  # noqa: BLE001 - a failing callback must not stop the pipeline
                 log.exception("kev: delivery failed")
+            self.progress.finished()
+
+    def _failed(self, job: Job, error: Exception) -> None:
+        log.exception("kev: batch failed")
+        job.error = error
+        if unrecoverable(error):
+            self.progress.broken()

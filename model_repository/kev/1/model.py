@@ -36,6 +36,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline
+        from kev_backend.serve.heartbeat import Heartbeat
         from kev_backend.serve.metrics import KevMetrics
         from kev_backend.settings import ModelSettings, parameters
 
@@ -44,7 +45,9 @@ class TritonPythonModel:
         self.engine = load_engine(settings, args)
         self.metrics = KevMetrics(pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]})
         warmed = warm_up(self.engine, self.metrics, settings, config)
-        self.pipeline = Pipeline(self.engine, submit_bytes=settings.submit_bytes or SUBMIT_BYTES)
+        self.heartbeat = Heartbeat.for_instance(args["model_instance_name"])
+        submit_bytes = settings.submit_bytes or SUBMIT_BYTES
+        self.pipeline = Pipeline(self.engine, submit_bytes=submit_bytes, progress=self.heartbeat)
         pb_utils.Logger.log_info(f"kev: {settings.checkpoint}; {warmed} warm-up requests; {self.engine.summary()}")
         if self.engine.backend == "reference" and gpu_visible():
             pb_utils.Logger.log_warn(
@@ -66,12 +69,13 @@ class TritonPythonModel:
             try:  # a malformed BYTES tensor fails here, for this request alone
                 items = pb_utils.get_input_tensor_by_name(request, "REQUEST").as_numpy().reshape(-1)
             except Exception as error:  # noqa: BLE001
-                sender.fail(f"REQUEST could not be read: {error}", pb_utils.TritonError.INVALID_ARG, "invalid")
+                message = f"REQUEST could not be read: {error}"
+                sender.fail(message, pb_utils.TritonError.INVALID_ARG, "invalid", status=400)
                 continue
             try:
-                sender.key = routing_key(request)
+                read_parameters(request, sender)
             except ValueError as error:
-                sender.fail(str(error), pb_utils.TritonError.INVALID_ARG, "invalid")
+                sender.fail(str(error), pb_utils.TritonError.INVALID_ARG, "invalid", status=400)
                 continue
             bodies.append(items)
             senders.append(sender)
@@ -111,13 +115,15 @@ class TritonPythonModel:
                 for sender in senders:
                     sender.fail("kev internal error: the request was not answered", pb_utils.TritonError.INTERNAL)
 
+        usage = [j for sender, span in zip(senders, spans) if sender.usage_by_question for j in span]
         try:
-            self.pipeline.submit([body for items in bodies for body in items], deliver, cancelled)
+            self.pipeline.submit([body for items in bodies for body in items], deliver, cancelled, usage)
         except Exception as error:  # noqa: BLE001 - the batch never reached the model: fail its requests, go on
             deliver(error, None)
 
     def finalize(self):
         self.pipeline.close()
+        self.heartbeat.close()
 
 
 def load_engine(settings, args):
@@ -147,15 +153,18 @@ def warm_up(engine, metrics, settings, config):
     return len(warmup)
 
 
-def routing_key(request):
-    """The request's routing key: its x-kev-state-key parameter, sent as one by a client or forwarded by Triton from
-    the header of that name (kev-serve starts it with --*-header-forward-pattern). None without one."""
-    from kev_backend.protocol.systemone import STATE_KEY_HEADER
+def read_parameters(request, sender):
+    """The request's parameters (kev_backend/protocol/envelope.py) onto its sender: whether its errors are tagged
+    (read first, so a bad parameter is refused in the form the client asked for), whether it reports usage by
+    question, and its routing key: its x-kev-state-key parameter, sent as one by a client or forwarded by Triton
+    from the header of that name (kev-serve starts it with --*-header-forward-pattern). ValueError for a parameter
+    the model cannot take."""
+    from kev_backend.protocol import envelope
 
-    value = json.loads(request.parameters() or "{}").get(STATE_KEY_HEADER)
-    if value is not None and not (isinstance(value, str) and 0 < len(value) <= 128):
-        raise ValueError(f"the {STATE_KEY_HEADER} parameter must be a string of 1 to 128 characters")
-    return value
+    parameters = envelope.read_parameters(request.parameters)
+    sender.tagged = envelope.flag(parameters.get(envelope.TAGGED_ERRORS))
+    sender.usage_by_question = envelope.flag(parameters.get(envelope.USAGE_BY_QUESTION))
+    sender.key = envelope.check_state_key(parameters.get(envelope.STATE_KEY))
 
 
 def count_state_keys(metrics, senders, spans, batch):
@@ -183,7 +192,9 @@ class Sender:
         self.sender = sender
         self.metrics = metrics
         self.done = False
-        self.key = None  # the request's routing key (routing_key)
+        self.key = None  # the request's routing key (read_parameters)
+        self.tagged = False  # its own errors' messages tagged for our doors (envelope.TAGGED_ERRORS)
+        self.usage_by_question = False
 
     def is_cancelled(self):
         return self.sender.is_cancelled()
@@ -199,26 +210,37 @@ class Sender:
         except Exception as error:  # noqa: BLE001 - e.g. the client is gone; nothing else to tell it
             pb_utils.Logger.log_warn(f"kev: a response could not be sent: {error!r}")
 
-    def fail(self, message, code, reason="internal"):
+    def fail(self, message, code, reason="internal", status=None):
+        """Fails the request. `status`: the error is about the request itself (the HTTP status Kev would answer),
+        tagged so for a door that asked (envelope.TAGGED_ERRORS); None: a fault of the server or of its batch."""
         if not self.done:
-            self.send(error_response(message, code), reason)
+            self.send(error_response(self.message(message, status), code), reason)
+
+    def message(self, message, status, detail=None):
+        """The error's message: tagged with `status` and `detail` (else the message) for a door that asked."""
+        from kev_backend.protocol.envelope import tag_error
+        from kev_backend.protocol.systemone import printable
+
+        if not self.tagged or status is None:
+            return message
+        return tag_error(status, printable(message) if detail is None else detail)
 
     def answer(self, results):
         """Sends this request's response built from its results; a fault while building it fails it alone."""
         if self.done:
             return
         try:
-            reply, reason = response(results)
+            reply, reason = response(results, self.message)
         except Exception as error:  # noqa: BLE001
             pb_utils.Logger.log_error(f"kev: a response could not be built: {error!r}")
-            reply = error_response(f"kev internal error: {type(error).__name__}", pb_utils.TritonError.INTERNAL)
-            reason = "internal"
+            message = self.message(f"kev internal error: {type(error).__name__}", 500)
+            reply, reason = error_response(message, pb_utils.TritonError.INTERNAL), "internal"
         self.send(reply, reason)
 
 
-def response(results):
+def response(results, message):
     """One request's response and the reason it failed (None when answered): its answers, or the first refusal,
-    fault or cancellation among them."""
+    fault or cancellation among them. `message(text, status)` writes an error's message (Sender.message)."""
     from kev_backend.engine.engine import RequestFault, dumps
     from kev_backend.protocol.systemone import RequestError
 
@@ -227,11 +249,12 @@ def response(results):
     for j, result in enumerate(results):
         if isinstance(result, (RequestError, RequestFault)):
             invalid = isinstance(result, RequestError)
-            message = result.message if invalid else f"kev internal error: {result}"
-            message = message if len(results) == 1 else f"REQUEST[{j}]: {message}"
+            text = result.message if invalid else f"kev internal error: {result}"
+            text = text if len(results) == 1 else f"REQUEST[{j}]: {text}"
             if invalid:
                 reason = "too_large" if result.status == 413 else "invalid"
-                return error_response(message, pb_utils.TritonError.INVALID_ARG), reason
-            return error_response(message, pb_utils.TritonError.INTERNAL), "internal"
+                tagged = message(text, result.status, result.json_detail if len(results) == 1 else None)
+                return error_response(tagged, pb_utils.TritonError.INVALID_ARG), reason
+            return error_response(message(text, 500), pb_utils.TritonError.INTERNAL), "internal"
     out = np.array([dumps(r).encode() for r in results], dtype=np.object_).reshape(len(results), 1)
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RESPONSE", out)]), None
