@@ -66,6 +66,7 @@ class Pending(Protocol):
 
 class Scorer(Protocol):
     bank: Any
+    on_progress: Callable[[], None] | None  # called after each unit of model work
 
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]: ...
 
@@ -258,8 +259,7 @@ class Engine:
 
     def on_progress(self, beat: Callable[[], None]) -> None:
         """`beat` is called after each unit of model work from now on (a layer of a chunk on the reference path)."""
-        if hasattr(self.scorer, "on_progress"):
-            self.scorer.on_progress = beat
+        self.scorer.on_progress = beat
 
     def prepare_thread(self) -> None:
         """Builds what the scorer keeps per thread (cuDNN's attention plans on the fused path) on the calling thread:

@@ -5,7 +5,7 @@ reads the pointer head. Same interface as the reference scorer."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +69,7 @@ class FusedScorer:
         self.model = self._new_model()
         self.graphs = self._new_graphs()
         self.oom_retries = 0
+        self.on_progress: Callable[[], None] | None = None  # after each pass the GPU has finished
 
     def _new_bank(self) -> GpuBank:
         pool = StatePool.sized(

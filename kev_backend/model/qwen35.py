@@ -24,6 +24,7 @@ one chunk's activations (~ PASS_CHUNK_TOKENS · (3 · intermediate + 4 · hidden
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -403,6 +404,9 @@ class Qwen35TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embed)
         self.layers = nn.ModuleList(Qwen35DecoderLayer(config, t) for t in config.layer_types)
         self.norm = Qwen35RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Called after each layer of each forward (a serving process's heartbeat: a long state on a CPU takes
+        # minutes, a layer of one chunk seconds).
+        self.layer_done: Callable[[], None] | None = None
 
     @torch.no_grad()
     def forward(
@@ -442,6 +446,8 @@ class Qwen35TextModel(nn.Module):
             out.recurrent.append(state)
             h = residual + x
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if self.layer_done is not None:
+                self.layer_done()
         return self.norm(h), out
 
     @torch.no_grad()

@@ -21,7 +21,7 @@ copies of the state's K/V (bounded by the row-pass budget, or one row of at most
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,6 +50,15 @@ class ReferenceScorer:
         self.row_pass_tokens = row_pass_tokens
         self.chunk_tokens = chunk_tokens  # tokens a pass runs at a time, across its rows (activations scale with it)
         self.device = next(model.parameters()).device
+
+    @property
+    def on_progress(self) -> Callable[[], None] | None:
+        """Called after each layer the model runs (Engine.on_progress)."""
+        return self.model.layer_done
+
+    @on_progress.setter
+    def on_progress(self, beat: Callable[[], None] | None) -> None:
+        self.model.layer_done = beat
 
     def state_cache(self, state: tuple[int, ...]) -> SequenceCache:
         cache = self.bank.get(state)
