@@ -94,7 +94,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     record: dict[str, Any] = {"long": args.long, "state_tokens": tokens, "units_per_long": units}
     async with AsyncKevClient(args.grpc, "grpc", timeout_s=args.timeout) as kev:
-        for _ in range(2):  # warm-up: the first passes of each shape after start are not measured
+        for _ in range(args.warm):  # warm-up: the first passes of each shape after start are not measured
             await kev.score_raw(json.dumps(long_body()))
             await kev.score_raw(json.dumps(short()))
         latencies: list[float] = []
@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--long-clients", type=int, default=1, help="clients sending long requests")
     parser.add_argument("--seconds", type=float, default=60.0, help="each of the quiet and loaded phases")
     parser.add_argument("--alone", type=int, default=2, help="long requests timed alone")
+    parser.add_argument("--warm", type=int, default=1, help="long and short requests sent first, not measured")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     parser.add_argument("--label", default="", help="a name for the run in the record (e.g. the code measured)")
     parser.add_argument("--commit", help="the commit the record names (default: git's HEAD)")

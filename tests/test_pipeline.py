@@ -3,6 +3,7 @@ cancelled requests before any model work, and confines an engine fault to its ow
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline, parts_by_size
+from kev_backend.engine.pipeline import PREPARE_APART_BYTES, SUBMIT_BYTES, Pipeline, parts_by_size
 from kev_backend.protocol.systemone import RequestError
 
 from .helpers import request
@@ -220,3 +221,22 @@ def test_short_batches_run_between_the_units_of_a_long_one(chunked: Engine) -> N
     layers = len(chunked.checkpoint.model.layers)
     counts = beats.counts
     assert counts["beat"] >= 6 * layers and counts["started"] == counts["finished"] == 4 and not counts["broken"]
+
+
+def test_large_requests_are_prepared_after_the_small_ones_are_handed_over(chunked: Engine) -> None:
+    """A request over PREPARE_APART_BYTES of JSON is tokenized after the rest of its batch is on the model thread:
+    the small ones' part is delivered first even when the large one is not long work."""
+    large = json.dumps(request("x " * (PREPARE_APART_BYTES // 2 + 1)))
+    assert len(large) > PREPARE_APART_BYTES
+    bodies = [json.dumps(request("small a")), large, json.dumps(request("small b"))]
+    groups = Pipeline.preparation_order(bodies, [range(0, 1), range(1, 2), range(2, 3)])
+    assert groups == [[range(0, 1), range(2, 3)], [range(1, 2)]]
+    delivered: queue.Queue = queue.Queue()
+    pipeline = Pipeline(chunked, long_tokens=1 << 30)
+    try:
+        pipeline.submit(bodies, lambda results, batch: delivered.put((list(batch.indices), results)))
+        parts = [delivered.get(timeout=120) for _ in range(2)]
+    finally:
+        pipeline.close()
+    assert [indices for indices, _ in parts] == [[0, 2], [1]]
+    assert all("answers" in result for _, results in parts for result in results)

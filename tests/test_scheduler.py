@@ -88,3 +88,17 @@ def test_a_long_unit_waits_for_the_one_before_it_on_the_device() -> None:
     assert scheduler.next() is None
     running[0] = False
     assert scheduler.next() is x
+
+
+def test_a_batch_on_its_way_gets_the_turn_before_the_next_long_unit() -> None:
+    """The caller hands over the batch it formed from the requests that queued during a long unit just after that
+    unit's normal round ran out: granted, it runs before the next long unit; without the grant it would wait for it."""
+    scheduler: Scheduler[Batch] = Scheduler()
+    x, a, b = Batch("x", 3, long=True), Batch("a", 1), Batch("b", 1)
+    scheduler.add(x)
+    order = run(scheduler, {1: [a]}, steps=2)  # x, then a (waiting after x's unit)
+    assert order == ["x", "a"] and scheduler.next() is x
+    scheduler.add(b)
+    assert scheduler.next() is x  # b arrived after the round: it would wait for x's unit
+    scheduler.grant()
+    assert scheduler.next() is b

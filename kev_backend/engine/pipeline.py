@@ -76,6 +76,10 @@ class Job:
 _STOP = object()
 # How long the model thread waits for a new batch while its only work is a long unit still running on the device.
 GATED_WAIT_S = 0.0005
+# Before a long unit, how long the model thread waits for the normal batch its caller is handing over: twice the recent
+# time from a submit returning to the next batch arriving, within these bounds.
+AWAIT_MIN_S = 0.002
+AWAIT_MAX_S = 0.1
 
 
 class Progress(Protocol):
@@ -140,6 +144,9 @@ class NoProgress:
 # (docs/kernels.md, The pipeline). 256 KiB: up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each)
 # stay one batch.
 SUBMIT_BYTES = 256 << 10
+# A request holding more JSON than this is prepared (parsed, tokenized) after the smaller ones of its batch are handed
+# over, on its own.
+PREPARE_APART_BYTES = 64 << 10
 
 
 def parts_by_size(sizes: Sequence[int], budget: int = SUBMIT_BYTES) -> list[range]:
@@ -199,6 +206,7 @@ class Pipeline:
         self.service_s = Recent()
         self.arrival_s = Recent()  # from submit returning to the next batch being prepared
         self._returned: float | None = None
+        self._submitting = 0  # submits under way (the caller's thread)
         self._previous: Job | None = None  # the last batch submitted
         self._last_done = 0.0  # delivery thread: when the last batch was done
         self._to_model: queue.Queue = queue.Queue(maxsize=1)
@@ -225,17 +233,34 @@ class Pipeline:
         `usage_by_question`: the bodies whose responses report each question's usage (Engine.prepare_batch).
         `requests`: the bodies answered together, one range each (a Triton request may carry several; default: each
         body alone); a request with more than `long_tokens` of model work is delivered on its own, as long work."""
-        batch = self.engine.prepare_batch(bodies, usage_by_question)
+        self._submitting += 1
+        try:
+            self._submit(bodies, deliver, cancelled, usage_by_question, requests)
+        finally:
+            self._submitting -= 1
+            self._returned = time.perf_counter()
+
+    def _submit(
+        self,
+        bodies: Sequence[Body],
+        deliver: Callable[[Results | Exception, PreparedBatch], None],
+        cancelled: Callable[[], set[int]] | None,
+        usage_by_question: Collection[int],
+        requests: Sequence[range] | None,
+    ) -> None:
         if self._returned is not None:
             self.arrival_s.add(time.perf_counter() - self._returned)
+        requests = requests if requests is not None else [range(i, i + 1) for i in range(len(bodies))]
+        batch = PreparedBatch(results=[None] * len(bodies), usage_by_question=frozenset(usage_by_question))
         job = None
-        for part, long in self.parts(batch, requests):
-            new = Job(part, deliver, cancelled, long)
-            self._to_model.put(new)
-            self._to_model.join()  # taken: the model thread is on it
-            job = job if long else new
+        for group in self.preparation_order(bodies, requests):
+            self.engine.prepare_into(batch, bodies, [i for request in group for i in request])
+            for part, long in self.parts(batch, group):
+                new = Job(part, deliver, cancelled, long)
+                self._to_model.put(new)
+                self._to_model.join()  # taken: the model thread is on it
+                job = job if long else new
         if job is None:  # long work only: the next Triton batch may form now
-            self._returned = time.perf_counter()
             return
         service, arrival = self.service_s.median(), self.arrival_s.median()
         previous, self._previous = self._previous, job
@@ -246,16 +271,29 @@ class Pipeline:
                 before = previous.done if previous.scored.is_set() else previous.expected_done
             job.expected_done = max(job.taken, before) + service
             job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - time.perf_counter()))
-        self._returned = time.perf_counter()
 
-    def parts(self, batch: PreparedBatch, requests: Sequence[range] | None) -> list[tuple[PreparedBatch, bool]]:
-        """The batch as the model thread runs it: each long request alone, the rest together (first), each with
-        whether it is long."""
-        requests = requests if requests is not None else [range(i, i + 1) for i in range(len(batch.results))]
+    @staticmethod
+    def preparation_order(bodies: Sequence[Body], requests: Sequence[range]) -> list[list[range]]:
+        """The requests in the groups they are prepared and handed over in: the small ones together first, then each
+        one over PREPARE_APART_BYTES of JSON alone (tokenizing a 65,536-token state takes about a second on a CPU:
+        the small requests beside it are on the model thread meanwhile)."""
+        small: list[range] = []
+        large: list[list[range]] = []
+        for request in requests:
+            size = sum(len(body) for i in request if isinstance(body := bodies[i], (str, bytes)))
+            if size <= PREPARE_APART_BYTES:
+                small.append(request)
+            else:
+                large.append([request])
+        return ([small] if small else []) + large
+
+    def parts(self, batch: PreparedBatch, requests: Sequence[range]) -> list[tuple[PreparedBatch, bool]]:
+        """The prepared `requests` of the batch as the model thread runs them: each long request alone, the rest
+        together (first), each with whether it is long."""
         long = [r for r in requests if batch.work_tokens(r) > self.long_tokens]
-        if not long:
-            return [(batch, False)]
         normal = [i for r in requests if r not in long for i in r]
+        if not long and len(normal) == len(batch.results):
+            return [(batch, False)]
         parts = [(batch.part(normal), False)] if normal else []
         return parts + [(batch.part(r), True) for r in long]
 
@@ -272,11 +310,18 @@ class Pipeline:
             log.exception("kev: preparing the model thread failed")
         self._prepared.set()
         scheduler: Scheduler[Job] = Scheduler()
-        stopping = False
+        stopping = awaited = False
         while True:
             if not stopping:
                 stopping = self._take(scheduler)
-            if (job := scheduler.next()) is not None:
+            job = scheduler.next()
+            if job is not None and job.long and not awaited and not stopping:
+                # Before a long unit, once: the normal batch the caller is preparing (or about to) gets its turn.
+                awaited = True
+                if self._await_batch(scheduler):
+                    continue
+            if job is not None:
+                awaited = awaited and not job.long
                 self._step(job, scheduler)
             elif not len(scheduler) and stopping:
                 break
@@ -299,10 +344,36 @@ class Pipeline:
             self._to_model.task_done()
             if job is _STOP:
                 return True
-            job.taken = time.perf_counter()
-            self.progress.started()
-            scheduler.add(job)
+            self._admit(job, scheduler)
             wait = 0.0
+
+    def _admit(self, job: Job, scheduler: Scheduler[Job]) -> None:
+        job.taken = time.perf_counter()
+        self.progress.started()
+        scheduler.add(job)
+
+    def _await_batch(self, scheduler: Scheduler[Job]) -> bool:
+        """Waits, briefly, for the batch a submit under way (or one just returned, whose caller forms the next) is
+        handing over; True if one came, with its turn before the long work."""
+        deadline = time.perf_counter() + AWAIT_MAX_S
+        grace = min(AWAIT_MAX_S, max(AWAIT_MIN_S, 2 * (self.arrival_s.median() or 0.0)))
+        while (now := time.perf_counter()) < deadline:
+            returned = self._returned
+            if not self._submitting and (returned is None or now - returned > grace):
+                return False
+            try:
+                job = self._to_model.get(timeout=min(AWAIT_MIN_S, deadline - now))
+            except queue.Empty:
+                continue
+            self._to_model.task_done()
+            if job is _STOP:
+                self._to_model.put(_STOP)  # seen again by _take
+                return False
+            self._admit(job, scheduler)
+            if not job.long:
+                scheduler.grant()
+            return True
+        return False
 
     def _step(self, job: Job, scheduler: Scheduler[Job]) -> None:
         """Runs (on a GPU, enqueues) the job's next unit; hands it to the delivery thread once it has run its last."""

@@ -9,7 +9,8 @@ of a state or of a row pass on the CPU, a pass on the GPU.
 - Long batches take turns, one unit each (so one client's long requests do not hold another's back), and alternate
   with the normal ones: after a long unit, the normal batches waiting by then all run before the next long unit. So
   a short request waits for at most the one long unit under way, and long work still gets a turn however much normal
-  work arrives.
+  work arrives. "Waiting" includes the batch its caller is preparing, or about to (the pipeline's `grant`): Triton
+  forms its next batch only once the last one is handed over, from the requests that queued during the long unit.
 - On a GPU the units run asynchronously behind each other on one stream: a long unit is only enqueued once the long
   unit before it has finished on the device (`ready`), so at most one is ever ahead of the normal work enqueued
   meanwhile.
@@ -61,6 +62,11 @@ class Scheduler(Generic[W]):
         if self.normal and (turns > 0 or not long_ready):
             return self.normal[0]
         return self.long[0] if long_ready else None
+
+    def grant(self) -> None:
+        """A normal batch that was on its way when the normal turns ran out (the caller saw it coming) gets a turn."""
+        if not self.long_ran:
+            self.normal_turns += 1
 
     def ran(self, work: W, in_flight: Callable[[], bool] | None = None) -> None:
         """`work`, chosen by `next`, ran (or enqueued) a unit; for a long one, `in_flight` says whether that unit still
