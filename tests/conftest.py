@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -233,12 +234,23 @@ class Gateway:
     log: Path
 
 
-def start_gateway(triton: TritonServer, log: Path, **env: str) -> Gateway:
-    """The real `kev-gateway` (uvicorn) against `triton`, on a free loopback port."""
+def start_gateway(
+    triton: TritonServer, log: Path, descriptors: int | None = None, metrics_url: str | None = None, **env: str
+) -> Gateway:
+    """The real `kev-gateway` (uvicorn) against `triton`, on a free loopback port. `descriptors`: its hard (and soft)
+    RLIMIT_NOFILE, as a host with a lower limit would give it; `metrics_url`: where it reads Triton's metrics."""
     port = free_port()
-    environment = {**os.environ, "TRITON_GRPC_URL": triton.grpc_url, "TRITON_METRICS_URL": triton.metrics_url, **env}
+    metrics = metrics_url or triton.metrics_url
+    environment = {**os.environ, "TRITON_GRPC_URL": triton.grpc_url, "TRITON_METRICS_URL": metrics, **env}
     command = [str(Path(sys.prefix) / "bin" / "kev-gateway"), "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, env=environment, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+    def limit_descriptors() -> None:
+        if descriptors is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))
+
+    process = subprocess.Popen(
+        command, env=environment, stdout=log.open("wb"), stderr=subprocess.STDOUT, preexec_fn=limit_descriptors
+    )
     gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
     if not wait_ready(f"{gateway.url}/health", process, 60):
         process.kill()
