@@ -136,9 +136,15 @@ class TritonServer:
 
 
 def start_triton(
-    checkpoint: Path, log: Path, timeout_s: float = 180.0, repository: Path | None = None, **extra_env: str
+    checkpoint: Path,
+    log: Path,
+    timeout_s: float = 180.0,
+    repository: Path | None = None,
+    wrapper: tuple[str, ...] = (),
+    **extra_env: str,
 ) -> TritonServer:
-    """The real tritonserver (build/serve.sh, as `make serve` runs it) on free loopback ports."""
+    """The real tritonserver (build/serve.sh, as `make serve` runs it) on free loopback ports. `wrapper`: a command
+    that runs build/serve.sh, its path given as the wrapper's last argument."""
     if not (REPO / "build" / ".tritonserver" / "bin" / "tritonserver").exists():
         pytest.fail("tritonserver is not installed: run `make setup`")
     ports = [free_port() for _ in range(3)]
@@ -158,7 +164,8 @@ def start_triton(
         **extra_env,
     }
     handle = log.open("wb")
-    process = subprocess.Popen([str(REPO / "build" / "serve.sh")], env=env, stdout=handle, stderr=subprocess.STDOUT)
+    command = [*wrapper, str(REPO / "build" / "serve.sh")]
+    process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
     server = TritonServer(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}", log, process)
     # Triton starts its metrics service after the HTTP one reports ready (~40 ms later on the CI machine): a test that
     # read the metrics at once was refused.

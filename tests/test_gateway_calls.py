@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import struct
+import subprocess
 import threading
 import time
 import urllib.request
@@ -231,6 +232,33 @@ def test_a_dead_stub_and_a_restarting_triton_are_503s(tiny_dir: Path, tmp_path: 
             assert status == 503 and headers["retry-after"] == "1", reply
             assert reply["detail"].startswith("the model server could not answer this request now")
         assert gateway_metrics(gateway)['kev_gateway_errors_total{reason="unavailable"}'] == len(failures)
+    finally:
+        stop_gateway(gateway)
+        stop_triton(server)
+
+
+# A tritonserver in a mount namespace of its own whose /dev/shm is a small tmpfs: the Python backend's shared memory
+# runs out for a large request, as it does on a host or pod whose /dev/shm is full.
+SMALL_SHM = ("unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=3m tmpfs /dev/shm && exec "$0"')
+
+
+def test_shared_memory_exhaustion_is_a_neutral_503(tiny_dir: Path, tmp_path: Path) -> None:
+    """Triton's "Failed to increase the shared memory pool size for key '<region>'" (untagged): the request that hit
+    it is answered 503 with retry-after and a message that names no region; a small request is answered."""
+    probe = subprocess.run([*SMALL_SHM, "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here (unshare needs CAP_SYS_ADMIN): {probe.stderr.decode()[:200]}")
+    server = start_triton(tiny_dir / "kev", tmp_path / "triton.log", wrapper=SMALL_SHM)
+    gateway = start_gateway(server, tmp_path / "gateway.log")
+    try:
+        assert post(gateway, "/v1/systemone", {"state": "hello", "questions": {"urgent": URGENT}})[0] == 200
+        body = json.dumps({"state": "refund " * 500_000, "questions": {"urgent": URGENT}}).encode()
+        status, headers, reply = post(gateway, "/v1/systemone", body)
+        assert status == 503 and headers["retry-after"] == "1", reply
+        assert reply["detail"].startswith("the model server could not answer this request now (request id ")
+        assert "kev_serve" not in reply["detail"] and "shared memory" not in reply["detail"]
+        assert "Failed to increase the shared memory pool size" in gateway.log.read_text()  # logged as it was
+        assert post(gateway, "/v1/systemone", {"state": "hello again", "questions": {"urgent": URGENT}})[0] == 200
     finally:
         stop_gateway(gateway)
         stop_triton(server)
