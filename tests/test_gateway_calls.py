@@ -239,7 +239,7 @@ def test_a_dead_stub_and_a_restarting_triton_are_503s(tiny_dir: Path, tmp_path: 
 
 # A tritonserver in a mount namespace of its own whose /dev/shm is a small tmpfs: the Python backend's shared memory
 # runs out for a large request, as it does on a host or pod whose /dev/shm is full.
-SMALL_SHM = ("unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=3m tmpfs /dev/shm && exec "$0"')
+SMALL_SHM = ("unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "$0"')
 
 
 def test_shared_memory_exhaustion_is_a_neutral_503(tiny_dir: Path, tmp_path: Path) -> None:
@@ -252,7 +252,7 @@ def test_shared_memory_exhaustion_is_a_neutral_503(tiny_dir: Path, tmp_path: Pat
     gateway = start_gateway(server, tmp_path / "gateway.log")
     try:
         assert post(gateway, "/v1/systemone", {"state": "hello", "questions": {"urgent": URGENT}})[0] == 200
-        body = json.dumps({"state": "refund " * 500_000, "questions": {"urgent": URGENT}}).encode()
+        body = json.dumps({"state": "refund " * 550_000, "questions": {"urgent": URGENT}}).encode()  # 3.85 MB
         status, headers, reply = post(gateway, "/v1/systemone", body)
         assert status == 503 and headers["retry-after"] == "1", reply
         assert reply["detail"].startswith("the model server could not answer this request now (request id ")

@@ -50,7 +50,8 @@ UNAVAILABLE_TEXTS = (
     "Connection reset",
     "GOAWAY",
 )
-# Triton's own queue refusals (dynamic_batching.default_queue_policy): 529, as Kev's overloaded server.
+# Triton's own queue refusals (dynamic_batching.default_queue_policy): 529, as Kev's overloaded server. The client
+# also calls an UNAVAILABLE that mentions a queue or a timeout "overloaded" (client.KevError).
 QUEUE_TEXTS = ("Exceeds maximum queue size", "Request timeout expired")
 
 
@@ -118,7 +119,7 @@ def from_triton(error: KevError, request_id: str, retry_after_s: int) -> Refused
         return Refused(500, "model_error", f"the model failed to answer this request (request id {request_id})")
     if error.kind == "timeout":
         return Refused(504, "timeout", "the model did not answer in time")
-    if any(text in error.message for text in QUEUE_TEXTS):
+    if error.kind == "overloaded" or any(text in error.message for text in QUEUE_TEXTS):
         return Refused(529, "overloaded", "overloaded: the model's queue is full; retry later", retry)
     unavailable = error.status in ("StatusCode.UNAVAILABLE", "503", "StatusCode.INVALID_ARGUMENT", "400")
     if unavailable or any(text in error.message for text in UNAVAILABLE_TEXTS):
