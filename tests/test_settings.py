@@ -152,7 +152,7 @@ def test_the_gateways_connection_settings() -> None:
     """The front's and the arrivals' settings: defaults in code, each variable read with its grammar."""
     default = GatewaySettings.read({})
     assert (default.header_timeout_s, default.body_idle_timeout_s, default.body_timeout_s) == (10.0, 10.0, 60.0)
-    assert (default.keepalive_timeout_s, default.max_connections, default.max_arriving) == (5.0, None, 4096)
+    assert (default.keepalive_timeout_s, default.max_connections, default.max_arriving) == (60.0, None, 4096)
     given = GatewaySettings.read(
         {
             "KEV_GATEWAY_HEADER_TIMEOUT_S": "2.5",
