@@ -39,7 +39,7 @@ from kev_backend.protocol.encoding import KevTokenizer
 from kev_backend.serve.client import AsyncKevClient, KevError
 
 COUNTER = itertools.count(30_000_000)  # states no other load test sends
-OPTIONS = {f"option {i}": f"the {i}th way to route it" for i in range(255)}
+OPTIONS = dict.fromkeys((f"option {i}" for i in range(255)), None)  # a 7.8 KB /permute body, as hostile clients send
 CHOICE = {"type": "choice", "instructions": "Which team should take this ticket?", "criteria": OPTIONS}
 
 
