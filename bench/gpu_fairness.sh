@@ -2,15 +2,24 @@
 # One device call: long work against short requests on the GPU, served as `make serve` serves (the supervisor with its
 # probe on), with random Kev-4B weights. Setup from the carried wheelhouse (bench/device_args.sh).
 #   bench/gpu_fairness.sh [--out DIR] [--wheelhouse DIR] [--commit REV] [STEP...]     (default: tests serve)
+#   bench/gpu_fairness.sh prepare REV      here, first, for the `ab` step: REV's tree in .ab/base (git-ignored); carry
+#                                          ".ab" with the wheelhouse
 # Steps:
 #   tests   the fused path's GPU tests of the pipeline and graphs, and the determinism test (every answer's bits
 #           alone against in batch mixes)
 #   serve   serve the tree, then loadtest/served.py (short6 alone and at 64 clients over gRPC) and
 #           loadtest/fairness.py twice: 65,536-token new states, then 64-order /permute requests, each against
 #           short6 clients; the supervisor's restarts counted from its log
+#   ab      served short6 throughput (loadtest/served.py: one client, then 64) from the base tree in .ab/base and from
+#           this one, ABBA (AB_ROUNDS times, default 1), each served from its own setup; served-ab.json gathers them
 # FAIR_ARGS adds arguments to both fairness runs (e.g. "--seconds 20"). Results: served.json, fairness-state.json,
-# fairness-permute.json, the logs.
+# fairness-permute.json, served-ab.json, the logs.
 set -uo pipefail
+if [[ ${1:-} == prepare ]]; then
+  rm -rf .ab && mkdir -p .ab/base && git archive "${2:?a base revision}" | tar -x -C .ab/base || exit 1
+  git rev-parse --short "$2" > .ab/REV && echo "base $(cat .ab/REV) in .ab/base"
+  exit 0
+fi
 source "$(dirname "$0")/device_args.sh" "$@"
 out=$OUT steps=(${ARGS[@]+"${ARGS[@]}"})
 ((${#steps[@]})) || steps=(tests serve)
@@ -39,10 +48,36 @@ run_serve() {
   echo "supervisor restarts: $(grep -c 'TRITON RESTART' "$out/serve.log")"
   grep -E "kev-serve|kev: " "$out/serve.log" | cut -c1-300 | tail -6
 }
+served_from() {  # LABEL TREE: TREE served (its own setup), served.py against it, stopped
+  local label=$1 tree=$2 started serve
+  (cd "$tree" && make setup WHEELHOUSE="$(realpath "$WHEELHOUSE")" TORCH=system SETS=serve PYTHON=python3 \
+    >"$out/setup-$label.log" 2>&1) || { tail -5 "$out/setup-$label.log"; return 1; }
+  kev4b_checkpoint || return 1
+  started=$(python3 -c 'import time; print(time.time())')
+  (cd "$tree" && KEV_CHECKPOINT=$KEV4B TRITON_CACHE_DIR=/tmp/triton-cache GATEWAY=0 exec build/serve.sh) \
+    > "$out/serve-$label.log" 2>&1 &
+  serve=$!
+  "$PY" loadtest/served.py --started "$started" --seconds 15 --commit "$label" --out "$out/served-$label.json" \
+    | tail -1 | cut -c1-400 || status=1
+  kill -TERM $serve
+  wait $serve
+}
+run_ab() {
+  local base=$PWD/.ab/base round side
+  [[ -d $base ]] || { echo "no .ab/base: run bench/gpu_fairness.sh prepare REV here and carry .ab"; return 1; }
+  for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
+    for side in base this this base; do
+      [[ $side == base ]] && served_from "base-$(cat .ab/REV)-$round$side" "$base"
+      [[ $side == this ]] && served_from "this-$round$side" "$PWD"
+    done
+  done
+  "$PY" -c "import json, glob, sys; json.dump({p: json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + '/served-*-*.json'))}, open(sys.argv[1] + '/served-ab.json', 'w'), indent=1)" "$out"
+}
 for step in "${steps[@]}"; do
   case $step in
     tests) run_tests ;;
     serve) run_serve ;;
+    ab) run_ab ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done

@@ -86,7 +86,12 @@ def test_a_long_unit_waits_for_the_one_before_it_on_the_device() -> None:
     scheduler.ran(a)
     scheduler.finished(a)
     assert scheduler.next() is None
+    b = Batch("b", 1)
+    scheduler.add(b)  # came while x's unit ran on the device, after a's turn
     running[0] = False
+    assert scheduler.next() is b and scheduler.next() is b  # its turn comes first, and asking twice is the same
+    scheduler.ran(b)
+    scheduler.finished(b)
     assert scheduler.next() is x
 
 

@@ -148,6 +148,7 @@ SUBMIT_BYTES = 256 << 10
 # A request holding more JSON than this is prepared (parsed, tokenized) on the pipeline's preparation thread, on its
 # own, so the caller hands the rest of its batch over and returns at once.
 PREPARE_APART_BYTES = 64 << 10
+DELIVERY_WAITING = 8
 # Long batches handed to the model thread and not yet answered, at most; past it the caller (or the preparation thread)
 # waits for a place, and requests wait where they arrived (Triton's bounded queue).
 LONG_WAITING = 64
@@ -217,7 +218,9 @@ class Pipeline:
         # put and not waited on, at most LONG_WAITING not yet finished (then the putter waits for a place).
         self._to_model: queue.Queue = queue.Queue()
         self._long_places = threading.BoundedSemaphore(LONG_WAITING)
-        self._to_delivery: queue.Queue = queue.Queue(maxsize=1)
+        # Batches whose work is all enqueued, waiting for the delivery thread: a few, so the model thread keeps taking
+        # and enqueueing normal batches while the delivery thread waits on a long unit's answers.
+        self._to_delivery: queue.Queue = queue.Queue(maxsize=DELIVERY_WAITING)
         # Large requests, prepared on their own thread (tokenizing a 65,536-token state is about a second on a CPU).
         self._to_preparer: queue.Queue = queue.Queue(maxsize=LONG_WAITING)
         self._prepared = threading.Event()
@@ -442,7 +445,7 @@ class Pipeline:
         if done:
             job.launched = job.error is None and len(job.batch.results) > job.batch.dropped
             scheduler.finished(job)
-            self._to_delivery.put(job)  # blocks while the delivery thread has one waiting already
+            self._to_delivery.put(job)  # blocks while DELIVERY_WAITING wait for the delivery thread already
 
     def _drop_cancelled(self, job: Job) -> None:
         """Takes the requests whose clients left out of a batch that waited, before any of its work."""

@@ -12,8 +12,8 @@ of a state or of a row pass on the CPU, a pass on the GPU.
   work arrives. "Waiting" includes the batch its caller is preparing, or about to (the pipeline's `grant`): Triton
   forms its next batch only once the last one is handed over, from the requests that queued during the long unit.
 - On a GPU the units run asynchronously behind each other on one stream: a long unit is only enqueued once the long
-  unit before it has finished on the device (`ready`), so at most one is ever ahead of the normal work enqueued
-  meanwhile.
+  unit before it has finished on the device, so at most one is ever ahead of the normal work enqueued meanwhile, and
+  the normal batches that came while it ran go before the next.
 
 The order decides only when work runs, never what it computes: every unit is the same whatever runs between two of
 a batch's units, so answers do not depend on the schedule.
@@ -55,10 +55,15 @@ class Scheduler(Generic[W]):
         (self.long if work.long else self.normal).append(work)
 
     def next(self) -> W | None:
-        """The batch whose unit runs next (asking changes nothing; `ran` commits the choice); None while only long
-        work is left and the last long unit still runs on the device."""
+        """The batch whose unit runs next (`ran` commits the choice; asking again before it gives the same answer);
+        None while only long work is left and the last long unit still runs on the device."""
+        if self.long_in_flight is not None and not self.long_in_flight():
+            # The long unit has finished on the device: the normal batches that came while it ran get their turns.
+            self.long_in_flight = None
+            self.normal_turns = len(self.normal)
+            self.long_ran = False
         turns = len(self.normal) if self.long_ran else self.normal_turns
-        long_ready = bool(self.long) and not (self.long_in_flight is not None and self.long_in_flight())
+        long_ready = bool(self.long) and self.long_in_flight is None
         if self.normal and (turns > 0 or not long_ready):
             return self.normal[0]
         return self.long[0] if long_ready else None
