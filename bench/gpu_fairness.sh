@@ -57,7 +57,7 @@ served_from() {  # LABEL TREE: TREE served (its own setup), served.py against it
   (cd "$tree" && KEV_CHECKPOINT=$KEV4B TRITON_CACHE_DIR=/tmp/triton-cache GATEWAY=0 exec build/serve.sh) \
     > "$out/serve-$label.log" 2>&1 &
   serve=$!
-  "$PY" loadtest/served.py --started "$started" --seconds 15 --commit "$label" --out "$out/served-$label.json" \
+  "$PY" loadtest/served.py --started "$started" --seconds 10 --commit "$label" --out "$out/served-$label.json" \
     | tail -1 | cut -c1-400 || status=1
   kill -TERM $serve
   wait $serve
