@@ -158,6 +158,7 @@ PARAMETERS = (
     Parameter("max_questions", "limits", integer(1)),
     Parameter("max_state_tokens", "limits", integer(1)),
     Parameter("max_row_tokens", "limits", integer(1)),
+    Parameter("max_request_tokens", "limits", integer(1)),
     Parameter("truncate_states", "limits", boolean),
 )
 
@@ -178,6 +179,9 @@ class ModelSettings:
     engine: dict[str, Any] = field(default_factory=dict)
     load: dict[str, Any] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
+    # Where the model writes its heartbeat for kev-serve (serve/heartbeat.py): KEV_HEARTBEAT_PREFIX, which kev-serve
+    # sets for each start of tritonserver; None (tritonserver started otherwise): no heartbeat.
+    heartbeat_prefix: str | None = None
 
     @classmethod
     def read(cls, params: Mapping[str, str], model_dir: Path, env: Environment = os.environ) -> ModelSettings:
@@ -208,6 +212,7 @@ class ModelSettings:
             engine=engine,
             load=groups["load"],
             limits=limits,
+            heartbeat_prefix=variables(env)("KEV_HEARTBEAT_PREFIX", text, None),
         )
 
 

@@ -76,11 +76,14 @@ def test_kev_score_cli_orders_reports_and_resumes(triton: TritonServer, engine: 
     assert json.loads(run.stderr.strip().splitlines()[-1]) == {"lines": 24, "skipped": 0, "scored": 24, "failed": 1}
     out = target.read_text().splitlines()
     assert len(out) == 24 and json.loads(out[7]) == {
-        "error": {"kind": "invalid", "message": "questions: Field required"}
+        "line": 8,
+        "error": {"kind": "invalid", "message": "questions: Field required"},
     }
     for i, line in enumerate(out):
         if i != 7:
-            assert_same_answer(json.loads(line), engine.answer([make_request(i)])[0])
+            answer = json.loads(line)
+            assert answer.pop("line") == i + 1
+            assert_same_answer(answer, engine.answer([make_request(i)])[0])
     # Interrupted after 10 lines, half-way through the 11th: a rerun redoes only the rest.
     target.write_text("\n".join(out[:10]) + "\n" + out[10][:15])
     run = kev_score(source, target, triton, "--protocol", "grpc", "--quiet")
@@ -91,7 +94,40 @@ def test_kev_score_cli_orders_reports_and_resumes(triton: TritonServer, engine: 
         if "error" in a:
             assert a == b
         else:
-            assert_same_answer(json.loads(a), json.loads(b) | {"latency_ms": json.loads(a)["latency_ms"]})
+            a_body, b_body = json.loads(a), json.loads(b)
+            assert a_body.pop("line") == b_body.pop("line")
+            assert_same_answer(a_body, b_body | {"latency_ms": a_body["latency_ms"]})
+
+
+# Every character str.splitlines() breaks at. JSON allows the last three raw inside a string; the others are control
+# characters JSON never allows raw, so a line holding one is refused, alone.
+SEPARATORS = ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+def test_kev_score_splits_lines_at_newlines_only(triton: TritonServer, engine: Engine, tmp_path: Path) -> None:
+    """Input holding every other line separator inside its JSON: one output line per input line, each naming it,
+    answers equal the engine's, and output lines stay single lines for readers that split at any separator."""
+    bodies, raw = [], []
+    for i, separator in enumerate(SEPARATORS):
+        options = {f"yes{separator}now": None, "later": f"a{separator}b"}
+        question = {"type": "choice", "instructions": f"route{separator}it", "criteria": options}
+        bodies.append({"state": f"ticket {i}{separator}charged twice", "questions": {"q": question}})
+        # Raw in the line, as a producer that does not escape them writes it (json.dumps escapes control characters).
+        marked = {"state": f"ticket {i}@charged twice", "questions": {"q": {**question, "instructions": "route@it"}}}
+        raw.append(json.dumps(marked, ensure_ascii=False).replace("@", separator))
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(raw) + "\n", encoding="utf-8")
+    assert len(source.read_text(encoding="utf-8").splitlines()) > len(raw)  # what splitlines would have read
+    kev_score(source, target, triton, "--quiet")
+    out = target.read_text(encoding="utf-8").splitlines()
+    assert len(out) == len(raw)
+    for i, (line, body, separator) in enumerate(zip(out, bodies, SEPARATORS)):
+        answer = json.loads(line)
+        assert answer.pop("line") == i + 1
+        if separator in ("\x85", "\u2028", "\u2029"):
+            assert_same_answer(answer, engine.answer([body])[0])
+        else:
+            assert answer["error"]["kind"] == "invalid" and "JSON decode error" in answer["error"]["message"], answer
 
 
 def test_http_without_its_client_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@ cancelled requests before any model work, and confines an engine fault to its ow
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline, parts_by_size
+from kev_backend.engine.pipeline import PREPARE_APART_BYTES, SUBMIT_BYTES, Pipeline, parts_by_size
 from kev_backend.protocol.systemone import RequestError
 
 from .helpers import request
@@ -74,7 +75,7 @@ def test_cancelled_requests_cost_no_model_work(engine: Engine) -> None:
 
 
 def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = engine.scorer.launch
+    original = engine.scorer.units
     calls = []
 
     def failing_once(batch):
@@ -83,7 +84,7 @@ def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytes
             raise RuntimeError("device fault")
         return original(batch)
 
-    monkeypatch.setattr(engine.scorer, "launch", failing_once)
+    monkeypatch.setattr(engine.scorer, "units", failing_once)
     pipeline = Pipeline(engine)
     try:
         (first, _, _), (second, _, _) = run(pipeline, [[request("fault a")], [request("fault b")]])
@@ -144,3 +145,98 @@ def test_submit_bytes_is_the_pipelines_budget(engine: Engine) -> None:
             pipeline.close()
     with pytest.raises(ValueError, match="submit_bytes"):
         Pipeline(engine, submit_bytes=0)
+
+
+class Beats:
+    """A heartbeat that counts (kev_backend.serve.heartbeat's interface)."""
+
+    def __init__(self) -> None:
+        self.counts = {"beat": 0, "started": 0, "finished": 0, "broken": 0}
+
+    def beat(self) -> None:
+        self.counts["beat"] += 1
+
+    def started(self) -> None:
+        self.counts["started"] += 1
+
+    def finished(self) -> None:
+        self.counts["finished"] += 1
+
+    def broken(self) -> None:
+        self.counts["broken"] += 1
+
+
+def long_request(tag: str) -> dict:
+    """~3,000 tokens of state: long for a pipeline whose long_tokens is 1,000, in 6 units of a 512-token chunk."""
+    return request(" ".join(f"{tag} word {i}" for i in range(1000)))
+
+
+@pytest.fixture
+def chunked(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Engine:
+    """The engine with 512-token chunks: a long state is several units of work."""
+    monkeypatch.setattr(engine.scorer, "chunk_tokens", 512)
+    return engine
+
+
+def test_a_long_request_is_answered_apart_from_its_batch(chunked: Engine) -> None:
+    """Prepared together, delivered apart: the batch's short requests in one part (delivered first), the long one
+    alone; every answer equal to the engine's, delivered once, naming the bodies it answers."""
+    bodies = [request("short one"), long_request("alone"), request("short two"), BAD]
+    expected = chunked.answer(bodies)
+    delivered: queue.Queue = queue.Queue()
+    pipeline = Pipeline(chunked, long_tokens=1_000)
+    try:
+        pipeline.submit(bodies, lambda results, batch: delivered.put((list(batch.indices), results)))
+        parts = [delivered.get(timeout=120) for _ in range(2)]
+    finally:
+        pipeline.close()
+    assert [indices for indices, _ in parts] == [[0, 2, 3], [1]]
+    for indices, results in parts:
+        for i, result in zip(indices, results, strict=True):
+            if isinstance(expected[i], RequestError):
+                assert isinstance(result, RequestError)
+            else:
+                assert result["answers"] == expected[i]["answers"] and result["usage"] == expected[i]["usage"]
+
+
+def test_short_batches_run_between_the_units_of_a_long_one(chunked: Engine) -> None:
+    """A short batch submitted while a long one runs is answered before it; the long one's answer is the same as
+    alone; the heartbeat beats through the long one's units (the reference path: every layer)."""
+    long_body = long_request("interleaved")
+    expected = chunked.answer([long_body])[0]
+    chunked.bank.clear()
+    delivered: queue.Queue = queue.Queue()
+    beats = Beats()
+    pipeline = Pipeline(chunked, long_tokens=1_000, progress=beats)
+    try:
+        pipeline.submit([long_body], lambda results, batch: delivered.put(("long", results)))
+        for n in range(3):
+            pipeline.submit([request(f"short {n}")], lambda results, batch, n=n: delivered.put((f"short {n}", results)))
+        order = [delivered.get(timeout=120) for _ in range(4)]
+    finally:
+        pipeline.close()
+    names = [name for name, _ in order]
+    assert names.index("long") == 3, names
+    assert order[3][1][0]["answers"] == expected["answers"]
+    layers = len(chunked.checkpoint.model.layers)
+    counts = beats.counts
+    assert counts["beat"] >= 6 * layers and counts["started"] == counts["finished"] == 4 and not counts["broken"]
+
+
+def test_large_requests_are_prepared_after_the_small_ones_are_handed_over(chunked: Engine) -> None:
+    """A request over PREPARE_APART_BYTES of JSON is tokenized after the rest of its batch is on the model thread:
+    the small ones' part is delivered first even when the large one is not long work."""
+    large = json.dumps(request("x " * (PREPARE_APART_BYTES // 2 + 1)))
+    assert len(large) > PREPARE_APART_BYTES
+    bodies = [json.dumps(request("small a")), large, json.dumps(request("small b"))]
+    groups = Pipeline.preparation_order(bodies, [range(0, 1), range(1, 2), range(2, 3)])
+    assert groups == [[range(0, 1), range(2, 3)], [range(1, 2)]]
+    delivered: queue.Queue = queue.Queue()
+    pipeline = Pipeline(chunked, long_tokens=1 << 30)
+    try:
+        pipeline.submit(bodies, lambda results, batch: delivered.put((list(batch.indices), results)))
+        parts = [delivered.get(timeout=120) for _ in range(2)]
+    finally:
+        pipeline.close()
+    assert [indices for indices, _ in parts] == [[0, 2], [1]]
+    assert all("answers" in result for _, results in parts for result in results)

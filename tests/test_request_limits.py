@@ -131,3 +131,32 @@ def test_a_fault_in_one_request_fails_it_alone(tiny_dir: Path, monkeypatch: pyte
     results = engine.answer([{"state": s, "questions": {"q": noul}} for s in ("fine", "poison", "also fine")])
     assert isinstance(results[1], RequestFault) and "preparing the request failed: RuntimeError" in str(results[1])
     assert isinstance(results[0], dict) and isinstance(results[2], dict)
+
+
+def test_a_request_over_its_work_limit_is_refused_before_the_rest_is_tokenized(tiny_dir: Path) -> None:
+    """max_request_tokens bounds a request's model work: its state once and every question's branch. The default
+    takes 64 orders of a 255-option question (a full /permute), refuses 256 such questions, and stops tokenizing at
+    the question that passes it; a request of exactly the limit passes."""
+    engine = Engine.from_checkpoint(tiny_dir / "kev")
+    options = {f"option {i}": None for i in range(255)}
+    choice = {"type": "choice", "instructions": "which ?", "criteria": options}
+    permute = {"state": "a ticket", "questions": {str(i): choice for i in range(64)}}
+    wide = {"state": "a ticket", "questions": {str(i): choice for i in range(256)}}
+    _, encoded = engine.prepare(permute)
+    work = encoded.input_tokens
+    assert 64 * 255 * 3 < work <= Limits().max_request_tokens
+    (refused,) = engine.prepare_batch([wide]).results
+    assert isinstance(refused, RequestError) and refused.status == 422
+    assert refused.message.startswith("request is at least ") and "over the 131,072-token limit" in refused.message
+    tight = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(limits=Limits(max_request_tokens=5_000)))
+    tight.tokenizer.cache.max_bytes = 0  # count every text tokenized, none from the cache
+    before = tight.tokenizer.tokenized_chars
+    (small,) = tight.prepare_batch([wide]).results
+    assert isinstance(small, RequestError) and "over the 5,000-token limit" in small.message
+    # Stopped at the question that passed the limit (the 5th): a few questions' option texts, not 256 questions'.
+    assert tight.tokenizer.tokenized_chars - before < 10 * sum(len(option) for option in options)
+    at_limit = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(limits=Limits(max_request_tokens=work)))
+    assert at_limit.prepare_batch([permute]).accepted
+    over = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(limits=Limits(max_request_tokens=work - 1)))
+    (last,) = over.prepare_batch([permute]).results
+    assert isinstance(last, RequestError) and last.message.startswith(f"request is {work:,} tokens")

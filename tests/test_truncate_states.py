@@ -87,7 +87,7 @@ def test_a_long_state_is_cut_in_bounded_pieces(qwen_bpe: Tokenizer, tokenizer: K
     # Every piece counted once, and the head (up to one piece past the cut) tokenized whole: two pieces here.
     assert tokenizer.tokenized_chars - len(text) <= 2 * encoding.LAZY_CHARS + len("is this urgent ? no yes")
     # Under the limit the state is read whole, as with the option off.
-    loose = Limits(max_state_tokens=len(whole) + 1, max_row_tokens=len(whole) + 99)
+    loose = Limits(max_state_tokens=len(whole) + 1, max_row_tokens=len(whole) + 99, max_request_tokens=len(whole) + 99)
     on = encoding.encode(record(text), tokenizer, replace(loose, truncate_states=True))
     assert on.state == encoding.encode(record(text), tokenizer, loose).state and on.dropped == 0
 

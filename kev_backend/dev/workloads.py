@@ -118,7 +118,9 @@ def state_counter(tokenizer: Any) -> Callable[[dict[str, Any]], int]:
     from ..protocol.encoding import encode
     from ..protocol.systemone import Limits, parse_request
 
-    limits = Limits(max_request_bytes=1 << 40, max_state_tokens=1 << 40, max_row_tokens=1 << 40)
+    limits = Limits(
+        max_request_bytes=1 << 40, max_state_tokens=1 << 40, max_row_tokens=1 << 40, max_request_tokens=1 << 40
+    )
     return lambda body: len(encode(parse_request(body, limits), tokenizer, limits).state)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,6 +71,8 @@ class Scorer(Protocol):
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]: ...
 
     def launch(self, batch: Sequence[Encoded]) -> Pending: ...
+
+    def units(self, batch: Sequence[Encoded]) -> Generator[None, None, Pending]: ...
 
     def warm_head(self) -> None: ...
 
@@ -153,10 +155,31 @@ class PreparedBatch:
     usage_by_question: frozenset[int] = frozenset()
     pending: Pending | None = None  # launched, not yet collected
     launched_at: float = 0.0
+    # Where each request came from in the bodies the batch was prepared from (a part of them: `part`).
+    indices: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.indices:
+            self.indices = list(range(len(self.results)))
 
     @property
     def refused(self) -> int:
         return sum(isinstance(r, (RequestError, RequestFault)) for r in self.results)
+
+    def part(self, positions: Sequence[int]) -> PreparedBatch:
+        """The requests at `positions` (in this batch) as a batch of their own, scored and answered on its own."""
+        local = {i: k for k, i in enumerate(positions)}
+        return PreparedBatch(
+            results=[self.results[i] for i in positions],
+            accepted=[(local[i], record, encoded) for i, record, encoded in self.accepted if i in local],
+            usage_by_question=frozenset(local[i] for i in self.usage_by_question if i in local),
+            indices=[self.indices[i] for i in positions],
+        )
+
+    def work_tokens(self, positions: Sequence[int]) -> int:
+        """The model work of the requests at `positions` in tokens: each one's state and every question's branch."""
+        wanted = set(positions)
+        return sum(encoded.input_tokens for i, _, encoded in self.accepted if i in wanted)
 
     def drop(self, indices: set[int]) -> None:
         """Takes the requests at `indices` out before scoring: their places stay None and they cost no model work."""
@@ -164,6 +187,42 @@ class PreparedBatch:
         for i in indices:
             self.results[i] = None
         self.dropped += len(indices)
+
+
+@dataclass
+class Launch:
+    """A batch being launched a unit at a time: `step` runs (on a GPU, enqueues) its next unit of model work."""
+
+    batch: PreparedBatch
+    units: Generator[None, None, Pending] | None
+    steps: int = 0  # units run so far
+
+    @property
+    def done(self) -> bool:
+        return self.units is None
+
+    def step(self) -> bool:
+        """Runs the next unit; True once every unit has (the batch's probabilities are then pending)."""
+        if self.units is None:
+            return True
+        self.steps += 1
+        try:
+            next(self.units)
+        except StopIteration as finished:
+            self.batch.pending, self.units = finished.value, None
+            return True
+        return False
+
+    def finish(self) -> None:
+        """Every unit left, at once."""
+        while not self.step():
+            pass
+
+    def close(self) -> None:
+        """Abandons the units left (a failed or cancelled batch): the generator's own cleanup runs now."""
+        if self.units is not None:
+            self.units.close()
+            self.units = None
 
 
 class Engine:
@@ -261,6 +320,15 @@ class Engine:
         """`beat` is called after each unit of model work from now on (a layer of a chunk on the reference path)."""
         self.scorer.on_progress = beat
 
+    def in_flight(self) -> Callable[[], bool] | None:
+        """Whether the work enqueued so far on this thread's stream still runs on the device; None on a CPU, where
+        every unit has run by the time it returns."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return lambda: not event.query()
+
     def prepare_thread(self) -> None:
         """Builds what the scorer keeps per thread (cuDNN's attention plans on the fused path) on the calling thread:
         the pipeline's model thread calls it before its first batch; start-up seconds as `thread`."""
@@ -340,16 +408,21 @@ class Engine:
         """Validates and encodes each request (host work only); a refused one keeps its RequestError, one that failed
         otherwise its RequestFault. The requests at `usage_by_question` get each question's usage in their response."""
         batch = PreparedBatch(results=[None] * len(bodies), usage_by_question=frozenset(usage_by_question))
-        for i, body in enumerate(bodies):
+        self.prepare_into(batch, bodies, range(len(bodies)))
+        return batch
+
+    def prepare_into(self, batch: PreparedBatch, bodies: Sequence[Body], positions: Iterable[int]) -> None:
+        """prepare_batch for the bodies at `positions` alone, into `batch` (one of all the bodies' places): a caller
+        may hand the quick part of a batch on before preparing the slow one."""
+        for i in positions:
             try:
-                record, encoded = self.prepare(body)
+                record, encoded = self.prepare(bodies[i])
             except RequestError as error:
                 batch.results[i] = error
             except Exception as error:  # noqa: BLE001 - one request's fault is its own
                 batch.results[i] = RequestFault.of("preparing the request", error)
             else:
                 batch.accepted.append((i, record, encoded))
-        return batch
 
     def score(self, batch: PreparedBatch) -> PreparedBatch:
         """Runs the model on the batch's accepted requests (none: nothing runs) and records the batch's report."""
@@ -359,9 +432,14 @@ class Engine:
     def launch(self, batch: PreparedBatch) -> None:
         """Enqueues the model work of the batch's accepted requests and returns without waiting for the GPU, so the
         next batch can be enqueued behind it (kev_backend/engine/pipeline.py); `collect` waits for the answers."""
+        self.start(batch).finish()
+
+    def start(self, batch: PreparedBatch) -> Launch:
+        """`launch` a unit of work at a time (Launch.step), for a scheduler that serves other batches between the
+        units of a long one."""
         batch.launched_at = time.perf_counter()
-        if batch.accepted:
-            batch.pending = self.scorer.launch([e for _, _, e in batch.accepted])
+        units = self.scorer.units([e for _, _, e in batch.accepted]) if batch.accepted else None
+        return Launch(batch, units)
 
     def collect(self, batch: PreparedBatch) -> PreparedBatch:
         """Waits for a launched batch's probabilities and records its report. model_ms runs from its launch to

@@ -20,6 +20,12 @@ its size limit and timeouts) meanwhile.
 
 A batch whose bodies hold more than the pipeline's `submit_bytes` of JSON goes to `submit` in parts (parts_by_size).
 
+Long work (engine/scheduler.py): once prepared, each request with more than `long_tokens` tokens of model work
+becomes a batch of its own, scheduled as long, and the rest of its Triton batch stays one normal batch. The model
+thread runs batches a unit at a time (a chunk of a state on the CPU, a pass on the GPU) and takes new batches between
+units, so a short request waits for at most one unit of long work, however long the long request. `submit` waits
+only on its normal batch: the next Triton batch is formed while the long ones run.
+
 A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
 answers each `is_cancelled` through its IPC; asking for every request of every batch would cost the model thread
@@ -41,19 +47,23 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..protocol.systemone import RequestError
-from .engine import Body, Engine, PreparedBatch, unrecoverable
+from .engine import Body, Engine, Launch, PreparedBatch, unrecoverable
+from .scheduler import LONG_WORK_TOKENS, Scheduler
 
 Results = list[dict | RequestError | None]
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     batch: PreparedBatch
-    # Called on the delivery thread with the results (a dropped request's place is None) or the engine's exception.
+    # Called on the delivery thread with the results (a dropped request's place is None) or the engine's exception;
+    # the batch's `indices` say which of the submitted bodies they answer.
     deliver: Callable[[Results | Exception, PreparedBatch], None]
-    # Called on the model thread just before scoring: the indices of requests to drop (cancelled meanwhile).
+    # Called on the model thread just before scoring: the submitted bodies' indices of requests to drop (cancelled).
     cancelled: Callable[[], set[int]] | None = None
+    long: bool = False  # scheduled as long work (engine/scheduler.py)
+    launch: Launch | None = None  # its units, once the model thread has started it
     queued: float = field(default_factory=time.perf_counter)
     taken: float = 0.0  # when the model thread took it
     expected_done: float = 0.0  # when submit expects its answers on the host
@@ -64,6 +74,12 @@ class Job:
 
 
 _STOP = object()
+# How long the model thread waits for a new batch while its only work is a long unit still running on the device.
+GATED_WAIT_S = 0.0005
+# Before a long unit, how long the model thread waits for the normal batch its caller is handing over: twice the recent
+# time from a submit returning to the next batch arriving, within these bounds.
+AWAIT_MIN_S = 0.002
+AWAIT_MAX_S = 0.1
 
 
 class Progress(Protocol):
@@ -77,6 +93,34 @@ class Progress(Protocol):
     def finished(self) -> None: ...
 
     def broken(self) -> None: ...
+
+
+class Guarded:
+    """A Progress whose failures are logged, never raised: hearing of progress must not stop the model's work."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.inner = progress
+        self.failures = 0
+
+    def _call(self, method: Callable[[], None]) -> None:
+        try:
+            method()
+        except Exception:  # noqa: BLE001
+            self.failures += 1
+            if self.failures == 1:
+                log.exception("kev: reporting progress failed (logged once)")
+
+    def started(self) -> None:
+        self._call(self.inner.started)
+
+    def beat(self) -> None:
+        self._call(self.inner.beat)
+
+    def finished(self) -> None:
+        self._call(self.inner.finished)
+
+    def broken(self) -> None:
+        self._call(self.inner.broken)
 
 
 class NoProgress:
@@ -100,6 +144,9 @@ class NoProgress:
 # (docs/kernels.md, The pipeline). 256 KiB: up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each)
 # stay one batch.
 SUBMIT_BYTES = 256 << 10
+# A request holding more JSON than this is prepared (parsed, tokenized) after the smaller ones of its batch are handed
+# over, on its own.
+PREPARE_APART_BYTES = 64 << 10
 
 
 def parts_by_size(sizes: Sequence[int], budget: int = SUBMIT_BYTES) -> list[range]:
@@ -144,11 +191,13 @@ class Pipeline:
         recheck_after_s: float = 0.005,
         submit_bytes: int = SUBMIT_BYTES,
         progress: Progress | None = None,
+        long_tokens: int = LONG_WORK_TOKENS,
     ) -> None:
         if submit_bytes < 1:
             raise ValueError(f"submit_bytes must be at least 1, not {submit_bytes}")
         self.engine = engine
-        self.progress = progress or NoProgress()
+        self.long_tokens = long_tokens
+        self.progress = Guarded(progress or NoProgress())
         engine.on_progress(self.progress.beat)
         self.recheck_after_s = recheck_after_s
         self.submit_bytes = submit_bytes  # the callers' parts_by_size budget
@@ -157,6 +206,7 @@ class Pipeline:
         self.service_s = Recent()
         self.arrival_s = Recent()  # from submit returning to the next batch being prepared
         self._returned: float | None = None
+        self._submitting = 0  # submits under way (the caller's thread)
         self._previous: Job | None = None  # the last batch submitted
         self._last_done = 0.0  # delivery thread: when the last batch was done
         self._to_model: queue.Queue = queue.Queue(maxsize=1)
@@ -176,15 +226,42 @@ class Pipeline:
         deliver: Callable[[Results | Exception, PreparedBatch], None],
         cancelled: Callable[[], set[int]] | None = None,
         usage_by_question: Collection[int] = (),
+        requests: Sequence[range] | None = None,
     ) -> None:
         """Prepares the batch on this thread, hands it to the model thread, and returns once the next batch, formed
         from now on, would arrive about when this one is scored (or once it is, or at once without a history).
-        `usage_by_question`: the bodies whose responses report each question's usage (Engine.prepare_batch)."""
-        job = Job(self.engine.prepare_batch(bodies, usage_by_question), deliver, cancelled)
+        `usage_by_question`: the bodies whose responses report each question's usage (Engine.prepare_batch).
+        `requests`: the bodies answered together, one range each (a Triton request may carry several; default: each
+        body alone); a request with more than `long_tokens` of model work is delivered on its own, as long work."""
+        self._submitting += 1
+        try:
+            self._submit(bodies, deliver, cancelled, usage_by_question, requests)
+        finally:
+            self._submitting -= 1
+            self._returned = time.perf_counter()
+
+    def _submit(
+        self,
+        bodies: Sequence[Body],
+        deliver: Callable[[Results | Exception, PreparedBatch], None],
+        cancelled: Callable[[], set[int]] | None,
+        usage_by_question: Collection[int],
+        requests: Sequence[range] | None,
+    ) -> None:
         if self._returned is not None:
             self.arrival_s.add(time.perf_counter() - self._returned)
-        self._to_model.put(job)
-        self._to_model.join()  # taken: the model thread is on it
+        requests = requests if requests is not None else [range(i, i + 1) for i in range(len(bodies))]
+        batch = PreparedBatch(results=[None] * len(bodies), usage_by_question=frozenset(usage_by_question))
+        job = None
+        for group in self.preparation_order(bodies, requests):
+            self.engine.prepare_into(batch, bodies, [i for request in group for i in request])
+            for part, long in self.parts(batch, group):
+                new = Job(part, deliver, cancelled, long)
+                self._to_model.put(new)
+                self._to_model.join()  # taken: the model thread is on it
+                job = job if long else new
+        if job is None:  # long work only: the next Triton batch may form now
+            return
         service, arrival = self.service_s.median(), self.arrival_s.median()
         previous, self._previous = self._previous, job
         if service is not None:
@@ -194,7 +271,31 @@ class Pipeline:
                 before = previous.done if previous.scored.is_set() else previous.expected_done
             job.expected_done = max(job.taken, before) + service
             job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - time.perf_counter()))
-        self._returned = time.perf_counter()
+
+    @staticmethod
+    def preparation_order(bodies: Sequence[Body], requests: Sequence[range]) -> list[list[range]]:
+        """The requests in the groups they are prepared and handed over in: the small ones together first, then each
+        one over PREPARE_APART_BYTES of JSON alone (tokenizing a 65,536-token state takes about a second on a CPU:
+        the small requests beside it are on the model thread meanwhile)."""
+        small: list[range] = []
+        large: list[list[range]] = []
+        for request in requests:
+            size = sum(len(body) for i in request if isinstance(body := bodies[i], (str, bytes)))
+            if size <= PREPARE_APART_BYTES:
+                small.append(request)
+            else:
+                large.append([request])
+        return ([small] if small else []) + large
+
+    def parts(self, batch: PreparedBatch, requests: Sequence[range]) -> list[tuple[PreparedBatch, bool]]:
+        """The prepared `requests` of the batch as the model thread runs them: each long request alone, the rest
+        together (first), each with whether it is long."""
+        long = [r for r in requests if batch.work_tokens(r) > self.long_tokens]
+        normal = [i for r in requests if r not in long for i in r]
+        if not long and len(normal) == len(batch.results):
+            return [(batch, False)]
+        parts = [(batch.part(normal), False)] if normal else []
+        return parts + [(batch.part(r), True) for r in long]
 
     def close(self) -> None:
         """Finishes the queued batches, then stops the threads."""
@@ -208,21 +309,99 @@ class Pipeline:
         except Exception:  # noqa: BLE001 - what it would have built is built by the first batch that needs it
             log.exception("kev: preparing the model thread failed")
         self._prepared.set()
-        while (job := self._to_model.get()) is not _STOP:
-            job.taken = time.perf_counter()
-            self._to_model.task_done()
-            self.progress.started()
-            try:
-                if job.cancelled is not None and job.taken - job.queued >= self.recheck_after_s:
-                    if dropped := job.cancelled():
-                        job.batch.drop(dropped)
-                if len(job.batch.results) > job.batch.dropped:  # not everyone dropped out
-                    self.engine.launch(job.batch)
-                    job.launched = True
-            except Exception as error:  # noqa: BLE001 - one batch's fault goes to its own requests
-                self._failed(job, error)
-            self._to_delivery.put(job)  # blocks while the delivery thread has one waiting already
+        scheduler: Scheduler[Job] = Scheduler()
+        stopping = awaited = False
+        while True:
+            if not stopping:
+                stopping = self._take(scheduler)
+            job = scheduler.next()
+            if job is not None and job.long and not awaited and not stopping:
+                # Before a long unit, once: the normal batch the caller is preparing (or about to) gets its turn.
+                awaited = True
+                if self._await_batch(scheduler):
+                    continue
+            if job is not None:
+                awaited = awaited and not job.long
+                self._step(job, scheduler)
+            elif not len(scheduler) and stopping:
+                break
+            elif stopping:  # only long work left, its last unit still on the device
+                time.sleep(GATED_WAIT_S)
         self._to_delivery.put(_STOP)
+
+    def _take(self, scheduler: Scheduler[Job]) -> bool:
+        """Moves the batches handed over so far into the scheduler, waiting for one when there is nothing to run (or
+        briefly, when only long work is left and its last unit still runs on the device); True once told to stop."""
+        if not len(scheduler):
+            wait: float | None = None
+        else:
+            wait = 0.0 if scheduler.next() is not None else GATED_WAIT_S
+        while True:
+            try:
+                job = self._to_model.get_nowait() if wait == 0.0 else self._to_model.get(timeout=wait)
+            except queue.Empty:
+                return False
+            self._to_model.task_done()
+            if job is _STOP:
+                return True
+            self._admit(job, scheduler)
+            wait = 0.0
+
+    def _admit(self, job: Job, scheduler: Scheduler[Job]) -> None:
+        job.taken = time.perf_counter()
+        self.progress.started()
+        scheduler.add(job)
+
+    def _await_batch(self, scheduler: Scheduler[Job]) -> bool:
+        """Waits, briefly, for the batch a submit under way (or one just returned, whose caller forms the next) is
+        handing over; True if one came, with its turn before the long work."""
+        deadline = time.perf_counter() + AWAIT_MAX_S
+        grace = min(AWAIT_MAX_S, max(AWAIT_MIN_S, 2 * (self.arrival_s.median() or 0.0)))
+        while (now := time.perf_counter()) < deadline:
+            returned = self._returned
+            if not self._submitting and (returned is None or now - returned > grace):
+                return False
+            try:
+                job = self._to_model.get(timeout=min(AWAIT_MIN_S, deadline - now))
+            except queue.Empty:
+                continue
+            self._to_model.task_done()
+            if job is _STOP:
+                self._to_model.put(_STOP)  # seen again by _take
+                return False
+            self._admit(job, scheduler)
+            if not job.long:
+                scheduler.grant()
+            return True
+        return False
+
+    def _step(self, job: Job, scheduler: Scheduler[Job]) -> None:
+        """Runs (on a GPU, enqueues) the job's next unit; hands it to the delivery thread once it has run its last."""
+        try:
+            if job.launch is None:
+                self._drop_cancelled(job)
+                job.launch = self.engine.start(job.batch)
+            done = job.launch.step()
+            scheduler.ran(job, self.engine.in_flight() if job.long else None)
+            self.progress.beat()
+        except Exception as error:  # noqa: BLE001 - one batch's fault goes to its own requests
+            self._failed(job, error)
+            if job.launch is not None:
+                job.launch.close()
+            scheduler.ran(job)
+            done = True
+        if done:
+            job.launched = job.error is None and len(job.batch.results) > job.batch.dropped
+            scheduler.finished(job)
+            self._to_delivery.put(job)  # blocks while the delivery thread has one waiting already
+
+    def _drop_cancelled(self, job: Job) -> None:
+        """Takes the requests whose clients left out of a batch that waited, before any of its work."""
+        if job.cancelled is None or job.taken - job.queued < self.recheck_after_s:
+            return
+        local = {index: k for k, index in enumerate(job.batch.indices)}
+        if dropped := {local[i] for i in job.cancelled() if i in local}:
+            job.batch.drop(dropped)
 
     def _delivery_loop(self) -> None:
         while (job := self._to_delivery.get()) is not _STOP:
@@ -232,8 +411,9 @@ class Pipeline:
                 except Exception as error:  # noqa: BLE001 - a fault surfacing at the sync fails its own batch
                     self._failed(job, error)
             job.done = time.perf_counter()
-            self.service_s.add(job.done - max(job.taken, self._last_done))
-            self._last_done = job.done
+            if not job.long:  # the pace `submit` keeps is the normal batches'
+                self.service_s.add(job.done - max(job.taken, self._last_done))
+                self._last_done = job.done
             job.scored.set()
             try:
                 results: Results | Exception = job.error or self.engine.finish(job.batch)

@@ -15,6 +15,7 @@ from ..model.qwen35 import Qwen35TextModel
 from ..protocol.encoding import Encoded, EncodedQuestion, token_ids
 from ..scoring.head import PendingProbabilities, batch_questions
 from ..scoring.transfer import device_int_fields
+from ..scoring.units import Units, run_units
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .head import PointerHead
 from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, check_long_kernels, is_short
@@ -69,7 +70,8 @@ class FusedScorer:
         self.model = self._new_model()
         self.graphs = self._new_graphs()
         self.oom_retries = 0
-        self.on_progress: Callable[[], None] | None = None  # after each pass the GPU has finished
+        # Unused: the fused path's units are its passes, and whoever drives them (engine/pipeline.py) reports them.
+        self.on_progress: Callable[[], None] | None = None
 
     def _new_bank(self) -> GpuBank:
         pool = StatePool.sized(
@@ -131,30 +133,22 @@ class FusedScorer:
     def launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
         """Enqueues the batch's passes and head on the GPU without waiting for them (nor for earlier work): the
         result waits. Its bank slots are taken now; work enqueued earlier that read or wrote them runs first."""
-        try:
-            return self._launch(batch)
-        except torch.cuda.OutOfMemoryError:
-            # Drop the bank (and its pool), free the failed pass, retry once; a second failure fails the batch.
-            self.oom_retries += 1
-            self.bank.clear()
-            del self.model
-            self.bank = None  # type: ignore[assignment]
-            self.graphs = None
-            torch.cuda.empty_cache()
-            self.bank = self._new_bank()
-            self.model = self._new_model()
-            self.graphs = self._new_graphs()
-            return self._launch(batch)
+        return run_units(self.units(batch))
 
-    def _launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
+    def units(self, batch: Sequence[Encoded]) -> Units:
+        """`launch` a pass at a time: each step enqueues one pass (whole states with their rows, scoring/units.py).
+        A pass reads and writes only its own states' slots and leaves its picks projected, so passes of other batches
+        may be enqueued between two of this one's."""
         rows = [Row(r, q, tokens, e.state) for r, e in enumerate(batch) for q, tokens in enumerate(e.questions)]
         if not rows:
             return PendingProbabilities(len(batch))
         projected: list[torch.Tensor] = []
         decide_at: dict[tuple[int, int], int] = {}  # each question's <decide> row in the projections
         base = 0
-        for group in self.plan(rows):
-            picked, decides = self.run_group(group)
+        for i, group in enumerate(self.plan(rows)):
+            if i:
+                yield
+            picked, decides = self.run_group_retrying(group)
             # Projected now: a replayed pass's picks live in its graph's output until the next replay.
             projected.append(self.pointer.project(picked))
             decide_at.update((key, base + row) for key, row in decides.items())
@@ -164,6 +158,24 @@ class FusedScorer:
             projected[0] if len(projected) == 1 else torch.cat(projected), [decide_at[key] for key in order], widths
         )
         return PendingProbabilities.copying(len(batch), order, widths, probs)
+
+    def run_group_retrying(self, rows: list[Row]) -> tuple[torch.Tensor, dict[tuple[int, int], int]]:
+        """`run_group`, retried once on a fresh bank (and its pool and graphs) when the GPU runs out of memory; a
+        second failure fails the batch. Passes already enqueued keep the tensors they read alive, and every other
+        batch's state is in the bank only as a cache: it is computed again when asked for."""
+        try:
+            return self.run_group(rows)
+        except torch.cuda.OutOfMemoryError:
+            self.oom_retries += 1
+            self.bank.clear()
+            del self.model
+            self.bank = None  # type: ignore[assignment]
+            self.graphs = None
+            torch.cuda.empty_cache()
+            self.bank = self._new_bank()
+            self.model = self._new_model()
+            self.graphs = self._new_graphs()
+            return self.run_group(rows)
 
     def plan(self, rows: list[Row]) -> list[list[Row]]:
         """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted

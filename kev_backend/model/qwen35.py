@@ -24,7 +24,7 @@ one chunk's activations (~ PASS_CHUNK_TOKENS · (3 · intermediate + 4 · hidden
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -466,11 +466,31 @@ class Qwen35TextModel(nn.Module):
         grows by concatenation, each chunk releasing the cache of the one before layer by layer (never `cache`, which
         the caller keeps). Without `keep_hidden` the hidden states are dropped chunk by chunk and None is returned.
         """
+        steps = self.chunks(input_ids, cache, chunk_tokens, keep_hidden)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def chunks(
+        self,
+        input_ids: torch.Tensor,
+        cache: SequenceCache | None = None,
+        chunk_tokens: int = PASS_CHUNK_TOKENS,
+        keep_hidden: bool = True,
+    ) -> Generator[None, None, tuple[torch.Tensor | None, SequenceCache]]:
+        """`forward_in_chunks` as a generator that yields after each chunk and returns what it returns, so a caller can
+        do other work between chunks (a scheduler serving short requests between a long state's chunks). The chunks
+        are the same whoever drives them, so the result is too."""
         B, L = input_ids.shape
         width = max(DELTA_RULE_CHUNK, chunk_tokens // B // DELTA_RULE_CHUNK * DELTA_RULE_CHUNK)
         hidden: list[torch.Tensor] = []
         for start in range(0, L, width):
-            h, cache = self(input_ids[:, start : start + width], cache, release=start > 0)
+            if start:
+                yield
+            with torch.no_grad():
+                h, cache = self(input_ids[:, start : start + width], cache, release=start > 0)
             if keep_hidden:
                 hidden.append(h)
         if cache is None:

@@ -33,6 +33,7 @@ from .systemone import (
     Record,
     RequestError,
     escape_user_text,
+    request_too_costly_message,
     row_too_long_message,
     state_too_long_message,
 )
@@ -301,6 +302,7 @@ def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = DEFAULT_LIM
 
     state, dropped = encode_state(record.state_text, tokenizer, limits, texts)
     questions = []
+    work = len(state)  # the request's model work so far (Limits.max_request_tokens)
     for question in record.questions:
         branch: list[int] = [d.question]
         option_ends = []
@@ -319,6 +321,10 @@ def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = DEFAULT_LIM
         if len(state) + len(branch) > limits.max_row_tokens:
             raise RequestError(row_too_long_message(len(branch), len(state), limits.max_row_tokens))
         questions.append(EncodedQuestion(tokens=tuple(branch), option_ends=tuple(option_ends)))
+        work += len(branch)
+        if work > limits.max_request_tokens:  # refused before the rest is tokenized
+            last = question is record.questions[-1]
+            raise RequestError(request_too_costly_message(work, limits.max_request_tokens, at_least=not last))
     for text, tokens in texts:
         tokenizer.remember(text, tokens)
     return Encoded(state=state, questions=tuple(questions), dropped=dropped)

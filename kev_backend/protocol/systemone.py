@@ -34,6 +34,10 @@ MAX_REQUEST_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64  # nesting of lists and objects, the body itself counted as 1
 MAX_JSON_DEPTH_CEILING = 200  # rendering recurses ~3 frames a level; Python's recursion limit is 1,000
 MAX_QUESTIONS = 256
+# A request's model work: its state once and every question's branch, in tokens. Twice Kev's state limit: a full
+# state with its longest single row (73,728) fits, and so do 64 orders of a 255-option question; 256 questions of
+# 255 options each (~200,000 tokens, a minute of CPU on the toy model) do not. Kev has no such limit.
+MAX_REQUEST_TOKENS = 131_072
 DEFAULT_MODEL = "kev-latest"
 
 
@@ -46,6 +50,7 @@ class Limits:
     max_questions: int = MAX_QUESTIONS
     max_state_tokens: int = MAX_STATE_TOKENS  # Ls, <state> included
     max_row_tokens: int = MAX_ROW_TOKENS  # Ls + branch
+    max_request_tokens: int = MAX_REQUEST_TOKENS  # Ls + every branch: the request's model work
     # A state over max_state_tokens: refused with Kev's 422 (off), or cut to its first max_state_tokens tokens (on),
     # and then every response says whether it was (response_body's marks). The row limit holds after the cut.
     truncate_states: bool = False
@@ -53,7 +58,7 @@ class Limits:
     def __post_init__(self) -> None:
         if not 2 <= self.max_json_depth <= MAX_JSON_DEPTH_CEILING:
             raise ValueError(f"max_json_depth must be 2..{MAX_JSON_DEPTH_CEILING}, not {self.max_json_depth}")
-        for name in ("max_request_bytes", "max_questions", "max_state_tokens", "max_row_tokens"):
+        for name in ("max_request_bytes", "max_questions", "max_state_tokens", "max_row_tokens", "max_request_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
 
@@ -523,6 +528,16 @@ def state_too_long_message(n_tokens: int, limit: int = MAX_STATE_TOKENS, counted
         "shorten the document or split it across requests; "
         f"or start the server with KEV_TRUNCATE_STATES=1 to read only its first {limit:,} tokens "
         "(responses then say truncated: true)"
+    )
+
+
+def request_too_costly_message(tokens: int, limit: int = MAX_REQUEST_TOKENS, at_least: bool = False) -> str:
+    """The 422 text for a request whose model work (its state once and every question's branch) is over the limit;
+    `at_least` when it was refused before every question was tokenized."""
+    size = f"at least {tokens:,}" if at_least else f"{tokens:,}"
+    return (
+        f"request is {size} tokens of model work (its state once and every question's branch), over the "
+        f"{limit:,}-token limit: split its questions across requests"
     )
 
 

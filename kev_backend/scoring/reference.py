@@ -21,7 +21,7 @@ copies of the state's K/V (bounded by the row-pass budget, or one row of at most
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ from ..model.qwen35 import PASS_CHUNK_TOKENS, Qwen35TextModel, SequenceCache
 from ..protocol.encoding import Encoded, EncodedQuestion
 from .bank import StateBank
 from .head import PendingProbabilities, Picked, launch_batch_probabilities, pointer_probabilities, warm_pointer_head
+from .units import Units, run_units
 
 
 class ReferenceScorer:
@@ -60,11 +61,12 @@ class ReferenceScorer:
     def on_progress(self, beat: Callable[[], None] | None) -> None:
         self.model.layer_done = beat
 
-    def state_cache(self, state: tuple[int, ...]) -> SequenceCache:
+    def state_cache(self, state: tuple[int, ...]) -> Generator[None, None, SequenceCache]:
+        """The state's cache, from the bank or computed a chunk at a time (yielding between chunks)."""
         cache = self.bank.get(state)
         if cache is None:
             ids = torch.tensor([state], device=self.device)
-            _, cache = self.model.forward_in_chunks(ids, chunk_tokens=self.chunk_tokens, keep_hidden=False)
+            _, cache = yield from self.model.chunks(ids, chunk_tokens=self.chunk_tokens, keep_hidden=False)
             self.bank.put(state, cache)
         return cache
 
@@ -80,16 +82,23 @@ class ReferenceScorer:
 
     def launch(self, batch: Sequence[Encoded]) -> PendingProbabilities:
         """The model runs eagerly here; only the head's copy to the host is left to wait for (none on a CPU)."""
+        return run_units(self.units(batch))
+
+    def units(self, batch: Sequence[Encoded]) -> Units:
+        """`launch` a unit of work at a time: it yields after each chunk of a state or of a row pass (at most
+        chunk_tokens tokens) and returns the pending probabilities, so a scheduler can serve other batches between
+        the units of a long one. Each state's cache is held here while its rows run, whatever the bank evicts."""
         by_state: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         for r, encoded in enumerate(batch):
             for q in range(len(encoded.questions)):
                 by_state.setdefault(encoded.state, []).append((r, q))
         picked: dict[tuple[int, int], Picked] = {}
         for state, items in by_state.items():
-            cache = self.state_cache(state)
+            cache = yield from self.state_cache(state)
             rows = [batch[r].questions[q] for r, q in items]
             for chunk in self.row_passes(len(state), rows):
-                hidden = self.row_pass(cache, [rows[i] for i in chunk])
+                yield
+                hidden = yield from self.row_pass(cache, [rows[i] for i in chunk])
                 for j, i in enumerate(chunk):
                     row = rows[i]
                     picked[items[i]] = (hidden[j, row.decide], hidden[j, list(row.option_ends)])
@@ -110,13 +119,15 @@ class ReferenceScorer:
             passes.append(current)
         return passes
 
-    def row_pass(self, cache: SequenceCache, rows: Sequence[EncodedQuestion]) -> torch.Tensor:
-        """Final-norm hidden states [R, L, d] of right-padded rows continuing `cache`, in fp32."""
+    def row_pass(self, cache: SequenceCache, rows: Sequence[EncodedQuestion]) -> Generator[None, None, torch.Tensor]:
+        """Final-norm hidden states [R, L, d] of right-padded rows continuing `cache`, in fp32 (yielding between
+        chunks)."""
         width = max(len(row.tokens) for row in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for j, row in enumerate(rows):
             ids[j, : len(row.tokens)] = torch.tensor(row.tokens)
-        hidden, _ = self.model.forward_in_chunks(ids.to(self.device), cache, self.chunk_tokens)
+        hidden, _ = yield from self.model.chunks(ids.to(self.device), cache, self.chunk_tokens)
+        assert hidden is not None
         return hidden.float()
 
     def row_form_probabilities(self, encoded: Encoded) -> list[list[float]]:

@@ -1,8 +1,13 @@
 """`kev score IN.jsonl OUT.jsonl`: offline batch scoring against a running Kev Triton server.
 
 One System One request per input line; one output line per input line, in input order: the response body, or
-`{"error": {"kind", "message"}}` for a line that failed (also reported on stderr; the run goes on). Output is
-appended in order as it completes, so rerunning the same command resumes after the last line written.
+`{"error": {"kind", "message"}}` for a line that failed (also reported on stderr; the run goes on), each with
+`"line"`, the number of the input line it answers (from 1), so output joins to input without trusting position.
+Output is appended in order as it completes, so rerunning the same command resumes after the last line written.
+
+Lines are split at "\n" alone (a "\r" before it is JSON whitespace): JSON allows U+2028, U+2029 and U+0085 raw
+inside its strings, and Python's str.splitlines() would split a request there. Output escapes those three, so a
+reader that splits at any line boundary still sees one line per answer.
 """
 
 from __future__ import annotations
@@ -16,6 +21,24 @@ from pathlib import Path
 from typing import TextIO
 
 from .client import AsyncKevClient, KevError
+
+# Line separators JSON allows raw inside strings (str.splitlines() breaks at each), written as escapes in output.
+RAW_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
+
+
+def input_lines(path: Path) -> list[str]:
+    """The file's lines, split at "\n" only (read as bytes: text mode would also split at a lone "\r"); a last line
+    without its "\n" counts, an empty file has none."""
+    text = path.read_bytes().decode("utf-8")
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def output_line(line: int, body: dict) -> str:
+    """One output line: the body with the number of the input line it answers, on one line whatever it holds."""
+    return json.dumps({"line": line, **body}, ensure_ascii=False).translate(RAW_SEPARATORS)
 
 
 def completed_lines(path: Path) -> int:
@@ -56,7 +79,7 @@ class Progress:
 async def score_file(
     source: Path, target: Path, url: str, protocol: str, model: str, concurrency: int, progress: bool = True
 ) -> dict[str, int]:
-    lines = source.read_text().splitlines()
+    lines = input_lines(source)
     start = completed_lines(target)
     bar = Progress(len(lines), start) if progress else None
     results: dict[int, str] = {}
@@ -70,10 +93,10 @@ async def score_file(
                 nonlocal written, failures
                 for index in next_index:
                     try:
-                        reply = json.dumps(await kev.score(lines[index]), ensure_ascii=False)
+                        reply = output_line(index + 1, await kev.score(lines[index]))
                         failed = False
                     except KevError as error:
-                        reply = json.dumps({"error": {"kind": error.kind, "message": error.message}})
+                        reply = output_line(index + 1, {"error": {"kind": error.kind, "message": error.message}})
                         print(f"line {index + 1}: {error.kind}: {error.message}", file=sys.stderr)
                         failed = True
                     failures += failed

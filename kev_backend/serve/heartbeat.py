@@ -23,7 +23,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-VARIABLE = "KEV_HEARTBEAT_PREFIX"
 RECORD = struct.Struct("<QQQ")  # beats, jobs, broken
 
 
@@ -46,8 +45,9 @@ class Heartbeat:
         self._write()
 
     @classmethod
-    def for_instance(cls, instance: str, env: dict[str, str] | None = None) -> Heartbeat:
-        prefix = (os.environ if env is None else env).get(VARIABLE, "")
+    def for_instance(cls, prefix: str | None, instance: str) -> Heartbeat:
+        """The heartbeat of model instance `instance` (Triton's name, e.g. kev_0_0) under kev-serve's `prefix`
+        (ModelSettings.heartbeat_prefix); None: nothing is written."""
         return cls(Path(f"{prefix}{instance}") if prefix else None)
 
     def beat(self) -> None:

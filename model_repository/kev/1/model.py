@@ -45,7 +45,7 @@ class TritonPythonModel:
         self.engine = load_engine(settings, args)
         self.metrics = KevMetrics(pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]})
         warmed = warm_up(self.engine, self.metrics, settings, config)
-        self.heartbeat = Heartbeat.for_instance(args["model_instance_name"])
+        self.heartbeat = Heartbeat.for_instance(settings.heartbeat_prefix, args["model_instance_name"])
         submit_bytes = settings.submit_bytes or SUBMIT_BYTES
         self.pipeline = Pipeline(self.engine, submit_bytes=submit_bytes, progress=self.heartbeat)
         pb_utils.Logger.log_info(f"kev: {settings.checkpoint}; {warmed} warm-up requests; {self.engine.summary()}")
@@ -86,38 +86,46 @@ class TritonPythonModel:
         return None
 
     def _submit(self, bodies, senders):
-        """Scores the requests' bodies (one list per request) in one pipeline batch; answers through their senders."""
-        spans, start = [], 0
-        for items in bodies:
+        """Scores the requests' bodies (one list per request) in one pipeline batch; answers through their senders.
+        The pipeline may answer them in parts (a long request on its own): each part's callback answers its own."""
+        spans, owner, start = [], {}, 0
+        for s, items in enumerate(bodies):
             spans.append(range(start, start + len(items)))
+            owner.update(dict.fromkeys(spans[-1], s))
             start += len(items)
+
+        keys = {j: sender.key for sender, span in zip(senders, spans) if sender.key is not None for j in span}
 
         def cancelled():
             return {j for sender, span in zip(senders, spans) if sender.is_cancelled() for j in span}
 
         def deliver(results, batch):
+            # The requests this part answers (every request when the batch never reached the model).
+            mine = range(len(senders)) if batch is None else sorted({owner[i] for i in batch.indices})
             try:
-                if isinstance(results, Exception):  # an engine fault fails this batch's requests; the server goes on
+                if isinstance(results, Exception):  # an engine fault fails this part's requests; the server goes on
                     pb_utils.Logger.log_error(f"kev: batch failed: {results!r}")
                     message = f"kev engine error: {type(results).__name__}: {results}"
-                    for sender in senders:
-                        sender.fail(message, pb_utils.TritonError.INTERNAL, "engine_error")
+                    for s in mine:
+                        senders[s].fail(message, pb_utils.TritonError.INTERNAL, "engine_error")
                     return
                 try:  # counted before the answers leave, so a client that reads the metrics after its answer sees it
                     if batch.report.requests:
                         self.metrics.record(self.engine, batch.report)
-                    count_state_keys(self.metrics, senders, spans, batch)
+                    count_state_keys(self.metrics, keys, batch)
                 except Exception as error:  # noqa: BLE001 - counting must never cost an answer
                     pb_utils.Logger.log_error(f"kev: batch metrics not recorded: {error!r}")
-                for sender, span in zip(senders, spans):
-                    sender.answer(results[span.start : span.stop])
+                at = {index: k for k, index in enumerate(batch.indices)}
+                for s in mine:
+                    senders[s].answer([results[at[j]] for j in spans[s]])
             finally:  # whatever failed above, no request is left without its one response
-                for sender in senders:
-                    sender.fail("kev internal error: the request was not answered", pb_utils.TritonError.INTERNAL)
+                for s in mine:
+                    senders[s].fail("kev internal error: the request was not answered", pb_utils.TritonError.INTERNAL)
 
         usage = [j for sender, span in zip(senders, spans) if sender.usage_by_question for j in span]
+        flat = [body for items in bodies for body in items]
         try:
-            self.pipeline.submit([body for items in bodies for body in items], deliver, cancelled, usage)
+            self.pipeline.submit(flat, deliver, cancelled, usage, spans)
         except Exception as error:  # noqa: BLE001 - the batch never reached the model: fail its requests, go on
             deliver(error, None)
 
@@ -167,16 +175,12 @@ def read_parameters(request, sender):
     sender.key = envelope.check_state_key(parameters.get(envelope.STATE_KEY))
 
 
-def count_state_keys(metrics, senders, spans, batch):
-    """Counts, for each scored state whose request carried a routing key, whether the key is that state's."""
-    if all(sender.key is None for sender in senders):
-        return
-    records = {i: record for i, record, _ in batch.accepted}
-    for sender, span in zip(senders, spans):
-        if sender.key is not None:
-            for j in span:
-                if j in records:
-                    metrics.count_state_key(sender.key == records[j].state_key)
+def count_state_keys(metrics, keys, batch):
+    """Counts, for each scored state whose request carried a routing key, whether the key is that state's. `keys`:
+    the submitted bodies' keys by index (the batch's `indices` say which bodies it scored)."""
+    for i, record, _ in batch.accepted:
+        if (key := keys.get(batch.indices[i])) is not None:
+            metrics.count_state_key(key == record.state_key)
 
 
 def gpu_visible():
