@@ -24,6 +24,8 @@ from typing import Any
 from .protocol.systemone import Limits
 
 REPO = Path(__file__).resolve().parent.parent
+# The variable kev-serve sets for each start of tritonserver: where the model writes its heartbeat (ModelSettings).
+HEARTBEAT_PREFIX = "KEV_HEARTBEAT_PREFIX"
 TRUE = ("1", "on", "true", "yes")
 FALSE = ("0", "off", "false", "no")
 Environment = Mapping[str, str]
@@ -212,7 +214,7 @@ class ModelSettings:
             engine=engine,
             load=groups["load"],
             limits=limits,
-            heartbeat_prefix=variables(env)("KEV_HEARTBEAT_PREFIX", text, None),
+            heartbeat_prefix=variables(env)(HEARTBEAT_PREFIX, text, None),
         )
 
 

@@ -62,10 +62,9 @@ import grpc
 from google.protobuf import text_format
 
 from ..protocol.systemone import STATE_KEY_HEADER
-from ..settings import REPO, ServeSettings, SettingError, admin_key
+from ..settings import HEARTBEAT_PREFIX, REPO, ServeSettings, SettingError, admin_key
 from . import procs, shm
 from .gpus import Devices, cuda_devices
-from .heartbeat import VARIABLE as HEARTBEAT_VARIABLE
 from .probe import FAILED, POISONED, UNHEALTHY_STUB, Probe, answered, successes, verdict
 from .progress import Watch, heartbeat_prefix
 from .shm import SHM_DIR
@@ -344,7 +343,7 @@ class Supervisor:
         prefix = heartbeat_prefix(shm_prefix(os.getpid(), self.starts))
         # The gateway's bearer key stays out of Triton and its Python stubs, which parse what clients send.
         triton_env = {name: value for name, value in self.env.items() if name != "KEV_API_KEY"}
-        triton_env[HEARTBEAT_VARIABLE] = prefix
+        triton_env[HEARTBEAT_PREFIX] = prefix
         self.triton = Child("tritonserver", self.triton_command(), triton_env)
         now = time.monotonic()
         self.ready = False
