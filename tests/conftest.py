@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -135,9 +136,15 @@ class TritonServer:
 
 
 def start_triton(
-    checkpoint: Path, log: Path, timeout_s: float = 180.0, repository: Path | None = None, **extra_env: str
+    checkpoint: Path,
+    log: Path,
+    timeout_s: float = 180.0,
+    repository: Path | None = None,
+    wrapper: tuple[str, ...] = (),
+    **extra_env: str,
 ) -> TritonServer:
-    """The real tritonserver (build/serve.sh, as `make serve` runs it) on free loopback ports."""
+    """The real tritonserver (build/serve.sh, as `make serve` runs it) on free loopback ports. `wrapper`: a command
+    that runs build/serve.sh, its path given as the wrapper's last argument."""
     if not (REPO / "build" / ".tritonserver" / "bin" / "tritonserver").exists():
         pytest.fail("tritonserver is not installed: run `make setup`")
     ports = [free_port() for _ in range(3)]
@@ -157,7 +164,8 @@ def start_triton(
         **extra_env,
     }
     handle = log.open("wb")
-    process = subprocess.Popen([str(REPO / "build" / "serve.sh")], env=env, stdout=handle, stderr=subprocess.STDOUT)
+    command = [*wrapper, str(REPO / "build" / "serve.sh")]
+    process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
     server = TritonServer(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}", log, process)
     # Triton starts its metrics service after the HTTP one reports ready (~40 ms later on the CI machine): a test that
     # read the metrics at once was refused.
@@ -233,12 +241,23 @@ class Gateway:
     log: Path
 
 
-def start_gateway(triton: TritonServer, log: Path, **env: str) -> Gateway:
-    """The real `kev-gateway` (uvicorn) against `triton`, on a free loopback port."""
+def start_gateway(
+    triton: TritonServer, log: Path, descriptors: int | None = None, metrics_url: str | None = None, **env: str
+) -> Gateway:
+    """The real `kev-gateway` (uvicorn) against `triton`, on a free loopback port. `descriptors`: its hard (and soft)
+    RLIMIT_NOFILE, as a host with a lower limit would give it; `metrics_url`: where it reads Triton's metrics."""
     port = free_port()
-    environment = {**os.environ, "TRITON_GRPC_URL": triton.grpc_url, "TRITON_METRICS_URL": triton.metrics_url, **env}
+    metrics = metrics_url or triton.metrics_url
+    environment = {**os.environ, "TRITON_GRPC_URL": triton.grpc_url, "TRITON_METRICS_URL": metrics, **env}
     command = [str(Path(sys.prefix) / "bin" / "kev-gateway"), "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, env=environment, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+    def limit_descriptors() -> None:
+        if descriptors is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))
+
+    process = subprocess.Popen(
+        command, env=environment, stdout=log.open("wb"), stderr=subprocess.STDOUT, preexec_fn=limit_descriptors
+    )
     gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
     if not wait_ready(f"{gateway.url}/health", process, 60):
         process.kill()

@@ -247,20 +247,21 @@ def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path, p
     expected = [serial.score(serial.prepare_batch(b)).probabilities for b in batches]
 
     lock, in_flight, most = threading.Lock(), [0], [0]
-    launch, collect = piped.launch, piped.collect
+    start, collect = piped.start, piped.collect
 
-    def counted_launch(batch):
-        launch(batch)
+    def counted_start(batch):
+        launch = start(batch)
         with lock:
             in_flight[0] += 1
             most[0] = max(most[0], in_flight[0])
+        return launch
 
     def counted_collect(batch):
         with lock:
             in_flight[0] -= 1
         return collect(batch)
 
-    piped.launch, piped.collect = counted_launch, counted_collect
+    piped.start, piped.collect = counted_start, counted_collect
     got: dict[int, list] = {}
     done = threading.Event()
     pipeline = Pipeline(piped)
@@ -285,6 +286,46 @@ def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path, p
         assert report["max_abs"] <= 1e-4, (n, report)
     del serial, piped, checkpoint
     torch.cuda.empty_cache()
+
+
+def test_long_work_between_short_batches_answers_as_alone(tiny_dir: Path) -> None:
+    """Long requests (their own batches, a unit each: a pass) and short batches through the pipeline at once, long
+    units enqueued only once the one before has finished on the GPU and short ones between them: every answer has
+    the bits it has alone, and every long request and short batch is answered."""
+    import threading
+
+    from kev_backend.dev.workloads import short6
+    from kev_backend.engine.pipeline import Pipeline
+
+    engine = Engine(load_checkpoint(tiny_dir / "kev", "cuda", LoadOptions(dtype="bf16")), EngineOptions())
+    longs = [{"state": " ".join(f"long {n} word {i}" for i in range(6000)), "questions": short6()["questions"]}
+             for n in range(3)]  # fmt: skip
+    shorts = [[short6(100 * n + i) for i in range(1 + n % 4)] for n in range(12)]
+    alone = {json.dumps(body): engine.answer([body])[0]["answers"] for body in longs + sum(shorts, [])}
+    engine.bank.clear()
+    got: list[tuple[dict, dict]] = []
+    lock, done = threading.Lock(), threading.Event()
+    pipeline = Pipeline(engine, long_tokens=4096)
+
+    def deliver(bodies):
+        def receive(results, batch):
+            with lock:
+                got.extend((bodies[i], r) for i, r in zip(batch.indices, results, strict=True))
+                if len(got) == len(alone):
+                    done.set()
+
+        return receive
+
+    try:
+        for n, bodies in enumerate(shorts):
+            if n % 4 == 0:
+                pipeline.submit([longs[n // 4]], deliver([longs[n // 4]]))
+            pipeline.submit(bodies, deliver(bodies))
+        assert done.wait(timeout=300), f"{len(got)} of {len(alone)} answered"
+    finally:
+        pipeline.close()
+    for body, result in got:
+        assert result["answers"] == alone[json.dumps(body)], body["state"][:40]
 
 
 def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:

@@ -23,7 +23,9 @@ from starlette.testclient import TestClient
 
 from kev_backend.dev.ports import free_port
 from kev_backend.serve import gateway as gateway_module
-from kev_backend.serve.gateway import MAX_FRAMES, Refused, create_app, decompress
+from kev_backend.serve.bodies import MAX_FRAMES, decompress
+from kev_backend.serve.gateway import create_app
+from kev_backend.serve.replies import REASONS, Refused
 from kev_backend.settings import GatewaySettings
 
 from .conftest import Gateway, TritonServer, start_gateway, stop_gateway, wait_until
@@ -349,9 +351,11 @@ def test_ready_is_503_json_without_a_working_triton(tmp_path: Path) -> None:
     try:
         status, _, reply = call_json(dead, "/ready", None, method="GET")
         assert status == 503 and reply["status"] == "not ready" and "probe inference failed" in reply["detail"]
-        status, _, reply = call_json(dead, "/v1/systemone", BODY)
-        assert status == 500 and reply["detail"].startswith("model error: ")
-        assert error_count(gateway_metrics(dead), "model_error") == 1
+        status, headers, reply = call_json(dead, "/v1/systemone", BODY)  # retryable, and names nothing internal
+        assert status == 503 and headers["retry-after"] == "1", reply
+        assert reply["detail"].startswith("the model server could not answer this request now (request id ")
+        assert "127.0.0.1" not in reply["detail"] and "connect" not in reply["detail"]
+        assert error_count(gateway_metrics(dead), "unavailable") == 1
     finally:
         stop_gateway(dead)
 
@@ -367,9 +371,9 @@ def test_metrics_count_each_reason(gateway: Gateway) -> None:
     call(gateway, "/v1/systemone", BODY, key=None)  # unauthorized
     call(gateway, "/v1/systemone", BODY)  # answered
     after = gateway_metrics(gateway)
-    counted = {reason: error_count(after, reason) - error_count(before, reason) for reason in gateway_module.REASONS}
+    counted = {reason: error_count(after, reason) - error_count(before, reason) for reason in REASONS}
     assert counted == {
-        **dict.fromkeys(gateway_module.REASONS, 0),
+        **dict.fromkeys(REASONS, 0),
         "invalid": 2,
         "too_large": 1,
         "unsupported_encoding": 1,
@@ -445,9 +449,10 @@ def raw_request(gateway: Gateway, path: str, body: dict) -> socket.socket:
 
 
 def test_clients_that_leave_are_not_scored(triton: TritonServer, gateway: Gateway) -> None:
-    """While the model is busy with a long request, 20 clients (single, /separate and /permute requests) send their
-    request and close the socket. The gateway counts each as client_disconnected and cancels its Triton calls, every
-    part of each: Triton and the model drop them as cancelled, and no state of theirs is computed."""
+    """While the model is busy with two large requests, 20 clients (single, /separate and /permute requests) send
+    their request and close the socket. The gateway counts each as client_disconnected and cancels its Triton calls,
+    every part of each: Triton and the model drop them as cancelled, and no state of theirs is computed. (The large
+    requests stay under the scheduler's long-work threshold: short requests do not wait behind long work.)"""
     nonce = uuid.uuid4().hex  # fresh states: none is in the model's state bank
     mail = {"state": f"mail {nonce}", "questions": QUESTIONS}
     clients = [("/v1/systemone", {"state": f"order {i} {nonce}", "questions": {"urgent": URGENT}}) for i in range(14)]
@@ -467,10 +472,15 @@ def test_clients_that_leave_are_not_scored(triton: TritonServer, gateway: Gatewa
     before, triton_before = gateway_metrics(gateway), triton_metrics(triton)
     assert in_flight() == 0
     long_result: list = []
-    long_state = f"long {nonce} " + "the refund is late " * 7000  # ~28,000 tokens: seconds of model work
-    long_request = threading.Thread(target=lambda: long_result.append(ask(gateway, long_state)))
-    long_request.start()
-    wait_until(lambda: in_flight() == 1, "the long request to reach Triton")
+    # Each ~14,400 tokens (seconds of model work on the CPU), under LONG_WORK_TOKENS: normal batches, which the
+    # clients' requests queue behind.
+    long_states = [f"long {i} {nonce} " + "the refund is late " * 3600 for i in range(2)]
+    long_requests = [
+        threading.Thread(target=lambda state=state: long_result.append(ask(gateway, state))) for state in long_states
+    ]
+    for long_request in long_requests:
+        long_request.start()
+    wait_until(lambda: in_flight() == 2, "the long requests to reach Triton")
     # Its batch must have left Triton's queue before any client's call arrives, or a call could share the long
     # request's batch and be scored with it before it is cancelled: Triton counts the batch once execute took it.
     executions = triton_before.get("nv_inference_exec_count", 0.0)
@@ -478,13 +488,16 @@ def test_clients_that_leave_are_not_scored(triton: TritonServer, gateway: Gatewa
         lambda: triton_metrics(triton).get("nv_inference_exec_count", 0.0) > executions, "the long request's batch"
     )
     sockets = [raw_request(gateway, path, body) for path, body in clients]
-    wait_until(lambda: in_flight() == 1 + calls, "every client's Triton calls to be under way")
+    wait_until(lambda: in_flight() == 2 + calls, "every client's Triton calls to be under way")
     for sock in sockets:
         sock.close()
     wait_until(lambda: disconnected() == len(clients), "the gateway to notice every client leaving")
-    assert long_request.is_alive(), "the long request ended before the clients left: the test needs a longer one"
-    long_request.join()
-    assert_answered(long_result[0])
+    assert any(r.is_alive() for r in long_requests), "the large requests ended before the clients left"
+    for long_request in long_requests:
+        long_request.join()
+    assert len(long_result) == 2
+    for result in long_result:
+        assert_answered(result)
     assert_answered(ask(gateway, f"after {nonce}"))
     assert in_flight() == 0
 
@@ -494,76 +507,101 @@ def test_clients_that_leave_are_not_scored(triton: TritonServer, gateway: Gatewa
         return after.get(name, 0.0) - triton_before.get(name, 0.0)
 
     failures = sum(delta(name) for name in after if name.startswith("nv_inference_request_failure["))
-    received = delta("nv_inference_request_success") + failures - 2  # the clients' calls Triton got
+    received = delta("nv_inference_request_success") + failures - 3  # the clients' calls Triton got
     cancelled = delta("nv_inference_request_failure[CANCELED]") + delta("kev_request_errors_total[cancelled]")
     computed = delta("kev_bank_misses_total")
     summary = f"{calls} calls sent, {received} received, {cancelled} cancelled, {computed} states computed"
-    assert computed == 2, summary  # the long request's state and the last one's: none of the clients'
+    assert computed == 3, summary  # the large requests' states and the last one's: none of the clients'
     assert 0 < received <= calls and cancelled == received, summary  # every client call Triton saw was cancelled
-    assert delta("nv_inference_request_success") < calls + 2, summary  # fewer executions than requests sent
+    assert delta("nv_inference_request_success") < calls + 3, summary  # fewer executions than requests sent
     gateway_after = gateway_metrics(gateway)
     for path, n in (("/v1/systemone", 14), ("/v1/systemone/separate", 4), ("/v1/systemone/permute", 2)):
         assert request_count(gateway_after, path, 499) - request_count(before, path, 499) == n
 
 
-def test_a_failed_part_cancels_the_others_before_its_admission_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    """/separate and /permute score their parts at once. When one fails, the others are cancelled (and with them
-    their Triton calls) before the failure reaches the handler, so none runs on once the request's slots are given
-    back: orphaned parts would fill Triton's queue past the gateway's in-flight limit."""
+def test_a_failed_call_cancels_the_others_before_its_admission_ends() -> None:
+    """A /permute split over several calls (only where the model's limits need it) scores them at once. When one
+    fails, the others are cancelled (and with them their Triton calls) before the failure reaches the handler, so
+    none runs on once the request's slots are given back: orphaned calls would fill Triton's queue past the
+    gateway's in-flight limit."""
     gateway = gateway_module.Gateway(GatewaySettings(triton_url="127.0.0.1:1"))
-    cancelled: list[str] = []
+    cancelled: list[int] = []
 
     async def run() -> None:
         others_started = asyncio.Event()
-        started: list[str] = []
+        started: list[int] = []
 
-        async def score(body: object, request_id: str, key: str) -> bytes:
-            if request_id.endswith("-0"):
+        async def call(i: int) -> bytes:
+            if i == 0:
                 await others_started.wait()
                 raise gateway_module.KevError("invalid", "the model refused part 0")
-            started.append(request_id)
+            started.append(i)
             if len(started) == 2:
                 others_started.set()
             try:
                 await asyncio.Event().wait()  # a call that would never end by itself
             except asyncio.CancelledError:
-                cancelled.append(request_id)
+                cancelled.append(i)
                 raise
             return b""
 
-        monkeypatch.setattr(gateway, "score", score)
         with gateway.admitted(3), pytest.raises(gateway_module.KevError):
-            await gateway.score_all([{}, {}, {}], "r", "key")
-        assert sorted(cancelled) == ["r-1", "r-2"] and gateway.in_flight == 0  # before asyncio.run cancels leftovers
+            await gateway_module.gather_or_cancel([call(0), call(1), call(2)])
+        assert sorted(cancelled) == [1, 2] and gateway.in_flight == 0  # before asyncio.run cancels leftovers
 
     asyncio.run(run())
 
 
-def test_a_request_counts_from_its_first_byte(triton: TritonServer, tmp_path: Path) -> None:
-    """A client still sending its body holds a slot: with the limit of one taken so, the next request is refused at
-    once with 429, its body unread (so the bodies held are bounded by the limit, however many clients send), and
-    the first is answered once its body is complete."""
-    limited = start_gateway(triton, tmp_path / "limited.log", KEV_GATEWAY_MAX_IN_FLIGHT="1")
+def slow_request(gateway: Gateway, declared: int, sent: bytes = b"") -> socket.socket:
+    """A socket whose request's head promises `declared` body bytes, of which only `sent` arrive (the rest later)."""
+    head = (
+        f"POST /v1/systemone HTTP/1.1\r\nhost: kev\r\ncontent-type: application/json\r\n"
+        f"content-length: {declared}\r\nconnection: close\r\n\r\n"
+    )
+    url = urlsplit(gateway.url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=60)
+    sock.sendall(head.encode() + sent)
+    return sock
+
+
+def test_bodies_still_arriving_hold_no_in_flight_slot(triton: TritonServer, tmp_path: Path) -> None:
+    """A client still sending its body holds no in-flight slot: with one slot, another request is answered while it
+    sends. Arrivals are bounded apart, by count and by the body bytes they hold (a Content-Length counts at once):
+    past either, 429 at once, the body unread; and the slow request is answered once its body is complete."""
+    limited = start_gateway(
+        triton,
+        tmp_path / "limited.log",
+        KEV_GATEWAY_MAX_IN_FLIGHT="1",
+        KEV_GATEWAY_MAX_ARRIVING="3",
+        KEV_GATEWAY_MAX_ARRIVING_BYTES="1500000",
+    )
+    sockets: list[socket.socket] = []
     try:
         data = json.dumps({"state": f"slow {uuid.uuid4().hex}", "questions": {"urgent": URGENT}}).encode()
-        head = (
-            f"POST /v1/systemone HTTP/1.1\r\nhost: kev\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(data)}\r\nconnection: close\r\n\r\n"
-        )
-        url = urlsplit(limited.url)
-        slow = socket.create_connection((url.hostname, url.port), timeout=60)
-        slow.sendall(head.encode() + data[:10])  # the rest of the body later
+        slow = slow_request(limited, len(data), data[:10])
+        sockets.append(slow)
         wait_until(lambda: gateway_metrics(limited)["kev_gateway_arriving"] == 1, "the slow request to arrive")
-        status, headers, reply = call_json(limited, "/v1/systemone", BODY, key=None)
+        assert_answered(call_json(limited, "/v1/systemone", BODY, key=None))
+        sockets.append(slow_request(limited, 1_000_000))  # holds a million bytes of the 1.5 million
+        wait_until(lambda: gateway_metrics(limited)["kev_gateway_arriving_bytes"] >= 1_000_000, "the reservation")
+        status, headers, reply = call_json(limited, "/v1/systemone", BODY + b" " * 600_000, key=None)
         assert status == 429 and headers["retry-after"] == "1", reply
-        assert reply["detail"].startswith("overloaded: 0 requests in flight, 1 arriving (limit 1)"), reply
+        assert reply["detail"].startswith("overloaded: 3 requests arriving (limit 3) holding "), reply
+        sockets.append(slow_request(limited, 100))
+        wait_until(lambda: gateway_metrics(limited)["kev_gateway_arriving"] == 3, "the third arrival")
+        status, headers, reply = call_json(limited, "/v1/systemone", BODY, key=None)
+        assert status == 429 and reply["detail"].startswith("overloaded: 3 requests arriving (limit 3)"), reply
         slow.sendall(data[10:])
         answer = b""
         while chunk := slow.recv(65536):
             answer += chunk
-        slow.close()
         assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        for sock in sockets[1:]:
+            sock.close()
+        wait_until(lambda: gateway_metrics(limited)["kev_gateway_arriving"] == 0, "the arrivals to end")
         metrics = gateway_metrics(limited)
-        assert (metrics["kev_gateway_arriving"], metrics["kev_gateway_in_flight"]) == (0, 0)
+        assert (metrics["kev_gateway_arriving_bytes"], metrics["kev_gateway_in_flight"]) == (0, 0)
     finally:
+        for sock in sockets:
+            sock.close()
         stop_gateway(limited)

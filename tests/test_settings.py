@@ -148,6 +148,32 @@ def test_the_gateway_takes_the_models_limits() -> None:
         GatewaySettings.read({"KEV_GATEWAY_TIMEOUT_S": "soon"})
 
 
+def test_the_gateways_connection_settings() -> None:
+    """The front's and the arrivals' settings: defaults in code, each variable read with its grammar."""
+    default = GatewaySettings.read({})
+    assert (default.header_timeout_s, default.body_idle_timeout_s, default.body_timeout_s) == (10.0, 10.0, 60.0)
+    assert (default.keepalive_timeout_s, default.max_connections, default.max_arriving) == (60.0, None, 4096)
+    given = GatewaySettings.read(
+        {
+            "KEV_GATEWAY_HEADER_TIMEOUT_S": "2.5",
+            "KEV_GATEWAY_MAX_HEADER_BYTES": "4096",
+            "KEV_GATEWAY_MAX_URL_BYTES": "1024",
+            "KEV_GATEWAY_MAX_CONNECTIONS": "100",
+            "KEV_GATEWAY_MAX_ARRIVING_BYTES": "1000000",
+        }
+    )
+    assert (given.header_timeout_s, given.max_header_bytes, given.max_url_bytes) == (2.5, 4096, 1024)
+    assert (given.max_connections, given.max_arriving_bytes) == (100, 1_000_000)
+    for name, bad in (
+        ("KEV_GATEWAY_BODY_TIMEOUT_S", "0"),
+        ("KEV_GATEWAY_KEEPALIVE_TIMEOUT_S", "-1"),
+        ("KEV_GATEWAY_MAX_HEADER_BYTES", "100"),
+        ("KEV_GATEWAY_MAX_CONNECTIONS", "many"),
+    ):
+        with pytest.raises(SettingError, match=name):
+            GatewaySettings.read({name: bad})
+
+
 def environment_reads(path: Path) -> list[str]:
     """`os.environ.get(...)`, `os.getenv(...)` and `os.environ[...]` reads in a Python file."""
     found = []

@@ -384,3 +384,32 @@ def test_parity_verdict_holds_the_bars() -> None:
         "alone_vs_batch": False,
         "bank_hit_vs_miss": True,
     }
+
+
+def test_fused_weights_share_a_bf16_models_memory(tiny_dir: Path) -> None:
+    """A model already in bf16 (as the GPU path loads it) and its fused projections are one copy in memory: each
+    projection of the model is a view of its stack, with the same values, and the model answers as before."""
+    from kev_backend.gpu.fused import FusedWeights
+
+    model = load_checkpoint(tiny_dir / "kev", "cpu", LoadOptions(dtype="bf16")).model
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    hidden_before, _ = model(ids)
+    fused = FusedWeights(model)
+    for layer, weights in zip(model.layers, fused.layers, strict=True):
+        for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
+            assert projection.weight.untyped_storage().data_ptr() == weights.gate_up.untyped_storage().data_ptr()
+        assert layer.mlp.down_proj.weight.data_ptr() == weights.down.data_ptr()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert torch.equal(model(ids)[0], hidden_before)
+    # Nothing held twice: the buffers behind the model's parameters and the fused projections together are exactly
+    # the model's parameters' bytes.
+    projections = [w for layer in fused.layers for w in (layer.in_proj, layer.out_proj, layer.gate_up, layer.down)]
+    tensors = [*model.parameters(), *projections]
+    buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert sum(buffers.values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+    # An fp32 model (the CPU reference) keeps its own weights: the fused ones are bf16 copies.
+    fp32 = load_checkpoint(tiny_dir / "kev", "cpu").model
+    copy = FusedWeights(fp32)
+    assert fp32.layers[0].mlp.gate_proj.weight.dtype == torch.float32
+    assert copy.layers[0].gate_up.untyped_storage().data_ptr() != fp32.layers[0].mlp.gate_proj.weight.data_ptr()

@@ -113,11 +113,19 @@ class _Client:
         self._client = _module(protocol, asynchronous)[1].InferenceServerClient(url, **options)
 
     def _infer_args(
-        self, body: Body, request_id: str, timeout_s: float | None = None, state_key: str | None = None
+        self,
+        body: Body,
+        request_id: str,
+        timeout_s: float | None = None,
+        state_key: str | None = None,
+        parameters: dict[str, Any] | None = None,
     ) -> tuple[list, dict[str, Any]]:
         """The inputs and options of one call; the state's routing key travels as a header (gRPC metadata), so a
-        proxy in front of several servers sends a repeated state where it is banked."""
+        proxy in front of several servers sends a repeated state where it is banked. `parameters`: the request's
+        parameters (protocol/envelope.py says which the model reads)."""
         options: dict[str, Any] = {"request_id": request_id}
+        if parameters:
+            options["parameters"] = parameters
         if key := state_key or state_key_of(body):
             options["headers"] = {STATE_KEY_HEADER: key}
         if self.protocol == "grpc":  # only the gRPC client takes a client-side deadline
@@ -165,11 +173,17 @@ class AsyncKevClient(_Client):
         return json.loads(await self.score_raw(body, request_id, state_key=state_key))
 
     async def score_raw(
-        self, body: Body, request_id: str = "", timeout_s: float | None = None, state_key: str | None = None
+        self,
+        body: Body,
+        request_id: str = "",
+        timeout_s: float | None = None,
+        state_key: str | None = None,
+        parameters: dict[str, Any] | None = None,
     ) -> bytes:
         """The response JSON as the server wrote it (for pass-through). `timeout_s` overrides the client's deadline
-        for this call (gRPC only). Cancelling the awaiting task cancels the call: Triton drops it if still queued."""
-        inputs, options = self._infer_args(body, request_id, timeout_s, state_key)
+        for this call (gRPC only); `parameters` are the request's. Cancelling the awaiting task cancels the call:
+        Triton drops it if still queued."""
+        inputs, options = self._infer_args(body, request_id, timeout_s, state_key, parameters)
         try:
             result = await self._client.infer(self.model, inputs, **options)
         except InferenceServerException as error:

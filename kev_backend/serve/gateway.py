@@ -2,25 +2,28 @@
 
 `kev-gateway` serves `POST /v1/systemone`, `/v1/systemone/separate`, `/v1/systemone/permute` and `GET /v1/models`
 with Kev's bodies, 422 messages (FastAPI's `detail` form), `x-typesafe-request-id` and `server-timing` headers and
-an optional bearer key (KEV_API_KEY) on /v1/*. It holds no model: every question goes to Triton over one shared async
-gRPC channel. Overload is answered at once — 429 when the gateway already has its limit of requests in flight, 529
-when Triton's queue refuses — with `retry-after`, never queued without bound.
+an optional bearer key (KEV_API_KEY) on /v1/*. It holds no model: every request is one call to Triton over one shared
+async gRPC channel (/separate and /permute too: the model answers many questions on one state, so the state travels
+once). Overload is answered at once — 429 when the gateway already has its limit of requests in flight or arriving,
+529 when Triton's queue refuses — with `retry-after`, never queued without bound.
 
 Hostile or unlucky clients cost the gateway a bounded amount:
-- a body is read as it streams and refused with 413 once it passes KEV_GATEWAY_MAX_BODY_BYTES (at once when its
-  Content-Length says so); a zstd or gzip body is decompressed a chunk at a time and refused with 413 once its output
-  passes KEV_GATEWAY_MAX_DECODED_BYTES, on a worker thread when it is large; corrupt data is a 400, an encoding not
-  served a 415;
-- a client that goes away while its request waits on Triton has that request cancelled, every part of it (a gRPC call
-  cancelled while queued costs the model nothing);
-- any other failure is a JSON 500 naming the request id, logged in one line.
+- connections, request heads and URLs, slow heads and bodies, idle sockets: serve/front.py;
+- bodies (byte limits, zstd and gzip bombs, bytes arriving): serve/bodies.py;
+- a request's in-flight slots are taken once its body is read and parsed (one per question of /separate, one per
+  permutation of /permute); bodies still arriving are bounded apart (KEV_GATEWAY_MAX_ARRIVING, _ARRIVING_BYTES);
+- a client that goes away while its request waits on Triton has that request cancelled (a gRPC call cancelled while
+  queued costs the model nothing);
+- Triton's failures are reported to the request they are about, with neutral messages otherwise (serve/replies.py);
+  any other failure is a JSON 500 naming the request id, logged in one line.
 Every error body is JSON `{"detail": ...}`. CORS preflights are answered without the key, and every response,
 401s and 500s included, carries CORS headers.
 
 Operations: `GET /health` (the process is up), `GET /ready` (200 only when a real inference through Triton succeeded
 in the last 2 s: a Triton whose Python stub crashed still reports ready itself) and `GET /metrics` (Prometheus text:
 `kev_gateway_requests_total{route,status}`, `kev_gateway_errors_total{reason}`, `kev_gateway_in_flight`,
-`kev_gateway_arriving`), none behind the key.
+`kev_gateway_arriving`, `kev_gateway_arriving_bytes`, `kev_gateway_connections`,
+`kev_gateway_connection_events_total{event}`), none behind the key.
 
 Settings: kev_backend.settings.GatewaySettings (docs/configuration.md). The request limits are the model's: read
 from Triton's model config (its parameters with the same KEV_* overrides) once Triton answers, so both doors agree.
@@ -33,6 +36,8 @@ import asyncio
 import contextlib
 import contextvars
 import copy
+import ctypes
+import ctypes.util
 import dataclasses
 import hmac
 import json
@@ -41,9 +46,9 @@ import math
 import os
 import random
 import time
+import traceback
 import urllib.request
 import uuid
-import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -52,197 +57,41 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..protocol.systemone import Limits, Record, RequestError, parse_request, round4, state_key
-from ..settings import GatewaySettings, SettingError, gateway_address, parameters
-from . import prometheus
-from .client import AsyncKevClient, KevError
+from ..protocol import envelope
+from ..protocol.systemone import Limits, Record, RequestError, load_body, parse_request, round4, state_key
+from ..settings import GatewaySettings, SettingError, gateway_address, model_limits, parameters
+from . import front, prometheus
+from .bodies import OFFLOAD_BYTES, client_gone, decode_body, read_body
+from .client import AsyncKevClient, KevError, encode
+from .replies import REASONS, REQUEST_ID, Refused, from_triton, json_response
 
-try:
-    from backports.zstd import ZstdDecompressor, ZstdError
-except ImportError:  # Python 3.14+
-    from compression.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found, no-redef]
-
-REQUEST_ID = "x-typesafe-request-id"
-DRAIN_FACTOR = 4  # a body up to this many times the limit is read (and dropped) before its 413: see read_body
-OFFLOAD_BYTES = 64 << 10  # bodies over this decompress, and are parsed, on a worker thread, off the event loop
-# A decompressor is fed DECODE_IN bytes at a time (what a frame leaves over, its `unused_data`, is a copy of at most
-# that) and asked for at most DECODE_OUT bytes a call (a bomb's output stops within DECODE_OUT of the limit).
-DECODE_IN = 16 << 10
-DECODE_OUT = 256 << 10
-MAX_FRAMES = 100  # zstd frames or gzip members in one body: each costs a new decompressor; clients send one
-CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never seen by the client
-# Every reason kev_gateway_errors_total reports (all of them, from 0, so a rate is defined before the first error).
-REASONS = (
-    "invalid",  # 422 / 400: the request is not one Kev answers
-    "too_large",  # 413: the body, or what it decodes to, is over a byte limit
-    "unsupported_encoding",  # 415: a Content-Encoding other than identity, zstd, gzip
-    "bad_encoding",  # 400: the zstd / gzip data does not decode
-    "unauthorized",  # 401
-    "overloaded",  # 429 (the gateway's limit) / 529 (Triton's queue)
-    "timeout",  # 504: Triton did not answer within KEV_GATEWAY_TIMEOUT_S
-    "client_disconnected",  # the client went away before its answer; its Triton calls were cancelled
-    "model_error",  # 500 from Triton
-    "internal",  # 500 from the gateway itself
-)
-# The arrival of the request a task serves (a one-item list: whether it still counts as arriving), for `admitted`.
-_arrival: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("arrival")
+# The arrival of the request a task serves, for `admitted`: it stops counting as arriving once admitted.
+_arrival: contextvars.ContextVar[Arrival] = contextvars.ContextVar("arrival")
+REQUEST_ID_MAX = 128  # a client's request id: 1 to this many visible ASCII characters, else 400
 READY_PROBE = {"state": "ready?", "questions": {"ok": {"type": "noul", "instructions": "ok?"}}}
 READY_FRESH_S = 2.0  # /ready is 200 while the last successful probe is at most this old
 READY_INTERVAL_S = 1.0  # at most one probe a second, however often /ready is asked
 READY_TIMEOUT_S = 2.0  # a probe slower than this could not be fresh anyway
+MODELS_FRESH_S = 1.0  # GET /v1/models: the model's parameters and serving statistics are read at most once a second
+TRIM_BYTES = 1 << 20  # after a request whose body was this large, freed heap is handed back to the system
+TRIM_DELAY_S = 0.05  # ... this long after it ends, when its objects are gone
+# Connections the kernel queues before the gateway accepts them (capped by net.core.somaxconn): room for a burst of
+# new connections, as many as the front's accepts take a moment to catch up with.
+BACKLOG = 4096
+PARAMETERS = {envelope.TAGGED_ERRORS: True}  # every call: errors about the request are tagged (replies.from_triton)
 
 log = logging.getLogger("kev_backend.serve.gateway")
 
 
 class PermuteBody(BaseModel):
+    """/permute's envelope. Its integers are strict, as JSON integers: "6", 6.0 or true are 422s, not coerced."""
+
     request: dict[str, Any]
     question: str
-    n_perm: int = Field(6, ge=1, le=64)
-    seed: int = 0
-
-
-class Refused(Exception):
-    """A request the gateway answers with an error of its own: the status, the `detail` message, the metrics reason
-    (one of REASONS) and any extra headers."""
-
-    def __init__(self, status: int, reason: str, detail: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(detail)
-        self.status, self.reason, self.detail, self.headers = status, reason, detail, headers
-
-    def response(self) -> Response:
-        return json_response({"detail": self.detail}, self.status, self.headers)
-
-
-class CorruptBody(ValueError):
-    """Compressed data that ends before its frame or member does."""
-
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    # A lone surrogate (from a `\udXXX` escape a client sent and an error message echoes) cannot be UTF-8:
-    # backslashreplace writes it back as that same JSON escape, inside its string, so the body stays valid JSON.
-    text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    content = text.encode("utf-8", "backslashreplace")
-    return Response(content, status_code=status, media_type="application/json", headers=headers)
-
-
-# --- request bodies ------------------------------------------------------------------------------------------------
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body as sent, refused with 413 once it is known to be over `limit` bytes. Nothing past the limit is kept.
-    A body up to DRAIN_FACTOR times the limit is read to its end (and dropped) first, so its client, still sending,
-    reads the 413 rather than a reset connection; a larger one is refused at once (from its Content-Length, or once
-    that much has arrived) and the server discards the rest of the upload."""
-    declared = request.headers.get("content-length", "")
-    drain = limit * DRAIN_FACTOR
-    if declared.isdigit() and int(declared) > drain:
-        raise too_large(f"request body is {int(declared):,} bytes, over the {limit:,}-byte limit")
-    body, seen = bytearray(), 0
-    try:
-        async with contextlib.aclosing(request.stream()) as stream:
-            async for chunk in stream:
-                seen += len(chunk)
-                if seen <= limit:
-                    body += chunk
-                elif seen > drain:
-                    break
-    except ClientDisconnect:
-        raise client_gone() from None
-    if seen > limit:
-        size = f"{seen:,} bytes" if seen <= drain else f"over {drain:,} bytes"
-        raise too_large(f"request body is {size}, over the {limit:,}-byte limit")
-    return bytes(body)
-
-
-def too_large(message: str) -> Refused:
-    return Refused(413, "too_large", message)
-
-
-def client_gone() -> Refused:
-    return Refused(CLIENT_CLOSED, "client_disconnected", "the client closed the connection")
-
-
-async def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
-    """`raw` decompressed per its Content-Encoding: on a worker thread when it is large, so a big body does not stall
-    every other client. The output is bounded whatever the ratio: see `decompress`."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return raw
-    if encoding not in DECODERS:
-        raise Refused(415, "unsupported_encoding", f"unsupported content-encoding {encoding!r}: use zstd or gzip")
-    if len(raw) > OFFLOAD_BYTES:
-        return await asyncio.to_thread(decompress, raw, encoding, limit)
-    return decompress(raw, encoding, limit)
-
-
-def decompress(raw: bytes, encoding: str, limit: int) -> bytes:
-    """`raw` decoded, refused with 413 once the output passes `limit` bytes (a bomb costs at most `limit` +
-    DECODE_OUT bytes) and with 400 when it is not valid data."""
-    out = bytearray()
-    try:
-        for chunk in DECODERS[encoding](raw):
-            out += chunk
-            if len(out) > limit:
-                raise too_large(f"the {encoding} body decodes to over the {limit:,}-byte limit")
-    except (ZstdError, zlib.error, CorruptBody) as error:
-        raise Refused(400, "bad_encoding", f"could not decode the {encoding} body: {error}") from None
-    return bytes(out)
-
-
-def zstd_chunks(raw: bytes) -> Iterator[bytes]:
-    """Decoded zstd, frame after frame as `zstd.decompress` reads them (at most MAX_FRAMES)."""
-    view, pending = memoryview(raw), b""
-    for _ in range(MAX_FRAMES):
-        if not pending and not view:
-            return
-        frame = ZstdDecompressor()
-        while not frame.eof:
-            if frame.needs_input:
-                if not pending:
-                    pending, view = bytes(view[:DECODE_IN]), view[DECODE_IN:]
-                if not pending:
-                    raise CorruptBody("the data ends inside a frame")
-                chunk, pending = frame.decompress(pending, DECODE_OUT), b""
-            else:  # more output is waiting on the input already given
-                chunk = frame.decompress(b"", DECODE_OUT)
-            yield chunk
-        pending = frame.unused_data  # the rest of the last slice: the next frame's start
-    if pending or view:
-        raise CorruptBody(f"more than {MAX_FRAMES} frames")
-
-
-def gzip_chunks(raw: bytes) -> Iterator[bytes]:
-    """Decoded gzip, member after member as `gzip.decompress` reads them (at most MAX_FRAMES)."""
-    view, pending = memoryview(raw), b""
-    for _ in range(MAX_FRAMES):
-        if not pending and not view:
-            return
-        member = zlib.decompressobj(wbits=31)  # 31: a gzip header and trailer around deflate data
-        while not member.eof:
-            if not pending:
-                pending, view = bytes(view[:DECODE_IN]), view[DECODE_IN:]
-            chunk = member.decompress(pending, DECODE_OUT)
-            if not chunk and not pending:  # no input left and no output pending
-                raise CorruptBody("the data ends inside a member")
-            pending = member.unconsumed_tail  # input held back because the output reached DECODE_OUT
-            yield chunk
-        pending = member.unused_data  # the rest of the last slice: the next member's start
-    if pending or view:
-        raise CorruptBody(f"more than {MAX_FRAMES} members")
-
-
-DECODERS: dict[str, Callable[[bytes], Iterator[bytes]]] = {"zstd": zstd_chunks, "gzip": gzip_chunks}
-
-
-def load_json(raw: bytes) -> Any:
-    """json.loads for a body parse_request already accepted; a refusal, never a 500, should the two disagree."""
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise RequestError(f"the body is not readable JSON: {type(error).__name__}") from None
+    n_perm: int = Field(6, ge=1, le=64, strict=True)
+    seed: int = Field(0, strict=True)
 
 
 # --- answering -----------------------------------------------------------------------------------------------------
@@ -274,17 +123,6 @@ async def disconnected(receive: Receive) -> None:
         pass
 
 
-def from_triton(error: KevError, retry_after_s: int) -> Refused:
-    """Triton's refusal as the gateway's answer."""
-    if error.kind == "invalid":  # Kev's context-overflow 422s come from the model
-        return Refused(422, "invalid", error.message)
-    if error.kind == "overloaded":
-        return Refused(529, "overloaded", f"overloaded: {error.message}", {"retry-after": str(retry_after_s)})
-    if error.kind == "timeout":
-        return Refused(504, "timeout", "the model did not answer in time")
-    return Refused(500, "model_error", f"model error: {error.message}")
-
-
 def nested(error: RequestError, *prefix: str) -> RequestError:
     """A request validated inside an envelope (`/permute`'s `request`): its error locations under that field."""
     if isinstance(error.detail, str):
@@ -309,11 +147,59 @@ def parsed_and_keyed(body: bytes | dict[str, Any], limits: Limits) -> tuple[Reco
     return record, state_key(record.state_text)
 
 
-def single_question(raw: dict[str, Any], qid: str, question: dict[str, Any]) -> dict[str, Any]:
-    body = {"state": raw.get("state"), "questions": {qid: question}}
-    if "model" in raw:
-        body["model"] = raw["model"]
-    return body
+def permute_envelope(raw: bytes, limits: Limits) -> PermuteBody:
+    """/permute's body, read as FastAPI reads a body (a BOM, UTF-16 and UTF-32 as Starlette decodes them) and
+    validated with FastAPI's error shapes."""
+    data = load_body(raw, limits)
+    try:
+        return PermuteBody.model_validate(data)
+    except ValidationError as error:
+        detail = [{**e, "loc": ["body", *e["loc"]]} for e in error.errors(include_url=False)]
+        raise RequestError(json.loads(json.dumps(detail, default=lambda _: {}))) from None
+
+
+def permutations(keys: list[str], n_perm: int, seed: int) -> list[list[str]]:
+    """The option orders /permute scores: the request's own first, then n_perm - 1 shuffles (seeded)."""
+    rng = random.Random(seed)
+    orders = [keys]
+    for _ in range(n_perm - 1):
+        order = list(keys)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def grouped(sizes: list[int], room: int, most: int) -> list[range]:
+    """Consecutive groups of items whose sizes sum to at most `room`, at most `most` items each (at least one item
+    each, whatever its size: the model then refuses it by name)."""
+    groups, start, used = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (used + size > room or i - start >= most):
+            groups.append(range(start, i))
+            start, used = i, 0
+        used += size
+    groups.append(range(start, len(sizes)))
+    return groups
+
+
+def forget(error: BaseException) -> None:
+    """Drops what a handled exception's traceback holds: its frames' locals (a request's body, its parsed record, the
+    gRPC message) would otherwise stay in a reference cycle (exception, traceback, frame, the task that raised it)
+    until the garbage collector happens to run, megabytes a large request."""
+    traceback.clear_frames(error.__traceback__)
+    error.__traceback__ = None
+
+
+def malloc_trim() -> Callable[[], None]:
+    """glibc's malloc_trim(0): hands freed heap back to the system, in every arena. A large body's transient objects
+    (parsed on a worker thread, in that thread's arena) otherwise stay resident after they are freed. A no-op where
+    the C library has none."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
 
 
 class Metrics:
@@ -330,7 +216,7 @@ class Metrics:
         assert reason in REASONS, reason
         self.errors[reason] += 1
 
-    def render(self, in_flight: int, arriving: int) -> str:
+    def render(self, gateway: Gateway) -> str:
         lines = [
             "# HELP kev_gateway_requests_total HTTP requests answered, by route (the path, or other) and status.",
             "# TYPE kev_gateway_requests_total counter",
@@ -341,13 +227,28 @@ class Metrics:
             "# HELP kev_gateway_errors_total Requests refused or failed, by reason.",
             "# TYPE kev_gateway_errors_total counter",
             *(f'kev_gateway_errors_total{{reason="{reason}"}} {self.errors[reason]}' for reason in REASONS),
-            "# HELP kev_gateway_in_flight Requests holding an admission slot (at Triton).",
+            "# HELP kev_gateway_in_flight Admission slots held (one per Triton question under way).",
             "# TYPE kev_gateway_in_flight gauge",
-            f"kev_gateway_in_flight {in_flight}",
+            f"kev_gateway_in_flight {gateway.in_flight}",
             "# HELP kev_gateway_arriving Requests whose body is being read or parsed, before their admission.",
             "# TYPE kev_gateway_arriving gauge",
-            f"kev_gateway_arriving {arriving}",
+            f"kev_gateway_arriving {gateway.arriving}",
+            "# HELP kev_gateway_arriving_bytes Body bytes held by requests not yet admitted.",
+            "# TYPE kev_gateway_arriving_bytes gauge",
+            f"kev_gateway_arriving_bytes {gateway.arriving_bytes}",
         ]
+        if (connections := front.current()) is not None:
+            lines += [
+                "# HELP kev_gateway_connections Client connections open.",
+                "# TYPE kev_gateway_connections gauge",
+                f"kev_gateway_connections {connections.open}",
+                "# HELP kev_gateway_connection_events_total Connections refused, closed or answered by the front.",
+                "# TYPE kev_gateway_connection_events_total counter",
+                *(
+                    f'kev_gateway_connection_events_total{{event="{event}"}} {connections.events[event]}'
+                    for event in front.EVENTS
+                ),
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -417,18 +318,70 @@ class Readiness:
             self.last_ok = time.monotonic()
 
 
+class Cached:
+    """What `fetch` returns, fetched at most once every `fresh_s` and one fetch at a time: callers meanwhile share the
+    last value (those that come while it is being fetched wait for it)."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[Any]], fresh_s: float) -> None:
+        self.fetch, self.fresh_s = fetch, fresh_s
+        self.value: Any = None
+        self.at = -math.inf
+        self.lock = asyncio.Lock()
+
+    async def get(self) -> Any:
+        if time.monotonic() - self.at > self.fresh_s:
+            async with self.lock:
+                if time.monotonic() - self.at > self.fresh_s:
+                    self.value = await self.fetch()
+                    self.at = time.monotonic()
+        return self.value
+
+
+class Arrival:
+    """A request from the start of its body to its admission: counted in the gateway's arrivals, with the body bytes
+    it holds (`reserve`)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.held = 0  # body bytes counted in gateway.arriving_bytes
+        self.pending = True  # still counted as arriving: `admitted` or the end of the request ends it
+
+    def reserve(self, total: int) -> None:
+        """Counts this request as holding `total` body bytes; 429 when the bytes arriving cannot take them."""
+        grow = total - self.held
+        if grow <= 0 or not self.pending:
+            return
+        gateway = self.gateway
+        if gateway.arriving_bytes + grow > gateway.settings.max_arriving_bytes:
+            raise gateway.arrivals_full()
+        gateway.arriving_bytes += grow
+        self.held = total
+
+    def end(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.gateway.arriving -= 1
+            self.gateway.arriving_bytes -= self.held
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         # Until Triton has answered with the model's config, the limits are the defaults with the KEV_* overrides;
         # the model checks its own again either way.
         self.limits = settings.limits({})
+        self.model_bytes = model_limits({}, settings.env).max_request_bytes  # the model's own body limit
         self.limits_known = False
         self.kev: AsyncKevClient | None = None
-        self.in_flight = 0  # admission slots held: one per Triton call under way
+        self.in_flight = 0  # admission slots held: one per question of a Triton call under way
         self.arriving = 0  # requests whose body is being read, decoded or parsed: not yet admitted
+        self.arriving_bytes = 0  # the body bytes those hold
         self.metrics = Metrics()
         self.readiness = Readiness(self.probe)
+        self.model_info = Cached(self.read_model_info, MODELS_FRESH_S)
+        self.trim = malloc_trim()
+        self.trim_pending = False
+        self.background: set[asyncio.Future[None]] = set()  # tasks the gateway started itself: kept until done
 
     async def start(self) -> None:
         self.kev = AsyncKevClient(self.settings.triton_url, "grpc", self.settings.model, self.settings.timeout_s)
@@ -439,37 +392,41 @@ class Gateway:
 
     def overloaded(self) -> Refused:
         limit, retry = self.settings.max_in_flight, str(self.settings.retry_after_s)
-        message = (
-            f"overloaded: {self.in_flight} requests in flight, {self.arriving} arriving (limit {limit}); retry later"
-        )
+        message = f"overloaded: {self.in_flight} requests in flight (limit {limit}); retry later"
         return Refused(429, "overloaded", message, {"retry-after": retry})
 
+    def arrivals_full(self) -> Refused:
+        settings = self.settings
+        message = (
+            f"overloaded: {self.arriving} requests arriving (limit {settings.max_arriving}) holding "
+            f"{self.arriving_bytes:,} body bytes (limit {settings.max_arriving_bytes:,}); retry later"
+        )
+        return Refused(429, "overloaded", message, {"retry-after": str(settings.retry_after_s)})
+
     @contextlib.contextmanager
-    def arrival(self) -> Iterator[None]:
-        """A request from its first byte to its admission: counted with those in flight, and refused at once, its body
-        unread, when they fill the limit. So the bodies the gateway holds are bounded by max_in_flight (each by the
-        body limit) however many connections send them."""
-        if self.in_flight + self.arriving >= self.settings.max_in_flight:
-            raise self.overloaded()
+    def arrival(self) -> Iterator[Arrival]:
+        """A request from the start of its body to its admission, refused at once (its body unread) when the
+        arrivals are full. Arrivals hold no in-flight slot: a client still sending takes nothing from admitted work,
+        and what all arriving bodies hold is bounded by max_arriving_bytes however many connections send them."""
+        if self.arriving >= self.settings.max_arriving:
+            raise self.arrivals_full()
         self.arriving += 1
-        pending = [True]  # until admitted: `admitted`, in the handler's task, moves it to in_flight
-        token = _arrival.set(pending)
+        arrival = Arrival(self)
+        token = _arrival.set(arrival)
         try:
-            yield
+            yield arrival
         finally:
             _arrival.reset(token)
-            if pending[0]:
-                self.arriving -= 1
+            arrival.end()
 
     @contextlib.contextmanager
     def admitted(self, n: int = 1) -> Iterator[None]:
-        pending = _arrival.get(None)
-        arriving = 1 if pending and pending[0] else 0
-        if self.in_flight + self.arriving - arriving + n > self.settings.max_in_flight:
+        """`n` in-flight slots for the work inside (one per question sent to Triton); 429 when they are not free.
+        The request's arrival, if any, ends here."""
+        if self.in_flight + n > self.settings.max_in_flight:
             raise self.overloaded()
-        if arriving:
-            pending[0] = False
-            self.arriving -= 1
+        if (arrival := _arrival.get(None)) is not None:
+            arrival.end()
         self.in_flight += n
         try:
             yield
@@ -484,26 +441,19 @@ class Gateway:
             return await asyncio.to_thread(parsed_and_keyed, body, self.limits)
         return parsed_and_keyed(body, self.limits)
 
-    async def score(self, body: dict[str, Any] | bytes, request_id: str, key: str) -> bytes:
-        """One call to Triton, with the state's routing key."""
+    async def score(
+        self, body: dict[str, Any] | bytes, request_id: str, key: str, by_question: bool = False
+    ) -> dict[str, Any]:
+        """One call to Triton, with the state's routing key and tagged errors; its reply parsed. `by_question`: the
+        reply's usage has each question's own (envelope.USAGE_BY_QUESTION)."""
         assert self.kev is not None
-        return await self.kev.score_raw(body, request_id, state_key=key)
-
-    async def score_all(self, parts: list[dict[str, Any]], request_id: str, key: str) -> list[bytes]:
-        """One call per part, at once; when one fails the others are cancelled (and with them their Triton calls)
-        before the failure is raised, so none runs on after the request's admission ends."""
-        calls = [asyncio.ensure_future(self.score(part, f"{request_id}-{i}", key)) for i, part in enumerate(parts)]
-        try:
-            return await asyncio.gather(*calls)
-        except BaseException:
-            for call in calls:
-                call.cancel()
-            await asyncio.gather(*calls, return_exceptions=True)
-            raise
+        params = {**PARAMETERS, envelope.USAGE_BY_QUESTION: True} if by_question else PARAMETERS
+        return json.loads(await self.kev.score_raw(body, request_id, state_key=key, parameters=params))
 
     async def probe(self) -> None:
         assert self.kev is not None
-        reply = json.loads(await self.kev.score_raw(READY_PROBE, f"ready-{uuid.uuid4().hex}", READY_TIMEOUT_S))
+        raw = await self.kev.score_raw(READY_PROBE, f"ready-{uuid.uuid4().hex}", READY_TIMEOUT_S, parameters=PARAMETERS)
+        reply = json.loads(raw)
         if "ok" not in reply.get("answers", {}):
             raise ValueError(f"the probe's answer has no `ok`: {reply!r:.200}")
         if not self.limits_known:
@@ -518,34 +468,50 @@ class Gateway:
             return {}
         try:
             self.limits, self.limits_known = self.settings.limits(params), True
+            self.model_bytes = model_limits(params, self.settings.env).max_request_bytes
         except SettingError as error:  # the model itself refuses to load with such a value
             log.error("the model's request limits: %s", error)
         return params
+
+    async def read_model_info(self) -> tuple[dict[str, str], dict[str, float | int] | None]:
+        """What GET /v1/models reports beside the cards: the model's parameters and its serving statistics."""
+        params = await self.model_parameters()
+        settings = self.settings
+        return params, await asyncio.to_thread(serving_statistics, settings.metrics_url, settings.model)
 
     def route(self, handler: Callable[[bytes, str], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """An endpoint: the body read and decoded within the limits, `handler`'s response unless the client leaves
         first, and every known failure turned into its JSON response and counted."""
 
         async def endpoint(request: Request) -> Response:
-            settings = self.settings
+            settings, request_id = self.settings, request.state.request_id
+            arrival: Arrival | None = None
+            decoded = 0
             try:
-                with self.arrival():
-                    raw = await read_body(request, settings.max_body_bytes)
+                with self.arrival() as arrival:
+                    raw = await read_body(request, settings.max_body_bytes, arrival.reserve)
                     encoding = request.headers.get("content-encoding", "")
                     raw = await decode_body(raw, encoding, settings.max_decoded_bytes)
+                    decoded = len(raw)
                     if not self.limits_known:  # until Triton has said what the model's limits are
                         await self.model_parameters()
-                    return await unless_disconnected(request, handler(raw, request.state.request_id))
+                    return await unless_disconnected(request, handler(raw, request_id))
             except RequestError as error:  # Kev's refusals, in FastAPI's shapes
+                forget(error)
                 self.metrics.error("too_large" if error.status == 413 else "invalid")
                 return json_response(error.body, error.status)
             except KevError as error:
-                refused = from_triton(error, settings.retry_after_s)
-                if refused.reason == "model_error":
-                    log.warning("model error (request id %s): %s", request.state.request_id, error.message)
+                forget(error)
+                refused = from_triton(error, request_id, settings.retry_after_s)
+                if refused.status >= 500:  # the client sees a neutral message: the real one is logged here
+                    log.warning("triton error (request id %s): %s: %s", request_id, error.status, error.message)
                 return self.refuse(refused)
             except Refused as error:
+                forget(error)
                 return self.refuse(error)
+            finally:
+                if max(decoded, arrival.held if arrival else 0) > TRIM_BYTES:
+                    self.trim_soon()
 
         return endpoint
 
@@ -553,96 +519,118 @@ class Gateway:
         self.metrics.error(error.reason)
         return error.response()
 
+    def trim_soon(self) -> None:
+        """Hands the heap freed by a large request back to the system, shortly after (once its objects are gone) and
+        on a worker thread; requests meanwhile share one trim."""
+        if self.trim_pending:
+            return
+        self.trim_pending = True
+
+        async def trim() -> None:
+            await asyncio.sleep(TRIM_DELAY_S)
+            self.trim_pending = False
+            await asyncio.to_thread(self.trim)
+
+        task = asyncio.ensure_future(trim())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     async def system_one(self, raw: bytes, request_id: str) -> Response:
         _, key = await self.parse(raw, len(raw))
         with self.admitted():
-            return Response(await self.score(raw, request_id, key), media_type="application/json")
+            assert self.kev is not None
+            reply = await self.kev.score_raw(raw, request_id, state_key=key, parameters=PARAMETERS)
+            return Response(reply, media_type="application/json")
 
     async def separate(self, raw: bytes, request_id: str) -> Response:
+        """Each question answered as if asked alone, in one call: the body goes to the model as sent, with each
+        question's usage reported by the model (Kev's /separate sums them); `latency_ms` is the model time of that
+        one call's batch."""
         record, key = await self.parse(raw, len(raw))
-        body = load_json(raw)
-        parts = [single_question(body, q.id, body["questions"][q.id]) for q in record.questions]
-        with self.admitted(len(parts)):
-            replies = await self.score_all(parts, request_id, key)
-        answers: dict[str, Any] = {}
-        input_tokens = output_tokens = 0
-        latency = 0.0
-        parsed = [json.loads(reply) for reply in replies]
-        for reply in parsed:
-            answers.update(reply["answers"])
-            input_tokens += reply["usage"]["input_tokens"]
-            output_tokens += reply["usage"]["output_tokens"]
-            latency += reply["latency_ms"]
+        with self.admitted(len(record.questions)):
+            reply = await self.score(raw, request_id, key, by_question=True)
+        usage = reply["usage"]
+        alone = usage["questions"].values()
         merged = {
             "model": record.model,
-            "answers": answers,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
-            "latency_ms": round(latency, 1),
+            "answers": reply["answers"],
+            "usage": {
+                "input_tokens": sum(u["input_tokens"] for u in alone),
+                "output_tokens": sum(u["output_tokens"] for u in alone),
+            },
+            "latency_ms": reply["latency_ms"],
         }
-        if (marks := truncation_marks(parsed[0])) is not None:  # every part has the one state: the first says it
-            usage, merged["truncated"] = marks
-            merged["usage"].update(usage)
+        if (marks := truncation_marks(reply)) is not None:
+            merged["usage"].update(marks[0])
+            merged["truncated"] = marks[1]
         return json_response(merged)
 
     async def permute(self, raw: bytes, request_id: str) -> Response:
+        """The choice question under n_perm option orders, each order a question of its own (ids "0".."n-1"; the
+        model never reads an id) on the request's one state: one call, or more only where the model's limits on
+        questions or bytes per request need it."""
+        envelope_ = permute_envelope(raw, self.limits)
         try:
-            envelope = PermuteBody.model_validate_json(raw)
-        except ValidationError as error:
-            detail = [{**e, "loc": ["body", *e["loc"]]} for e in error.errors(include_url=False)]
-            raise RequestError(json.loads(json.dumps(detail, default=lambda _: {}))) from None
-        try:
-            record, key = await self.parse(envelope.request, len(raw))
+            record, key = await self.parse(envelope_.request, len(raw))
         except RequestError as error:
             raise nested(error, "request") from None
-        question = next((q for q in record.questions if q.id == envelope.question), None)
+        question = next((q for q in record.questions if q.id == envelope_.question), None)
         if question is None or question.type != "choice":
             raise RequestError("question must be an existing choice question")
-        original = envelope.request["questions"][question.id]
+        original = envelope_.request["questions"][question.id]
         keys = list(original["criteria"])
-        rng = random.Random(envelope.seed)
-        orders = [keys]
-        for _ in range(envelope.n_perm - 1):
-            order = list(keys)
-            rng.shuffle(order)
-            orders.append(order)
-        parts = [
-            single_question(
-                envelope.request, question.id, {**original, "criteria": {k: original["criteria"][k] for k in order}}
-            )
-            for order in orders
-        ]
-        with self.admitted(len(parts)):
-            replies = await self.score_all(parts, request_id, key)
+        orders = permutations(keys, envelope_.n_perm, envelope_.seed)
+        variants = [{**original, "criteria": {k: original["criteria"][k] for k in order}} for order in orders]
+        with self.admitted(len(variants)):
+            replies = await self.score_permutations(envelope_.request, variants, request_id, key)
         runs = []
-        parsed = [json.loads(reply) for reply in replies]
-        for order, reply in zip(orders, parsed):
-            answer = reply["answers"][question.id]
-            runs.append(
-                {
-                    "order": order,
-                    "probabilities": answer["probabilities"],
-                    "choice": answer["choice"],
-                    "latency_ms": reply["latency_ms"],
-                }
-            )
+        for i, order in enumerate(orders):
+            reply = replies[i]
+            answer = reply["answers"][str(i)]
+            run = {"order": order, "probabilities": answer["probabilities"], "choice": answer["choice"]}
+            runs.append({**run, "latency_ms": reply["latency_ms"]})
         spread = {
             k: round4(max(r["probabilities"][k] for r in runs) - min(r["probabilities"][k] for r in runs)) for k in keys
         }
         stable = len({r["choice"] for r in runs}) == 1
         result: dict[str, Any] = {"runs": runs, "argmax_stable": stable, "spread": spread}
-        if (marks := truncation_marks(parsed[0])) is not None:
+        if (marks := truncation_marks(replies[0])) is not None:
             result["truncated"], result["usage"] = marks[1], marks[0]
         return json_response(result)
 
+    async def score_permutations(
+        self, request: dict[str, Any], variants: list[dict[str, Any]], request_id: str, key: str
+    ) -> list[dict[str, Any]]:
+        """The reply holding each variant (variant i asked as question "i"): one call for all of them, unless the
+        model's question or byte limits need the variants split among several (each with the state once)."""
+        base = {"state": request.get("state"), "questions": {}}
+        if "model" in request:
+            base["model"] = request["model"]
+        room = self.model_bytes - len(encode(base))
+        sizes = [len(encode({str(i): v})) for i, v in enumerate(variants)]  # its `"i":{...}` and a comma, about
+        groups = grouped(sizes, room, self.limits.max_questions)
+        calls = [
+            self.score({**base, "questions": {str(i): variants[i] for i in group}}, f"{request_id}-{n}", key)
+            for n, group in enumerate(groups)
+        ]
+        replies = await gather_or_cancel(calls) if len(calls) > 1 else [await calls[0]]
+        return [replies[n] for n, group in enumerate(groups) for _ in group]
+
     async def models(self) -> Response:
-        params = await self.model_parameters()
+        """The model cards, admitted like other work; their parameters and serving statistics at most
+        MODELS_FRESH_S old, read by one call at a time however many ask."""
+        try:
+            with self.admitted():
+                params, serving = await self.model_info.get()
+        except Refused as error:
+            return self.refuse(error)
         limits = self.settings.limits(params) if params else self.limits
         extras = {
             "backend": "triton",
             "triton_model": self.settings.model,
             **dataclasses.asdict(limits),  # the request limits in force, the body limit being the decoded one
             "dtype": self.settings.dtype(params),
-            "serving": await asyncio.to_thread(serving_statistics, self.settings.metrics_url, self.settings.model),
+            "serving": serving,
         }
         cards = [
             {
@@ -667,18 +655,33 @@ class Gateway:
         return json_response({"status": "not ready", "detail": why_not}, 503)
 
     async def prometheus(self) -> Response:
-        return Response(
-            self.metrics.render(self.in_flight, self.arriving), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        return Response(self.metrics.render(self), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def gather_or_cancel(calls: list[Awaitable[Any]]) -> list[Any]:
+    """All of `calls`' results; when one fails the others are cancelled (and with them their Triton calls) before the
+    failure is raised, so none runs on after the request's admission ends."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 # --- middleware, outermost first: Observe, CORS, Guard ---------------------------------------------------------------
 
 
 class Observe:
-    """Outermost: gives each request its id (the client's x-typesafe-request-id, else a fresh one) in
-    `request.state.request_id`, adds it and server-timing to every response, and counts every response by route and
-    status. Paths that are not routes count as "other", so hostile paths cannot grow the metrics."""
+    """Outermost: gives each request its id in `request.state.request_id`, adds it and server-timing to every
+    response, and counts every response by route and status. Paths that are not routes count as "other", so hostile
+    paths cannot grow the metrics.
+
+    The id is the client's x-typesafe-request-id when that is 1 to REQUEST_ID_MAX visible ASCII characters, else a
+    fresh one: a malformed id is never echoed, sent to Triton or logged, and Guard refuses its request with 400 (the
+    response carrying the fresh id)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -694,8 +697,10 @@ class Observe:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        request_id = Headers(scope=scope).get(REQUEST_ID) or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        sent = Headers(scope=scope).get(REQUEST_ID)
+        request_id = sent if sent and valid_request_id(sent) else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"], state["bad_request_id"] = request_id, bool(sent) and request_id != sent
         status = 500  # should the app send nothing at all
 
         async def send_with_headers(message: Message) -> None:
@@ -714,10 +719,14 @@ class Observe:
             self.metrics.request(self.route(scope), status)
 
 
+def valid_request_id(value: str) -> bool:
+    return len(value) <= REQUEST_ID_MAX and all("!" <= c <= "~" for c in value)
+
+
 class Guard:
-    """Inside CORS, so its answers carry CORS headers (a browser can read a 401 or 500): the bearer key on /v1/* (CORS
-    answers preflights before they get here), and the catch-all that turns any exception below into a JSON 500
-    naming the request id, logged in one line."""
+    """Inside CORS, so its answers carry CORS headers (a browser can read a 400, 401 or 500): a malformed request id
+    (Observe), the bearer key on /v1/* (CORS answers preflights before they get here), and the catch-all that turns
+    any exception below into a JSON 500 naming the request id, logged in one line."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None) -> None:
         self.app, self.metrics, self.api_key = app, metrics, api_key
@@ -725,6 +734,11 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope["state"].get("bad_request_id"):
+            self.metrics.error("invalid")
+            detail = f"the {REQUEST_ID} header must be 1 to {REQUEST_ID_MAX} visible ASCII characters"
+            await json_response({"detail": detail}, 400)(scope, receive, send)
             return
         if self.api_key and scope["path"].startswith("/v1") and not authorized(Headers(scope=scope), self.api_key):
             self.metrics.error("unauthorized")
@@ -807,6 +821,8 @@ def main() -> None:
     parser.add_argument("--metrics", help="Triton metrics address (TRITON_METRICS_URL, default 127.0.0.1:8002)")
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
+    front.raise_descriptor_limit()  # before uvicorn forks any worker: they inherit it
+    settings = GatewaySettings.read()  # read here too, so a bad setting stops the start with its message
     if args.triton:  # the app factory runs in uvicorn's workers, which inherit the environment
         os.environ["TRITON_GRPC_URL"] = args.triton
     if args.metrics:
@@ -819,6 +835,10 @@ def main() -> None:
         host=args.host,
         port=args.port,
         workers=args.workers,
+        http="kev_backend.serve.front:GuardedProtocol",
+        ws="none",
+        backlog=BACKLOG,
+        timeout_keep_alive=max(1, round(settings.keepalive_timeout_s)),  # unused: GuardedProtocol keeps its own
         log_level="warning",
         log_config=log_config(),
         access_log=False,

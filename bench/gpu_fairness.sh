@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call: long work against short requests on the GPU, served as `make serve` serves (the supervisor with its
+# probe on), with random Kev-4B weights. Setup from the carried wheelhouse (bench/device_args.sh).
+#   bench/gpu_fairness.sh [--out DIR] [--wheelhouse DIR] [--commit REV] [STEP...]     (default: tests serve)
+# Steps:
+#   tests   the fused path's GPU tests of the pipeline and graphs, and the determinism test (every answer's bits
+#           alone against in batch mixes)
+#   serve   serve the tree, then loadtest/served.py (short6 alone and at 64 clients over gRPC) and
+#           loadtest/fairness.py twice: 65,536-token new states, then 64-order /permute requests, each against
+#           short6 clients; the supervisor's restarts counted from its log
+# FAIR_ARGS adds arguments to both fairness runs (e.g. "--seconds 20"). Results: served.json, fairness-state.json,
+# fairness-permute.json, the logs.
+set -uo pipefail
+source "$(dirname "$0")/device_args.sh" "$@"
+out=$OUT steps=(${ARGS[@]+"${ARGS[@]}"})
+((${#steps[@]})) || steps=(tests serve)
+device_setup || exit 1
+status=0
+run_tests() {
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fused_gpu.py tests/test_determinism_gpu.py \
+    -k "back_to_back or long_work_between or graph_replay or same_bits or engine_api" 2>&1 \
+    | tee "$out/gpu-tests.log" | grep -E "^determinism |passed|failed|Error|assert" | cut -c1-400 || status=1
+}
+run_serve() {
+  kev4b_checkpoint || return 1
+  local tokenizer=/tmp/kev4b/base started
+  started=$(python3 -c 'import time; print(time.time())')
+  KEV_CHECKPOINT=$KEV4B TRITON_CACHE_DIR=/tmp/triton-cache GATEWAY=0 build/serve.sh > "$out/serve.log" 2>&1 &
+  local serve=$!
+  "$PY" loadtest/served.py --started "$started" --commit "$COMMIT" --out "$out/served.json" | tail -2 || status=1
+  for long in state permute; do
+    # shellcheck disable=SC2086
+    "$PY" loadtest/fairness.py --tokenizer "$tokenizer" --long $long --units 1 --clients 8 --long-clients 2 \
+      --seconds 30 --alone 2 --commit "$COMMIT" --label "$long" ${FAIR_ARGS:-} --out "$out/fairness-$long.json" \
+      2>&1 | tail -1 | cut -c1-600 || status=1
+  done
+  kill -TERM $serve
+  wait $serve
+  echo "supervisor restarts: $(grep -c 'TRITON RESTART' "$out/serve.log")"
+  grep -E "kev-serve|kev: " "$out/serve.log" | cut -c1-300 | tail -6
+}
+for step in "${steps[@]}"; do
+  case $step in
+    tests) run_tests ;;
+    serve) run_serve ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+exit $status
