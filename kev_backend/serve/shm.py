@@ -8,7 +8,7 @@ never shrinks while its stub lives (python_backend src/shm_manager.cc: GrowIfNee
 size is the most it ever held at once; only a restart of the stub (a Triton restart) gives the memory back.
 
 What it holds at once, by the limits: the inputs of the batch being handed to the stub (Triton's max_batch_size
-elements of up to max_request_bytes each: /permute sends up to 64 copies of one request in a single Triton request)
+elements of up to max_request_bytes each, whether 64 requests or one request carrying 64)
 and the responses still being sent for an earlier batch. A response echoes each option name at most twice (the choice
 and its key in `probabilities`) and adds a probability per option (256 questions x 255 options, about 16 bytes each:
 under 1 MiB), so an element's response is at most 2 x max_request_bytes + 1 MiB. With the defaults (64, 4 MiB) that
