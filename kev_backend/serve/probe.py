@@ -166,12 +166,14 @@ class Activity:
 
     def progressed(self, timeout_s: float) -> bool:
         """The model progresses within `timeout_s` of the start (polled until then): an instance holds jobs whose
-        beats moved within the progress timeout, or its beats moved within `timeout_s`; a stub kept at least
+        beats moved within the progress timeout, or its beats moved since the start; a stub kept at least
         progress.BUSY_CPU_SHARE of a CPU busy since the start (preparing a batch, which the heartbeat does not
         cover); or Triton completed more inferences."""
         deadline = self.started + timeout_s
         while True:
-            if busy(heartbeats(self.server), self.progress_timeout_s, timeout_s) or self.worked() or self.finished():
+            since_start = time.monotonic() - self.started
+            pulses = heartbeats(self.server)
+            if busy(pulses, self.progress_timeout_s, since_start) or self.worked() or self.finished():
                 return True
             if time.monotonic() >= deadline:
                 return False
