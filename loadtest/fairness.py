@@ -12,12 +12,13 @@ Long requests are `state` (long5's five questions on a new state of exactly `--t
 the checkpoint's tokenizer counts: `--tokenizer` is its base directory) or `permute` (what the gateway sends for a
 /permute of 64 orders of a 255-option question: one request of 64 questions on a new short state).
 
-One work unit, the most a short request should wait behind long work: a long request's latency alone divided by its
-units, `--units` (default: a state's chunks of `--unit-tokens` and its one row pass, as the CPU reference path runs
-them; a GPU runs a long state or a /permute as one pass: `--units 1`; the CPU runs a /permute of 64 orders of 255
-options as 21 units: its state, then 5 row passes of 4 chunks). That is the mean unit, shorter than the longest (a
-state's last chunk attends to all before it), so the goal it sets is the stricter one. The goal holds when the
-loaded p99 is at most twice the quiet p99 plus one unit (`goal_ms`, `fair`).
+One work unit, the most a short request should wait behind long work, is measured: while each long request runs
+alone, one client sends short6 requests back to back, and the longest of them less the quiet p50 is the longest wait
+behind one unit of long work (`unit_ms`; on the CPU the last chunk of a long state, which attends to all before it;
+on a GPU a long state's whole pass). The goal holds when the loaded p99 is at most twice the quiet p99 plus one unit
+(`goal_ms`, `fair`). `mean_unit_ms` is a long request's latency alone over its units, `--units` (default: a
+state's chunks of `--unit-tokens` and its row passes, as the CPU reference path runs them; a GPU runs a long state or
+a /permute as one pass: `--units 1`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,27 @@ async def loop(kev: AsyncKevClient, make: Any, deadline: float, latencies: list[
             failures.append(repr(error)[:300])
 
 
+async def long_alone(kev: AsyncKevClient, body: dict[str, Any], short: Any) -> tuple[float, list[float]]:
+    """One long request with nothing else but one short6 client sending back to back until it is answered: its
+    seconds, and the short requests' (each of which waits behind at most one unit of the long one's work)."""
+    waits: list[float] = []
+    finished = asyncio.Event()
+
+    async def probe() -> None:
+        while not finished.is_set():
+            started = time.perf_counter()
+            await kev.score_raw(json.dumps(short()))
+            waits.append(time.perf_counter() - started)
+
+    prober = asyncio.ensure_future(probe())
+    started = time.perf_counter()
+    await kev.score_raw(json.dumps(body))
+    seconds = time.perf_counter() - started
+    finished.set()
+    await prober
+    return seconds, waits
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.long == "state":
         count = state_counter(KevTokenizer(args.tokenizer))
@@ -79,7 +101,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         def long_body() -> dict[str, Any]:
             return sized(args.tokens, count, next(COUNTER))
 
-        units = args.units or math.ceil(tokens / args.unit_tokens) + 1
+        units = args.units or math.ceil(tokens / args.unit_tokens) + 5  # and a row pass a question (long5's five)
     else:
         tokens = 0
 
@@ -104,13 +126,15 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         record["quiet"] = summary(latencies, len(failures))
         print(f"quiet: {record['quiet']}", flush=True)
 
-        alone = []
+        alone, beside = [], []
         for _ in range(args.alone):
-            started = time.perf_counter()
-            await kev.score_raw(json.dumps(long_body()))
-            alone.append(time.perf_counter() - started)
+            seconds, waits = await long_alone(kev, long_body(), short)
+            alone.append(seconds)
+            beside.extend(waits)
         record["long_alone_ms"] = [1000 * s for s in alone]
-        record["unit_ms"] = 1000 * statistics.median(alone) / units
+        record["mean_unit_ms"] = 1000 * statistics.median(alone) / units
+        record["beside_alone"] = summary(beside, 0)
+        record["unit_ms"] = 1000 * max(beside) - record["quiet"]["p50_ms"]
         print(f"long alone: {record['long_alone_ms']} ms; one unit {record['unit_ms']:.0f} ms", flush=True)
 
         latencies, failures, long_latencies, long_failures = [], [], [], []

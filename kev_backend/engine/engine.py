@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Generator, Iterable, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -408,21 +408,16 @@ class Engine:
         """Validates and encodes each request (host work only); a refused one keeps its RequestError, one that failed
         otherwise its RequestFault. The requests at `usage_by_question` get each question's usage in their response."""
         batch = PreparedBatch(results=[None] * len(bodies), usage_by_question=frozenset(usage_by_question))
-        self.prepare_into(batch, bodies, range(len(bodies)))
-        return batch
-
-    def prepare_into(self, batch: PreparedBatch, bodies: Sequence[Body], positions: Iterable[int]) -> None:
-        """prepare_batch for the bodies at `positions` alone, into `batch` (one of all the bodies' places): a caller
-        may hand the quick part of a batch on before preparing the slow one."""
-        for i in positions:
+        for i, body in enumerate(bodies):
             try:
-                record, encoded = self.prepare(bodies[i])
+                record, encoded = self.prepare(body)
             except RequestError as error:
                 batch.results[i] = error
             except Exception as error:  # noqa: BLE001 - one request's fault is its own
                 batch.results[i] = RequestFault.of("preparing the request", error)
             else:
                 batch.accepted.append((i, record, encoded))
+        return batch
 
     def score(self, batch: PreparedBatch) -> PreparedBatch:
         """Runs the model on the batch's accepted requests (none: nothing runs) and records the batch's report."""

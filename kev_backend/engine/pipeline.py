@@ -24,7 +24,8 @@ Long work (engine/scheduler.py): once prepared, each request with more than `lon
 becomes a batch of its own, scheduled as long, and the rest of its Triton batch stays one normal batch. The model
 thread runs batches a unit at a time (a chunk of a state on the CPU, a pass on the GPU) and takes new batches between
 units, so a short request waits for at most one unit of long work, however long the long request. `submit` waits
-only on its normal batch: the next Triton batch is formed while the long ones run.
+only on its normal batch: long batches are handed over without waiting, and a request over PREPARE_APART_BYTES of
+JSON is prepared on a thread of its own, so the next Triton batch is formed while they are tokenized and run.
 
 A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
@@ -144,9 +145,12 @@ class NoProgress:
 # (docs/kernels.md, The pipeline). 256 KiB: up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each)
 # stay one batch.
 SUBMIT_BYTES = 256 << 10
-# A request holding more JSON than this is prepared (parsed, tokenized) after the smaller ones of its batch are handed
-# over, on its own.
+# A request holding more JSON than this is prepared (parsed, tokenized) on the pipeline's preparation thread, on its
+# own, so the caller hands the rest of its batch over and returns at once.
 PREPARE_APART_BYTES = 64 << 10
+# Long batches handed to the model thread and not yet answered, at most; past it the caller (or the preparation thread)
+# waits for a place, and requests wait where they arrived (Triton's bounded queue).
+LONG_WAITING = 64
 
 
 def parts_by_size(sizes: Sequence[int], budget: int = SUBMIT_BYTES) -> list[range]:
@@ -209,12 +213,18 @@ class Pipeline:
         self._submitting = 0  # submits under way (the caller's thread)
         self._previous: Job | None = None  # the last batch submitted
         self._last_done = 0.0  # delivery thread: when the last batch was done
-        self._to_model: queue.Queue = queue.Queue(maxsize=1)
+        # To the model thread: a normal batch is put and joined (the caller waits until it is taken); long ones are
+        # put and not waited on, at most LONG_WAITING not yet finished (then the putter waits for a place).
+        self._to_model: queue.Queue = queue.Queue()
+        self._long_places = threading.BoundedSemaphore(LONG_WAITING)
         self._to_delivery: queue.Queue = queue.Queue(maxsize=1)
+        # Large requests, prepared on their own thread (tokenizing a 65,536-token state is about a second on a CPU).
+        self._to_preparer: queue.Queue = queue.Queue(maxsize=LONG_WAITING)
         self._prepared = threading.Event()
         self._threads = [
             threading.Thread(target=self._model_loop, name="kev-model", daemon=True),
             threading.Thread(target=self._delivery_loop, name="kev-delivery", daemon=True),
+            threading.Thread(target=self._preparer_loop, name="kev-prepare", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -251,14 +261,15 @@ class Pipeline:
         if self._returned is not None:
             self.arrival_s.add(time.perf_counter() - self._returned)
         requests = requests if requests is not None else [range(i, i + 1) for i in range(len(bodies))]
-        batch = PreparedBatch(results=[None] * len(bodies), usage_by_question=frozenset(usage_by_question))
+        small, large = self.by_size(bodies, requests)
+        usage = frozenset(usage_by_question)
+        for request in large:  # prepared and handed over by the preparation thread, not this one
+            self._to_preparer.put((bodies, [request], usage, deliver, cancelled))
         job = None
-        for group in self.preparation_order(bodies, requests):
-            self.engine.prepare_into(batch, bodies, [i for request in group for i in request])
-            for part, long in self.parts(batch, group):
+        if small:
+            for part, long in self.parts(*self.prepared(bodies, small, usage)):
                 new = Job(part, deliver, cancelled, long)
-                self._to_model.put(new)
-                self._to_model.join()  # taken: the model thread is on it
+                self._hand_over(new)
                 job = job if long else new
         if job is None:  # long work only: the next Triton batch may form now
             return
@@ -273,35 +284,73 @@ class Pipeline:
             job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - time.perf_counter()))
 
     @staticmethod
-    def preparation_order(bodies: Sequence[Body], requests: Sequence[range]) -> list[list[range]]:
-        """The requests in the groups they are prepared and handed over in: the small ones together first, then each
-        one over PREPARE_APART_BYTES of JSON alone (tokenizing a 65,536-token state takes about a second on a CPU:
-        the small requests beside it are on the model thread meanwhile)."""
+    def by_size(bodies: Sequence[Body], requests: Sequence[range]) -> tuple[list[range], list[range]]:
+        """The requests with at most PREPARE_APART_BYTES of JSON, prepared on the caller's thread, and the larger ones,
+        each prepared on the preparation thread: tokenizing a 65,536-token state takes about a second on a CPU, and
+        the caller (Triton's execute) forms no new batch meanwhile."""
         small: list[range] = []
-        large: list[list[range]] = []
+        large: list[range] = []
         for request in requests:
             size = sum(len(body) for i in request if isinstance(body := bodies[i], (str, bytes)))
-            if size <= PREPARE_APART_BYTES:
-                small.append(request)
-            else:
-                large.append([request])
-        return ([small] if small else []) + large
+            (small if size <= PREPARE_APART_BYTES else large).append(request)
+        return small, large
+
+    def prepared(
+        self, bodies: Sequence[Body], requests: Sequence[range], usage: frozenset[int]
+    ) -> tuple[PreparedBatch, list[range]]:
+        """The bodies of `requests` prepared as one batch (whose `indices` are their places in `bodies`), and the
+        requests' ranges in it."""
+        positions = [i for request in requests for i in request]
+        usage_here = [k for k, i in enumerate(positions) if i in usage]
+        batch = self.engine.prepare_batch([bodies[i] for i in positions], usage_here)
+        batch.indices = positions
+        local, start = [], 0
+        for request in requests:
+            local.append(range(start, start + len(request)))
+            start += len(request)
+        return batch, local
 
     def parts(self, batch: PreparedBatch, requests: Sequence[range]) -> list[tuple[PreparedBatch, bool]]:
-        """The prepared `requests` of the batch as the model thread runs them: each long request alone, the rest
-        together (first), each with whether it is long."""
+        """The batch as the model thread runs it: each long request alone, the rest together (first), each with
+        whether it is long."""
         long = [r for r in requests if batch.work_tokens(r) > self.long_tokens]
-        normal = [i for r in requests if r not in long for i in r]
-        if not long and len(normal) == len(batch.results):
+        if not long:
             return [(batch, False)]
+        normal = [i for r in requests if r not in long for i in r]
         parts = [(batch.part(normal), False)] if normal else []
         return parts + [(batch.part(r), True) for r in long]
 
+    def _hand_over(self, job: Job) -> None:
+        """To the model thread: a normal batch once it is taken (the caller's pace follows the model's); long work at
+        once, unless LONG_WAITING long batches are already waiting or under way."""
+        if job.long:
+            self._long_places.acquire()
+            self._to_model.put(job)
+        else:
+            self._to_model.put(job)
+            self._to_model.join()  # taken: the model thread is on it
+
+    def _preparer_loop(self) -> None:
+        while (item := self._to_preparer.get()) is not _STOP:
+            bodies, requests, usage, deliver, cancelled = item
+            try:
+                parts = self.parts(*self.prepared(bodies, requests, usage))
+            except Exception as error:  # noqa: BLE001 - one request's fault goes to it alone
+                log.exception("kev: preparing a large request failed")
+                batch = PreparedBatch(results=[None] * len(requests[0]), indices=list(requests[0]))
+                deliver(error, batch)
+                continue
+            for part, long in parts:
+                self._hand_over(Job(part, deliver, cancelled, long))
+
     def close(self) -> None:
         """Finishes the queued batches, then stops the threads."""
+        model, delivery, preparer = self._threads
+        self._to_preparer.put(_STOP)
+        preparer.join()
         self._to_model.put(_STOP)
-        for thread in self._threads:
-            thread.join()
+        model.join()
+        delivery.join()
 
     def _model_loop(self) -> None:
         try:
@@ -424,6 +473,8 @@ class Pipeline:
                 job.deliver(results, job.batch)
             except Exception:  # noqa: BLE001 - a failing callback must not stop the pipeline
                 log.exception("kev: delivery failed")
+            if job.long:
+                self._long_places.release()
             self.progress.finished()
 
     def _failed(self, job: Job, error: Exception) -> None:
