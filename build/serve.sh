@@ -40,8 +40,8 @@
 #     a one-question inference through Triton's gRPC port every interval, at priority 1 (config.pbtxt's
 #     priority_levels: clients' full or long queue never holds or refuses it). That many failed probes in a row
 #     restart, counted only while the model shows no progress (no job whose beats moved, no beat, no stub keeping a
-#     CPU busy, no inference completed); a probe failed by a batch-mate's malformed tensor (an untagged
-#     INVALID_ARGUMENT) never counts. One log line per restart, then "answering again after X s". A gateway that
+#     CPU busy, no inference completed); a probe failed with its batch by a batch-mate's malformed tensor (an
+#     untagged INVALID_ARGUMENT) or a /dev/shm too small for the batch never counts. One log line per restart, then "answering again after X s". A gateway that
 #     exits is restarted too; Triton's restarts never touch it.
 #   KEV_MAX_RESTARTS (5) within KEV_RESTART_WINDOW_S (600): past that, and after a restart that did not become
 #     ready, each start waits KEV_RESTART_BACKOFF_S (5), doubling up to KEV_RESTART_BACKOFF_MAX_S (300), logged,

@@ -394,10 +394,12 @@ def judging(tmp_path: Path, **settings: float) -> tuple[supervisor.Supervisor, l
 
 def test_probe_verdicts(tmp_path: Path) -> None:
     """Failures restart only in a row and while the model shows no progress; a stub not healthy restarts at once; a
-    probe a batch-mate's malformed tensor failed (untagged INVALID_ARGUMENT) never counts, a tagged refusal does."""
+    probe whose batch failed for another request's sake (a batch-mate's malformed tensor: an untagged
+    INVALID_ARGUMENT; a pool too small for the batch) never counts, a tagged refusal does."""
     sup, restarts, pulse = judging(tmp_path)
     timeout, full = Reply(grpc.StatusCode.DEADLINE_EXCEEDED), Reply(grpc.StatusCode.UNAVAILABLE, QUEUE_FULL)
     poisoned = Reply(grpc.StatusCode.INVALID_ARGUMENT, "incomplete string data for inference input 'REQUEST'")
+    no_room = Reply(grpc.StatusCode.INTERNAL, "Failed to increase the shared memory pool size for key 'kev_serve_1'")
     tagged = Reply(grpc.StatusCode.INVALID_ARGUMENT, envelope.tag_error(422, "state: Field required"))
     sup.watch.observe(sup.stubs, 0.0)
     sup.successes.extend([(80.0, 5), (91.0, 9), (99.0, 12)])  # Triton completing inferences: busy, not failing
@@ -407,8 +409,8 @@ def test_probe_verdicts(tmp_path: Path) -> None:
     sup.successes.extend([(100.0, 12)] * 20)  # nothing completed since
     sup.judge(timeout, 105.0, 120.0)
     sup.judge(Reply(grpc.StatusCode.INTERNAL, "kev engine error"), 120.0, 121.0)
-    for _ in range(5):
-        sup.judge(poisoned, 121.0, 121.5)  # neither a failure nor an answer
+    for reply in (poisoned, no_room) * 3:
+        sup.judge(reply, 121.0, 121.5)  # its batch failed for another request's sake: neither a failure nor an answer
     assert sup.failures == 2 and not restarts
     sup.judge(Reply(None), 122.0, 122.0)  # an answer ends the run
     assert sup.failures == 0

@@ -10,13 +10,15 @@ any queued client request, and a client queue at its size limit does not refuse 
 It asks for tagged errors (envelope.TAGGED_ERRORS), so a refusal of its own would say so. Its outcome (`verdict`):
 - answered: healthy;
 - "is not healthy": the stub is gone or stopped: unhealthy at once;
-- poisoned: an INVALID_ARGUMENT the model did not tag (a batch-mate's malformed tensor failed the probe's whole batch
-  while Triton gathered its inputs): Triton's backend processed a batch, so it is not stuck on the stub, and the
-  failure belongs to another request: it says nothing of the model, never unhealthy;
-- anything else (no reply in time, a refusal, shared memory too small for its batch, an error of the model's): a
-  failure unless the model progresses over the probe's timeout: an instance holds jobs whose beats moved within
-  KEV_PROGRESS_TIMEOUT_S or its beats moved, a stub keeps at least 10 % of a CPU busy (preparing a batch, which the
-  heartbeat does not cover), or Triton completes other inferences (its statistics). A saturated server is healthy.
+- poisoned: its batch failed while Triton gathered the batch's inputs, for other requests' sake: an INVALID_ARGUMENT
+  the model did not tag (a batch-mate's malformed tensor), or the stub's pool in /dev/shm could not grow for the
+  batch (a large batch-mate, or /dev/shm too small: kev-serve warns of that at start, and a restart gives no more).
+  Triton's backend processed the batch, so it is not stuck on the stub: it says nothing of the model, never
+  unhealthy;
+- anything else (no reply in time, a refusal, an error of the model's): a failure unless the model progresses over
+  the probe's timeout: an instance holds jobs whose beats moved within KEV_PROGRESS_TIMEOUT_S or its beats moved, a
+  stub keeps at least 10 % of a CPU busy (preparing a batch, which the heartbeat does not cover), or Triton completes
+  other inferences (its statistics). A saturated server is healthy.
 An instance whose heartbeat says broken, or that holds jobs with no beat for KEV_PROGRESS_TIMEOUT_S, is unhealthy
 whatever the probe got. The health check finds the heartbeats and the stubs through the tritonserver serving
 GRPC_PORT (its argv names its shared-memory prefix); without them it judges by Triton's statistics alone. The
@@ -41,6 +43,7 @@ from ..protocol import envelope
 from ..settings import ServeSettings, SettingError
 from . import progress
 from .heartbeat import Pulse
+from .shm import SHM_ERROR
 
 PROBE_BODY = b'{"state":"probe","questions":{"ok":{"type":"noul","instructions":"ok?"}}}'
 QUEUE_FULL = "Exceeds maximum queue size"  # Triton's refusal when the model's queue is full
@@ -96,14 +99,15 @@ def answered(reply: service_pb2.ModelInferResponse) -> bool:
 
 
 def verdict(code: grpc.StatusCode, details: str) -> str:
-    """What a failed probe says: UNHEALTHY_STUB (the stub is gone or stopped), POISONED (a batch-mate's malformed
-    tensor failed its batch: an INVALID_ARGUMENT the model did not tag, as it never judged it) or FAILED (no answer,
-    maybe for the model's sake: judged with its progress; shared memory too small for the batch is one)."""
+    """What a failed probe says: UNHEALTHY_STUB (the stub is gone or stopped), POISONED (its batch failed for other
+    requests' sake while Triton gathered its inputs: a batch-mate's malformed tensor, an INVALID_ARGUMENT the model
+    did not tag as it never judged it; or a pool in /dev/shm too small for the batch) or FAILED (no answer, maybe for
+    the model's sake: judged with its progress)."""
     if envelope.read_tagged(details) is not None:  # the model's own judgement of the probe
         return FAILED
     if UNHEALTHY in details:
         return UNHEALTHY_STUB
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
+    if code == grpc.StatusCode.INVALID_ARGUMENT or SHM_ERROR in details:
         return POISONED
     return FAILED
 

@@ -34,6 +34,9 @@ from ..settings import model_limits
 
 SHM_DIR = Path("/dev/shm")
 MIB = 1 << 20
+# Every error the Python backend gives for a pool it cannot grow or create names "shared memory" ("Failed to increase
+# the shared memory pool size ...", "Unable to initialize shared memory key ...").
+SHM_ERROR = "shared memory"
 # Per option of a response, beyond the names it echoes: `"key":0.1234,` and the like, for at most 256 x 255 options.
 RESPONSE_NUMBERS_BYTES = MIB
 

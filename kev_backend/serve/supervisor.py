@@ -20,15 +20,16 @@ because of what other clients send. Once Triton is ready:
   shared-memory prefix, so the files go with its regions);
 - the probe: every KEV_PROBE_INTERVAL_S a real inference (a one-question System One request, at priority 1 so no
   client queue holds or refuses it, errors tagged) goes through Triton's gRPC port (kev_backend/serve/probe.py). A
-  reply saying the stub is not healthy restarts at once. A probe a batch-mate's malformed tensor failed (an
-  INVALID_ARGUMENT the model did not tag) says nothing of the model and never counts. Any other failure (no reply
-  within KEV_PROBE_TIMEOUT_S, a refusal, shared memory too small for its batch, an error) counts only when the
-  model showed no progress over the probe's wait or the last probe timeout, whichever is longer: no instance holding
-  jobs whose beats moved within KEV_PROGRESS_TIMEOUT_S, no beat at all, no stub keeping at least 10 % of a CPU busy
-  (a batch is parsed and tokenized before the model takes it as a job: minutes for large ones, with no beat), and
-  no inference completed by Triton (its statistics). KEV_PROBE_FAILURES such failures in a row restart Triton;
-  progress ends the run. The probe is one request a second in Triton's and Kev's metrics; KEV_PROBE_INTERVAL_S=0
-  turns it off (the stub and heartbeat watches stay);
+  reply saying the stub is not healthy restarts at once. A probe failed with its batch while Triton gathered the
+  batch's inputs (a batch-mate's malformed tensor: an INVALID_ARGUMENT the model did not tag; or the stub's pool in
+  /dev/shm too small for the batch) says nothing of the model and never counts. Any other failure (no reply within
+  KEV_PROBE_TIMEOUT_S, a refusal, an error) counts only when the model showed no progress over the probe's wait or
+  the last probe timeout, whichever is longer: no instance holding jobs whose beats moved within
+  KEV_PROGRESS_TIMEOUT_S, no beat at all, no stub keeping at least 10 % of a CPU busy (a batch is parsed and
+  tokenized before the model takes it as a job: minutes for large ones, with no beat), and no inference completed by
+  Triton (its statistics). KEV_PROBE_FAILURES such failures in a row restart Triton; progress ends the run. The
+  probe is one request a second in Triton's and Kev's metrics; KEV_PROBE_INTERVAL_S=0 turns it off (the stub and
+  heartbeat watches stay);
 - the gateway exiting on its own is restarted too; Triton being away does not touch it (it answers 503 meanwhile).
 A restart: SIGTERM, SIGKILL of its process group after a short grace, its shared-memory regions removed, a fresh
 start. Every restart is one log line ("TRITON RESTART n: what was seen"); recovery is another ("answering again
@@ -392,9 +393,9 @@ class Supervisor:
         recent, wait_s = self.triton_budget.spend(now, failed_start)
         self.triton_restarts += 1
         self.outage_since = self.outage_since or now
-        what = "before it was ready" if failed_start else ""
+        when = " before it was ready" if failed_start else ""
         log(
-            f"TRITON RESTART {self.triton_restarts}: {reason}{' ' + what if what else ''}; restarting tritonserver"
+            f"TRITON RESTART {self.triton_restarts}: {reason}{when}; restarting tritonserver"
             f" ({self.triton_budget.describe(recent, wait_s)})"
         )
         self.stop_triton()
