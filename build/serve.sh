@@ -29,14 +29,27 @@
 #   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (build/.triton-cache)
 #   PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True)  GPU memory that stays flat under load
 #   TRITON_ADMIN_KEY_FILE  file holding the admin key (letters, digits, ._~+/-); default: random per start
-# Supervision (kev_backend/serve/supervisor.py says more):
-#   KEV_PROBE_INTERVAL_S (1; 0 = no inference probe)  KEV_PROBE_TIMEOUT_S (10)  KEV_PROBE_FAILURES (3)
-#     a one-question inference through Triton's gRPC port every interval; a dead Python stub, a probe told the stub
-#     is not healthy, that many failed probes in a row, or tritonserver exiting: Triton is restarted (one log line,
-#     then "answering again after X s"). A gateway that exits is restarted too.
-#   KEV_MAX_RESTARTS (5) within KEV_RESTART_WINDOW_S (600): more restarts than that exit with code 1
-#   KEV_START_TIMEOUT_S (600)  a start not ready by then, or exiting first, exits with code 1 and the reason
+# Supervision (kev_backend/serve/supervisor.py says more): Triton is restarted only when it is dead or truly stuck,
+# never for being busy with valid work or for what other clients send:
+#   - at once: tritonserver exits, a Python stub dies, a probe reply says the stub "is not healthy", or an instance's
+#     heartbeat says its engine is broken;
+#   - KEV_PROGRESS_TIMEOUT_S (120): an instance holds jobs and its heartbeat's beats have not moved that long (the
+#     model beats after every layer of every chunk on the CPU, every GPU pass, every batch taken or answered; each
+#     start gets KEV_HEARTBEAT_PREFIX inside its /dev/shm prefix, which kev-serve sets itself);
+#   - KEV_PROBE_INTERVAL_S (1; 0 = no inference probe)  KEV_PROBE_TIMEOUT_S (10)  KEV_PROBE_FAILURES (3)
+#     a one-question inference through Triton's gRPC port every interval, at priority 1 (config.pbtxt's
+#     priority_levels: clients' full or long queue never holds or refuses it). That many failed probes in a row
+#     restart, counted only while the model shows no progress (no job whose beats moved, no beat, no stub keeping a
+#     CPU busy, no inference completed); a probe failed with its batch by a batch-mate's malformed tensor (an
+#     untagged INVALID_ARGUMENT) or a /dev/shm too small for the batch never counts. One log line per restart, then "answering again after X s". A gateway that
+#     exits is restarted too; Triton's restarts never touch it.
+#   KEV_MAX_RESTARTS (5) within KEV_RESTART_WINDOW_S (600): past that, and after a restart that did not become
+#     ready, each start waits KEV_RESTART_BACKOFF_S (5), doubling up to KEV_RESTART_BACKOFF_MAX_S (300), logged,
+#     until a window passes without a restart. Restarts never end the service.
+#   KEV_START_TIMEOUT_S (600)  the FIRST start not ready by then, or exiting first, exits with code 1 and the reason
 #   KEV_STOP_TIMEOUT_S (5)  SIGTERM/SIGINT: everything stopped by then (SIGKILL at the deadline), exit code 0
+# Shared memory: Triton's Python backend needs up to 832 MiB of /dev/shm per model instance by the default limits
+# (a batch of 64 requests of 4 MiB and their responses; docs/operations.md); kev-serve warns at start with less free.
 # Extra arguments go to tritonserver.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -24,6 +24,8 @@ from typing import Any
 from .protocol.systemone import Limits
 
 REPO = Path(__file__).resolve().parent.parent
+# The variable kev-serve sets for each start of tritonserver: where the model writes its heartbeat (ModelSettings).
+HEARTBEAT_PREFIX = "KEV_HEARTBEAT_PREFIX"
 TRUE = ("1", "on", "true", "yes")
 FALSE = ("0", "off", "false", "no")
 Environment = Mapping[str, str]
@@ -212,7 +214,7 @@ class ModelSettings:
             engine=engine,
             load=groups["load"],
             limits=limits,
-            heartbeat_prefix=variables(env)("KEV_HEARTBEAT_PREFIX", text, None),
+            heartbeat_prefix=variables(env)(HEARTBEAT_PREFIX, text, None),
         )
 
 
@@ -263,16 +265,25 @@ class ServeSettings:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 10.0
     probe_failures: int = 3
+    # The longest a model instance may hold a job without a beat (kev_backend/serve/heartbeat.py): beats come after
+    # every layer of every 4,096-token chunk on the CPU reference path and after every GPU pass, so this covers the
+    # longest single unit of work (docs/operations.md, "Recovery and shutdown", says how it was chosen).
+    progress_timeout_s: float = 120.0
     start_timeout_s: float = 600.0
     stop_timeout_s: float = 5.0
     max_restarts: int = 5
     restart_window_s: float = 600.0
+    # Past max_restarts within the window, each start waits: restart_backoff_s, doubling up to restart_backoff_max_s,
+    # until a whole window passes without a restart.
+    restart_backoff_s: float = 5.0
+    restart_backoff_max_s: float = 300.0
     extra_args: tuple[str, ...] = ()
 
     @classmethod
     def read(cls, env: Environment = os.environ, argv: Iterable[str] = ()) -> ServeSettings:
         d = cls()
         get = variables(env)
+        backoff = get("KEV_RESTART_BACKOFF_S", positive_seconds, d.restart_backoff_s)
         return cls(
             http_port=get("HTTP_PORT", port, d.http_port),
             grpc_port=get("GRPC_PORT", port, d.grpc_port),
@@ -288,10 +299,15 @@ class ServeSettings:
             probe_interval_s=get("KEV_PROBE_INTERVAL_S", seconds, d.probe_interval_s),
             probe_timeout_s=get("KEV_PROBE_TIMEOUT_S", positive_seconds, d.probe_timeout_s),
             probe_failures=get("KEV_PROBE_FAILURES", integer(1), d.probe_failures),
+            progress_timeout_s=get("KEV_PROGRESS_TIMEOUT_S", positive_seconds, d.progress_timeout_s),
             start_timeout_s=get("KEV_START_TIMEOUT_S", seconds, d.start_timeout_s),
             stop_timeout_s=max(2.0, get("KEV_STOP_TIMEOUT_S", seconds, d.stop_timeout_s)),
             max_restarts=get("KEV_MAX_RESTARTS", integer(0), d.max_restarts),
             restart_window_s=get("KEV_RESTART_WINDOW_S", positive_seconds, d.restart_window_s),
+            restart_backoff_s=backoff,
+            restart_backoff_max_s=max(
+                backoff, get("KEV_RESTART_BACKOFF_MAX_S", positive_seconds, d.restart_backoff_max_s)
+            ),
             extra_args=tuple(argv),
         )
 

@@ -41,6 +41,7 @@ import yaml
 from referencing import Registry, Resource
 
 from kev_backend.protocol.systemone import STATE_KEY_HEADER
+from kev_backend.serve import shm
 from tests.helpers import README_ANSWERS, README_REQUEST, TRITON_HTTP
 
 pytestmark = pytest.mark.deploy
@@ -427,6 +428,10 @@ def test_triton_pods_follow_the_design(name: str) -> None:
     assert volumes[mounts["/tmp"]].get("emptyDir") is not None
     if name != "overlays/local":  # local: the runtime's /dev/shm (overlays/local/local.yaml says why)
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        # Room for what the request limits let its one model instance need (kev_backend/serve/shm.py) and the pool's
+        # growth steps: 1 GiB.
+        size = volumes[mounts["/dev/shm"]]["emptyDir"]["sizeLimit"]
+        assert size == "1Gi" and (1 << 30) >= shm.Need(1, 64, 4 << 20).total * 1.2, size
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert env["KEV_CHECKPOINT"].startswith("/models/") and env["KEV_BASE"].startswith("/models/")
         assert volumes[mounts["/models"]]["persistentVolumeClaim"]["readOnly"] is True

@@ -28,8 +28,12 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from kev_backend.dev.ports import free_port
+from kev_backend.protocol import envelope
 from kev_backend.serve import procs, supervisor
+from kev_backend.serve.heartbeat import Heartbeat
+from kev_backend.serve.probe import QUEUE_FULL
 from kev_backend.serve.procs import children
+from kev_backend.serve.progress import Watch
 from kev_backend.serve.supervisor import (
     SHM_DIR,
     SHM_PREFIX,
@@ -224,12 +228,12 @@ def test_killed_stub_is_restarted_and_answers_again(served: Served) -> None:
     assert not list(SHM_DIR.glob(f"{shm_prefix(served.pid, 1)}*"))  # the first start's regions are gone
 
 
-def health(served: Served, timeout_s: float = 3) -> subprocess.CompletedProcess[str]:
+def health(triton: TritonServer, gateway_url: str, timeout_s: float = 3) -> subprocess.CompletedProcess[str]:
     """`python -m kev_backend.serve.probe` (the image's HEALTHCHECK) against this server, as its settings say."""
     ports = {
-        "HTTP_PORT": served.triton.http_url.rsplit(":", 1)[1],
-        "GRPC_PORT": served.triton.grpc_url.rsplit(":", 1)[1],
-        "GATEWAY_PORT": served.gateway_url.rsplit(":", 1)[1],
+        "HTTP_PORT": triton.http_url.rsplit(":", 1)[1],
+        "GRPC_PORT": triton.grpc_url.rsplit(":", 1)[1],
+        "GATEWAY_PORT": gateway_url.rsplit(":", 1)[1],
     }
     command = [sys.executable, "-m", "kev_backend.serve.probe", "--timeout", str(timeout_s)]
     return subprocess.run(command, env={**os.environ, **ports}, capture_output=True, text=True, timeout=60)
@@ -238,13 +242,15 @@ def health(served: Served, timeout_s: float = 3) -> subprocess.CompletedProcess[
 def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
     """A stopped stub is alive, so only the inference probe can tell: Triton refuses it as not healthy. The health
     check (kev_backend.serve.probe) says unhealthy meanwhile, though Triton's process is up, and healthy after."""
-    assert (result := health(served)).returncode == 0 and result.stdout.startswith("healthy"), result
+    assert (result := health(served.triton, served.gateway_url)).returncode == 0 and result.stdout.startswith(
+        "healthy"
+    ), result
     log = served.triton.log.read_text(errors="replace")  # the module's earlier tests may have restarted it already
     restarts, answering = log.count("TRITON RESTART "), log.count("tritonserver answering again after")
     triton = child_named(served.pid, "tritonserver")
     os.kill(child_named(triton, procs.STUB_COMM), signal.SIGSTOP)
     stopped = time.monotonic()
-    result = health(served)
+    result = health(served.triton, served.gateway_url)
     assert result.returncode == 1 and result.stdout.startswith("unhealthy: "), result
     restart = f"TRITON RESTART {restarts + 1}: probe: INTERNAL: Stub process 'kev_0_0' is not healthy"
     wait_for_log(served.triton, restart, 30)
@@ -252,15 +258,17 @@ def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
     print(f"\nSIGSTOP of the stub to answering again: {time.monotonic() - stopped:.1f} s; health: {result.stdout}")
     assert infer(served.triton.grpc_url, 30)[0] is not None
     deadline = time.monotonic() + 10  # the gateway's /ready: its own inference within its last 2 s
-    while (result := health(served)).returncode != 0 and time.monotonic() < deadline:
+    while (result := health(served.triton, served.gateway_url)).returncode != 0 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert result.returncode == 0, result
 
 
 def test_a_saturated_server_is_busy_not_unhealthy(served: Served) -> None:
-    """With Triton's queue full of work, the probe's own inference waits past its timeout or is refused, while other
-    inferences complete: the health check says busy and healthy (a liveness probe must not restart a server for
-    being saturated), and kev-serve restarts nothing."""
+    """With Triton's queue full of work, the health check's probe (at priority 1, ahead of the queue) is answered
+    within a few batches, or waits past its timeout while other inferences complete: healthy either way (a liveness
+    probe must not restart a server for being saturated; the gateway's own inference, queued behind the clients',
+    is not asked of a busy server), and kev-serve restarts nothing. tests/test_supervision.py measures the probe
+    with the queue kept full."""
     # ~200-token states, 700 of them: past the 512 Triton queues, and seconds of work on a CPU, batches completing
     # every second or two meanwhile (the probe's timeout here is the Kubernetes probes' 5 s).
     state = " ".join(["the invoice total was wrong and the refund is late"] * 20)
@@ -274,12 +282,15 @@ def test_a_saturated_server_is_busy_not_unhealthy(served: Served) -> None:
             tensor.set_data_from_numpy(np.array([[json.dumps(body).encode()]], dtype=object))
             client.async_infer("kev", [tensor], callback=lambda result, error: done.put(error))
         wait_until(lambda: metric_values(served.triton).get("nv_inference_pending_request_count", 0) >= 200, "a queue")
-        result = health(served, timeout_s=5)
+        result = health(served.triton, served.gateway_url, timeout_s=5)
         for _ in bodies:
             done.get(timeout=300)  # the flood drains (the requests past the queue's 512 were refused)
     finally:
         client.close()
-    assert result.returncode == 0 and result.stdout.startswith("healthy: Triton busy: "), result
+    assert result.returncode == 0, result
+    assert result.stdout.startswith(("healthy: Triton busy: ", "healthy: Triton ready, a real inference answered")), (
+        result
+    )
     assert served.triton.log.read_text(errors="replace").count("TRITON RESTART ") == restarts
 
 
@@ -367,37 +378,101 @@ class Reply:
         raise error
 
 
-def test_probe_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three failures in a row restart; a stub not healthy restarts at once; a probe the queue refused or that timed
-    out counts only when Triton completed nothing over the probe timeout."""
-    config = ServeSettings(probe_timeout_s=10, probe_failures=3)
+def judging(tmp_path: Path, **settings: float) -> tuple[supervisor.Supervisor, list[str], Heartbeat]:
+    """A supervisor that judges probes without a server: its restarts recorded, one instance (kev_0_0, a pid that
+    never exists) whose heartbeat the test writes."""
+    config = ServeSettings(**{"probe_timeout_s": 10, "probe_failures": 3, "progress_timeout_s": 60, **settings})
     sup = supervisor.Supervisor(config, {}, "key")
     restarts: list[str] = []
-    monkeypatch.setattr(sup, "restart_triton", restarts.append)
-    timeout, full = Reply(grpc.StatusCode.DEADLINE_EXCEEDED), Reply(grpc.StatusCode.UNAVAILABLE, supervisor.QUEUE_FULL)
-    sup.successes.extend([(80.0, 5), (91.0, 9), (99.0, 12)])  # inferences completing: busy, not failing
+    sup.restart_triton = restarts.append  # type: ignore[method-assign]
+    sup.ready = True
+    prefix = f"{tmp_path}/heartbeat_"
+    sup.watch = Watch(prefix, config.progress_timeout_s, keep_s=30)
+    sup.stubs = {1 << 23: "kev_0_0"}  # past Linux's largest pid: no CPU time to read
+    return sup, restarts, Heartbeat(Path(f"{prefix}kev_0_0"))
+
+
+def test_probe_verdicts(tmp_path: Path) -> None:
+    """Failures restart only in a row and while the model shows no progress; a stub not healthy restarts at once; a
+    probe whose batch failed for another request's sake (a batch-mate's malformed tensor: an untagged
+    INVALID_ARGUMENT; a pool too small for the batch) never counts, a tagged refusal does."""
+    sup, restarts, pulse = judging(tmp_path)
+    timeout, full = Reply(grpc.StatusCode.DEADLINE_EXCEEDED), Reply(grpc.StatusCode.UNAVAILABLE, QUEUE_FULL)
+    poisoned = Reply(grpc.StatusCode.INVALID_ARGUMENT, "incomplete string data for inference input 'REQUEST'")
+    no_room = Reply(grpc.StatusCode.INTERNAL, "Failed to increase the shared memory pool size for key 'kev_serve_1'")
+    tagged = Reply(grpc.StatusCode.INVALID_ARGUMENT, envelope.tag_error(422, "state: Field required"))
+    sup.watch.observe(sup.stubs, 0.0)
+    sup.successes.extend([(80.0, 5), (91.0, 9), (99.0, 12)])  # Triton completing inferences: busy, not failing
     for reply in (timeout, full, timeout, full):
-        sup.judge(reply, 100.0)
+        sup.judge(reply, 95.0, 100.0)
     assert sup.failures == 0 and not restarts
-    sup.successes.extend([(100.0, 12)] * 20)  # nothing completed over the last 10 s
-    sup.judge(timeout, 120.0)
-    sup.judge(Reply(grpc.StatusCode.INTERNAL, "kev engine error"), 121.0)
+    sup.successes.extend([(100.0, 12)] * 20)  # nothing completed since
+    sup.judge(timeout, 105.0, 120.0)
+    sup.judge(Reply(grpc.StatusCode.INTERNAL, "kev engine error"), 120.0, 121.0)
+    for reply in (poisoned, no_room) * 3:
+        sup.judge(reply, 121.0, 121.5)  # its batch failed for another request's sake: neither a failure nor an answer
     assert sup.failures == 2 and not restarts
-    sup.judge(Reply(None), 122.0)  # an answer resets the count
+    sup.judge(Reply(None), 122.0, 122.0)  # an answer ends the run
     assert sup.failures == 0
-    for _ in range(3):
-        sup.judge(full, 123.0)
-    assert restarts == [f"3 probes failed in a row, the last: UNAVAILABLE: {supervisor.QUEUE_FULL}"]
-    sup.judge(Reply(grpc.StatusCode.INTERNAL, "Stub process 'kev_0_0' is not healthy."), 124.0)
+    for _ in range(2):
+        sup.judge(full, 123.0, 123.0)
+    sup.judge(tagged, 123.0, 123.5)
+    assert restarts == [
+        "3 probes failed in a row while the model made no progress and Triton completed no inference, the last:"
+        f" INVALID_ARGUMENT: {tagged.details}"
+    ]
+    sup.judge(Reply(grpc.StatusCode.INTERNAL, "Stub process 'kev_0_0' is not healthy."), 124.0, 124.0)
     assert restarts[-1] == "probe: INTERNAL: Stub process 'kev_0_0' is not healthy."
+    # A unit of work under way (a job whose beats moved within the progress timeout): failures do not count, and
+    # progress ends a run.
+    restarts.clear()
+    sup.failures = 0  # as a restart's fresh start does
+    sup.judge(timeout, 125.0, 140.0)
+    pulse.started()
+    sup.watch.observe(sup.stubs, 141.0)
+    for now in (150.0, 170.0, 190.0, 200.0):  # no beat for up to 59 s: one layer may take that long
+        sup.watch.observe(sup.stubs, now)
+        sup.judge(timeout, now - 12, now)
+    assert sup.failures == 0 and not restarts
+    pulse.finished()  # answered: idle, and its beats moved during the next probe's wait
+    sup.watch.observe(sup.stubs, 201.0)
+    sup.judge(timeout, 195.0, 207.0)
+    assert sup.failures == 0
+    for now in (230.0, 250.0, 270.0):  # idle, nothing completes
+        sup.judge(timeout, now - 12, now)
+    assert len(restarts) == 1 and restarts[0].startswith("3 probes failed in a row")
+
+
+def test_heartbeat_verdicts(tmp_path: Path) -> None:
+    """An instance holding jobs whose beats do not move for the progress timeout is hung, one that says it is broken
+    is restarted at once; an idle instance is neither, however long it stays idle."""
+    sup, restarts, pulse = judging(tmp_path, progress_timeout_s=30)
+    sup.watch.observe(sup.stubs, 0.0)
+    assert not sup.step_heartbeats(1000.0)  # idle: never hung
+    pulse.started()
+    for now in (1001.0, 1020.0, 1030.9):
+        assert not sup.step_heartbeats(now)
+    pulse.beat()
+    assert not sup.step_heartbeats(1040.0)  # a beat: the 30 s start again
+    assert sup.step_heartbeats(1070.0) and restarts == [
+        "no progress: model instance kev_0_0 holds 1 job(s) and its beats have not moved for 30 s"
+        " (KEV_PROGRESS_TIMEOUT_S=30)"
+    ]
+    pulse.broken()
+    assert sup.step_heartbeats(1071.0) and restarts[-1] == "model instance kev_0_0 reports its engine broken"
 
 
 def test_restart_budget() -> None:
-    budget = RestartBudget(limit=2, window_s=10)
-    assert [budget.spend(t) for t in (0, 1)] == [1, 2] and not budget.exhausted()
-    assert budget.spend(5) == 3 and budget.exhausted()
-    budget = RestartBudget(limit=2, window_s=10)
-    assert [budget.spend(t) for t in (0, 1, 10.5, 11.5)] == [1, 2, 2, 2] and not budget.exhausted()
+    """Within the budget restarts are at once; past it, and after a start that failed, each waits a backoff that
+    doubles up to its cap, until a whole window passes without a restart."""
+    budget = RestartBudget(limit=2, window_s=100, backoff_s=5, max_backoff_s=20)
+    assert [budget.spend(t) for t in (0, 1)] == [(1, 0), (2, 0)]
+    assert [budget.spend(t) for t in (2, 3, 4, 5, 6)] == [(3, 5), (4, 10), (5, 20), (6, 20), (7, 20)]
+    assert budget.spend(106) == (1, 0)  # 100 s without a restart: the loop is over
+    assert budget.spend(107) == (2, 0)
+    assert budget.spend(108, failed_start=True) == (3, 5)  # a start that failed is not retried at once
+    assert budget.spend(109) == (4, 10)
+    assert "waiting 10 s before starting it again" in budget.describe(4, 10)
 
 
 def test_descendants_are_a_process_tree_below_its_root() -> None:

@@ -50,3 +50,17 @@ def descendants(root: int) -> list[int]:
         frontier = [pid for parent in frontier for pid in children(parent)]
         found.extend(frontier)
     return found
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time a process has used so far, all its threads, user and system (/proc/PID/stat's utime and stime); None
+    once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # from field 3 (state) on
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS

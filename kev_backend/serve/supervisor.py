@@ -8,20 +8,39 @@ by default: Triton's own HTTP front end is not meant to face clients, and its ad
 The model configuration: configs/gpu.pbtxt when the serving environment's torch sees a GPU (KEV_MODEL_CONFIG=auto),
 config.pbtxt otherwise; the first log line says which path, which GPUs and which configuration, and why.
 
-Supervision, once Triton is ready:
-- the Python backend's stub processes (children of tritonserver) are watched: tritonserver 2.51 never restarts a
-  stub that died (kill -9, the OOM killer), it keeps answering "ready" while every request fails, so a dead stub
-  means a Triton restart;
-- every KEV_PROBE_INTERVAL_S a real inference (a one-question System One request to the model) goes through Triton's
-  gRPC port. A reply saying the stub is not healthy restarts Triton at once; KEV_PROBE_FAILURES failures in a row
-  do too. A probe that timed out or was refused by the full queue counts as a failure only when Triton completed no
-  inference at all over the probe timeout (its statistics): a busy server is not restarted. The probe is one request
-  a second in Triton's and Kev's metrics; KEV_PROBE_INTERVAL_S=0 turns it off (the stub watch stays);
-- tritonserver or the gateway exiting on its own is restarted too.
+Supervision restarts Triton only when it is dead or truly stuck, never because it is busy with valid work or
+because of what other clients send. Once Triton is ready:
+- dead: tritonserver exits, or one of the Python backend's stub processes (children of tritonserver) dies
+  (tritonserver 2.51 never restarts a stub that died, kill -9 or the OOM killer, and keeps answering "ready" while
+  every request fails): restart at once;
+- broken: a model instance's heartbeat says its engine is broken (a CUDA error poisons its process): restart at once;
+- hung: an instance holds jobs and its heartbeat's beats have not moved for KEV_PROGRESS_TIMEOUT_S. The model beats
+  after every layer of every chunk on the CPU reference path, after every GPU pass, and when it takes or answers a
+  batch (kev_backend/serve/heartbeat.py; kev-serve gives each start its own KEV_HEARTBEAT_PREFIX, inside the start's
+  shared-memory prefix, so the files go with its regions);
+- the probe: every KEV_PROBE_INTERVAL_S a real inference (a one-question System One request, at priority 1 so no
+  client queue holds or refuses it, errors tagged) goes through Triton's gRPC port (kev_backend/serve/probe.py). A
+  reply saying the stub is not healthy restarts at once. A probe failed with its batch while Triton gathered the
+  batch's inputs (a batch-mate's malformed tensor: an INVALID_ARGUMENT the model did not tag; or the stub's pool in
+  /dev/shm too small for the batch) says nothing of the model and never counts. Any other failure (no reply within
+  KEV_PROBE_TIMEOUT_S, a refusal, an error) counts only when the model showed no progress over the probe's wait or
+  the last probe timeout, whichever is longer: no instance holding jobs whose beats moved within
+  KEV_PROGRESS_TIMEOUT_S, no beat at all, no stub keeping at least 10 % of a CPU busy (a batch is parsed and
+  tokenized before the model takes it as a job: minutes for large ones, with no beat), and no inference completed by
+  Triton (its statistics). KEV_PROBE_FAILURES such failures in a row restart Triton; progress ends the run. The
+  probe is one request a second in Triton's and Kev's metrics; KEV_PROBE_INTERVAL_S=0 turns it off (the stub and
+  heartbeat watches stay);
+- the gateway exiting on its own is restarted too; Triton being away does not touch it (it answers 503 meanwhile).
 A restart: SIGTERM, SIGKILL of its process group after a short grace, its shared-memory regions removed, a fresh
-start. Every restart is one log line (what was seen, the count); recovery is another ("answering again after X s").
-More than KEV_MAX_RESTARTS restarts within KEV_RESTART_WINDOW_S exits non-zero: a crash loop is not hidden. A start
-that does not become ready (exits, or is not ready within KEV_START_TIMEOUT_S) exits non-zero with the reason.
+start. Every restart is one log line ("TRITON RESTART n: what was seen"); recovery is another ("answering again
+after X s"). Restarts are never given up: past KEV_MAX_RESTARTS within KEV_RESTART_WINDOW_S, and after any restart
+that did not become ready, each start first waits a backoff (KEV_RESTART_BACKOFF_S, doubling up to
+KEV_RESTART_BACKOFF_MAX_S, logged), until a whole window passes without a restart. Only the first start of the
+service exits non-zero when it does not become ready (exits, or is not ready within KEV_START_TIMEOUT_S), with the
+reason: a model that cannot load must not loop.
+
+At start kev-serve logs a warning when /dev/shm has less free than the request limits let Triton's Python backend
+need (kev_backend/serve/shm.py).
 
 SIGTERM, SIGINT or SIGHUP stop everything within KEV_STOP_TIMEOUT_S (SIGKILL at the deadline, or at a second
 signal), remove the shared-memory regions and exit 0.
@@ -41,25 +60,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.protobuf import text_format
 
 from ..protocol.systemone import STATE_KEY_HEADER
-from ..settings import REPO, ServeSettings, SettingError, admin_key
-from . import procs
-from .gpus import cuda_devices
-from .probe import QUEUE_FULL, Probe, answered, successes
+from ..settings import HEARTBEAT_PREFIX, REPO, ServeSettings, SettingError, admin_key
+from . import procs, shm
+from .gpus import Devices, cuda_devices
+from .probe import FAILED, POISONED, UNHEALTHY_STUB, Probe, answered, successes, verdict
+from .progress import Watch, heartbeat_prefix
+from .shm import SHM_DIR
 
 # Triton forwards the headers this RE2 pattern matches as request parameters. It matches names as sent, and a (?i)
 # flag did not make 2.51 match other cases: over HTTP the header must come in lower case, as gRPC metadata, Envoy
 # and our clients always send it.
 STATE_KEY_PATTERN = f"^{re.escape(STATE_KEY_HEADER)}$"
 
-SHM_DIR = Path("/dev/shm")
 # Every region of a start is named f"{SHM_PREFIX}{supervisor pid}_{its start time}_{start number}_<uuid>" (the
-# Python backend adds the uuid), so a start's regions, this supervisor's, and those of a supervisor no longer running
-# can be found. The start time tells a supervisor from an earlier one with the same pid: in a container the
-# supervisor has the same pid every time the container starts, and /dev/shm may outlive a container (a pod's).
+# Python backend adds the uuid; the stubs' heartbeats end in heartbeat_<instance> instead), so a start's regions,
+# this supervisor's, and those of a supervisor no longer running can be found. The start time tells a supervisor
+# from an earlier one with the same pid: in a container the supervisor has the same pid every time the container
+# starts, and /dev/shm may outlive a container (a pod's).
 SHM_PREFIX = "kev_serve_"
-UNHEALTHY = "is not healthy"  # the Python backend's refusal once its stub is gone
 TICK_S = 0.1
 # A server being restarted is broken (its stub is dead or hung): nothing it holds is worth waiting for, so it is
 # killed at once (a grace of 2 s was 2 s more of outage on every restart) and its shared memory removed here.
@@ -80,7 +101,8 @@ def log(message: str) -> None:
 
 
 class GiveUp(Exception):
-    """Supervision cannot go on: the reason is logged, everything is stopped, the exit code is 1."""
+    """The service's first start did not become ready (a model that cannot load): the reason is logged, everything is
+    stopped, the exit code is 1. Nothing later gives up: restarts back off instead."""
 
 
 def process_start(pid: int) -> int | None:
@@ -210,21 +232,42 @@ def stop_children(children: list[Child], deadline: float, hurry: Callable[[], bo
 
 @dataclass
 class RestartBudget:
-    """At most `limit` restarts within any `window_s` seconds."""
+    """Restarts of one process: at most `limit` at once within any `window_s`; past that, and after a start that
+    failed, each start waits a backoff that doubles from `backoff_s` up to `max_backoff_s`. A whole window without a
+    restart ends the backoff: the crash loop is over."""
 
     limit: int
     window_s: float
+    backoff_s: float
+    max_backoff_s: float
     times: deque[float] = field(default_factory=deque)
+    wait_s: float = 0.0  # the last backoff; 0 while restarts are within the budget
 
-    def spend(self, now: float) -> int:
-        """Records a restart at `now`; returns the restarts within the window, this one included."""
+    @classmethod
+    def of(cls, config: ServeSettings) -> RestartBudget:
+        return cls(config.max_restarts, config.restart_window_s, config.restart_backoff_s, config.restart_backoff_max_s)
+
+    def spend(self, now: float, failed_start: bool = False) -> tuple[int, float]:
+        """Records a restart at `now`: the restarts within the window (this one included), and how long to wait
+        before starting again (0: at once)."""
+        if self.times and now - self.times[-1] >= self.window_s:
+            self.wait_s = 0.0
         self.times.append(now)
-        while self.times and self.times[0] <= now - self.window_s:
+        while self.times[0] <= now - self.window_s:
             self.times.popleft()
-        return len(self.times)
+        if failed_start or self.wait_s or len(self.times) > self.limit:
+            self.wait_s = min(self.max_backoff_s, self.wait_s * 2 if self.wait_s else self.backoff_s)
+        return len(self.times), self.wait_s
 
-    def exhausted(self) -> bool:
-        return len(self.times) > self.limit
+    def describe(self, recent: int, wait_s: float) -> str:
+        """The log's account of a restart's place in the budget."""
+        within = f"{recent} restart(s) within the last {self.window_s:g} s, limit {self.limit}"
+        if not wait_s:
+            return within
+        return (
+            f"{within}: waiting {wait_s:g} s before starting it again (KEV_RESTART_BACKOFF_S, doubling up to"
+            f" {self.max_backoff_s:g} s until {self.window_s:g} s pass without a restart)"
+        )
 
 
 class Supervisor:
@@ -233,18 +276,24 @@ class Supervisor:
         self.env = env
         self.key = key  # only ever in tritonserver's argv
         self.model_config: str | None = None  # --model-config-name, chosen when run() starts
+        self.devices: Devices | None = None  # the GPUs the serving environment sees, once asked
         self.stop_signal: int | None = None
         self.hurry = False  # a second signal: SIGKILL without waiting for the deadline
-        self.budget = RestartBudget(config.max_restarts, config.restart_window_s)
-        self.triton: Child | None = None
+        self.triton_budget = RestartBudget.of(config)
+        self.gateway_budget = RestartBudget.of(config)
+        self.triton: Child | None = None  # None between a restart's stop and its (backed-off) start
         self.gateway: Child | None = None
+        self.next_start = 0.0  # when to start tritonserver again, while it is None
+        self.next_gateway_start = 0.0
         self.gateway_restarts = 0
         self.triton_restarts = 0
         self.starts = 0
         self.ready = False
+        self.ever_ready = False  # some start became ready: from then on nothing gives up
         self.start_deadline = 0.0
         self.outage_since: float | None = None  # when the failure behind the current restart was seen
         self.stubs: dict[int, str] = {}
+        self.watch: Watch | None = None
         self.probe: Probe | None = None
         self.readiness: grpc.Future | None = None
         self.inference: grpc.Future | None = None
@@ -292,13 +341,16 @@ class Supervisor:
 
     def start_triton(self) -> None:
         self.starts += 1
+        prefix = heartbeat_prefix(shm_prefix(os.getpid(), self.starts))
         # The gateway's bearer key stays out of Triton and its Python stubs, which parse what clients send.
         triton_env = {name: value for name, value in self.env.items() if name != "KEV_API_KEY"}
+        triton_env[HEARTBEAT_PREFIX] = prefix
         self.triton = Child("tritonserver", self.triton_command(), triton_env)
         now = time.monotonic()
         self.ready = False
         self.start_deadline = now + self.config.start_timeout_s
         self.stubs = {}
+        self.watch = Watch(prefix, self.config.progress_timeout_s, keep_s=2 * self.config.probe_timeout_s + 10)
         if self.probe is not None:
             self.probe.close()
         self.probe = Probe(self.config.grpc_target, self.config.model)
@@ -331,42 +383,46 @@ class Supervisor:
         self.gateway = Child("kev-gateway", [*command, "--triton", c.grpc_target, "--metrics", metrics], self.env)
         log(f"System One gateway pid {self.gateway.pid} on {c.bind_address}:{c.gateway_port}")
 
-    def spend_restart(self, what: str, reason: str) -> int:
-        recent = self.budget.spend(time.monotonic())
-        if self.budget.exhausted():
-            raise GiveUp(
-                f"{what}: {reason}; {recent} restarts within {self.config.restart_window_s:g} s exceed the limit of"
-                f" {self.config.max_restarts} (KEV_MAX_RESTARTS): giving up"
-            )
-        return recent
-
     def restart_triton(self, reason: str) -> None:
-        if not self.ready:  # a start that fails is not retried: its cause (a model that fails to load) stays
+        """Stops tritonserver and schedules its next start: at once, or after the backoff (RestartBudget). Only the
+        service's first start is not retried: its cause (a model that fails to load) would stay."""
+        if not self.ever_ready:
             raise GiveUp(f"tritonserver did not become ready: {reason}")
-        recent = self.spend_restart("tritonserver", reason)
+        now = time.monotonic()
+        failed_start = not self.ready
+        recent, wait_s = self.triton_budget.spend(now, failed_start)
         self.triton_restarts += 1
-        self.outage_since = self.outage_since or time.monotonic()
+        self.outage_since = self.outage_since or now
+        when = " before it was ready" if failed_start else ""
         log(
-            f"TRITON RESTART {self.triton_restarts}: {reason}; restarting tritonserver ({recent} restart(s) within the"
-            f" last {self.config.restart_window_s:g} s, limit {self.config.max_restarts})"
+            f"TRITON RESTART {self.triton_restarts}: {reason}{when}; restarting tritonserver"
+            f" ({self.triton_budget.describe(recent, wait_s)})"
         )
         self.stop_triton()
-        if self.stop_signal is None:
-            self.start_triton()
+        self.next_start = time.monotonic() + wait_s
+
+    def restart_gateway(self, now: float) -> None:
+        """The gateway exited on its own: started again at once, or after the backoff (RestartBudget)."""
+        assert self.gateway is not None
+        reason = f"gateway pid {self.gateway.pid} {describe_exit(self.gateway.reap())}"
+        recent, wait_s = self.gateway_budget.spend(now)
+        self.gateway_restarts += 1
+        budget = self.gateway_budget.describe(recent, wait_s)
+        log(f"GATEWAY RESTART {self.gateway_restarts}: {reason}; restarting it ({budget})")
+        self.gateway = None
+        self.next_gateway_start = now + wait_s
 
     # Supervision
 
     def step(self, now: float) -> None:
-        assert self.triton is not None and self.probe is not None
+        self.step_gateway(now)
+        if self.triton is None:  # stopped by a restart: started again once its backoff has passed
+            if now >= self.next_start:
+                self.start_triton()
+            return
         if self.triton.exited():
             self.restart_triton(f"tritonserver pid {self.triton.pid} {describe_exit(self.triton.reap())}")
             return
-        if self.gateway is not None and self.gateway.exited():
-            reason = f"gateway pid {self.gateway.pid} {describe_exit(self.gateway.reap())}"
-            recent = self.spend_restart("gateway", reason)
-            self.gateway_restarts += 1
-            log(f"GATEWAY RESTART {self.gateway_restarts}: {reason}; restarting it ({recent} restart(s) in the window)")
-            self.start_gateway()
         if not self.ready:
             self.step_starting(now)
             return
@@ -374,8 +430,16 @@ class Supervisor:
             dead = ", ".join(f"{name} (pid {pid})" for pid, name in self.stubs.items() if self.stub_dead(pid))
             self.restart_triton(f"Python backend stub {dead} died")
             return
+        if self.step_heartbeats(now):
+            return
         if self.config.probe_interval_s > 0:
             self.step_probing(now)
+
+    def step_gateway(self, now: float) -> None:
+        if self.gateway is not None and self.gateway.exited():
+            self.restart_gateway(now)
+        if self.gateway is None and self.config.gateway and now >= self.next_gateway_start:
+            self.start_gateway()
 
     def step_starting(self, now: float) -> None:
         assert self.probe is not None
@@ -389,14 +453,18 @@ class Supervisor:
                 self.became_ready(now)
                 return
         if now > self.start_deadline:
-            raise GiveUp(f"tritonserver not ready within {self.config.start_timeout_s:g} s (KEV_START_TIMEOUT_S)")
+            reason = f"tritonserver not ready within {self.config.start_timeout_s:g} s (KEV_START_TIMEOUT_S)"
+            if not self.ever_ready:
+                raise GiveUp(reason)
+            self.restart_triton(reason)
+            return
         if self.readiness is None and now >= self.next_check:
             self.readiness = self.probe.ready()
             self.next_check = now + 0.2
 
     def became_ready(self, now: float) -> None:
         assert self.triton is not None
-        self.ready = True
+        self.ready = self.ever_ready = True
         self.stubs = python_stubs(self.triton.pid)
         stubs = ", ".join(f"{name} pid {pid}" for pid, name in self.stubs.items()) or "none"
         log(f"tritonserver ready after {now - self.triton.started:.1f} s (pid {self.triton.pid}; stubs: {stubs})")
@@ -414,6 +482,19 @@ class Supervisor:
         stat = procs.proc_stat(pid)
         return stat is None or stat[1] == "Z" or stat[2] != self.triton.pid
 
+    def step_heartbeats(self, now: float) -> bool:
+        """Reads the instances' heartbeats; restarts Triton (True) when one is broken or hung."""
+        assert self.watch is not None
+        self.watch.observe(self.stubs, now)
+        if broken := self.watch.broken():
+            self.restart_triton(f"model instance {', '.join(broken)} reports its engine broken")
+            return True
+        if hung := self.watch.hung(now):
+            limit = f"KEV_PROGRESS_TIMEOUT_S={self.config.progress_timeout_s:g}"
+            self.restart_triton(f"no progress: model instance {'; '.join(hung)} ({limit})")
+            return True
+        return False
+
     def step_probing(self, now: float) -> None:
         assert self.probe is not None
         c = self.config
@@ -427,7 +508,7 @@ class Supervisor:
             self.statistics, self.statistics_sent = self.probe.statistics(), now
             self.next_statistics = now + c.probe_interval_s
         if self.inference is not None and (self.inference.done() or now > self.inference_sent + c.probe_timeout_s + 2):
-            self.judge(self.inference, now)
+            self.judge(self.inference, self.inference_sent, now)
             self.inference = None
             if not self.ready:  # judged broken: restarted
                 return
@@ -435,32 +516,48 @@ class Supervisor:
             self.inference, self.inference_sent = self.probe.infer(c.probe_timeout_s), now
             self.next_probe = now + c.probe_interval_s
 
-    def judge(self, reply: grpc.Future, now: float) -> None:
+    def judge(self, reply: grpc.Future, sent: float, now: float) -> None:
+        """The verdict on a probe sent at `sent` (probe.verdict): answered, unhealthy (restart), poisoned by other
+        requests (nothing learnt), or failed, which counts toward KEV_PROBE_FAILURES only while the model shows no
+        progress (and progress ends the run)."""
         if not reply.done():
             reply.cancel()
-            error = f"no reply within {self.config.probe_timeout_s:g} s"
-            busy = self.progressing(now)
+            error, kind = f"no reply within {self.config.probe_timeout_s:g} s", FAILED
         else:
             try:
-                ok = answered(reply.result())
-                error = "" if ok else "the reply holds no answer"
-                busy = False
+                error = "" if answered(reply.result()) else "the reply holds no answer"
+                kind = FAILED
             except grpc.RpcError as rpc_error:
                 error = f"{rpc_error.code().name}: {rpc_error.details()}"
-                if UNHEALTHY in error:
-                    self.restart_triton(f"probe: {error}")
-                    return
-                timed_out = rpc_error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                busy = (timed_out or QUEUE_FULL in error) and self.progressing(now)
+                kind = verdict(rpc_error.code(), rpc_error.details() or "")
         if not error:
             self.failures = 0
             self.recovered(now)
-        elif not busy:  # a busy server (inferences completing) that queued or refused the probe is not failing
+        elif kind == UNHEALTHY_STUB:
+            self.restart_triton(f"probe: {error}")
+        elif kind == POISONED:
+            pass  # its batch failed for other requests' sake: no evidence about the model either way
+        elif self.progressing(sent, now):
+            self.failures = 0  # busy, not failing
+        else:
             self.failures += 1
             if self.failures >= self.config.probe_failures:
-                self.restart_triton(f"{self.failures} probes failed in a row, the last: {error}")
+                self.restart_triton(
+                    f"{self.failures} probes failed in a row while the model made no progress and Triton completed"
+                    f" no inference, the last: {error}"
+                )
 
-    def progressing(self, now: float) -> bool:
+    def progressing(self, sent: float, now: float) -> bool:
+        """The model shows progress for a probe sent at `sent`, over its wait or the last probe timeout, whichever is
+        longer: an instance holds jobs whose beats moved within the progress timeout, an instance's beats moved, a
+        stub kept a CPU busy (preparing a batch, which the heartbeat does not cover), or Triton completed
+        inferences."""
+        assert self.watch is not None
+        since = min(sent, now - self.config.probe_timeout_s)
+        watch = self.watch
+        return watch.busy(now) or watch.moved_since(since) or watch.worked_since(since) or self.triton_completed(now)
+
+    def triton_completed(self, now: float) -> bool:
         """Triton completed inferences within the last probe timeout (by its statistics, sampled every interval)."""
         window = self.config.probe_timeout_s
         fresh = [count for t, count in self.successes if t >= now - window]
@@ -468,6 +565,23 @@ class Supervisor:
         if not fresh:
             return False
         return max(fresh) > (older[-1] if older else min(fresh))
+
+    def check_shm(self) -> None:
+        """Logs a warning when /dev/shm has less free than the request limits let the Python backend need."""
+        name = self.model_config or config_name_in(self.config.extra_args)
+        path = shm.config_path(self.config.model_repository, self.config.model, name)
+        try:
+            needed = shm.need(path, lambda: len(self.visible_devices().gpus), self.env)
+        except (OSError, ValueError, text_format.ParseError) as error:
+            log(f"{SHM_DIR} not checked: {path}: {error}")
+            return
+        if warning := shm.check(needed, shm.free_bytes()):
+            log(warning)
+
+    def visible_devices(self) -> Devices:
+        if self.devices is None:
+            self.devices = cuda_devices(self.config.venv / "bin" / "python")
+        return self.devices
 
     # Lifecycle
 
@@ -487,8 +601,9 @@ class Supervisor:
                 f"WARNING: Triton's ports bind {self.config.triton_address}: they face the network, and the admin key"
                 " guarding its restricted APIs is readable by local users in tritonserver's argv"
             )
-        self.model_config, why = choose_model_config(self.config)
+        self.model_config, why = choose_model_config(self.config, self.visible_devices)
         log(why)
+        self.check_shm()
         code = 0
         try:
             self.start_triton()
@@ -517,19 +632,28 @@ class Supervisor:
         log(f"stopped in {time.monotonic() - started:.1f} s ({len(removed)} shared-memory region(s) removed{killed})")
 
 
-def choose_model_config(config: ServeSettings) -> tuple[str | None, str]:
+def config_name_in(extra_args: tuple[str, ...]) -> str | None:
+    """The --model-config-name given among tritonserver's arguments, if any."""
+    for arg in extra_args:
+        if arg.startswith("--model-config-name="):
+            return arg.partition("=")[2] or None
+    return None
+
+
+def choose_model_config(config: ServeSettings, devices: Callable[[], Devices] | None = None) -> tuple[str | None, str]:
     """The model configuration Triton loads (a name for --model-config-name; None: config.pbtxt), and the start-up
-    line that says which path, GPUs and configuration were chosen, and why."""
+    line that says which path, GPUs and configuration were chosen, and why. `devices` asks which GPUs the serving
+    environment sees (cuda_devices by default), only when the choice depends on it."""
     if any(arg.startswith("--model-config-name") for arg in config.extra_args):
         return None, "model config: as tritonserver's arguments say"
     if config.model_config == "default":
         return None, "model config: config.pbtxt (KEV_MODEL_CONFIG=default)"
     if config.model_config != "auto":
         return config.model_config, f"model config: configs/{config.model_config}.pbtxt (KEV_MODEL_CONFIG)"
-    devices = cuda_devices(config.venv / "bin" / "python")
-    if devices.gpus:
-        return "gpu", f"GPU path: {devices.describe()}; model config configs/gpu.pbtxt (an instance per GPU)"
-    return None, f"CPU path ({devices.describe()}); model config config.pbtxt"
+    seen = devices() if devices is not None else cuda_devices(config.venv / "bin" / "python")
+    if seen.gpus:
+        return "gpu", f"GPU path: {seen.describe()}; model config configs/gpu.pbtxt (an instance per GPU)"
+    return None, f"CPU path ({seen.describe()}); model config config.pbtxt"
 
 
 def child_env(env: dict[str, str], config: ServeSettings) -> dict[str, str]:
