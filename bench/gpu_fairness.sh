@@ -49,8 +49,9 @@ run_serve() {
   grep -E "kev-serve|kev: " "$out/serve.log" | cut -c1-300 | tail -6
 }
 served_from() {  # LABEL TREE: TREE served (its own setup), served.py against it, stopped
-  local label=$1 tree=$2 started serve
-  (cd "$tree" && make setup WHEELHOUSE="$(realpath "$WHEELHOUSE")" TORCH=system SETS=serve PYTHON=python3 \
+  local label=$1 tree=$2 started serve wheels
+  wheels=$(realpath "$WHEELHOUSE")  # here: WHEELHOUSE may be relative to this tree
+  (cd "$tree" && make setup WHEELHOUSE="$wheels" TORCH=system SETS=serve PYTHON=python3 \
     >"$out/setup-$label.log" 2>&1) || { tail -5 "$out/setup-$label.log"; return 1; }
   kev4b_checkpoint || return 1
   started=$(python3 -c 'import time; print(time.time())')
@@ -63,12 +64,13 @@ served_from() {  # LABEL TREE: TREE served (its own setup), served.py against it
   wait $serve
 }
 run_ab() {
-  local base=$PWD/.ab/base round side
+  local base=$PWD/.ab/base round side turn=0
   [[ -d $base ]] || { echo "no .ab/base: run bench/gpu_fairness.sh prepare REV here and carry .ab"; return 1; }
   for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
     for side in base this this base; do
-      [[ $side == base ]] && served_from "base-$(cat .ab/REV)-$round$side" "$base"
-      [[ $side == this ]] && served_from "this-$round$side" "$PWD"
+      ((turn += 1))
+      [[ $side == base ]] && served_from "$turn-base-$(cat .ab/REV)" "$base"
+      [[ $side == this ]] && served_from "$turn-this" "$PWD"
     done
   done
   "$PY" -c "import json, glob, sys; json.dump({p: json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + '/served-*-*.json'))}, open(sys.argv[1] + '/served-ab.json', 'w'), indent=1)" "$out"

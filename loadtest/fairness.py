@@ -5,7 +5,7 @@
 
 Three phases over gRPC, each against a running server:
 1. quiet: `--clients` closed-loop short6 clients (new states) for `--seconds`: their p50 and p99;
-2. alone: long requests one at a time, no other load: each one's latency;
+2. alone: one short6 client alone (`solo`), then long requests one at a time beside it: each one's latency;
 3. loaded: the short6 clients again while `--long-clients` closed-loop clients keep sending long requests.
 
 Long requests are `state` (long5's five questions on a new state of exactly `--tokens` tokens, <state> included, as
@@ -13,12 +13,12 @@ the checkpoint's tokenizer counts: `--tokenizer` is its base directory) or `perm
 /permute of 64 orders of a 255-option question: one request of 64 questions on a new short state).
 
 One work unit, the most a short request should wait behind long work, is measured: while each long request runs
-alone, one client sends short6 requests back to back, and the longest of them less the quiet p50 is the longest wait
-behind one unit of long work (`unit_ms`; on the CPU the last chunk of a long state, which attends to all before it;
-on a GPU a long state's whole pass). The goal holds when the loaded p99 is at most twice the quiet p99 plus one unit
-(`goal_ms`, `fair`). `mean_unit_ms` is a long request's latency alone over its units, `--units` (default: a
-state's chunks of `--unit-tokens` and its row passes, as the CPU reference path runs them; a GPU runs a long state or
-a /permute as one pass: `--units 1`).
+alone, one client sends short6 requests back to back, and the longest of them less one client's p50 with nothing
+else running (`solo`, a few seconds first) is the longest wait behind one unit of long work (`unit_ms`; on the CPU
+the last chunk of a long state, which attends to all before it; on a GPU a long state's whole pass). The goal holds
+when the loaded p99 is at most twice the quiet p99 plus one unit (`goal_ms`, `fair`). `mean_unit_ms` is a long
+request's latency alone over its units, `--units` (default: a state's chunks of `--unit-tokens` and its row passes,
+as the CPU reference path runs them; a GPU runs a long state or a /permute as one pass: `--units 1`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from kev_backend.dev.workloads import short6, sized, state_counter
 from kev_backend.protocol.encoding import KevTokenizer
 from kev_backend.serve.client import AsyncKevClient, KevError
 
+SOLO_S = 5.0  # one short6 client alone, before the long requests alone
 COUNTER = itertools.count(30_000_000)  # states no other load test sends
 OPTIONS = dict.fromkeys((f"option {i}" for i in range(255)), None)  # a 7.8 KB /permute body, as hostile clients send
 CHOICE = {"type": "choice", "instructions": "Which team should take this ticket?", "criteria": OPTIONS}
@@ -130,6 +131,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         record["quiet"] = summary(latencies, len(failures))
         print(f"quiet: {record['quiet']}", flush=True)
 
+        # The client beside a lone long request is alone: its own latency with nothing ahead is one client's.
+        solo: list[float] = []
+        await loop(kev, short, time.perf_counter() + SOLO_S, solo, failures)
+        record["solo"] = summary(solo, len(failures))
         alone, beside = [], []
         for _ in range(args.alone):
             seconds, waits = await long_alone(kev, long_body(), short)
@@ -138,7 +143,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         record["long_alone_ms"] = [1000 * s for s in alone]
         record["mean_unit_ms"] = 1000 * statistics.median(alone) / units
         record["beside_alone"] = summary(beside, 0)
-        record["unit_ms"] = 1000 * max(beside) - record["quiet"]["p50_ms"]
+        record["unit_ms"] = 1000 * max(beside) - record["solo"]["p50_ms"]
         print(f"long alone: {record['long_alone_ms']} ms; one unit {record['unit_ms']:.0f} ms", flush=True)
 
         latencies, failures, long_latencies, long_failures = [], [], [], []
