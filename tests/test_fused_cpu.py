@@ -11,6 +11,7 @@ import pytest
 from kev_backend.dev import tiny
 from kev_backend.dev.parity import compare
 from kev_backend.dev.workloads import realistic, short6, sized, state_counter
+from kev_backend.gpu.scorer import Row
 from kev_backend.model.qwen35 import FULL_ATTENTION, LINEAR_ATTENTION
 
 from .fused_cpu_ops import CALLS, engines
@@ -63,6 +64,30 @@ def test_a_batch_with_more_states_than_the_bank_holds_runs_in_passes_it_can_hold
     encoded = [reference.prepare(short6(i))[1] for i in range(4)]
     report = compare(reference.scorer.probabilities(encoded), fused.probabilities(encoded))
     assert report["max_abs"] < 2e-5, report
+
+
+def test_a_state_with_more_rows_than_a_pass_spreads_them_over_passes(tiny_dir: Path) -> None:
+    """A state whose rows do not fit one pass beside it goes with its first rows; the rest follow in passes of rows
+    only (reading it from the bank), none over the budget beyond the state and its first row: the same answers as
+    the reference, alone and beside other requests, and as one pass of it all."""
+    budget = 300
+    reference, fused = engines(tiny_dir, pass_tokens=budget, graphs=False)
+    _, whole = engines(tiny_dir, pass_tokens=1 << 20, graphs=False)
+    question = {"type": "choice", "instructions": "which team?", "criteria": {f"team {i}": None for i in range(12)}}
+    many = {"state": " ".join(["ticket"] * 200), "questions": {f"q{i}": question for i in range(12)}}
+    encoded = [reference.prepare(r)[1] for r in (short6(1), many, short6(2))]
+    state, rows = len(encoded[1].state), [len(q.tokens) for q in encoded[1].questions]
+    assert state + sum(rows) > budget and state + rows[0] <= budget  # the test's premise: it cannot fit one pass
+    passes = fused.plan([Row(r, q, t, e.state) for r, e in enumerate(encoded) for q, t in enumerate(e.questions)])
+    own = [group for group in passes if any(row.request == 1 for row in group)]
+    assert len(own) > 2 and all(row.request == 1 for group in own for row in group)
+    assert sum(len(group) for group in own) == len(rows)
+    for group in own[1:]:
+        assert sum(len(row.tokens.tokens) for row in group) <= budget  # rows only: the state is banked by then
+    expected = reference.scorer.probabilities(encoded)
+    for result in (fused.probabilities(encoded), fused.probabilities([encoded[1]]), whole.probabilities(encoded)):
+        report = compare(expected if len(result) == 3 else expected[1:2], result)
+        assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
 
 
 def test_a_failed_capture_leaves_its_bucket_eager(tiny_dir: Path) -> None:

@@ -176,6 +176,50 @@ def test_a_state_over_cudnn_above_answers_alike_alone_and_batched(tiny_dir: Path
     torch.cuda.empty_cache()
 
 
+def test_the_bank_takes_what_the_largest_pass_leaves(tiny_dir: Path) -> None:
+    """Kev-4B's shapes with the bank left to the engine (gpu/memory.py): the plan measured its largest pass, the bank
+    is what the GPU's memory allows, and the largest request the limits allow (a 65,536-token state and questions up
+    to the work limit, its rows over several passes) runs without running out of memory, its peak within the plan's
+    accounting; its answers are the same bits as from one pass of it all, and as alone."""
+    from kev_backend.dev.workloads import sized, state_counter
+    from kev_backend.gpu.memory import MARGIN_BYTES
+    from kev_backend.gpu.scorer import Row
+
+    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    engine = Engine(checkpoint, EngineOptions(backend="fused", warm=False))
+    plan = engine.scorer.memory
+    assert plan is not None and plan.working > 0 and plan.graphs > 0
+    assert engine.scorer.bank_bytes == min(plan.total // 5, plan.left)
+    print("memory plan", json.dumps({k: getattr(plan, k) for k in plan.__dataclass_fields__}), engine.summary())
+    count = state_counter(engine.tokenizer)
+    question = {"type": "choice", "instructions": "which team?", "criteria": {f"team {i}": None for i in range(255)}}
+    limits = engine.options.limits
+    body = sized(limits.max_state_tokens, count, 0, questions={"q0": question})
+    encoded = engine.prepare(body)[1]
+    per_question = len(encoded.questions[0].tokens)
+    n = (limits.max_request_tokens - len(encoded.state)) // per_question
+    body["questions"] = {f"q{i}": question for i in range(n)}
+    encoded = engine.prepare(body)[1]
+    passes = engine.scorer.plan([Row(0, q, tokens, encoded.state) for q, tokens in enumerate(encoded.questions)])
+    assert len(passes) > 1
+    assert max(sum(len(row.tokens.tokens) for row in group) for group in passes[1:]) <= engine.scorer.pass_tokens
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    answers = engine.scorer.probabilities([encoded])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    print(f"largest request: {len(passes)} passes, peak {peak / 2**30:.2f} GiB")
+    assert engine.scorer.oom_retries == 0
+    assert peak <= plan.weights + engine.scorer.bank.pool.nbytes + plan.working + plan.graphs + MARGIN_BYTES
+    whole = Engine(
+        checkpoint,
+        EngineOptions(backend="fused", warm=False, graphs=False, pass_tokens=1 << 20, bank_bytes=plan.minimum),
+    )
+    assert whole.scorer.probabilities([encoded]) == answers
+    del engine, whole, checkpoint
+    torch.cuda.empty_cache()
+
+
 def test_after_a_failed_capture_passes_run_eagerly(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A capture that fails (here: a sync inside one bucket's capture) stops further captures, and the engine keeps
     answering: the graphs already captured replay, every other pass runs eagerly, with the answers of an engine

@@ -34,6 +34,7 @@ import torch
 
 from ..engine.engine import Engine, EngineOptions, dumps
 from ..engine.pipeline import Pipeline, parts_by_size
+from ..gpu.memory import states_held
 from ..gpu.pool import StatePool
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from ..model.qwen35 import DELTA_RULE_CHUNK, FULL_ATTENTION, Qwen35Config
@@ -301,16 +302,13 @@ def scaling_point(engine: Engine, tokens: int, ceil: dict[str, float], repeat: i
 def pool_capacity(pool: StatePool, tokens: int) -> dict[str, Any]:
     """How many states of `tokens` tokens a fused-path state pool holds at once: each takes a DeltaNet slot and
     ceil(tokens / page_size) K/V pages; the scratch slot and page are never given out."""
-    pages = pool.scratch_token // pool.page_size
-    per_state = math.ceil(tokens / pool.page_size)
-    storage = sum(t.numel() * t.element_size() for t in (pool.recurrent, pool.conv, pool.keys, pool.values))
     return {
         "state_tokens": tokens,
-        "states": min(pool.scratch_slot, pages // per_state),
+        "states": states_held(pool.scratch_slot, pool.pages, pool.page_size, tokens),
         "slots": pool.scratch_slot,
-        "pages": pages,
-        "pages_per_state": per_state,
-        "bank_gib": storage / GIB,
+        "pages": pool.pages,
+        "pages_per_state": math.ceil(tokens / pool.page_size),
+        "bank_gib": pool.nbytes / GIB,
     }
 
 
@@ -380,7 +378,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=defaults.graphs, help="CUDA graphs")
     parser.add_argument("--long-kernels", choices=("triton", "fla"), default=defaults.long_kernels)
     parser.add_argument("--gemm-algos", default=defaults.gemm_algos, help="auto, off or a table (cublaslt.pretuned)")
-    parser.add_argument("--bank-gib", type=float, default=24.0, help="the state bank")
+    parser.add_argument("--bank-gib", type=float, help="the state bank (default: as the server sizes it)")
     parser.add_argument("--size", choices=list(tiny.SIZES), help="random weights of a Kev size's shapes (4b)")
     parser.add_argument("--checkpoint", type=Path, help="a Kev checkpoint (with --size: checked to be its shapes)")
     parser.add_argument("--base", help="a local copy of the checkpoint's base model, when head.pt names a Hub id")
@@ -501,7 +499,7 @@ def main() -> None:
     options = EngineOptions(
         device="cuda",
         backend=args.backend,
-        bank_bytes=int(args.bank_gib * GIB),
+        bank_bytes=None if args.bank_gib is None else int(args.bank_gib * GIB),
         graphs=args.graphs,
         long_kernels=args.long_kernels,
         gemm_algos=args.gemm_algos,

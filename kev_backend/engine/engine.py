@@ -89,7 +89,9 @@ class EngineOptions:
     # bf16/fp16 model, else the reference path.
     backend: str = "auto"
     pass_tokens: int = 32_768  # fused path: tokens per pass (states, counted once, and their rows)
-    bank_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA a fifth of the device's memory
+    # None: 1 GiB on CPU; on CUDA the fused path's bank takes a fifth of the GPU, or what the weights and its largest
+    # pass leave if less (gpu/memory.py), the reference path's a fifth
+    bank_bytes: int | None = None
     row_pass_tokens: int = 16_384
     # fused path: CUDA graphs (kev_backend/gpu/graphs.py) for passes of short rows and new states (long new states
     # only with long_kernels "triton"), buckets up to graph_max_tokens tokens (111 up to 4,096), at most max_graphs
@@ -245,9 +247,10 @@ class Engine:
                 checkpoint.head,
                 checkpoint.temperature,
                 pad,
-                self.options.resolved_bank_bytes(self.device),
+                self.options.bank_bytes,
                 pass_tokens=self.options.pass_tokens,
                 max_state_tokens=self.options.limits.max_state_tokens,
+                max_row_tokens=self.options.limits.max_row_tokens,
                 graphs=self.options.graphs,
                 graph_max_tokens=self.options.graph_max_tokens,
                 max_graphs=self.options.max_graphs,
@@ -355,7 +358,10 @@ class Engine:
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
         path = f"{self.backend} path" + (f" ({self.backend_why})" if self.backend_why else "")
         graphed = held or "no CUDA graphs"
-        return f"on {self.device}, {path}; {graphed}; {self._gemms()}{self._preparation()}start-up seconds {phases}"
+        bank = f"{summary()}; " if (summary := getattr(self.scorer, "bank_summary", None)) else ""
+        return (
+            f"on {self.device}, {path}; {graphed}; {bank}{self._gemms()}{self._preparation()}start-up seconds {phases}"
+        )
 
     def _gemms(self) -> str:
         """How the fused path's projections run on a GPU, for the start-up line."""

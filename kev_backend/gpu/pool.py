@@ -59,8 +59,14 @@ class StatePool:
         # their (empty) states and K/V there, so a replay never touches a real state.
         self.scratch_slot = n_slots - 1
         self.scratch_token = (n_pages - 1) * page_size
+        self.pages = n_pages - 1  # to give: all but the scratch page (and `scratch_slot` slots)
         self.free_slots = list(range(n_slots - 1))
         self.free_pages = list(range(n_pages - 1))
+
+    @property
+    def nbytes(self) -> int:
+        """What the pool holds on its device."""
+        return sum(t.numel() * t.element_size() for t in (self.recurrent, self.conv, self.keys, self.values))
 
     @classmethod
     def sized(

@@ -18,8 +18,12 @@ from ..scoring.transfer import device_int_fields
 from ..scoring.units import Units, run_units
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .head import PointerHead
+from .memory import BANK_SHARE, MemoryPlan, gib, states_held
 from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, check_long_kernels, is_short
 from .pool import GpuBank, Slot, StatePool
+
+# The bank where none is given and the device is not a GPU (the fused pass's stand-ins on a CPU, in tests).
+DEFAULT_CPU_BANK_BYTES = 1 << 30
 
 
 @dataclass
@@ -39,9 +43,10 @@ class FusedScorer:
         head: dict[str, torch.Tensor],
         temperature: float,
         pad_id: int,
-        bank_bytes: int,
+        bank_bytes: int | None = None,
         pass_tokens: int = 32_768,
         max_state_tokens: int = 65_536,
+        max_row_tokens: int = 73_728,
         dtype: torch.dtype = torch.bfloat16,
         kernels: PassKernels | None = None,
         graphs: bool = True,
@@ -58,7 +63,7 @@ class FusedScorer:
         self.pad_id = pad_id
         self.pass_tokens = pass_tokens
         self.max_state_tokens = max_state_tokens
-        self.bank_bytes = bank_bytes
+        self.max_row_tokens = max_row_tokens
         self.dtype = dtype
         self.kernels = kernels
         # CUDA graphs for passes that fit a bucket (graphs.py; with long new states only on our long kernels); off:
@@ -66,6 +71,12 @@ class FusedScorer:
         self.use_graphs = graphs
         self.graph_max_tokens = graph_max_tokens
         self.max_graphs = max_graphs
+        # None: on a GPU, what the weights and the largest pass leave, at most a fifth of it (gpu/memory.py).
+        self.memory: MemoryPlan | None = None
+        if bank_bytes is None and self.device.type == "cuda":
+            self.memory = self.plan_memory()
+            bank_bytes = self.memory.bank_bytes()
+        self.bank_bytes = DEFAULT_CPU_BANK_BYTES if bank_bytes is None else bank_bytes
         self.bank = self._new_bank()
         self.model = self._new_model()
         self.graphs = self._new_graphs()
@@ -73,16 +84,75 @@ class FusedScorer:
         # Unused: the fused path's units are its passes, and whoever drives them (engine/pipeline.py) reports them.
         self.on_progress: Callable[[], None] | None = None
 
-    def _new_bank(self) -> GpuBank:
+    def _new_bank(self, capacity_bytes: int | None = None) -> GpuBank:
+        """The bank: `bank_bytes`, or `capacity_bytes` (0: one state of max_state_tokens and the scratch slot)."""
         pool = StatePool.sized(
             self.weights.config,
-            self.bank_bytes,
+            self.bank_bytes if capacity_bytes is None else capacity_bytes,
             self.device,
             self.dtype,
             min_slots=1,
             min_tokens=self.max_state_tokens + 64,
         )
         return GpuBank(pool)
+
+    def plan_memory(self) -> MemoryPlan:
+        """Measures, on a bank of one state of max_state_tokens, the working memory of the largest pass (a new state
+        of max_state_tokens and its first question: max_row_tokens tokens) and of the graphs' largest bucket, each a
+        pass of its own, eagerly; then frees all it made (gpu/memory.py). Compiles the long kernels on the way."""
+        device = self.device
+        torch.cuda.synchronize(device)
+        weights = torch.cuda.memory_allocated(device)
+        self.graphs = None
+        self.bank = self._new_bank(0)
+        minimum = self.bank.pool.nbytes
+        self.model = self._new_model()
+        largest = max(self.max_row_tokens, self.pass_tokens, self.max_state_tokens + MIN_GEMM_ROWS)
+        graphed = max(self.graph_max_tokens, 2 * MIN_GEMM_ROWS)
+        peaks = []
+        for state_tokens, tokens in ((self.max_state_tokens, largest), (graphed - MIN_GEMM_ROWS, graphed)):
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            state = (self.pad_id,) * state_tokens  # the ids do not change what a pass holds
+            branch = EncodedQuestion(tokens=(self.pad_id,) * (tokens - state_tokens), option_ends=())
+            self.run_group([Row(0, 0, branch, state)])
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) - before)
+            self.bank.clear()
+        del self.model
+        self.bank = None  # type: ignore[assignment]
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return MemoryPlan(
+            total=total,
+            free=free,
+            weights=weights,
+            working=peaks[0],
+            graphs=peaks[1] if self.use_graphs else 0,
+            minimum=minimum,
+            max_state_tokens=self.max_state_tokens,
+            largest_pass_tokens=largest,
+        )
+
+    def bank_summary(self) -> str:
+        """For the start-up line: the bank's size, where it came from, and how many states of each length it holds."""
+        pool = self.bank.pool
+        slots, pages = pool.scratch_slot, pool.pages
+        held = ", ".join(
+            f"{states_held(slots, pages, pool.page_size, n):,} of {n:,}"
+            for n in sorted({self.max_state_tokens, 16_384, 2_048} - {0}, reverse=True)
+            if n <= self.max_state_tokens
+        )
+        size = f"state bank {gib(pool.nbytes)}"
+        if self.memory is not None:
+            m = self.memory
+            why = "a fifth of the GPU" if self.bank_bytes == m.total // BANK_SHARE else "what is left"
+            size += (
+                f" ({why}: weights {gib(m.weights)}, largest pass {gib(m.working)}, graphs {gib(m.graphs)}, "
+                f"of {gib(m.total)})"
+            )
+        return f"{size}, holding states of tokens: {held}"
 
     def _new_model(self) -> FusedQwen35:
         return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels, self.gemm_table)
@@ -178,8 +248,12 @@ class FusedScorer:
             return self.run_group(rows)
 
     def plan(self, rows: list[Row]) -> list[list[Row]]:
-        """Groups of rows per pass: whole states at a time, split only by the token budget (a state's tokens, counted
-        whether it is new or banked, plus its rows' tokens) and by the bank's capacity (states pinned in one pass)."""
+        """Groups of rows per pass: whole states at a time, split by the token budget (a state's tokens, counted
+        whether it is new or banked, plus its rows' tokens) and by the bank's capacity (states pinned in one pass).
+        A state that does not fit one pass with its rows is the exception: it goes with as many of its rows as fit (at
+        least one), and the rest follow in passes of rows only, up to the budget in their tokens, reading the state
+        from the bank (computed again there only if another batch's pass evicted it in between). So no pass holds
+        more tokens than the budget or one state and its first row: Kev's row limit bounds a pass's memory."""
         by_state: OrderedDict[tuple[int, ...], list[Row]] = OrderedDict()
         for row in rows:
             by_state.setdefault(row.state, []).append(row)
@@ -194,9 +268,23 @@ class FusedScorer:
             if current and (cost + need > self.pass_tokens or states + 1 > max_states):
                 groups.append(current)
                 current, cost, states = [], 0, 0
-            current.extend(members)
-            cost += need
-            states += 1
+            if need <= self.pass_tokens or len(members) == 1:
+                current.extend(members)
+                cost += need
+                states += 1
+                continue
+            # More work than a pass on one state: its first pass takes the state and the rows that fit (at least
+            # one); the next passes hold rows only, the state being banked by then.
+            current, cost = [], len(state)
+            for member in members:
+                tokens = len(member.tokens.tokens)
+                if current and cost + tokens > self.pass_tokens:
+                    groups.append(current)
+                    current, cost = [], 0
+                current.append(member)
+                cost += tokens
+            groups.append(current)
+            current, cost, states = [], 0, 0
         if current:
             groups.append(current)
         return groups

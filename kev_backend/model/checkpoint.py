@@ -229,6 +229,29 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
+class WeightsDoNotFit(RuntimeError):
+    """The model's weights alone need more GPU memory than is free: the message says how much, and what to do."""
+
+
+def check_weights_fit(config: Qwen35Config, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuses at once, before any weight is read, a model whose weights in `dtype` exceed the GPU's free memory
+    (loading them would fail for memory part of the way, after minutes of reading)."""
+    with torch.device("meta"):
+        needed = sum(p.numel() for p in Qwen35TextModel(config).parameters()) * dtype.itemsize
+    free, total = torch.cuda.mem_get_info(device)
+    if needed > free:
+        raise WeightsDoNotFit(weights_message(needed, free, total))
+
+
+def weights_message(needed: int, free: int, total: int) -> str:
+    gib = 1 << 30
+    return (
+        f"the model's weights need {needed / gib:.1f} GiB on the GPU, which has {free / gib:.1f} GiB free of "
+        f"{total / gib:.1f} GiB: serve it on a GPU with more memory, or free this one of other processes (the bank "
+        "and the largest pass need more beside the weights: docs/operations.md, GPU memory)"
+    )
+
+
 def load_checkpoint(
     path: str | Path, device: str | torch.device = "cpu", options: LoadOptions | None = None
 ) -> KevCheckpoint:
@@ -263,6 +286,8 @@ def load_checkpoint(
             f"head.pt says weights_dtype={meta.weights_dtype!r} but config.json says dtype={config.dtype!r}"
         )
     dtype = choose_dtype(options.dtype, device, meta.weights_dtype, kind, config.dtype)
+    if device.type == "cuda":
+        check_weights_fit(config, dtype, device)
     weights = load_text_weights(weights_dir, device)
     shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
     deltas = lora_deltas(directory, options.lora_scale, shapes, device) if has_adapter else None

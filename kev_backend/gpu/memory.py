@@ -1,0 +1,71 @@
+"""How the fused path divides a GPU's memory: the weights, the working memory of the largest pass, the CUDA graphs'
+pool, and the state bank in what is left.
+
+The bank is preallocated (gpu/pool.py), so what passes need beyond it must stay free. The largest pass is one new
+state at Kev's row limit: a state of max_state_tokens with its first question (FusedScorer.plan sends a state's
+further questions to passes of their own once it is banked), so max_row_tokens tokens. Its working memory is
+measured at start, on a bank that holds just one such state, before the real bank is made; so is a pass of the
+graphs' largest bucket, which their shared pool holds once captured. The bank then takes a fifth of the GPU, as on a
+GPU with room to spare, or what is left after those two and a margin if less. Where not even one state of
+max_state_tokens fits, the start fails at once, saying what is needed, what the GPU has and what to change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1 << 30
+# Beyond the two measured passes: cuBLAS's and cuDNN's workspaces, the caching allocator's rounding and the head.
+MARGIN_BYTES = GIB
+BANK_SHARE = 5  # the bank's default share of the GPU: a fifth, where the rest leaves room for it
+
+
+class GpuMemoryError(RuntimeError):
+    """The model cannot be served on this GPU: the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the bank may take on one GPU. `working` and `graphs` are measured peaks of the largest pass and of the
+    graphs' largest bucket; `minimum` is a bank of one state of `max_state_tokens`."""
+
+    total: int  # the GPU's memory
+    free: int  # free once the weights are in place (and nothing else of the path's)
+    weights: int  # the model's tensors
+    working: int
+    graphs: int
+    minimum: int
+    max_state_tokens: int
+    largest_pass_tokens: int
+
+    @property
+    def left(self) -> int:
+        return self.free - self.working - self.graphs - MARGIN_BYTES
+
+    def bank_bytes(self) -> int:
+        """The bank: a fifth of the GPU, or what is left if less; GpuMemoryError where one state does not fit."""
+        if self.left < self.minimum:
+            raise GpuMemoryError(self.too_small())
+        return min(self.total // BANK_SHARE, self.left)
+
+    def too_small(self) -> str:
+        short = self.minimum - self.left
+        return (
+            f"the model does not fit this GPU: its weights take {gib(self.weights)} of {gib(self.total)}, leaving "
+            f"{gib(self.free)}; a pass of {self.largest_pass_tokens:,} tokens (a {self.max_state_tokens:,}-token state "
+            f"and its first question, Kev's row limit) needs {gib(self.working)}, the CUDA graphs {gib(self.graphs)}, "
+            f"workspaces {gib(MARGIN_BYTES)}, and the state bank at least {gib(self.minimum)} (one state of "
+            f"{self.max_state_tokens:,} tokens): {gib(short)} short. Serve it on a GPU with more memory, or lower "
+            "max_state_tokens and max_row_tokens (KEV_MAX_STATE_TOKENS, KEV_MAX_ROW_TOKENS: a pass and a banked state "
+            "shrink with them), or graph_max_tokens (KEV_GRAPH_MAX_TOKENS)"
+        )
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def states_held(slots: int, pages: int, page_size: int, length: int) -> int:
+    """How many states of `length` tokens a pool of `slots` slots and `pages` pages holds at once."""
+    return min(slots, pages // max(1, math.ceil(length / page_size)))
