@@ -133,8 +133,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         # The client beside a lone long request is alone: its own latency with nothing ahead is one client's.
         solo: list[float] = []
-        await loop(kev, short, time.perf_counter() + SOLO_S, solo, failures)
-        record["solo"] = summary(solo, len(failures))
+        solo_failures: list[str] = []
+        await loop(kev, short, time.perf_counter() + SOLO_S, solo, solo_failures)
+        record["solo"] = summary(solo, len(solo_failures))
         alone, beside = [], []
         for _ in range(args.alone):
             seconds, waits = await long_alone(kev, long_body(), short)
