@@ -67,11 +67,11 @@ def test_a_batch_with_more_states_than_the_bank_holds_runs_in_passes_it_can_hold
 
 
 def test_a_state_with_more_rows_than_a_pass_spreads_them_over_passes(tiny_dir: Path) -> None:
-    """A state whose rows do not fit one pass beside it goes with its first rows; the rest follow in passes of rows
-    only (reading it from the bank), none over the budget beyond the state and its first row: the same answers as
-    the reference, alone and beside other requests, and as one pass of it all."""
+    """A state whose rows pass the row limit beside it goes with its first rows; the rest follow in passes of rows
+    only (reading it from the bank), none over the budget: the same answers as the reference, alone and beside other
+    requests, and as one pass of it all. (Here the budget and the row limit are both 300 tokens.)"""
     budget = 300
-    reference, fused = engines(tiny_dir, pass_tokens=budget, graphs=False)
+    reference, fused = engines(tiny_dir, pass_tokens=budget, max_row_tokens=budget, graphs=False)
     _, whole = engines(tiny_dir, pass_tokens=1 << 20, graphs=False)
     question = {"type": "choice", "instructions": "which team?", "criteria": {f"team {i}": None for i in range(12)}}
     many = {"state": " ".join(["ticket"] * 200), "questions": {f"q{i}": question for i in range(12)}}

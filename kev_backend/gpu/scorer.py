@@ -97,9 +97,10 @@ class FusedScorer:
         return GpuBank(pool)
 
     def plan_memory(self) -> MemoryPlan:
-        """Measures, on a bank of one state of max_state_tokens, the working memory of the largest pass (a new state
-        of max_state_tokens and its first question: max_row_tokens tokens) and of the graphs' largest bucket, each a
-        pass of its own, eagerly; then frees all it made (gpu/memory.py). Compiles the long kernels on the way."""
+        """Measures, on a bank of one state of max_state_tokens, the working memory of the largest passes (plan): a
+        new state of max_state_tokens with rows up to max_row_tokens, then pass_tokens of rows over that state once
+        banked (their attention over a long prefix holds partial sums per part); and a pass of the graphs' largest
+        bucket. Each runs eagerly; then all it made is freed (gpu/memory.py). Compiles the long kernels on the way."""
         device = self.device
         torch.cuda.synchronize(device)
         weights = torch.cuda.memory_allocated(device)
@@ -107,19 +108,29 @@ class FusedScorer:
         self.bank = self._new_bank(0)
         minimum = self.bank.pool.nbytes
         self.model = self._new_model()
-        largest = max(self.max_row_tokens, self.pass_tokens, self.max_state_tokens + MIN_GEMM_ROWS)
-        graphed = max(self.graph_max_tokens, 2 * MIN_GEMM_ROWS)
-        peaks = []
-        for state_tokens, tokens in ((self.max_state_tokens, largest), (graphed - MIN_GEMM_ROWS, graphed)):
+        pad = self.pad_id  # the ids do not change what a pass holds
+
+        def rows(state: tuple[int, ...], tokens: int, each: int) -> list[Row]:
+            count = max(1, tokens // each)
+            return [Row(0, q, EncodedQuestion(tokens=(pad,) * each, option_ends=()), state) for q in range(count)]
+
+        def peak(group: list[Row]) -> int:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-            state = (self.pad_id,) * state_tokens  # the ids do not change what a pass holds
-            branch = EncodedQuestion(tokens=(self.pad_id,) * (tokens - state_tokens), option_ends=())
-            self.run_group([Row(0, 0, branch, state)])
+            self.run_group(group)
             torch.cuda.synchronize(device)
-            peaks.append(torch.cuda.max_memory_allocated(device) - before)
-            self.bank.clear()
+            return torch.cuda.max_memory_allocated(device) - before
+
+        state = (pad,) * self.max_state_tokens
+        largest = max(self.max_row_tokens, self.pass_tokens, self.max_state_tokens + MIN_GEMM_ROWS)
+        branch = largest - self.max_state_tokens
+        working = peak(rows(state, branch, branch))  # the state new, with its first rows
+        working = max(working, peak(rows(state, self.pass_tokens, min(branch, self.pass_tokens))))  # banked
+        self.bank.clear()
+        graphed = max(self.graph_max_tokens, 2 * MIN_GEMM_ROWS)
+        graphs = peak(rows((pad,) * (graphed - MIN_GEMM_ROWS), MIN_GEMM_ROWS, MIN_GEMM_ROWS))
+        self.bank.clear()
         del self.model
         self.bank = None  # type: ignore[assignment]
         torch.cuda.empty_cache()
@@ -128,8 +139,8 @@ class FusedScorer:
             total=total,
             free=free,
             weights=weights,
-            working=peaks[0],
-            graphs=peaks[1] if self.use_graphs else 0,
+            working=working,
+            graphs=graphs if self.use_graphs else 0,
             minimum=minimum,
             max_state_tokens=self.max_state_tokens,
             largest_pass_tokens=largest,
@@ -250,10 +261,11 @@ class FusedScorer:
     def plan(self, rows: list[Row]) -> list[list[Row]]:
         """Groups of rows per pass: whole states at a time, split by the token budget (a state's tokens, counted
         whether it is new or banked, plus its rows' tokens) and by the bank's capacity (states pinned in one pass).
-        A state that does not fit one pass with its rows is the exception: it goes with as many of its rows as fit (at
-        least one), and the rest follow in passes of rows only, up to the budget in their tokens, reading the state
-        from the bank (computed again there only if another batch's pass evicted it in between). So no pass holds
-        more tokens than the budget or one state and its first row: Kev's row limit bounds a pass's memory."""
+        One state's rows stay with it up to Kev's row limit (a state near max_state_tokens with a few questions is one
+        pass); past that, the state goes with the rows that fit it (at least one) and the rest follow in passes of
+        rows only, up to the budget in their tokens, reading the state from the bank (computed again there only if
+        another batch's pass evicted it in between). Those two passes are the largest there are, which bounds a
+        pass's memory (plan_memory measures both)."""
         by_state: OrderedDict[tuple[int, ...], list[Row]] = OrderedDict()
         for row in rows:
             by_state.setdefault(row.state, []).append(row)
@@ -268,19 +280,19 @@ class FusedScorer:
             if current and (cost + need > self.pass_tokens or states + 1 > max_states):
                 groups.append(current)
                 current, cost, states = [], 0, 0
-            if need <= self.pass_tokens or len(members) == 1:
+            if need <= max(self.pass_tokens, self.max_row_tokens) or len(members) == 1:
                 current.extend(members)
                 cost += need
                 states += 1
                 continue
-            # More work than a pass on one state: its first pass takes the state and the rows that fit (at least
-            # one); the next passes hold rows only, the state being banked by then.
-            current, cost = [], len(state)
+            # More work on one state than the largest pass: its first pass takes the state and the rows that fit in
+            # Kev's row limit (at least one); the next passes hold rows only, the state being banked by then.
+            current, cost, limit = [], len(state), max(self.pass_tokens, self.max_row_tokens)
             for member in members:
                 tokens = len(member.tokens.tokens)
-                if current and cost + tokens > self.pass_tokens:
+                if current and cost + tokens > limit:
                     groups.append(current)
-                    current, cost = [], 0
+                    current, cost, limit = [], 0, self.pass_tokens
                 current.append(member)
                 cost += tokens
             groups.append(current)
