@@ -1,11 +1,11 @@
 """How the fused path divides a GPU's memory: the weights, the working memory of the largest pass, the CUDA graphs'
 pool, and the state bank in what is left.
 
-The bank is preallocated (gpu/pool.py), so what passes need beyond it must stay free. The largest pass is one new
-state at Kev's row limit: a state of max_state_tokens with its first question (FusedScorer.plan sends a state's
-further questions to passes of their own once it is banked), so max_row_tokens tokens. Its working memory is
-measured at start, on a bank that holds just one such state, before the real bank is made; so is a pass of the
-graphs' largest bucket, which their shared pool holds once captured. The bank then takes a fifth of the GPU, as on a
+The bank is preallocated (gpu/pool.py), so what passes need beyond it must stay free. The largest passes
+(FusedScorer.plan) are a new state of max_state_tokens with questions up to Kev's row limit, and pass_tokens of
+questions over such a state once banked. Their working memory is measured at start, on a bank that holds just one
+such state, before the real bank is made (FusedScorer.plan_memory); so is a pass of the graphs' largest bucket,
+which their shared pool holds once captured. The bank then takes a fifth of the GPU, as on a
 GPU with room to spare, or what is left after those two and a margin if less. Where not even one state of
 max_state_tokens fits, the start fails at once, saying what is needed, what the GPU has and what to change.
 """
@@ -27,7 +27,7 @@ class GpuMemoryError(RuntimeError):
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """What the bank may take on one GPU. `working` and `graphs` are measured peaks of the largest pass and of the
+    """What the bank may take on one GPU. `working` and `graphs` are measured peaks of the largest passes and of the
     graphs' largest bucket; `minimum` is a bank of one state of `max_state_tokens`."""
 
     total: int  # the GPU's memory
