@@ -53,8 +53,8 @@ class MemoryPlan:
         short = self.minimum - self.left
         return (
             f"the model does not fit this GPU: its weights take {gib(self.weights)} of {gib(self.total)}, leaving "
-            f"{gib(self.free)}; a pass of {self.largest_pass_tokens:,} tokens (a {self.max_state_tokens:,}-token state "
-            f"and its first question, Kev's row limit) needs {gib(self.working)}, the CUDA graphs {gib(self.graphs)}, "
+            f"{gib(self.free)}; the largest pass, {self.largest_pass_tokens:,} tokens (a {self.max_state_tokens:,}-token "
+            f"state and its questions to Kev's row limit), needs {gib(self.working)}, the CUDA graphs {gib(self.graphs)}, "
             f"workspaces {gib(MARGIN_BYTES)}, and the state bank at least {gib(self.minimum)} (one state of "
             f"{self.max_state_tokens:,} tokens): {gib(short)} short. Serve it on a GPU with more memory, or lower "
             "max_state_tokens and max_row_tokens (KEV_MAX_STATE_TOKENS, KEV_MAX_ROW_TOKENS: a pass and a banked state "
