@@ -55,10 +55,11 @@ class MemoryPlan:
             f"the model does not fit this GPU: its weights take {gib(self.weights)} of {gib(self.total)}, leaving "
             f"{gib(self.free)}; the largest pass, {self.largest_pass_tokens:,} tokens (a "
             f"{self.max_state_tokens:,}-token state and its questions to Kev's row limit), needs {gib(self.working)}, "
-            f"the CUDA graphs {gib(self.graphs)}, workspaces {gib(MARGIN_BYTES)}, and the state bank at least {gib(self.minimum)} (one state of "
-            f"{self.max_state_tokens:,} tokens): {gib(short)} short. Serve it on a GPU with more memory, or lower "
-            "max_state_tokens and max_row_tokens (KEV_MAX_STATE_TOKENS, KEV_MAX_ROW_TOKENS: a pass and a banked state "
-            "shrink with them), or graph_max_tokens (KEV_GRAPH_MAX_TOKENS)"
+            f"the CUDA graphs {gib(self.graphs)}, workspaces {gib(MARGIN_BYTES)}, and the state bank at least "
+            f"{gib(self.minimum)} (one state of {self.max_state_tokens:,} tokens): {gib(short)} short. Serve it on "
+            "a GPU with more memory, or lower max_state_tokens and max_row_tokens (KEV_MAX_STATE_TOKENS, "
+            "KEV_MAX_ROW_TOKENS: a pass and a banked state shrink with them), or graph_max_tokens "
+            "(KEV_GRAPH_MAX_TOKENS)"
         )
 
 
