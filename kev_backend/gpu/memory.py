@@ -5,9 +5,9 @@ The bank is preallocated (gpu/pool.py), so what passes need beyond it must stay 
 (FusedScorer.plan) are a new state of max_state_tokens with questions up to Kev's row limit, and pass_tokens of
 questions over such a state once banked. Their working memory is measured at start, on a bank that holds just one
 such state, before the real bank is made (FusedScorer.plan_memory); so is a pass of the graphs' largest bucket,
-which their shared pool holds once captured. The bank then takes a fifth of the GPU, as on a
-GPU with room to spare, or what is left after those two and a margin if less. Where not even one state of
-max_state_tokens fits, the start fails at once, saying what is needed, what the GPU has and what to change.
+which their shared pool holds once captured. The bank then takes a fifth of the GPU, as on a GPU with room to
+spare, or what is left after those and a margin where less. Where not even one state of max_state_tokens fits, the
+start fails at once, saying what is needed, what the GPU has and what to change.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from ..scoring.transfer import device_int_fields
 from ..scoring.units import Units, run_units
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .head import PointerHead
-from .memory import BANK_SHARE, MemoryPlan, gib, states_held
+from .memory import BANK_SHARE, GpuMemoryError, MemoryPlan, gib, states_held
 from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, check_long_kernels, is_short
 from .pool import GpuBank, Slot, StatePool
 
@@ -125,11 +125,20 @@ class FusedScorer:
         state = (pad,) * self.max_state_tokens
         largest = max(self.max_row_tokens, self.pass_tokens, self.max_state_tokens + MIN_GEMM_ROWS)
         branch = largest - self.max_state_tokens
-        working = peak(rows(state, branch, branch))  # the state new, with its first rows
-        working = max(working, peak(rows(state, self.pass_tokens, min(branch, self.pass_tokens))))  # banked
-        self.bank.clear()
         graphed = max(self.graph_max_tokens, 2 * MIN_GEMM_ROWS)
-        graphs = peak(rows((pad,) * (graphed - MIN_GEMM_ROWS), MIN_GEMM_ROWS, MIN_GEMM_ROWS))
+        try:
+            working = peak(rows(state, branch, branch))  # the state new, with its first rows
+            working = max(working, peak(rows(state, self.pass_tokens, min(branch, self.pass_tokens))))  # banked
+            self.bank.clear()
+            graphs = peak(rows((pad,) * (graphed - MIN_GEMM_ROWS), MIN_GEMM_ROWS, MIN_GEMM_ROWS))
+        except torch.cuda.OutOfMemoryError:
+            total = torch.cuda.get_device_properties(device).total_memory
+            raise GpuMemoryError(
+                f"the model does not fit this GPU: beside its weights ({gib(weights)} of {gib(total)}) and a state "
+                f"bank of one {self.max_state_tokens:,}-token state ({gib(minimum)}), its largest pass ({largest:,} "
+                "tokens) ran out of memory. Serve it on a GPU with more memory, or lower max_state_tokens and "
+                "max_row_tokens (KEV_MAX_STATE_TOKENS, KEV_MAX_ROW_TOKENS)"
+            ) from None
         self.bank.clear()
         del self.model
         self.bank = None  # type: ignore[assignment]
