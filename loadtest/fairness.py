@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loops import percentile
+
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import short6, sized, state_counter
 from kev_backend.protocol.encoding import KevTokenizer
@@ -44,17 +46,13 @@ OPTIONS = dict.fromkeys((f"option {i}" for i in range(255)), None)  # a 7.8 KB /
 CHOICE = {"type": "choice", "instructions": "Which team should take this ticket?", "criteria": OPTIONS}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summary(latencies: list[float], failures: int) -> dict[str, Any]:
+    p99 = percentile(latencies, 0.99)
     return {
         "requests": len(latencies),
         "failures": failures,
         "p50_ms": 1000 * statistics.median(latencies) if latencies else None,
-        "p99_ms": 1000 * percentile(latencies, 0.99) if latencies else None,
+        "p99_ms": 1000 * p99 if p99 is not None else None,
         "max_ms": 1000 * max(latencies) if latencies else None,
     }
 

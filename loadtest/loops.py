@@ -15,6 +15,14 @@ from kev_backend.dev.workloads import short6
 COUNTER = itertools.count(1)
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The value below which a share `q` of `values` lies (nearest rank); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 async def closed_loop(send: Callable[[str], Awaitable[object]], clients: int, seconds: float) -> dict[str, float]:
     """`clients` concurrent senders, each sending Kev's short6 on a new state as soon as its last one is answered."""
     latencies: list[float] = []

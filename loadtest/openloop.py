@@ -19,17 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loops import server_breakdown, server_totals
+from loops import percentile, server_breakdown, server_totals
 
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve.client import AsyncKevClient, KevError
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def one_rate(kev: AsyncKevClient, traffic: Traffic, rate: float, seconds: float, seed: int) -> dict[str, Any]:

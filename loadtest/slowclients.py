@@ -34,14 +34,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from loops import percentile
+
+from kev_backend.serve import prometheus
+
+EVENTS = "kev_gateway_connection_events_total"  # the gateway's counter of its front's refusals and closes
 SLOW_BODY_BYTES = 1000  # what a slow request's Content-Length promises
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 # --- ordinary clients -------------------------------------------------------------------------------------------------
@@ -222,25 +220,28 @@ def attacker(
 # --- the gateway's own counts -----------------------------------------------------------------------------------------
 
 
-def gateway_metrics(url: str) -> dict[str, float]:
+def gateway_metrics(url: str) -> list[prometheus.Sample]:
     parts = urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     try:
         connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
+        return prometheus.parse(connection.getresponse().read().decode())
     finally:
         connection.close()
-    series = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            series[name] = float(value)
-    return series
 
 
-def events(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    prefix = "kev_gateway_connection_events_total"
-    return {name.split('"')[1]: after[name] - before.get(name, 0.0) for name in after if name.startswith(prefix + "{")}
+def connections(url: str) -> float:
+    return prometheus.total(gateway_metrics(url), "kev_gateway_connections")
+
+
+def events(before: list[prometheus.Sample], after: list[prometheus.Sample]) -> dict[str, float]:
+    """Each connection event's count between two scrapes."""
+
+    def counts(samples: list[prometheus.Sample]) -> dict[str, float]:
+        return {labels["event"]: value for name, labels, value in samples if name == EVENTS and "event" in labels}
+
+    old = counts(before)
+    return {event: value - old.get(event, 0.0) for event, value in counts(after).items()}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -274,8 +275,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def sample() -> None:
         while not sampling.wait(2.0):
             try:
-                peak["connections"] = max(peak["connections"], gateway_metrics(args.url)["kev_gateway_connections"])
-            except (OSError, KeyError):
+                peak["connections"] = max(peak["connections"], connections(args.url))
+            except OSError:
                 pass
 
     sampler = threading.Thread(target=sample)
@@ -316,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "attackers": dict(sorted(attackers.items())),
         "gateway_connections_peak": peak["connections"],
         "gateway_connection_events": events(before, after),
-        "gateway_in_flight_after": after.get("kev_gateway_in_flight"),
+        "gateway_in_flight_after": prometheus.total(after, "kev_gateway_in_flight"),
     }
 
 

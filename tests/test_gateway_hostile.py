@@ -22,6 +22,7 @@ from backports.zstd import ZstdCompressor, compress
 from starlette.testclient import TestClient
 
 from kev_backend.dev.ports import free_port
+from kev_backend.engine.pipeline import PREPARE_APART_BYTES
 from kev_backend.serve import gateway as gateway_module
 from kev_backend.serve.bodies import MAX_FRAMES, decompress
 from kev_backend.serve.gateway import create_app
@@ -472,9 +473,12 @@ def test_clients_that_leave_are_not_scored(triton: TritonServer, gateway: Gatewa
     before, triton_before = gateway_metrics(gateway), triton_metrics(triton)
     assert in_flight() == 0
     long_result: list = []
-    # Each ~14,400 tokens (seconds of model work on the CPU), under LONG_WORK_TOKENS: normal batches, which the
-    # clients' requests queue behind.
-    long_states = [f"long {i} {nonce} " + "the refund is late " * 3600 for i in range(2)]
+    # Each ~12,800 tokens (seconds of model work on the CPU), under LONG_WORK_TOKENS: normal batches, which the
+    # clients' requests queue behind; and under PREPARE_APART_BYTES of JSON, so prepared on Triton's execute thread
+    # and taken by the model before the next Triton batch forms (a larger one would be tokenized apart while the
+    # clients' batch went first).
+    long_states = [f"long {i} {nonce} " + "the refund is late " * 3200 for i in range(2)]
+    assert all(len(json.dumps({"state": state, "questions": QUESTIONS})) < PREPARE_APART_BYTES for state in long_states)
     long_requests = [
         threading.Thread(target=lambda state=state: long_result.append(ask(gateway, state))) for state in long_states
     ]

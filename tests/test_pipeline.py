@@ -223,6 +223,29 @@ def test_short_batches_run_between_the_units_of_a_long_one(chunked: Engine) -> N
     assert counts["beat"] >= 6 * layers and counts["started"] == counts["finished"] == 4 and not counts["broken"]
 
 
+def test_a_batch_that_waits_behind_another_is_asked_again_at_its_start(chunked: Engine) -> None:
+    """A batch taken between another's units waits behind it in the scheduler: its clients that left meanwhile are
+    dropped when it starts (the wait counted to its start, not to when the model thread took it)."""
+    chunked.bank.clear()  # the state ahead is computed: its units take longer than the recheck's wait
+    left = threading.Event()
+    delivered: queue.Queue = queue.Queue()
+    pipeline = Pipeline(chunked, recheck_after_s=0.2, long_tokens=1 << 30)  # the long request runs as normal work
+    try:
+        before = chunked.bank_stats.misses
+        pipeline.submit([long_request("ahead")], lambda results, batch: delivered.put(("ahead", results)))
+        pipeline.submit(
+            [request("left while waiting")],
+            lambda results, batch: delivered.put(("left", results)),
+            lambda: {0} if left.is_set() else set(),
+        )
+        left.set()
+        answers = dict(delivered.get(timeout=120) for _ in range(2))
+    finally:
+        pipeline.close()
+    assert "answers" in answers["ahead"][0] and answers["left"] == [None]
+    assert chunked.bank_stats.misses - before == 1  # only the state ahead was computed
+
+
 def test_large_requests_are_prepared_apart(chunked: Engine) -> None:
     """A request over PREPARE_APART_BYTES of JSON is tokenized on the preparation thread, not the caller's: the small
     ones beside it are answered in their own part, and the large one alone, even when it is not long work."""

@@ -209,12 +209,15 @@ def test_malformed_tensors_never_restart(busy: Server) -> None:
 
 
 def test_the_probe_is_answered_with_the_client_queue_full(busy: Server) -> None:
-    """While the stub prepares a large batch (tens of seconds of tokenizing, Triton's instance waiting on it), clients
-    fill Triton's queue: its 512 places taken, the rest refused. The probe goes at priority 1, whose queue is its own
-    (max_queue_size holds per priority level): queued, never refused, and answered in the first batch after."""
+    """While the stub prepares a large batch (tens of seconds of tokenizing), clients fill Triton's queue: its 512
+    places taken, the rest refused. The probe goes at priority 1, whose queue is its own (max_queue_size holds per
+    priority level): queued, never refused, and answered in the first batch after. The clients' states are one
+    60,000-letter word each (tens of milliseconds of tokenizing, a few tokens of model work), under
+    PREPARE_APART_BYTES: each batch of them is prepared on Triton's execute thread, which the queue waits on (the large
+    request is prepared apart, and tokenizing lets go of the GIL, so it alone would not hold the queue)."""
     stub = child_named(child_named(busy.pid, "tritonserver"), procs.STUB_COMM)
     cpu = procs.cpu_seconds(stub) or 0.0
-    state = " ".join(["the invoice total was wrong and the refund is late"] * 20)
+    state = "a" * 60_000
     flood = Flood(busy.grpc_url, [{"state": f"{i} {state}", "questions": NOUL} for i in range(700)])
     probe = Probe(busy.grpc_url, "kev")
     with ThreadPoolExecutor(1) as pool:

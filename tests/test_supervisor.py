@@ -38,7 +38,6 @@ from kev_backend.serve.supervisor import (
     SHM_DIR,
     SHM_PREFIX,
     RestartBudget,
-    process_start,
     remove_stale_shm,
     shm_prefix,
 )
@@ -174,7 +173,7 @@ def test_stale_regions_are_those_of_no_running_supervisor() -> None:
     process's (in a container every supervisor has the same pid, and a pod's /dev/shm outlives its container)."""
     me, tag = os.getpid(), secrets.token_hex(4)
     mine = SHM_DIR / f"{shm_prefix(me, 1)}{tag}"
-    earlier = SHM_DIR / f"{SHM_PREFIX}{me}_{process_start(me) - 1}_1_{tag}"  # this pid, an earlier process
+    earlier = SHM_DIR / f"{SHM_PREFIX}{me}_{procs.process_start(me) - 1}_1_{tag}"  # this pid, an earlier process
     gone = SHM_DIR / f"{SHM_PREFIX}{(1 << 22) + 1}_5_1_{tag}"  # past Linux's largest pid
     regions = (mine, earlier, gone)
     try:

@@ -27,7 +27,7 @@ units, so a short request waits for at most one unit of long work, however long 
 only on its normal batch: long batches are handed over without waiting, and a request over PREPARE_APART_BYTES of
 JSON is prepared on a thread of its own, so the next Triton batch is formed while they are tokenized and run.
 
-A batch that waited for the model thread `recheck_after_s` (5 ms) or longer asks again, just before scoring,
+A batch that waited for its first unit `recheck_after_s` (5 ms) or longer asks again, just before scoring,
 which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
 answers each `is_cancelled` through its IPC; asking for every request of every batch would cost the model thread
 milliseconds per batch, and the caller has just asked.)
@@ -448,8 +448,10 @@ class Pipeline:
             self._to_delivery.put(job)  # blocks while DELIVERY_WAITING wait for the delivery thread already
 
     def _drop_cancelled(self, job: Job) -> None:
-        """Takes the requests whose clients left out of a batch that waited, before any of its work."""
-        if job.cancelled is None or job.taken - job.queued < self.recheck_after_s:
+        """Takes the requests whose clients left out of a batch that waited, before any of its work. It waited from its
+        hand-over to now: the model thread takes batches between units, so a batch may wait in the scheduler, behind
+        the batches before it, long after it was taken."""
+        if job.cancelled is None or time.perf_counter() - job.queued < self.recheck_after_s:
             return
         local = {index: k for k, index in enumerate(job.batch.indices)}
         if dropped := {local[i] for i in job.cancelled() if i in local}:

@@ -10,14 +10,22 @@ from pathlib import Path
 STUB_COMM = "triton_python_b"  # the Python backend's triton_python_backend_stub, as /proc spells it (15 characters)
 
 
-def proc_stat(pid: int) -> tuple[str, str, int] | None:
-    """(comm, state, ppid) of a process, or None once it is gone. comm is at most 15 characters, as /proc spells it
-    (triton_python_backend_stub is "triton_python_b")."""
+def stat_fields(pid: int) -> tuple[str, list[str]] | None:
+    """/proc/PID/stat as (comm, the fields after it: state, ppid, ...), or None once the process is gone. comm may
+    hold spaces and parentheses, so the fields start after its last ")"."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+    return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+
+
+def proc_stat(pid: int) -> tuple[str, str, int] | None:
+    """(comm, state, ppid) of a process, or None once it is gone. comm is at most 15 characters, as /proc spells it
+    (triton_python_backend_stub is "triton_python_b")."""
+    if (stat := stat_fields(pid)) is None:
+        return None
+    comm, rest = stat
     return comm, rest[0], int(rest[1])
 
 
@@ -58,9 +66,13 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 def cpu_seconds(pid: int) -> float | None:
     """CPU time a process has used so far, all its threads, user and system (/proc/PID/stat's utime and stime); None
     once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+    if (stat := stat_fields(pid)) is None:
         return None
-    fields = text[text.rindex(")") + 2 :].split()  # from field 3 (state) on
+    fields = stat[1]  # from field 3 (state) on
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's field 22); None if there is none."""
+    stat = stat_fields(pid)
+    return None if stat is None else int(stat[1][19])

@@ -105,17 +105,8 @@ class GiveUp(Exception):
     stopped, the exit code is 1. Nothing later gives up: restarts back off instead."""
 
 
-def process_start(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's field 22); None if there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # the fields after the command's closing ")" start at field 3
-
-
 def supervisor_prefix(supervisor_pid: int) -> str:
-    return f"{SHM_PREFIX}{supervisor_pid}_{process_start(supervisor_pid)}_"
+    return f"{SHM_PREFIX}{supervisor_pid}_{procs.process_start(supervisor_pid)}_"
 
 
 def shm_prefix(supervisor_pid: int, start: int) -> str:
@@ -144,7 +135,7 @@ def remove_stale_shm() -> list[str]:
         try:
             if not match or path.stat().st_uid != os.getuid():
                 continue
-            if process_start(int(match[1])) == int(match[2]):  # its supervisor still runs
+            if procs.process_start(int(match[1])) == int(match[2]):  # its supervisor still runs
                 continue
             path.unlink()
             removed.append(path.name)
