@@ -17,11 +17,15 @@
 #           loadtest/served.py (ready, first answer, short6 over gRPC alone and at 64 clients), 4b also
 #           loadtest/long_states.py (16k-token new states alone and 8 at once), the GPU's memory, SIGTERM
 #                                                                                                  30 / 45 / 50 / 110
+#   refuse  (only when named in STEPS) the server started twice on a GPU another process fills: once leaving half the
+#           weights' bytes free, once the weights' bytes and 1.5 GiB (the stub's CUDA context
+#           takes ~0.5 GiB of it); each start must exit (exit code 1) with its
+#           message and no restart; refuse-SIZE.json: seconds to exit, exit code, restarts, the message   ~40
 #   the checkpoint is deleted (before the next size is written: the disk holds one 27b at a time)
 # Totals with setup (~35 s): 0.8b ~140 s, 4b ~240 s, 9b ~270 s, 27b ~450 s (its write depends on the disk: 51 GB
 # at 0.5-1.5 GB/s). Within the 10-minute limit: `0.8b 4b`, then `9b`, then `27b`, one call each (`4b 9b` is ~550 s:
-# too close). STEPS="bench serve" (a subset of write tune bench parity serve, in that order) runs only those: the
-# checkpoint is written when bench or serve is among them.
+# too close). STEPS="bench serve" (a subset of write tune bench parity serve refuse, in that order; refuse only
+# when named) runs only those: the checkpoint is written when bench, serve or refuse is among them.
 # Out (at most 8 files come back): sizes-SIZE.json per size (bench/sizes_report.py: every step's JSON merged, the
 # size's GEMM table among them), gemm-algos-SIZES.json (this call's tables merged: to commit, merge it with the
 # packaged one: python -m kev_backend.dev.gemm_tuner merge OUT.json kev_backend/gpu/gemm_algos/TABLE.json THIS.json),
@@ -36,7 +40,7 @@ for size in "${sizes[@]}"; do
   [[ $size =~ ^(0\.8b|4b|9b|27b)$ ]] || { echo "unknown size $size (0.8b 4b 9b 27b)"; exit 2; }
 done
 steps=" ${STEPS:-write tune bench parity serve} "
-[[ $steps == *" bench "* || $steps == *" serve "* ]] && steps+="write "
+[[ $steps == *" bench "* || $steps == *" serve "* || $steps == *" refuse "* ]] && steps+="write "
 wanted() { [[ $steps == *" $1 "* ]]; }
 work=/tmp/kev-sizes
 logs=$work/logs
@@ -81,6 +85,37 @@ serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured,
   return $code
 }
 
+refuse() {  # SIZE CHECKPOINT: the server's start on a GPU left too small by another process, twice
+  local size=$1 checkpoint=$2 bytes leave hog began code record=() case
+  bytes=$(du -sb "$checkpoint" | cut -f1)
+  for case in weights bank; do
+    [[ $case == weights ]] && leave=$((bytes / 2)) || leave=$((bytes + (3 << 29)))
+    "$PY" -c 'import sys, time, torch
+free, _ = torch.cuda.mem_get_info()
+held = torch.empty(free - int(sys.argv[1]), dtype=torch.uint8, device="cuda")
+print("holding", held.numel(), flush=True)
+time.sleep(900)' "$leave" >"$work/hog.txt" 2>&1 &
+    hog=$!
+    for _ in $(seq 100); do grep -q holding "$work/hog.txt" && break; sleep 0.2; done
+    began=$SECONDS
+    timeout 300 env KEV_CHECKPOINT="$checkpoint" GATEWAY=0 build/serve.sh >"$logs/refuse-$case-$size.log" 2>&1
+    code=$?
+    kill "$hog"; wait "$hog" 2>/dev/null
+    record+=("$("$PY" - "$logs/refuse-$case-$size.log" "$case" "$code" "$((SECONDS - began))" <<'PYEOF'
+import json, sys
+log, case, code, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+lines = open(log, errors="replace").read().splitlines()
+said = [line for line in lines if "does not fit" in line or "weights need" in line]
+print(json.dumps({"case": case, "exit_code": code, "seconds": seconds,
+                  "restarts": sum("TRITON RESTART" in line for line in lines),
+                  "message": said[0][-1200:] if said else None}))
+PYEOF
+)")
+  done
+  (IFS=,; echo "[${record[*]}]") >"$work/refuse-$size.json"
+  "$PY" -c 'import json, sys; [print(r) for r in json.load(open(sys.argv[1]))]' "$work/refuse-$size.json"
+}
+
 for size in "${sizes[@]}"; do
   checkpoint=$work/$size/kev table=$work/gemm-$size.json
   echo "== $size"
@@ -96,6 +131,7 @@ for size in "${sizes[@]}"; do
   wanted parity && step "$size" parity 300 "$PY" -m kev_backend.dev.parity --size "$size" --questions 300 \
     --commit "$COMMIT" --out "$work/parity-$size"
   wanted serve && step "$size" serve 0 serve "$size" "$checkpoint" "$table"
+  wanted refuse && step "$size" refuse 0 refuse "$size" "$checkpoint"
   rm -rf "${work:?}/$size"
   "$PY" bench/sizes_report.py "$size" "$work" "$OUT/sizes-$size.json" || status=1
   tables=("$work"/gemm-*.json)

@@ -5,7 +5,8 @@
 WORK_DIR holds what the script's steps wrote for SIZE: steps-SIZE.txt (a line per step: name, seconds, exit code),
 bench-SIZE/*.json (python -m kev_backend.dev.bench), parity-SIZE/*.json (python -m kev_backend.dev.parity),
 served-SIZE.json (loadtest/served.py), long-SIZE.json (loadtest/long_states.py), gemm-SIZE.json (the GEMM table),
-facts-SIZE.json (the checkpoint's bytes on disk, the served GPU's memory). A step that wrote nothing is left out.
+facts-SIZE.json (the checkpoint's bytes on disk, the served GPU's memory), refuse-SIZE.json (starts on a GPU left
+too small). A step that wrote nothing is left out.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def merged(size: str, work: Path) -> dict[str, Any]:
         "long_states": newest(f"long-{size}.json", work),
         "gemm_table": newest(f"gemm-{size}.json", work),
         "facts": newest(f"facts-{size}.json", work),
+        "refuse": newest(f"refuse-{size}.json", work),
     }
     record |= {name: part for name, part in parts.items() if part is not None}
     for source in ("bench", "served", "parity"):
