@@ -8,19 +8,23 @@
 #   write   python -m kev_backend.dev.tiny /tmp/kev-sizes/SIZE --size SIZE --device cuda: bf16 weights drawn a tensor
 #           at a time on the GPU, written in 5 GiB shards (disk: 1.5 / 8.4 / 18 / 51 GB)             5 / 15 / 30 / 100
 #   tune    python -m kev_backend.dev.gemm_tuner tune SIZE: the size's GEMM table                     3 / 5 / 10 / 20
-#   bench   python -m kev_backend.dev.bench --quick (latencies, short6 at 64 clients) on the checkpoint written,
-#           with its table; 4b also --scaling (states of 2k-64k tokens, the bank's room for 64k ones: ~40 s)
+#   bench   python -m kev_backend.dev.bench --quick --clients 64,128 (latencies, one request's wall time, short6 at 64
+#           and 128 clients) on the checkpoint written, with its table; 4b also --scaling (states of 2k-64k tokens,
+#           the bank's room for 64k ones: ~40 s)
 #                                                                                                  40 / 90 / 70 / 120
 #   parity  python -m kev_backend.dev.parity --size SIZE --questions 300: fused bf16 against the fp32 reference
 #           (27b: its first 16 layers, SIZES' parity_layers)                                     20 / 45 / 70 / 60
 #   serve   KEV_CHECKPOINT=... build/serve.sh (the GPU configuration, chosen by itself) with the size's table:
-#           loadtest/served.py (ready, first answer, short6 over gRPC alone and at 64 clients), 4b also
-#           loadtest/long_states.py (16k-token new states alone and 8 at once), the GPU's memory, SIGTERM
+#           loadtest/served.py (ready, first answer, short6 over gRPC alone and at 64 clients), then
+#           loadtest/frontdoor.py (gRPC and the gateway: one client, 64 and 128 clients over FRONTDOOR_PROCS (8)
+#           processes, beside the bench's figures; ~45 s), 4b also loadtest/long_states.py (16k-token new states
+#           alone and 8 at once), the GPU's memory, SIGTERM. PYSPY=PATH (a py-spy binary): the stub's threads
+#           sampled through 5 s of 64 gRPC clients, pyspy-SIZE.txt among the logs
 #                                                                                                  30 / 45 / 50 / 110
 #   refuse  (only when named in STEPS) the server started twice on a GPU another process fills: once leaving half the
-#           weights' bytes free, once the weights' bytes and 1.5 GiB (the stub's CUDA context
-#           takes ~0.5 GiB of it); each start must exit (exit code 1) with its
-#           message and no restart; refuse-SIZE.json: seconds to exit, exit code, restarts, the message   ~40
+#           weights' bytes free, once the weights' bytes and 1.5 GiB (the stub's CUDA context takes ~0.5 GiB of
+#           it); each start must exit (exit code 1) with its message and no restart; refuse-SIZE.json: seconds to
+#           exit, exit code, restarts, the message                                                                ~40
 #   the checkpoint is deleted (before the next size is written: the disk holds one 27b at a time)
 # Totals with setup (~35 s): 0.8b ~140 s, 4b ~240 s, 9b ~270 s, 27b ~450 s (its write depends on the disk: 51 GB
 # at 0.5-1.5 GB/s). Within the 10-minute limit: `0.8b 4b`, then `9b`, then `27b`, one call each (`4b 9b` is ~550 s:
@@ -65,17 +69,29 @@ step() {  # SIZE NAME TIMEOUT_S COMMAND...: runs it (a shell function without th
 }
 
 serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured, then SIGTERM
-  local size=$1 checkpoint=$2 table=$3 started server
+  local size=$1 checkpoint=$2 table=$3 started server spy=
   started=$(python3 -c 'import time; print(time.time())')
-  setsid env KEV_CHECKPOINT="$checkpoint" KEV_GEMM_ALGOS="$table" GATEWAY=0 build/serve.sh \
-    >"$logs/tritonserver-$size.log" 2>&1 &
+  setsid env KEV_CHECKPOINT="$checkpoint" KEV_GEMM_ALGOS="$table" build/serve.sh >"$logs/tritonserver-$size.log" 2>&1 &
   server=$!
   timeout 400 "$PY" loadtest/served.py --started "$started" --seconds 5 --limit 300 --commit "$COMMIT" \
     --out "$work/served-$size.json"
-  local code=$? used bytes
+  local code=$? used bytes inprocess
   used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
   bytes=$(du -sb "$work/$size" 2>/dev/null | cut -f1)
   echo "{\"checkpoint_bytes\": ${bytes:-null}, \"served_gpu_mib\": ${used:-null}}" >"$work/facts-$size.json"
+  inprocess=$(ls -t "$work/bench-$size"/*.json 2>/dev/null | head -1)
+  if ((code == 0)); then
+    timeout 200 "$PY" loadtest/frontdoor.py --gateway http://127.0.0.1:8009 ${inprocess:+--inprocess "$inprocess"} \
+      --procs "${FRONTDOOR_PROCS:-8}" --model "kev-$size-shapes" --commit "$COMMIT" --out "$work/frontdoor-$size.json" \
+      || code=1
+  fi
+  if ((code == 0)) && [[ -n ${PYSPY:-} ]]; then  # the stub's threads sampled through 5 s of 64 gRPC clients
+    "$PYSPY" record -p "$(pgrep -f triton_python_backend_stub | head -1)" -r 200 -d 5 --idle --threads -f raw \
+      -o "$logs/pyspy-$size.txt" >/dev/null 2>&1 & spy=$!
+    timeout 60 "$PY" loadtest/frontdoor.py --alone 1 --clients 64 --seconds 6 --procs "${FRONTDOOR_PROCS:-8}" \
+      --out "$work/spied-$size.json" >/dev/null
+    wait "$spy"
+  fi
   if ((code == 0)) && [[ $size == 4b ]]; then
     timeout 120 "$PY" loadtest/long_states.py --tokenizer "$work/$size/base" --tokens 16384 --concurrent 8 --alone 5 \
       --rounds 3 --commit "$COMMIT" --out "$work/long-$size.json" || code=1
@@ -126,7 +142,8 @@ for size in "${sizes[@]}"; do
   scaling=()
   [[ $size == 4b ]] && scaling=(--scaling)
   wanted bench && step "$size" bench 300 "$PY" -m kev_backend.dev.bench --quick --seconds 3 --size "$size" \
-    --checkpoint "$checkpoint" --gemm-algos "$table" ${scaling[@]+"${scaling[@]}"} --commit "$COMMIT" \
+    --checkpoint "$checkpoint" --gemm-algos "$table" --clients 64,128 ${scaling[@]+"${scaling[@]}"} \
+    --commit "$COMMIT" \
     --out "$work/bench-$size"
   wanted parity && step "$size" parity 300 "$PY" -m kev_backend.dev.parity --size "$size" --questions 300 \
     --commit "$COMMIT" --out "$work/parity-$size"

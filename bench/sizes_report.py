@@ -6,7 +6,7 @@ WORK_DIR holds what the script's steps wrote for SIZE: steps-SIZE.txt (a line pe
 bench-SIZE/*.json (python -m kev_backend.dev.bench), parity-SIZE/*.json (python -m kev_backend.dev.parity),
 served-SIZE.json (loadtest/served.py), long-SIZE.json (loadtest/long_states.py), gemm-SIZE.json (the GEMM table),
 facts-SIZE.json (the checkpoint's bytes on disk, the served GPU's memory), refuse-SIZE.json (starts on a GPU left
-too small). A step that wrote nothing is left out.
+too small), frontdoor-SIZE.json (loadtest/frontdoor.py). A step that wrote nothing is left out.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def merged(size: str, work: Path) -> dict[str, Any]:
         "gemm_table": newest(f"gemm-{size}.json", work),
         "facts": newest(f"facts-{size}.json", work),
         "refuse": newest(f"refuse-{size}.json", work),
+        "frontdoor": newest(f"frontdoor-{size}.json", work),
     }
     record |= {name: part for name, part in parts.items() if part is not None}
     for source in ("bench", "served", "parity"):
@@ -96,6 +97,29 @@ def table(record: dict[str, Any]) -> list[str]:
             f"  served: ready {served['ready_s']:.1f} s, first answer {served['first_answer_s']:.1f} s, short6 one "
             f"client p50 {ms(served.get('short6_1c_p50_ms'))}, 64 clients {served.get('short6_64c_rps', 0):.1f} "
             f"req/s" + (f", GPU {gpu} MiB" if gpu else "")
+        )
+    door = record.get("frontdoor")
+    if door:
+        levels = door["grpc"]["levels"]
+        ratios = door.get("served_over_inprocess", {})
+        lines.append(
+            f"  front door: one client {ms(door['grpc']['one_client_p50_ms'])} over gRPC (in process "
+            f"{ms(door.get('inprocess', {}).get('one_request_wall_ms'))}), "
+            + ", ".join(f"{n} clients {lv['rps']:.1f} req/s (x{ratios.get(n, 0):.2f})" for n, lv in levels.items())
+        )
+        if "gateway" in door:
+            gateway = door["gateway"]
+            lines.append(
+                f"  gateway: one client +{door['gateway_one_client_added_ms']:.2f} ms, "
+                + ", ".join(
+                    f"{n} clients {level['rps']:.1f} req/s (x{door['gateway_over_grpc'].get(n, 0):.2f} of gRPC)"
+                    for n, level in gateway["levels"].items()
+                )
+            )
+    for start in record.get("refuse", []):
+        lines.append(
+            f"  refused ({start['case']}): exit {start['exit_code']} after {start['seconds']} s, "
+            f"{start['restarts']} restarts: {(start['message'] or 'no message')[-160:]}"
         )
     long = record.get("long_states")
     if long:

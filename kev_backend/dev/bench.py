@@ -43,6 +43,7 @@ from .provenance import commit
 from .workloads import long5, realistic, short6, sized, state_counter
 
 CLIENTS = (1, 8, 32, 64)
+MAX_BATCH = 64  # Triton's max_batch_size (model_repository/kev/config.pbtxt): the largest batch a server forms
 # The scaling workload's states, <state> included: 2k to 32k, and one under Kev's 65,536-token limit.
 SCALING_TOKENS = (2048, 4096, 8192, 16384, 32768, 65_535)
 GIB = 1 << 30
@@ -142,10 +143,11 @@ def pass_profile(engine: Engine, make, new: bool) -> dict[str, float]:
 
 
 def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bool = True) -> dict[str, float]:
-    """Closed loop: `clients` threads each send a new-state request when their last one is answered; one batching
-    thread takes everything queued at once and hands it to the engine: through the pipeline Triton's model uses
-    (kev_backend/engine/pipeline.py: the next batch is prepared while this one is on the GPU), or with `pipelined` False
-    one `answer` call at a time."""
+    """Closed loop: `clients` threads each send a new-state request, as its JSON, when their last one is answered; one
+    batching thread takes everything queued at once (up to Triton's max_batch_size) and hands it to the engine:
+    through the pipeline Triton's model uses (kev_backend/engine/pipeline.py: the next batch is prepared while this one
+    is on the GPU), or with `pipelined` False one `answer` call at a time. An answer counts once its response JSON is
+    built: the work a server does for any front door."""
     inbox: queue.Queue = queue.Queue()
     stop = time.perf_counter() + seconds
     done: list[float] = []
@@ -153,8 +155,10 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
     lock = threading.Lock()
     pipeline = Pipeline(engine) if pipelined else None
 
-    def answered(events: list[threading.Event]) -> None:
-        for event in events:
+    def answered(events: list[threading.Event], results: list) -> None:
+        for event, result in zip(events, results, strict=True):
+            if isinstance(result, dict):
+                dumps(result)
             event.set()
 
     def model_loop() -> None:
@@ -164,7 +168,7 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
             except queue.Empty:
                 continue
             batch = [first]
-            while True:
+            while len(batch) < MAX_BATCH:
                 try:
                     batch.append(inbox.get_nowait())
                 except queue.Empty:
@@ -172,21 +176,24 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
             bodies, events = [body for body, _ in batch], [event for _, event in batch]
             if pipeline is None:
                 batches.append(len(batch))
-                engine.answer(bodies)
-                answered(events)
+                answered(events, engine.answer(bodies))
                 continue
-            for part in parts_by_size([len(dumps(body)) for body in bodies]):  # as model.py parts Triton's batches
+            for part in parts_by_size([len(body) for body in bodies]):  # as model.py parts Triton's batches
                 batches.append(len(part))
                 part_events = [events[i] for i in part]
-                pipeline.submit([bodies[i] for i in part], lambda _, __, part_events=part_events: answered(part_events))
+                pipeline.submit(
+                    [bodies[i] for i in part],
+                    lambda results, _, part_events=part_events: answered(part_events, results),
+                )
 
     def client() -> None:
         while time.perf_counter() < stop:
             with lock:
                 i = next(NEW_STATE)
             event = threading.Event()
+            body = json.dumps(make(i))
             started = time.perf_counter()
-            inbox.put((make(i), event))
+            inbox.put((body, event))
             event.wait()
             done.append(time.perf_counter() - started)
 
@@ -208,6 +215,23 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
         "p50_ms": 1000 * latencies[len(latencies) // 2],
         "mean_batch": statistics.fmean(batches) if batches else 0.0,
     }
+
+
+def request_wall(engine: Engine, make, repeat: int = 40) -> float:
+    """Median wall milliseconds of one request alone on a new state, its JSON in and its response JSON out, through
+    the pipeline Triton's model uses: what a front door's one client is compared with."""
+    pipeline = Pipeline(engine)
+    walls = []
+    try:
+        for _ in range(repeat + 3):
+            body, answered = json.dumps(make(next(NEW_STATE))), threading.Event()
+            started = time.perf_counter()
+            pipeline.submit([body], lambda results, _, answered=answered: (dumps(results[0]), answered.set()))
+            answered.wait()
+            walls.append(time.perf_counter() - started)
+    finally:
+        pipeline.close()
+    return 1000 * statistics.median(walls[3:])
 
 
 def request_cost(engine: Engine, body: dict) -> dict[str, float]:
@@ -383,6 +407,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path, help="a Kev checkpoint (with --size: checked to be its shapes)")
     parser.add_argument("--base", help="a local copy of the checkpoint's base model, when head.pt names a Hub id")
     parser.add_argument("--quick", action="store_true", help="latencies and short6 at 64 clients only (~1 min)")
+    parser.add_argument(
+        "--clients", type=lambda text: tuple(int(n) for n in text.split(",")), default=(64,),
+        help="with --quick: short6's client counts (e.g. 64,128)",
+    )  # fmt: skip
     parser.add_argument("--scaling", action="store_true", help="also states of 2k to 64k tokens and the bank's room")
     parser.add_argument("--scaling-repeat", type=int, default=3, help="requests per scaling point and kind")
     parser.add_argument(
@@ -444,6 +472,7 @@ def measure(
     """One workload: latency (new and same state); throughput at each of `clients`; with `full`, the profiler's
     passes and 64 clients without the pipeline; the floors; the naive baseline when asked."""
     entry: dict[str, Any] = dict(latency(engine, make))
+    entry["wall_new_ms"] = request_wall(engine, make)
     print(f"{label} latency {entry}", flush=True)
     if full:
         try:
@@ -563,7 +592,7 @@ def main() -> None:
 
     full = not args.quick
     for label, make, seconds in (("short6", short6, args.seconds), ("long5", long5, 2 * args.seconds)):
-        clients = CLIENTS if full else ((64,) if label == "short6" else ())
+        clients = CLIENTS if full else (args.clients if label == "short6" else ())
         baseline = full and not args.no_baseline
         workloads[label] = measure(engine, make, ceil, seconds, clients, full, baseline, label)
         write()

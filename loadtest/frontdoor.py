@@ -1,0 +1,236 @@
+"""The front door against the engine: short6 on new states through Triton's gRPC and through the System One gateway,
+one client alone and closed loops of many, set beside the engine's in-process figures for the same requests (a
+`python -m kev_backend.dev.bench --quick --clients 64,128` JSON). Needs the server running (with its gateway for
+--gateway).
+
+    python loadtest/frontdoor.py --grpc 127.0.0.1:8001 [--gateway http://127.0.0.1:8009] [--inprocess BENCH.json]
+        [--clients 64,128] [--procs 4] [--seconds 5] --out FRONTDOOR.json
+
+One client: --alone requests one after another from this process, each timed at the client from before its JSON is
+written to its answer decoded (the client's own time included), against the bench's `wall_new_ms` (the same request
+through the pipeline Triton's model uses, JSON in and out, in the engine's process). Many: the clients spread over
+--procs processes (one Python process tops out at a few hundred requests/s: a single one would measure itself), all
+starting together after a warm-up; requests/s is what was answered within the run. Writes served_over_inprocess
+and one_client_overhead_ms, and for the gateway gateway_over_grpc and gateway_one_client_added_ms; the server's own
+breakdown of each level (Triton's statistics: queue, execute and the engine's time; the busiest threads of
+tritonserver and its stubs, by their share of a core, where they run on this machine) beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from loops import percentile, server_breakdown, server_totals
+
+from kev_backend.dev.provenance import commit, gpu_name
+from kev_backend.dev.workloads import short6
+from kev_backend.serve import procs
+from kev_backend.serve.client import AsyncKevClient
+
+# Each client process numbers its new states from its seed x 10**7; a measurement's processes take seeds apart from
+# every other's, so no run sends a state another sent (its answer would be a bank hit).
+SEED_STRIDE = 1000
+
+
+class Door:
+    """One way in: "grpc" (Triton's gRPC, the Python client) or "gateway" (System One over HTTP)."""
+
+    def __init__(self, kind: str, url: str) -> None:
+        self.kind, self.url = kind, url
+
+    async def __aenter__(self) -> Door:
+        if self.kind == "grpc":
+            self.client = AsyncKevClient(self.url, "grpc", timeout_s=120.0)
+        else:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120.0))
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self.kind == "grpc":
+            await self.client.close()
+        else:
+            await self.session.close()
+
+    async def send(self, body: dict) -> None:
+        if self.kind == "grpc":
+            await self.client.score_raw(json.dumps(body))
+            return
+        async with self.session.post(
+            f"{self.url}/v1/systemone", data=json.dumps(body), headers={"content-type": "application/json"}
+        ) as response:
+            if response.status != 200:
+                raise RuntimeError(f"{response.status}: {await response.text()}")
+            await response.read()
+
+
+async def alone(door: Door, requests: int, seed: int) -> float:
+    """Median milliseconds of `requests` sent one after another (after 5 unmeasured)."""
+    numbers = iter(range(seed * 10**7, (seed + 1) * 10**7))
+    times = []
+    async with door:
+        for i in range(requests + 5):
+            started = time.perf_counter()
+            await door.send(short6(next(numbers)))
+            if i >= 5:
+                times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+async def _clients(kind: str, url: str, clients: int, seconds: float, seed: int, start_at: float) -> list[float]:
+    numbers = iter(range(seed * 10**7, (seed + 1) * 10**7))
+    latencies: list[float] = []
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    deadline = start_at + seconds
+    async with Door(kind, url) as door:
+
+        async def client() -> None:
+            while time.time() < deadline:
+                body = short6(next(numbers))
+                started = time.time()
+                await door.send(body)
+                if time.time() <= deadline:
+                    latencies.append(time.time() - started)
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return latencies
+
+
+def _process(kind: str, url: str, clients: int, seconds: float, seed: int, start_at: float) -> list[float]:
+    return asyncio.run(_clients(kind, url, clients, seconds, seed, start_at))
+
+
+def _started() -> None:
+    """Holds its worker a moment, so that every worker is started (its imports done) before the run's clock is set."""
+    time.sleep(1.0)
+
+
+def closed_loop(kind: str, url: str, clients: int, seconds: float, procs: int, seed: int) -> dict[str, float]:
+    """`clients` closed-loop clients over `procs` processes, all starting together: requests/s answered within
+    `seconds`, p50 and p99."""
+    procs = max(1, min(procs, clients))
+    shares = [clients // procs + (i < clients % procs) for i in range(procs)]
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for started in [pool.submit(_started) for _ in range(procs)]:
+            started.result()
+        start_at = time.time() + 0.5
+        futures = [
+            pool.submit(_process, kind, url, share, seconds, seed + i, start_at) for i, share in enumerate(shares)
+        ]
+        latencies = sorted(latency for future in futures for latency in future.result())
+    return {
+        "rps": len(latencies) / seconds,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * (percentile(latencies, 0.99) or 0.0),
+        "requests": len(latencies),
+    }
+
+
+def thread_seconds() -> dict[str, float]:
+    """CPU seconds so far of each thread of tritonserver and its Python stubs on this machine, by "process/thread
+    name (tid)"."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or (stat := procs.proc_stat(int(entry))) is None:
+            continue
+        if stat[0] not in ("tritonserver", procs.STUB_COMM):
+            continue
+        for tid in os.listdir(f"/proc/{entry}/task"):
+            try:
+                text = Path(f"/proc/{entry}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            rest = text[text.rindex(")") + 2 :].split()
+            out[f"{stat[0]} {entry}/{text[text.index('(') + 1 : text.rindex(')')]} {tid}"] = (
+                int(rest[11]) + int(rest[12])
+            ) / tick
+    return out
+
+
+def busiest(before: dict[str, float], after: dict[str, float], seconds: float, top: int = 8) -> dict[str, float]:
+    """The `top` server threads by their share of one core over the run."""
+    shares = {name: (after[name] - before.get(name, 0.0)) / seconds for name in after}
+    return dict(sorted(shares.items(), key=lambda item: -item[1])[:top])
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    doors = {"grpc": args.grpc, **({"gateway": args.gateway} if args.gateway else {})}
+    seeds = iter(range(1, 10**6, SEED_STRIDE))
+    record: dict[str, Any] = {}
+    for kind, url in doors.items():
+        ms = asyncio.run(alone(Door(kind, url), args.alone, next(seeds)))
+        record[kind] = {"one_client_p50_ms": ms, "levels": {}}
+        print(f"{kind}: one client p50 {ms:.2f} ms", flush=True)
+        for clients in args.clients:
+            closed_loop(kind, url, clients, 2.0, args.procs, next(seeds))  # warm-up: this load's batch shapes
+            before, threads = server_totals(args.grpc), thread_seconds()
+            level = closed_loop(kind, url, clients, args.seconds, args.procs, next(seeds))
+            level["server"] = server_breakdown(before, server_totals(args.grpc))
+            level["server"]["busiest_threads"] = busiest(threads, thread_seconds(), args.seconds + 0.5)
+            record[kind]["levels"][str(clients)] = level
+            print(f"{kind}: {clients} clients {level}", flush=True)
+    return record
+
+
+def compare(record: dict[str, Any], inprocess: dict[str, Any] | None) -> dict[str, Any]:
+    """The ratios the front door is held to."""
+    grpc = record["grpc"]
+    out: dict[str, Any] = {}
+    if inprocess is not None:
+        short = inprocess["workloads"]["short6"]
+        out["inprocess"] = {"one_request_wall_ms": short["wall_new_ms"], "model_new_ms": short["new_ms"],
+                            "rps": short["rps"]}  # fmt: skip
+        out["one_client_overhead_ms"] = grpc["one_client_p50_ms"] - short["wall_new_ms"]
+        out["served_over_inprocess"] = {
+            n: level["rps"] / short["rps"][n] for n, level in grpc["levels"].items() if n in short["rps"]
+        }
+    if "gateway" in record:
+        gateway = record["gateway"]
+        out["gateway_one_client_added_ms"] = gateway["one_client_p50_ms"] - grpc["one_client_p50_ms"]
+        out["gateway_over_grpc"] = {
+            n: level["rps"] / grpc["levels"][n]["rps"] for n, level in gateway["levels"].items() if n in grpc["levels"]
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grpc", default="127.0.0.1:8001")
+    parser.add_argument("--gateway", help="the gateway's URL, e.g. http://127.0.0.1:8009 (default: gRPC only)")
+    parser.add_argument("--inprocess", type=Path, help="the bench's JSON for the same model on the same GPU")
+    parser.add_argument("--clients", type=lambda text: [int(n) for n in text.split(",")], default=[64, 128])
+    parser.add_argument("--procs", type=int, default=4, help="client processes for the closed loops")
+    parser.add_argument("--alone", type=int, default=100, help="requests of the one client")
+    parser.add_argument("--seconds", type=float, default=5.0, help="per closed-loop level")
+    parser.add_argument("--model", help="what the server serves, for the record (e.g. kev-0.8b-shapes)")
+    parser.add_argument("--commit", help="the commit the record names (default: git's HEAD)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    inprocess = json.loads(args.inprocess.read_text()) if args.inprocess else None
+    record = {
+        "gpu": gpu_name(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": commit(args.commit),
+        "model": args.model or (inprocess or {}).get("model"),
+        "workload": "short6 new",
+        "procs": args.procs,
+        **measure(args),
+    }
+    record |= compare(record, inprocess)
+    summary = {key: record[key] for key in record if key.endswith(("_ms", "_over_inprocess", "_over_grpc"))}
+    print(json.dumps(summary), flush=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
