@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -323,6 +323,21 @@ class ServeSettings:
     @property
     def grpc_target(self) -> str:
         return f"{self.triton_host}:{self.grpc_port}"
+
+
+# GPU memory that stays flat under mixed traffic, and a large model's start on a GPU it nearly fills: torch's caching
+# allocator, holding fixed-size segments, keeps reserving more as pass shapes vary while the memory in use stays flat,
+# and the segments left by loading the weights can leave no room for the largest pass; expandable segments grow one
+# mapping instead (CUDA graphs capture as before). Kev-27B's shapes start on an 80 GB H100 with them, not without.
+CUDA_ALLOCATOR = "expandable_segments:True"
+
+
+def use_cuda_allocator(env: MutableMapping[str, str] = os.environ) -> None:
+    """PYTORCH_CUDA_ALLOC_CONF's default for the processes that run the engine, unless it is set. Torch reads it at the
+    process's first CUDA allocation: the engine's processes call this before they load weights (the Triton model's
+    initialize, whether kev-serve or a plain tritonserver started it; the bench), and kev-serve sets it for
+    tritonserver's children."""
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOCATOR)
 
 
 def reachable(address: str) -> str:

@@ -38,6 +38,7 @@ from ..gpu.memory import states_held
 from ..gpu.pool import StatePool
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from ..model.qwen35 import DELTA_RULE_CHUNK, FULL_ATTENTION, Qwen35Config
+from ..settings import use_cuda_allocator
 from . import determinism, tiny
 from .provenance import commit
 from .workloads import long5, realistic, short6, sized, state_counter
@@ -524,6 +525,7 @@ def print_table(workloads: dict[str, Any]) -> None:
 
 def main() -> None:
     args = parse_args()
+    use_cuda_allocator()  # the server's allocator: the same room for the largest pass
     device = torch.device("cuda")
     options = EngineOptions(
         device="cuda",

@@ -103,6 +103,7 @@ class FusedScorer:
         bucket. Each runs eagerly; then all it made is freed (gpu/memory.py). Compiles the long kernels on the way."""
         device = self.device
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # what loading and fusing the weights left cached: the passes get it, unfragmented
         weights = torch.cuda.memory_allocated(device)
         self.graphs = None
         self.bank = self._new_bank(0)

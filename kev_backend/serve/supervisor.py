@@ -63,7 +63,7 @@ import grpc
 from google.protobuf import text_format
 
 from ..protocol.systemone import STATE_KEY_HEADER
-from ..settings import HEARTBEAT_PREFIX, REPO, ServeSettings, SettingError, admin_key
+from ..settings import HEARTBEAT_PREFIX, REPO, ServeSettings, SettingError, admin_key, use_cuda_allocator
 from . import procs, shm
 from .gpus import Devices, cuda_devices
 from .probe import FAILED, POISONED, UNHEALTHY_STUB, Probe, answered, successes, verdict
@@ -655,11 +655,9 @@ def child_env(env: dict[str, str], config: ServeSettings) -> dict[str, str]:
     # its autotuning results there too; TRITON_CACHE_AUTOTUNING=1 does the same for any other autotuned kernel.
     env.setdefault("TRITON_CACHE_DIR", str(REPO / "build" / ".triton-cache"))
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    # GPU memory that stays flat under mixed traffic: torch's caching allocator, holding fixed-size segments, keeps
-    # reserving more as pass shapes vary while the memory in use stays flat; expandable segments grow one mapping
-    # instead (CUDA graphs capture as before). glibc's arenas are left at their default: MALLOC_ARENA_MAX=2 flattens
-    # the processes' RSS but costs about 30 % of the throughput at 64 clients (docs/operations.md measured both).
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # Expandable segments (settings.CUDA_ALLOCATOR). glibc's arenas are left at their default: MALLOC_ARENA_MAX=2
+    # flattens the processes' RSS but costs about 30 % of the throughput at 64 clients (docs/operations.md).
+    use_cuda_allocator(env)
     return env
 
 

@@ -38,8 +38,9 @@ class TritonPythonModel:
         from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline
         from kev_backend.serve.heartbeat import Heartbeat
         from kev_backend.serve.metrics import KevMetrics
-        from kev_backend.settings import ModelSettings, parameters
+        from kev_backend.settings import ModelSettings, parameters, use_cuda_allocator
 
+        use_cuda_allocator()  # before the weights take the GPU: a plain tritonserver sets none
         config = json.loads(args["model_config"])
         settings = ModelSettings.read(parameters(config), Path(args["model_repository"]))
         self.engine = load_engine(settings, args)
@@ -57,15 +58,14 @@ class TritonPythonModel:
     def execute(self, requests):
         # Responses go out through each request's sender once the pipeline has answered (execute returns None, so
         # Triton hands over the next batch while this one is on the GPU). A request cancelled while queued costs no
-        # model work, here or just before its batch is scored.
+        # model work: Triton's batcher answers it CANCELLED before any batch takes it, and a batch that waits in the
+        # pipeline asks again before it is scored. Asking here too would cost an IPC round trip a request on the
+        # thread that forms the next batch, for the microseconds since the batcher asked.
         from kev_backend.engine.pipeline import parts_by_size
 
         bodies, senders = [], []
         for request in requests:
             sender = Sender(request.get_response_sender(), self.metrics)
-            if request.is_cancelled():
-                sender.fail("request cancelled", pb_utils.TritonError.CANCELLED, "cancelled")
-                continue
             try:  # a malformed BYTES tensor fails here, for this request alone
                 items = pb_utils.get_input_tensor_by_name(request, "REQUEST").as_numpy().reshape(-1)
             except Exception as error:  # noqa: BLE001
