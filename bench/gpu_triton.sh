@@ -5,7 +5,7 @@
 # --out, --wheelhouse, --commit: as bench/gpu_run.sh.
 # Measures: the bench in-process with graphs on, then tritonserver with configs/gpu.pbtxt (KIND_GPU, graphs on): time
 # to ready and to the first answer with an empty kernel cache and again with the cache the first start filled, each
-# with its start-up phases (added to the bench JSON); gRPC at 64 closed-loop clients against the bench's
+# with its start-up phases (added to the bench JSON); gRPC (loadtest/frontdoor.py) against the bench's
 # in-process figures; open-loop sweeps for short6 and the realistic mix; Triton's and our metrics. About 5.5 minutes.
 set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
@@ -42,8 +42,9 @@ if [[ ${STARTUP_ONLY:-0} == 1 ]]; then
   exit 0
 fi
 "$PY" bench/merge_json.py "$bench_json" /tmp/start.json /tmp/restart.json
-"$PY" loadtest/closedloop.py triton --inprocess "$bench_json" --extra /tmp/start.json --extra /tmp/restart.json \
-  --commit "$COMMIT" --seconds 10 --out "$out/triton-$(date +%F).json"
+"$PY" loadtest/frontdoor.py --inprocess "$bench_json" --procs 8 --commit "$COMMIT" --seconds 10 \
+  --out "$out/triton-$(date +%F).json"
+"$PY" bench/merge_json.py "$out/triton-$(date +%F).json" /tmp/start.json /tmp/restart.json
 "$PY" loadtest/openloop.py --rates "${1:-50,100,200,300}" --seconds 8 --shape short6 --out "$out/openloop-short6"
 "$PY" loadtest/openloop.py --rates "${2:-20,40,80,120}" --seconds 8 --shape mix --out "$out/openloop-mix"
 curl -s 127.0.0.1:8002/metrics | grep -E "^kev_|^nv_inference_(count|exec_count|queue_duration)" > "$out/metrics.txt"

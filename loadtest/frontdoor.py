@@ -1,7 +1,7 @@
 """The front door against the engine: short6 on new states through Triton's gRPC and through the System One gateway,
 one client alone and closed loops of many, set beside the engine's in-process figures for the same requests (a
 `python -m kev_backend.dev.bench --quick --clients 64,128` JSON). Needs the server running (with its gateway for
---gateway).
+--gateway, which also needs aiohttp: the test set has it).
 
     python loadtest/frontdoor.py --grpc 127.0.0.1:8001 [--gateway http://127.0.0.1:8009] [--inprocess BENCH.json]
         [--clients 64,128] [--procs 4] [--seconds 5] --out FRONTDOOR.json
@@ -29,7 +29,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from loops import percentile, server_breakdown, server_totals
 
 from kev_backend.dev.provenance import commit, gpu_name
@@ -51,7 +50,9 @@ class Door:
     async def __aenter__(self) -> Door:
         if self.kind == "grpc":
             self.client = AsyncKevClient(self.url, "grpc", timeout_s=120.0)
-        else:
+        else:  # aiohttp comes with the test set (Triton's HTTP client); the bench set has the gRPC client only
+            import aiohttp
+
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120.0))
         return self
 

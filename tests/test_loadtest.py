@@ -223,61 +223,44 @@ def test_openloop(triton: TritonServer, tmp_path: Path) -> None:
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_closedloop_triton_against_inprocess(triton: TritonServer, tiny_dir: Path, tmp_path: Path) -> None:
-    """Triton's front doors against the engine in-process, briefly: the engine, then the running server over gRPC
-    and HTTP."""
-    python = str(Path(sys.prefix) / "bin" / "python")
-    script = str(REPO / "loadtest" / "closedloop.py")
-    local, out, extra = tmp_path / "inprocess.json", tmp_path / "triton.json", tmp_path / "start.json"
-    common = ["--clients", "4", "--seconds", "2"]
-    subprocess.run(
-        [python, script, "inprocess", "--checkpoint", str(tiny_dir / "kev"), *common, "--out", str(local)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=True,
-        cwd=REPO,
-    )
-    extra.write_text(json.dumps({"ready_s": 1.5}))
-    grpc, http = triton.grpc_url, triton.http_url
-    subprocess.run(
-        [
-            python,
-            script,
-            "triton",
-            "--grpc",
-            grpc,
-            "--http",
-            http,
-            "--metrics",
-            triton.metrics_url,
-            "--inprocess",
-            str(local),
-            "--extra",
-            str(extra),
-            *common,
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=True,
-        cwd=REPO,
-    )
+def test_frontdoor_against_tritonserver_and_the_gateway(triton: TritonServer, tiny_dir: Path, tmp_path: Path) -> None:
+    """loadtest/frontdoor.py briefly on the CPU model: one client and a closed loop over two client processes, through
+    Triton's gRPC and through the gateway, set beside the same engine's in-process figures (a bench record)."""
+    from kev_backend.dev import bench
+    from kev_backend.dev.workloads import short6
+    from kev_backend.engine.engine import Engine
+    from kev_backend.model.checkpoint import load_checkpoint
+
+    engine = Engine(load_checkpoint(tiny_dir / "kev", "cpu"))
+    ceil = {"bf16_gemm_tflops": 1.0, "bf16_gemm_tflops_sustained": 0.5, "copy_tb_s": 1.0}
+    short = bench.measure(engine, short6, ceil, 1.0, (4,), full=False, baseline=False, label="short6")
+    local = tmp_path / "bench.json"
+    local.write_text(json.dumps({"model": "tiny", "workloads": {"short6": short}}))
+    gateway = start_gateway(triton, tmp_path / "gateway.log")
+    out = tmp_path / "frontdoor.json"
+    try:
+        subprocess.run(
+            [sys.executable, "loadtest/frontdoor.py", "--grpc", triton.grpc_url, "--gateway", gateway.url,
+             "--inprocess", str(local), "--clients", "4", "--procs", "2", "--alone", "5", "--seconds", "2",
+             "--out", str(out)],
+            capture_output=True, text=True, timeout=300, check=True, cwd=REPO,
+        )  # fmt: skip
+    finally:
+        stop_gateway(gateway)
     record = json.loads(out.read_text())
-    assert {"gpu", "date", "commit", "triton"} <= set(record) and record["ready_s"] == 1.5
-    block = record["triton"]
-    assert block["inprocess_rps"] > 0 and block["grpc_rps"] > 0 and block["http_rps"] > 0
-    assert record["grpc"]["requests"] > 0 and record["grpc"]["p50_ms"] <= record["grpc"]["p99_ms"]
-    assert block["grpc_p50_overhead_ms"] == record["grpc"]["p50_ms"] - record["inprocess"]["p50_ms"]
-    assert block["grpc_p50_overhead_1c_ms"] == record["grpc_1c"]["p50_ms"] - record["inprocess"]["p50_1c_ms"]
-    # The server's view of each run: it answered exactly the requests the clients counted; one client, batches of one.
-    for run in ("grpc", "http", "grpc_1c"):
-        server = record[run]["server"]
-        assert server["requests"] == record[run]["requests"] and server["batches"] >= 1, (run, server)
-        assert server["engine_ms_per_batch"] > 0 and server["compute_infer_ms"] > 0 and server["queue_ms"] >= 0
-    assert record["grpc_1c"]["server"]["mean_batch"] == 1.0
+    assert record["model"] == "tiny" and record["procs"] == 2
+    for door in ("grpc", "gateway"):
+        level = record[door]["levels"]["4"]
+        assert record[door]["one_client_p50_ms"] > 0 and level["requests"] > 0 and level["p50_ms"] <= level["p99_ms"]
+        # The server answered at least what the clients counted (they count only answers within the run).
+        assert level["server"]["requests"] >= level["requests"] and level["server"]["mean_batch"] >= 1
+        assert any(name.startswith("tritonserver") for name in level["server"]["busiest_threads"])
+    grpc, gateway_level = record["grpc"], record["gateway"]["levels"]["4"]
+    assert record["one_client_overhead_ms"] == grpc["one_client_p50_ms"] - short["wall_new_ms"]
+    assert record["served_over_inprocess"] == {"4": grpc["levels"]["4"]["rps"] / short["rps"]["4"]}
+    assert record["gateway_over_grpc"] == {"4": gateway_level["rps"] / grpc["levels"]["4"]["rps"]}
+    added = record["gateway"]["one_client_p50_ms"] - grpc["one_client_p50_ms"]
+    assert record["gateway_one_client_added_ms"] == added
 
 
 @pytest.mark.parametrize("shape", ["bogus"])
@@ -287,7 +270,7 @@ def test_traffic_refuses_unknown_shapes(shape: str) -> None:
 
 
 def bench_record(commit: str, date: str, rps: float) -> dict:
-    """A bench JSON as python -m kev_backend.dev.bench writes it (the fields compare.py and closedloop.py read)."""
+    """A bench JSON as python -m kev_backend.dev.bench writes it (the fields compare.py reads)."""
 
     def workload(scale: float) -> dict:
         return {
@@ -331,22 +314,6 @@ def test_bench_results_compare_by_script(tmp_path: Path) -> None:
     assert len(out) == 1 + 4 and out[0].split()[:3] == ["commit", "variant", "workload"]
     assert [line.split()[0] for line in out[1:]] == ["aaaaaaa", "aaaaaaa", "bbbbbbb", "bbbbbbb"]  # oldest first
     assert "short6" in out[1] and "290" in out[3]
-
-
-def test_closedloop_takes_a_bench_json_as_its_inprocess_reference() -> None:
-    """gpu_triton.sh compares Triton with the bench's in-process short6 figures at the same client count."""
-    sys.path.insert(0, str(REPO / "loadtest"))
-    try:
-        import closedloop
-    finally:
-        sys.path.remove(str(REPO / "loadtest"))
-    bench = bench_record("ccccccc", "2026-12-02T00:00:00Z", 290.0)
-    local = closedloop.inprocess_reference(bench, 64)
-    assert local["rps"] == bench["workloads"]["short6"]["rps"]["64"] > 0
-    assert local["p50_ms"] == bench["workloads"]["short6"]["p50_ms"]["64"] > 0
-    assert local["gpu"] == bench["gpu"] and local["source"] == f"bench {bench['commit']}"
-    own = {"rps": 3.0, "p50_ms": 9.0, "gpu": "cpu"}
-    assert closedloop.inprocess_reference(own, 64) is own  # a closedloop inprocess record as it is
 
 
 def test_merge_json_adds_keys_and_never_overwrites(tmp_path: Path) -> None:
