@@ -32,7 +32,7 @@ def run(pipeline: Pipeline, batches: list[list], cancelled: dict[int, set[int]] 
         pipeline.submit(
             bodies,
             lambda results, batch, n=n: delivered.put((n, results, batch.report, threading.current_thread().name)),
-            (lambda drop=drop: drop) if drop is not None else None,
+            (lambda indices, drop=drop: drop & set(indices)) if drop is not None else None,
         )
     out = dict((n, rest) for n, *rest in (delivered.get(timeout=60) for _ in batches))
     return [out[n] for n in range(len(batches))]
@@ -236,7 +236,7 @@ def test_a_batch_that_waits_behind_another_is_asked_again_at_its_start(chunked: 
         pipeline.submit(
             [request("left while waiting")],
             lambda results, batch: delivered.put(("left", results)),
-            lambda: {0} if left.is_set() else set(),
+            lambda indices: {0} & set(indices) if left.is_set() else set(),
         )
         left.set()
         answers = dict(delivered.get(timeout=120) for _ in range(2))
@@ -244,6 +244,40 @@ def test_a_batch_that_waits_behind_another_is_asked_again_at_its_start(chunked: 
         pipeline.close()
     assert "answers" in answers["ahead"][0] and answers["left"] == [None]
     assert chunked.bank_stats.misses - before == 1  # only the state ahead was computed
+
+
+def test_a_batch_asks_about_its_own_requests_only(chunked: Engine) -> None:
+    """Long requests of one Triton batch run as batches of their own, answered one after another; each asks, before it
+    starts, about its own requests only, never about one another batch has answered (Triton frees an answered
+    request's response factory: asking about it crashed tritonserver)."""
+    chunked.bank.clear()
+    delivered: set[int] = set()
+    asked: list[tuple[list[int], set[int]]] = []
+    lock = threading.Lock()
+    answered = threading.Semaphore(0)
+
+    def cancelled(indices) -> set[int]:
+        with lock:
+            asked.append((list(indices), set(delivered)))
+        return set()
+
+    def deliver(results, batch) -> None:
+        with lock:
+            delivered.update(batch.indices)
+        for _ in batch.indices:
+            answered.release()
+
+    bodies = [long_request(f"own {n}") for n in range(3)] + [request("short beside them")]
+    pipeline = Pipeline(chunked, recheck_after_s=0.0, long_tokens=1_000)  # every batch asks; each long one alone
+    try:
+        pipeline.submit(bodies, deliver, cancelled, requests=[range(n, n + 1) for n in range(4)])
+        for _ in bodies:
+            assert answered.acquire(timeout=120)
+    finally:
+        pipeline.close()
+    assert sorted(i for indices, _ in asked for i in indices) == [0, 1, 2, 3]  # each batch asked once, itself
+    assert len(asked) == 4 and all(not set(indices) & done for indices, done in asked)
+    assert any(done for _, done in asked)  # some batch asked after another had been answered
 
 
 def test_large_requests_are_prepared_apart(chunked: Engine) -> None:

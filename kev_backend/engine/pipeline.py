@@ -28,9 +28,10 @@ only on its normal batch: long batches are handed over without waiting, and a re
 JSON is prepared on a thread of its own, so the next Triton batch is formed while they are tokenized and run.
 
 A batch that waited for its first unit `recheck_after_s` (5 ms) or longer asks again, just before scoring,
-which of its requests no longer want answers (`Job.cancelled`) and drops them: they cost no model work. (Triton
-answers each `is_cancelled` through its IPC; asking for every request of every batch would cost the model thread
-milliseconds per batch, and the caller has just asked.)
+which of its requests no longer want answers (`Job.cancelled`, asked about that batch's requests only: a request
+of another batch may be answered already, and Triton cannot be asked about a request it has its answer for) and
+drops them: they cost no model work. (Triton answers each `is_cancelled` through its IPC; asking for every request
+of every batch would cost the model thread milliseconds per batch, and Triton's batcher has just asked.)
 
 An engine fault fails only its own batch, delivered as the exception.
 """
@@ -61,8 +62,9 @@ class Job:
     # Called on the delivery thread with the results (a dropped request's place is None) or the engine's exception;
     # the batch's `indices` say which of the submitted bodies they answer.
     deliver: Callable[[Results | Exception, PreparedBatch], None]
-    # Called on the model thread just before scoring: the submitted bodies' indices of requests to drop (cancelled).
-    cancelled: Callable[[], set[int]] | None = None
+    # Called on the model thread just before scoring, with the batch's own bodies' indices (of those submitted): which
+    # of them to drop (cancelled). It is never asked about a body another batch holds, which may be answered already.
+    cancelled: Callable[[Collection[int]], set[int]] | None = None
     long: bool = False  # scheduled as long work (engine/scheduler.py)
     launch: Launch | None = None  # its units, once the model thread has started it
     queued: float = field(default_factory=time.perf_counter)
@@ -237,7 +239,7 @@ class Pipeline:
         self,
         bodies: Sequence[Body],
         deliver: Callable[[Results | Exception, PreparedBatch], None],
-        cancelled: Callable[[], set[int]] | None = None,
+        cancelled: Callable[[Collection[int]], set[int]] | None = None,
         usage_by_question: Collection[int] = (),
         requests: Sequence[range] | None = None,
     ) -> None:
@@ -257,7 +259,7 @@ class Pipeline:
         self,
         bodies: Sequence[Body],
         deliver: Callable[[Results | Exception, PreparedBatch], None],
-        cancelled: Callable[[], set[int]] | None,
+        cancelled: Callable[[Collection[int]], set[int]] | None,
         usage_by_question: Collection[int],
         requests: Sequence[range] | None,
     ) -> None:
@@ -454,7 +456,7 @@ class Pipeline:
         if job.cancelled is None or time.perf_counter() - job.queued < self.recheck_after_s:
             return
         local = {index: k for k, index in enumerate(job.batch.indices)}
-        if dropped := {local[i] for i in job.cancelled() if i in local}:
+        if dropped := {local[i] for i in job.cancelled(job.batch.indices) if i in local}:
             job.batch.drop(dropped)
 
     def _delivery_loop(self) -> None:

@@ -9,6 +9,7 @@ cancelled one CANCELLED, and an engine fault INTERNAL for the requests of its ba
 """
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -96,8 +97,10 @@ class TritonPythonModel:
 
         keys = {j: sender.key for sender, span in zip(senders, spans) if sender.key is not None for j in span}
 
-        def cancelled():
-            return {j for sender, span in zip(senders, spans) if sender.is_cancelled() for j in span}
+        def cancelled(indices):
+            # Only the asking batch's requests: another part's may be answered, its sender spent.
+            asked = {owner[i] for i in indices}
+            return {j for s in asked if senders[s].is_cancelled() for j in spans[s]}
 
         def deliver(results, batch):
             # The requests this part answers (every request when the batch never reached the model).
@@ -195,18 +198,24 @@ class Sender:
     def __init__(self, sender, metrics):
         self.sender = sender
         self.metrics = metrics
+        self.lock = threading.Lock()
         self.done = False
         self.key = None  # the request's routing key (read_parameters)
         self.tagged = False  # its own errors' messages tagged for our doors (envelope.TAGGED_ERRORS)
         self.usage_by_question = False
 
     def is_cancelled(self):
-        return self.sender.is_cancelled()
+        """Whether the client left. Never asked once the response is on its way: Triton frees the request's response
+        factory once its final response is sent, and asking about it then would read freed memory (tritonserver's
+        segmentation fault). The lock keeps an ask in flight from overlapping the send that follows it."""
+        with self.lock:
+            return not self.done and self.sender.is_cancelled()
 
     def send(self, reply, reason=None):
-        if self.done:
-            return
-        self.done = True
+        with self.lock:
+            if self.done:
+                return
+            self.done = True
         if reason is not None:
             self.metrics.count_error(reason)
         try:
