@@ -7,6 +7,8 @@
 # output directory ({"<run>-<instances>x<delay>": frontdoor.py's record}) and prints a line a run. Setup:
 # bench/gpu_triton_env.sh (carry the wheelhouse). Each setting takes ~45 s once the first start has filled the kernel
 # cache.
+# LONG_STATES=1: the first setting's server also takes 8 new 16k-token states at once (loadtest/long_states.py,
+# long-states.json).
 #   INSTANCES="1 2" DELAYS="500" bench/gpu_batcher.sh [--out DIR] [--wheelhouse DIR] [--commit REV]
 # --out, --wheelhouse, --commit: as bench/gpu_run.sh.
 set -uo pipefail
@@ -26,6 +28,11 @@ for delay in ${DELAYS:-0 500 2000}; do
     || { kill $server; tail -20 "/tmp/tritonserver-$setting.log"; exit 1; }
   "$PY" loadtest/frontdoor.py --alone 200 --seconds 6 --procs "${FRONTDOOR_PROCS:-8}" --model kev-4b-shapes \
     --commit "$COMMIT" --out "/tmp/batcher-$run-$setting.json" | tail -1 | sed "s/^/$run $setting: /"
+  if ((run == 1)) && [[ -n ${LONG_STATES:-} ]]; then  # the first server also takes 8 new 16k-token states at once
+    timeout 150 "$PY" loadtest/long_states.py --tokenizer "$(dirname "$KEV4B")/base" --tokens 16384 --concurrent 8 \
+      --alone 2 --rounds 2 --commit "$COMMIT" --out "$out/long-states.json" | tail -2
+    grep -E "RESTART|Signal" "/tmp/tritonserver-$setting.log" || echo "long states: no restart, no signal"
+  fi
   kill $server
   wait $server
 done
