@@ -15,6 +15,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_args.sh" "$@"
 set -- ${ARGS[@]+"${ARGS[@]}"}
 source "$(dirname "$0")/gpu_triton_env.sh"
+rm -f /tmp/batcher-*.json  # a warm machine may hold an earlier call's
 run=0
 for instances in ${INSTANCES:-1}; do
 for delay in ${DELAYS:-0 500 2000}; do
@@ -26,8 +27,9 @@ for delay in ${DELAYS:-0 500 2000}; do
   start_triton "$repo" "/tmp/tritonserver-$setting.log"
   wait_ready "/tmp/start-$setting.json" "/tmp/tritonserver-$setting.log" \
     || { kill $server; tail -20 "/tmp/tritonserver-$setting.log"; exit 1; }
-  "$PY" loadtest/frontdoor.py --alone 200 --seconds 6 --procs "${FRONTDOOR_PROCS:-8}" --model kev-4b-shapes \
-    --commit "$COMMIT" --out "/tmp/batcher-$run-$setting.json" | tail -1 | sed "s/^/$run $setting: /"
+  "$PY" loadtest/frontdoor.py --metrics 127.0.0.1:8002 --alone 200 --seconds 6 --procs "${FRONTDOOR_PROCS:-8}" \
+    --model kev-4b-shapes --commit "$COMMIT" --out "/tmp/batcher-$run-$setting.json" >"/tmp/batcher-$run.log" \
+    || tail -5 "/tmp/batcher-$run.log"
   if ((run == 1)) && [[ -n ${LONG_STATES:-} ]]; then  # the first server also takes 8 new 16k-token states at once
     timeout 150 "$PY" loadtest/long_states.py --tokenizer "$(dirname "$KEV4B")/base" --tokens 16384 --concurrent 8 \
       --alone 2 --rounds 2 --commit "$COMMIT" --out "$out/long-states.json" | tail -2
@@ -43,8 +45,11 @@ from pathlib import Path
 runs = {Path(name).stem.removeprefix("batcher-"): json.loads(Path(name).read_text()) for name in sys.argv[2:]}
 Path(sys.argv[1]).write_text(json.dumps(runs, indent=1) + "\n")
 for name, run in sorted(runs.items(), key=lambda item: int(item[0].split("-")[0])):
-    levels = run["grpc"]["levels"]
-    print(name, f"one client {run['grpc']['one_client_p50_ms']:.2f} ms,",
+    grpc, levels = run["grpc"], run["grpc"]["levels"]
+    alone = grpc["one_client_server"]
+    print(name, f"one client {grpc['one_client_p50_ms']:.2f} ms (blocking {grpc['one_client_blocking_p50_ms']:.2f};",
+          f"server: queue {alone['queue_ms']:.2f}, execute {alone['compute_infer_ms']:.2f},",
+          f"engine {alone['engine_ms_per_batch']:.2f}),",
           ", ".join(f"{n} clients {level['rps']:.1f} req/s (batch {level['server']['mean_batch']:.1f})"
                     for n, level in levels.items()))
 PY

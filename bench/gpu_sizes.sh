@@ -81,7 +81,8 @@ serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured,
   echo "{\"checkpoint_bytes\": ${bytes:-null}, \"served_gpu_mib\": ${used:-null}}" >"$work/facts-$size.json"
   inprocess=$(ls -t "$work/bench-$size"/*.json 2>/dev/null | head -1)
   if ((code == 0)); then
-    timeout 200 "$PY" loadtest/frontdoor.py --gateway http://127.0.0.1:8009 ${inprocess:+--inprocess "$inprocess"} \
+    timeout 200 "$PY" loadtest/frontdoor.py --metrics 127.0.0.1:8002 --gateway http://127.0.0.1:8009 \
+      ${inprocess:+--inprocess "$inprocess"} \
       --procs "${FRONTDOOR_PROCS:-8}" --model "kev-$size-shapes" --commit "$COMMIT" --out "$work/frontdoor-$size.json" \
       || code=1
   fi

@@ -7,7 +7,8 @@ one client alone and closed loops of many, set beside the engine's in-process fi
         [--clients 64,128] [--procs 4] [--seconds 5] --out FRONTDOOR.json
 
 One client: --alone requests one after another from this process, each timed at the client from before its JSON is
-written to its answer decoded (the client's own time included), against the bench's `wall_new_ms` (the same request
+written to its answer decoded (the client's own time included; over gRPC with the asyncio client and again with the
+blocking one), with the server's breakdown of those requests, against the bench's `wall_new_ms` (the same request
 through the pipeline Triton's model uses, JSON in and out, in the engine's process). Many: the clients spread over
 --procs processes (one Python process tops out at a few hundred requests/s: a single one would measure itself), all
 starting together after a warm-up; requests/s is what was answered within the run. Writes served_over_inprocess
@@ -34,7 +35,7 @@ from loops import percentile, server_breakdown, server_totals
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import short6
 from kev_backend.serve import procs
-from kev_backend.serve.client import AsyncKevClient
+from kev_backend.serve.client import AsyncKevClient, KevClient
 
 # Each client process numbers its new states from its seed x 10**7; a measurement's processes take seeds apart from
 # every other's, so no run sends a state another sent (its answer would be a bank hit).
@@ -82,6 +83,20 @@ async def alone(door: Door, requests: int, seed: int) -> float:
         for i in range(requests + 5):
             started = time.perf_counter()
             await door.send(short6(next(numbers)))
+            if i >= 5:
+                times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+def alone_blocking(url: str, requests: int, seed: int) -> float:
+    """As `alone`, with the blocking gRPC client (KevClient: no event loop between the call and its answer)."""
+    numbers = iter(range(seed * 10**7, (seed + 1) * 10**7))
+    times = []
+    with KevClient(url) as kev:
+        for i in range(requests + 5):
+            body = short6(next(numbers))
+            started = time.perf_counter()
+            kev.score(body)
             if i >= 5:
                 times.append(time.perf_counter() - started)
     return 1000 * statistics.median(times)
@@ -168,15 +183,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     doors = {"grpc": args.grpc, **({"gateway": args.gateway} if args.gateway else {})}
     seeds = iter(range(1, 10**6, SEED_STRIDE))
     record: dict[str, Any] = {}
+
+    def totals() -> dict[str, float]:
+        return server_totals(args.grpc, metrics_url=args.metrics)
+
     for kind, url in doors.items():
+        before = totals()
         ms = asyncio.run(alone(Door(kind, url), args.alone, next(seeds)))
-        record[kind] = {"one_client_p50_ms": ms, "levels": {}}
-        print(f"{kind}: one client p50 {ms:.2f} ms", flush=True)
+        one = {"one_client_p50_ms": ms, "one_client_server": server_breakdown(before, totals())}
+        if kind == "grpc":
+            one["one_client_blocking_p50_ms"] = alone_blocking(url, args.alone, next(seeds))
+        record[kind] = {**one, "levels": {}}
+        print(f"{kind}: one client {one}", flush=True)
         for clients in args.clients:
             closed_loop(kind, url, clients, 2.0, args.procs, next(seeds))  # warm-up: this load's batch shapes
-            before, threads = server_totals(args.grpc), thread_seconds()
+            before, threads = totals(), thread_seconds()
             level = closed_loop(kind, url, clients, args.seconds, args.procs, next(seeds))
-            level["server"] = server_breakdown(before, server_totals(args.grpc))
+            level["server"] = server_breakdown(before, totals())
             level["server"]["busiest_threads"] = busiest(threads, thread_seconds(), args.seconds + 0.5)
             record[kind]["levels"][str(clients)] = level
             print(f"{kind}: {clients} clients {level}", flush=True)
@@ -207,6 +230,7 @@ def compare(record: dict[str, Any], inprocess: dict[str, Any] | None) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grpc", default="127.0.0.1:8001")
+    parser.add_argument("--metrics", help="Triton's metrics address, e.g. 127.0.0.1:8002 (the engine's time a batch)")
     parser.add_argument("--gateway", help="the gateway's URL, e.g. http://127.0.0.1:8009 (default: gRPC only)")
     parser.add_argument("--inprocess", type=Path, help="the bench's JSON for the same model on the same GPU")
     parser.add_argument("--clients", type=lambda text: [int(n) for n in text.split(",")], default=[64, 128])

@@ -241,6 +241,7 @@ def test_frontdoor_against_tritonserver_and_the_gateway(triton: TritonServer, ti
     try:
         subprocess.run(
             [sys.executable, "loadtest/frontdoor.py", "--grpc", triton.grpc_url, "--gateway", gateway.url,
+             "--metrics", triton.metrics_url,
              "--inprocess", str(local), "--clients", "4", "--procs", "2", "--alone", "5", "--seconds", "2",
              "--out", str(out)],
             capture_output=True, text=True, timeout=300, check=True, cwd=REPO,
@@ -256,6 +257,10 @@ def test_frontdoor_against_tritonserver_and_the_gateway(triton: TritonServer, ti
         assert level["server"]["requests"] >= level["requests"] and level["server"]["mean_batch"] >= 1
         assert any(name.startswith("tritonserver") for name in level["server"]["busiest_threads"])
     grpc, gateway_level = record["grpc"], record["gateway"]["levels"]["4"]
+    # One client alone: batches of one, the engine's time among the server's; the blocking client measured too.
+    alone = grpc["one_client_server"]
+    assert alone["mean_batch"] == 1.0 and alone["requests"] >= 5 and alone["engine_ms_per_batch"] > 0
+    assert grpc["one_client_blocking_p50_ms"] > 0
     assert record["one_client_overhead_ms"] == grpc["one_client_p50_ms"] - short["wall_new_ms"]
     assert record["served_over_inprocess"] == {"4": grpc["levels"]["4"]["rps"] / short["rps"]["4"]}
     assert record["gateway_over_grpc"] == {"4": gateway_level["rps"] / grpc["levels"]["4"]["rps"]}
