@@ -231,7 +231,7 @@ def test_gpu_config_differs_only_in_its_gpu_settings() -> None:
             assert ours == theirs, (i, ours, theirs)
     settings = [gpu[len(header) + i].split("#")[0].strip() for i in marked]
     assert settings == [
-        "max_queue_delay_microseconds: 500",
+        "max_queue_delay_microseconds: 0",
         "{ kind: KIND_GPU, count: 1 }",
     ]
 
