@@ -22,9 +22,10 @@
 #           sampled through 5 s of 64 gRPC clients, pyspy-SIZE.txt among the logs
 #                                                                                                  30 / 45 / 50 / 110
 #   refuse  (only when named in STEPS) the server started twice on a GPU another process fills: once leaving half the
-#           weights' bytes free, once the weights' bytes and 1.5 GiB (the stub's CUDA context takes ~0.5 GiB of
-#           it); each start must exit (exit code 1) with its message and no restart; refuse-SIZE.json: seconds to
-#           exit, exit code, restarts, the message                                                                ~40
+#           weights' bytes free, once the weights' bytes and 4 GiB (tritonserver's and the stub's CUDA contexts
+#           take about 2 GiB of it, less than any size's largest pass needs: the weights fit, the pass does not);
+#           each start must exit (exit code 1) with its message and no restart; refuse-SIZE.json: seconds to exit,
+#           exit code, restarts, the message                                                                      ~40
 #   the checkpoint is deleted (before the next size is written: the disk holds one 27b at a time)
 # Totals with setup (~35 s): 0.8b ~140 s, 4b ~240 s, 9b ~270 s, 27b ~450 s (its write depends on the disk: 51 GB
 # at 0.5-1.5 GB/s). Within the 10-minute limit: `0.8b 4b`, then `9b`, then `27b`, one call each (`4b 9b` is ~550 s:
@@ -106,7 +107,7 @@ refuse() {  # SIZE CHECKPOINT: the server's start on a GPU left too small by ano
   local size=$1 checkpoint=$2 bytes leave hog began code record=() case
   bytes=$(du -sb "$checkpoint" | cut -f1)
   for case in weights bank; do
-    [[ $case == weights ]] && leave=$((bytes / 2)) || leave=$((bytes + (3 << 29)))
+    [[ $case == weights ]] && leave=$((bytes / 2)) || leave=$((bytes + (4 << 30)))
     "$PY" -c 'import sys, time, torch
 free, _ = torch.cuda.mem_get_info()
 held = torch.empty(free - int(sys.argv[1]), dtype=torch.uint8, device="cuda")

@@ -10,8 +10,8 @@ One client: --alone requests one after another from this process, each timed at 
 written to its answer decoded (the client's own time included; over gRPC with the asyncio client and again with the
 blocking one), with the server's breakdown of those requests, against the bench's `wall_new_ms` (the same request
 through the pipeline Triton's model uses, JSON in and out, in the engine's process). Many: the clients spread over
---procs processes (one Python process tops out at a few hundred requests/s: a single one would measure itself), all
-starting together after a warm-up; requests/s is what was answered within the run. Writes served_over_inprocess
+--procs processes (so that the clients' own Python work is not what is measured), all starting together after a
+warm-up; requests/s is what was answered within the run. Writes served_over_inprocess
 and one_client_overhead_ms, and for the gateway gateway_over_grpc and gateway_one_client_added_ms; the server's own
 breakdown of each level (Triton's statistics: queue, execute and the engine's time; the busiest threads of
 tritonserver and its stubs, by their share of a core, where they run on this machine) beside them.
@@ -152,8 +152,8 @@ def closed_loop(kind: str, url: str, clients: int, seconds: float, procs: int, s
 
 
 def thread_seconds() -> dict[str, float]:
-    """CPU seconds so far of each thread of tritonserver and its Python stubs on this machine, by "process/thread
-    name (tid)"."""
+    """CPU seconds so far of each thread of tritonserver and its Python stubs on this machine, by "COMM PID/THREAD
+    TID" (/proc's names)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for entry in os.listdir("/proc"):
