@@ -66,6 +66,18 @@ def rss_bytes(gateway: Gateway) -> int:
     raise AssertionError("no VmRSS in /proc status")
 
 
+def close(a: object, b: object) -> bool:
+    """Equal, but for probabilities (rounded to Kev's 4 decimals) that may differ by one in the last: on the CPU's
+    reference path a state's questions asked together run padded into one pass, alone each in its own, and fp32 sums
+    in another order can move a rounded digit (the fused GPU path gives the same bits either way:
+    tests/test_determinism_gpu.py)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1.5e-4
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    return a == b
+
+
 # --- one call each ----------------------------------------------------------------------------------------------------
 
 
@@ -87,7 +99,7 @@ def test_separate_and_permute_are_one_triton_call(triton: TritonServer, gateway:
         "latency_ms",
     ]
     for qid, reply in alone.items():
-        assert separate["answers"][qid] == reply["answers"][qid], qid
+        assert close(separate["answers"][qid], reply["answers"][qid]), (qid, separate["answers"][qid], reply)
     assert separate["usage"] == {
         "input_tokens": sum(r["usage"]["input_tokens"] for r in alone.values()),
         "output_tokens": sum(r["usage"]["output_tokens"] for r in alone.values()),
@@ -99,7 +111,7 @@ def test_separate_and_permute_are_one_triton_call(triton: TritonServer, gateway:
     for run in permuted["runs"]:  # each order asked alone gets the same answer
         order = {k: TEAM["criteria"][k] for k in run["order"]}
         reply = post(gateway, "/v1/systemone", {"state": state, "questions": {"team": {**TEAM, "criteria": order}}})[2]
-        assert run["probabilities"] == reply["answers"]["team"]["probabilities"]
+        assert close(run["probabilities"], reply["answers"]["team"]["probabilities"])
         assert run["choice"] == reply["answers"]["team"]["choice"]
 
 
