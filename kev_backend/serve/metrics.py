@@ -75,6 +75,7 @@ class KevMetrics:
         self.gpu_allocated = metric("kev_gpu_allocated_bytes", gauge, "GPU memory in torch tensors (0 on a CPU)")
         self.engine_ms = metric("kev_engine_ms", histogram, "engine model time per batch (ms)", MS_BUCKETS)
         self._seen: dict[str, int] = {}  # the engine's running totals at the last record, per counter
+        self._gauges: dict[int, float] = {}  # each gauge's value as last set
 
     def count_error(self, reason: str, n: int = 1) -> None:
         if n:
@@ -120,11 +121,19 @@ class KevMetrics:
             if total > self._seen.get(key, 0):
                 counters[key].increment(total - self._seen.get(key, 0))
             self._seen[key] = total
-        self.bank_bytes.set(stats.bytes)
-        self.bank_entries.set(stats.entries)
-        self.tokenizer_cache_bytes.set(engine.tokenizer.cache.bytes)
+        gauges = [
+            (self.bank_bytes, stats.bytes),
+            (self.bank_entries, stats.entries),
+            (self.tokenizer_cache_bytes, engine.tokenizer.cache.bytes),
+            (self.graphs, graphs.stats.count if graphs is not None else 0),
+            (self.graph_bytes, graphs.stats.bytes if graphs is not None else 0),
+        ]
         if engine.device.type == "cuda":
-            self.gpu_reserved.set(torch.cuda.memory_reserved(engine.device))
-            self.gpu_allocated.set(torch.cuda.memory_allocated(engine.device))
-        self.graphs.set(graphs.stats.count if graphs is not None else 0)
-        self.graph_bytes.set(graphs.stats.bytes if graphs is not None else 0)
+            gauges += [
+                (self.gpu_reserved, torch.cuda.memory_reserved(engine.device)),
+                (self.gpu_allocated, torch.cuda.memory_allocated(engine.device)),
+            ]
+        for gauge, value in gauges:  # each set is a round trip to Triton's side of the backend: only the changes
+            if self._gauges.get(id(gauge)) != value:
+                gauge.set(value)
+                self._gauges[id(gauge)] = value
