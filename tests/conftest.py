@@ -204,6 +204,26 @@ def metric_values(server: TritonServer) -> dict[str, float]:
     return values
 
 
+def settled(read: Callable[[], dict], ready: Callable[[dict], bool], what: str) -> dict:
+    """`read()` once `ready` holds for it and the model's own series (kev_*) stay the same across reads 50 ms apart:
+    the model counts a batch just after its answers leave, so a client can have its answer a moment before."""
+    found: dict = {}
+
+    def check() -> bool:
+        nonlocal found
+        found = read()
+        if not ready(found):
+            return False
+        time.sleep(0.05)
+        again = read()
+        same = all(again.get(k) == v for k, v in found.items() if str(k).startswith("kev_"))
+        found = again
+        return same
+
+    wait_until(check, what, timeout_s=30.0)
+    return found
+
+
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> bool:
     """True once `url` answers 200; False if the process exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s

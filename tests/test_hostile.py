@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from kev_backend.protocol.systemone import MAX_QUESTIONS, MAX_REQUEST_BYTES, RequestError
 from kev_backend.serve import prometheus
 
-from .conftest import Gateway, TritonServer, metric_values, start_gateway, stop_gateway
+from .conftest import Gateway, TritonServer, metric_values, settled, start_gateway, stop_gateway
 
 
 def errors_by_reason(server: TritonServer) -> dict[str, float]:
@@ -346,12 +346,16 @@ def test_oversized_state_refused_before_tokenizing(doors, triton: TritonServer) 
     state = WORDS * (3_900_000 // len(WORDS))
     before = metric_values(triton)
     ((reply, error),) = doors["grpc"]([body(state)])
-    middle = metric_values(triton)
+    middle = settled(
+        lambda: metric_values(triton),
+        lambda v: v["kev_tokenized_chars_total"] > before["kev_tokenized_chars_total"],
+        "the refused request's tokenizing counted",
+    )
     assert reply is None and "over the 65,536-token limit" in error and "at least" in error
     tokenized = middle["kev_tokenized_chars_total"] - before["kev_tokenized_chars_total"]
     assert 0 < tokenized < len(state) / 5
     ((reply, error),) = doors["grpc"]([b'{"state": "' + b"a " * (50 << 20) + b'", "questions": {}}'])
-    after = metric_values(triton)
+    after = settled(lambda: metric_values(triton), lambda v: True, "the model's metrics")
     assert reply is None and "byte limit" in error
     assert after["kev_tokenized_chars_total"] == middle["kev_tokenized_chars_total"]
     assert after["kev_tokenizer_cache_bytes"] < 64 << 20

@@ -27,7 +27,7 @@ from kev_backend.serve import prometheus
 from kev_backend.serve.client import KevClient
 from kev_backend.serve.router import Server, config
 
-from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready
+from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready, wait_until
 
 ENVOY = shutil.which("envoy") or str(Path(sys.prefix) / "bin" / "envoy")
 
@@ -123,7 +123,13 @@ def send(routed: Routed, kev: KevClient, i: int) -> int:
     """Sends request i through Envoy; the index of the server whose bank saw it (a hit or a miss)."""
     before = [bank(s) for s in routed.servers]
     kev.score(request(i))
-    changed = [n for n, (server, b) in enumerate(zip(routed.servers, before)) if bank(server) != b]
+    changed: list[int] = []
+
+    def counted() -> bool:  # the model counts a batch just after its answer leaves
+        changed[:] = [n for n, (server, b) in enumerate(zip(routed.servers, before)) if bank(server) != b]
+        return bool(changed)
+
+    wait_until(counted, f"request {i} counted by a server's bank", timeout_s=30.0)
     assert len(changed) == 1, changed
     return changed[0]
 
@@ -134,7 +140,7 @@ def test_a_repeated_state_reaches_the_server_that_banked_it(routed: Routed) -> N
         first = {i: send(routed, kev, i) for i in states}
         before = [bank(s) for s in routed.servers]
         again = {i: send(routed, kev, i) for i in states}
-    after = [bank(s) for s in routed.servers]
+    after = [bank(s) for s in routed.servers]  # send() waited for each request's count
     assert again == first
     assert sum(a["hits"] - b["hits"] for a, b in zip(after, before)) == len(states), (before, after)
     assert all(a["misses"] == b["misses"] for a, b in zip(after, before))
@@ -156,6 +162,8 @@ def test_a_dead_server_takes_only_its_own_keys(routed: Routed) -> None:
         for i in states:
             kev.score(request(i))  # every key is answered, the dead server's by the survivor
         answered_after = time.monotonic() - stopped
+    wanted = before["hits"] + before["misses"] + len(states)
+    wait_until(lambda: sum(bank(survivor).values()) >= wanted, "the survivor's bank counts", timeout_s=30.0)
     after = bank(survivor)
     kept = sum(1 for server in home.values() if server == 0)
     moved = len(states) - kept

@@ -19,7 +19,7 @@ from kev_backend.engine.engine import Engine
 from kev_backend.protocol.systemone import STATE_KEY_HEADER, state_key_of
 from kev_backend.serve import prometheus
 
-from .conftest import REPO, TritonServer, metric_values, wait_until
+from .conftest import REPO, TritonServer, metric_values, settled, wait_until
 from .helpers import assert_same_answer, grpc_all, http_all, make_request, request_array
 
 BAD = {
@@ -122,7 +122,11 @@ def test_prometheus_metrics_from_the_backend(triton: TritonServer) -> None:
     grpc_all(triton, bodies)
     grpc_all(triton, [make_request(100)])  # a later batch on a state the bank holds
     bodies.append(make_request(100))
-    after = metric_values(triton)
+    after = settled(
+        lambda: metric_values(triton),
+        lambda v: v.get("kev_batch_requests_sum", 0.0) - before.get("kev_batch_requests_sum", 0.0) >= len(bodies),
+        "the batches' metrics",
+    )
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -158,7 +162,11 @@ def test_cancelled_while_queued_costs_no_model_work(triton: TritonServer) -> Non
         )
         context.cancel()
         outcomes = dict(done.get(timeout=120) for _ in range(2))
-        after = metric_values(triton)
+        after = settled(
+            lambda: metric_values(triton),
+            lambda v: v["kev_batch_requests_sum"] > before["kev_batch_requests_sum"],
+            "the long batch's metrics",
+        )
     finally:
         client.close()
     assert outcomes["long"] is None
@@ -206,7 +214,9 @@ def test_large_batches_are_scored_in_parts(tiny_dir, tmp_path, expected: list[di
         for result, want in zip(results, expected[:24], strict=True):
             assert isinstance(result, dict), result
             assert_same_answer(result, want)
-        values, sizes = metric_values(server), batch_sizes(server)
+        counted = before_values.get("kev_engine_ms_count", 0.0) + 24
+        values = settled(lambda: metric_values(server), lambda v: v["kev_engine_ms_count"] >= counted, "24 batches")
+        sizes = batch_sizes(server)
     finally:
         stop_triton(server)
     ran = {size: n - before_sizes.get(size, 0) for size, n in sizes.items() if n > before_sizes.get(size, 0)}
@@ -283,5 +293,6 @@ def test_the_routing_key_arrives_as_header_or_parameter_and_is_checked(triton: T
     finally:
         grpc.close()
         http.close()
-    after = state_key_counts(triton)
+    counted = before["yes"] + before["no"] + 4
+    after = settled(lambda: state_key_counts(triton), lambda v: v["yes"] + v["no"] >= counted, "the keys counted")
     assert (after["yes"] - before["yes"], after["no"] - before["no"]) == (3, 1)

@@ -112,15 +112,18 @@ class TritonPythonModel:
                     for s in mine:
                         senders[s].fail(message, pb_utils.TritonError.INTERNAL, "engine_error")
                     return
-                try:  # counted before the answers leave, so a client that reads the metrics after its answer sees it
+                at = {index: k for k, index in enumerate(batch.indices)}
+                for s in mine:
+                    senders[s].answer([results[at[j]] for j in spans[s]])
+                # Counted once the answers are on their way: each metric update is a round trip to Triton's side of
+                # the backend (0.4 ms a batch on a 2-core CPU host), which would otherwise delay every answer of the
+                # batch. A client reading the metrics just after its answer may see its batch a moment later.
+                try:
                     if batch.report.requests:
                         self.metrics.record(self.engine, batch.report)
                     count_state_keys(self.metrics, keys, batch)
                 except Exception as error:  # noqa: BLE001 - counting must never cost an answer
                     pb_utils.Logger.log_error(f"kev: batch metrics not recorded: {error!r}")
-                at = {index: k for k, index in enumerate(batch.indices)}
-                for s in mine:
-                    senders[s].answer([results[at[j]] for j in spans[s]])
             finally:  # whatever failed above, no request is left without its one response
                 for s in mine:
                     senders[s].fail("kev internal error: the request was not answered", pb_utils.TritonError.INTERNAL)
