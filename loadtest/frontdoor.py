@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from loops import percentile, server_breakdown, server_totals
+from loops import in_processes, percentile, server_breakdown, server_totals
 
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import short6
@@ -121,28 +119,15 @@ async def _clients(kind: str, url: str, clients: int, seconds: float, seed: int,
     return latencies
 
 
-def _process(kind: str, url: str, clients: int, seconds: float, seed: int, start_at: float) -> list[float]:
+def _process(clients: int, seed: int, start_at: float, kind: str, url: str, seconds: float) -> list[float]:
     return asyncio.run(_clients(kind, url, clients, seconds, seed, start_at))
-
-
-def _started() -> None:
-    """Holds its worker a moment, so that every worker is started (its imports done) before the run's clock is set."""
-    time.sleep(1.0)
 
 
 def closed_loop(kind: str, url: str, clients: int, seconds: float, procs: int, seed: int) -> dict[str, float]:
     """`clients` closed-loop clients over `procs` processes, all starting together: requests/s answered within
     `seconds`, p50 and p99."""
-    procs = max(1, min(procs, clients))
-    shares = [clients // procs + (i < clients % procs) for i in range(procs)]
-    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for started in [pool.submit(_started) for _ in range(procs)]:
-            started.result()
-        start_at = time.time() + 0.5
-        futures = [
-            pool.submit(_process, kind, url, share, seconds, seed + i, start_at) for i, share in enumerate(shares)
-        ]
-        latencies = sorted(latency for future in futures for latency in future.result())
+    runs = in_processes(_process, clients, procs, seed, kind, url, seconds)
+    latencies = sorted(latency for run in runs for latency in run)
     return {
         "rps": len(latencies) / seconds,
         "p50_ms": 1000 * statistics.median(latencies),
@@ -154,22 +139,13 @@ def closed_loop(kind: str, url: str, clients: int, seconds: float, procs: int, s
 def thread_seconds() -> dict[str, float]:
     """CPU seconds so far of each thread of tritonserver and its Python stubs on this machine, by "COMM PID/THREAD
     TID" (/proc's names)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or (stat := procs.proc_stat(int(entry))) is None:
             continue
-        if stat[0] not in ("tritonserver", procs.STUB_COMM):
-            continue
-        for tid in os.listdir(f"/proc/{entry}/task"):
-            try:
-                text = Path(f"/proc/{entry}/task/{tid}/stat").read_text()
-            except OSError:
-                continue
-            rest = text[text.rindex(")") + 2 :].split()
-            out[f"{stat[0]} {entry}/{text[text.index('(') + 1 : text.rindex(')')]} {tid}"] = (
-                int(rest[11]) + int(rest[12])
-            ) / tick
+        if stat[0] in ("tritonserver", procs.STUB_COMM):
+            for tid, (name, seconds) in procs.thread_cpu_seconds(int(entry)).items():
+                out[f"{stat[0]} {entry}/{name} {tid}"] = seconds
     return out
 
 

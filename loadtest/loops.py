@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import multiprocessing
 import statistics
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 from kev_backend.dev.workloads import short6
 
@@ -21,6 +24,33 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _ready() -> None:
+    """Holds its worker a moment, so that every worker of the pool is started (its imports done) before the run's
+    clock is set."""
+    time.sleep(1.0)
+
+
+def in_processes(
+    work: Callable[..., Any], clients: int, procs: int, seed: int, *args: Any, during: tuple | None = None
+) -> list[Any]:
+    """`clients` spread over `procs` spawned processes (as evenly as they go), all starting together once every one is
+    up: `work(share, seed + i, start_at, *args)` in process i (`start_at`: the wall clock every process shares), and
+    each one's result, in order: several processes keep the clients' own Python work off what is measured. `during`
+    (at, fn): fn() called `at` seconds into the run, from this process."""
+    procs = max(1, min(procs, clients))
+    shares = [clients // procs + (i < clients % procs) for i in range(procs)]
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for started in [pool.submit(_ready) for _ in range(procs)]:
+            started.result()
+        start_at = time.time() + 0.5
+        futures = [pool.submit(work, share, seed + i, start_at, *args) for i, share in enumerate(shares)]
+        if during is not None:
+            at, fn = during
+            time.sleep(max(0.0, start_at + at - time.time()))
+            fn()
+        return [future.result() for future in futures]
 
 
 async def closed_loop(send: Callable[[str], Awaitable[object]], clients: int, seconds: float) -> dict[str, float]:

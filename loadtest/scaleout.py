@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import multiprocessing
 import os
 import secrets
 import signal
@@ -36,10 +35,10 @@ import tempfile
 import threading
 import time
 import urllib.request
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from loops import in_processes
 from served import ready
 
 from kev_backend.dev.ports import free_port
@@ -223,36 +222,17 @@ async def _clients(url: str, load: Load, seed: int, start_at: float) -> list[tup
     return records
 
 
-def _process(url: str, load: Load, seed: int, start_at: float) -> list[tuple[float, float, bool, bool, str]]:
-    return asyncio.run(_clients(url, load, seed, start_at))
-
-
-def _started() -> None:
-    """A task that holds its worker a moment, so that every worker of the pool is started (and has imported this
-    module) before the run's clock is set."""
-    time.sleep(1.0)
+def _process(
+    clients: int, seed: int, start_at: float, url: str, load: Load
+) -> list[tuple[float, float, bool, bool, str]]:
+    return asyncio.run(_clients(url, dataclasses.replace(load, clients=clients), seed, start_at))
 
 
 def closed_loop(url: str, load: Load, procs: int, seed: int, during=None) -> list[tuple]:
-    """`load` spread over `procs` processes (clients split as evenly as they go), all starting together; `during`
-    (at, fn): fn() called `at` seconds into the run, from this process. Every request's record."""
-    procs = max(1, min(procs, load.clients))
-    shares = [load.clients // procs + (i < load.clients % procs) for i in range(procs)]
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(procs, mp_context=context) as pool:
-        for started in [pool.submit(_started) for _ in range(procs)]:
-            started.result()
-        start_at = time.time() + 0.5
-        futures = [
-            pool.submit(_process, url, Load(load.shape, load.repeat, load.affinity, share, load.seconds), seed + i,
-                        start_at)
-            for i, share in enumerate(shares)
-        ]  # fmt: skip
-        if during is not None:
-            at, fn = during
-            time.sleep(max(0.0, start_at + at - time.time()))
-            fn()
-        return [record for future in futures for record in future.result()]
+    """`load` spread over `procs` processes, all starting together; `during` (at, fn): fn() called `at` seconds into
+    the run, from this process. Every request's record."""
+    runs = in_processes(_process, load.clients, procs, seed, url, load, during=during)
+    return [record for records in runs for record in records]
 
 
 def summary(records: list[tuple], seconds: float) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""The process table as /proc shows it: what the supervisor watches (Triton's Python stubs), what the soak and the
-tests measure (tritonserver's and the stubs' memory) and what the scale-out measurement kills (a server's whole
-tree). Linux only."""
+"""The process table as /proc shows it: what the supervisor watches (Triton's Python stubs, their CPU time), what the
+soak and the tests measure (tritonserver's and the stubs' memory), what the front-door measurement reads (their
+threads' CPU time) and what the scale-out measurement kills (a server's whole tree). Linux only."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from pathlib import Path
 STUB_COMM = "triton_python_b"  # the Python backend's triton_python_backend_stub, as /proc spells it (15 characters)
 
 
-def stat_fields(pid: int) -> tuple[str, list[str]] | None:
-    """/proc/PID/stat as (comm, the fields after it: state, ppid, ...), or None once the process is gone. comm may
-    hold spaces and parentheses, so the fields start after its last ")"."""
+def stat_fields(pid: int, tid: int | None = None) -> tuple[str, list[str]] | None:
+    """/proc/PID/stat (or one thread's, /proc/PID/task/TID/stat) as (comm, the fields after it: state, ppid, ...), or
+    None once it is gone. comm may hold spaces and parentheses, so the fields start after its last ")"."""
+    path = Path(f"/proc/{pid}/stat") if tid is None else Path(f"/proc/{pid}/task/{tid}/stat")
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        text = path.read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
@@ -68,8 +69,25 @@ def cpu_seconds(pid: int) -> float | None:
     once it is gone."""
     if (stat := stat_fields(pid)) is None:
         return None
-    fields = stat[1]  # from field 3 (state) on
+    return used_seconds(stat[1])
+
+
+def used_seconds(fields: list[str]) -> float:
+    """utime + stime in seconds, from a stat's fields after comm (field 3, state, on)."""
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live thread of `pid`: tid -> (its comm, the CPU seconds it has used)."""
+    try:
+        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return {}
+    threads = {}
+    for tid in tids:
+        if (stat := stat_fields(pid, tid)) is not None:
+            threads[tid] = (stat[0], used_seconds(stat[1]))
+    return threads
 
 
 def process_start(pid: int) -> int | None:
