@@ -78,6 +78,8 @@ class Scorer(Protocol):
 
     def prepare_thread(self) -> None: ...
 
+    def bank_summary(self) -> str: ...  # for the start-up line: what the bank holds ("" when nothing to say)
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -358,7 +360,7 @@ class Engine:
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
         path = f"{self.backend} path" + (f" ({self.backend_why})" if self.backend_why else "")
         graphed = held or "no CUDA graphs"
-        bank = f"{summary()}; " if (summary := getattr(self.scorer, "bank_summary", None)) else ""
+        bank = f"{summary}; " if (summary := self.scorer.bank_summary()) else ""
         return (
             f"on {self.device}, {path}; {graphed}; {bank}{self._gemms()}{self._preparation()}start-up seconds {phases}"
         )

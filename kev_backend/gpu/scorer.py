@@ -162,7 +162,7 @@ class FusedScorer:
         slots, pages = pool.scratch_slot, pool.pages
         held = ", ".join(
             f"{states_held(slots, pages, pool.page_size, n):,} of {n:,}"
-            for n in sorted({self.max_state_tokens, 16_384, 2_048} - {0}, reverse=True)
+            for n in sorted({self.max_state_tokens, 16_384, 2_048}, reverse=True)
             if n <= self.max_state_tokens
         )
         size = f"state bank {gib(pool.nbytes)}"

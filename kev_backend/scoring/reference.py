@@ -76,6 +76,10 @@ class ReferenceScorer:
     def prepare_thread(self) -> None:
         """Nothing: the reference path keeps no state per thread."""
 
+    def bank_summary(self) -> str:
+        """Nothing for the start-up line: the reference path's bank is an LRU of `bank_bytes`, preallocating nothing."""
+        return ""
+
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         """Per request, per question, the option probabilities."""
         return self.launch(batch).result()
