@@ -413,21 +413,3 @@ def test_fused_weights_share_a_bf16_models_memory(tiny_dir: Path) -> None:
     copy = FusedWeights(fp32)
     assert fp32.layers[0].mlp.gate_proj.weight.dtype == torch.float32
     assert copy.layers[0].gate_up.untyped_storage().data_ptr() != fp32.layers[0].mlp.gate_proj.weight.data_ptr()
-
-
-def test_fairness_against_tritonserver(triton: TritonServer, tiny_dir: Path, tmp_path: Path) -> None:
-    """loadtest/fairness.py briefly on the CPU model: its phases run, every short and long request is answered, and
-    its goal is computed from what it measured (one unit: the longest wait beside a lone long request less the
-    solo p50)."""
-    out = tmp_path / "fairness.json"
-    command = [sys.executable, str(REPO / "loadtest" / "fairness.py"), "--grpc", triton.grpc_url]
-    command += ["--tokenizer", str(tiny_dir / "base"), "--tokens", "3000", "--clients", "2", "--seconds", "2"]
-    command += ["--alone", "1", "--out", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    record = json.loads(out.read_text())
-    assert record["state_tokens"] == 3000 and not record["failures"]
-    assert record["quiet"]["requests"] > 0 and record["solo"]["requests"] > 0 and record["loaded"]["requests"] > 0
-    assert record["loaded_long"]["requests"] >= 1 and len(record["long_alone_ms"]) == 1
-    assert record["unit_ms"] == pytest.approx(record["beside_alone"]["max_ms"] - record["solo"]["p50_ms"])
-    assert record["goal_ms"] == pytest.approx(2 * record["quiet"]["p99_ms"] + record["unit_ms"])
