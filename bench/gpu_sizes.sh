@@ -17,7 +17,8 @@
 #   serve   KEV_CHECKPOINT=... build/serve.sh (the GPU configuration, chosen by itself) with the size's table:
 #           loadtest/served.py (ready, first answer, short6 over gRPC alone and at 64 clients), then
 #           loadtest/frontdoor.py (gRPC and the gateway: one client, 64 and 128 clients over FRONTDOOR_PROCS (8)
-#           processes, beside the bench's figures; ~45 s), 4b also loadtest/long_states.py (16k-token new states
+#           processes, beside the bench's figures; the gRPC client once more with Triton's trace on, its time by
+#           phase: loadtest/tracing.py; ~50 s), 4b also loadtest/long_states.py (16k-token new states
 #           alone and 8 at once), the GPU's memory, SIGTERM. PYSPY=PATH (a py-spy binary): the stub's threads
 #           sampled through 5 s of 64 gRPC clients, pyspy-SIZE.txt among the logs
 #                                                                                                  30 / 45 / 50 / 110
@@ -72,7 +73,11 @@ step() {  # SIZE NAME TIMEOUT_S COMMAND...: runs it (a shell function without th
 serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured, then SIGTERM
   local size=$1 checkpoint=$2 table=$3 started server spy=
   started=$(python3 -c 'import time; print(time.time())')
-  setsid env KEV_CHECKPOINT="$checkpoint" KEV_GEMM_ALGOS="$table" build/serve.sh >"$logs/tritonserver-$size.log" 2>&1 &
+  # A chosen admin key and a trace file (tracing off until frontdoor.py turns it on for its traced client).
+  python3 -c 'import secrets; print(secrets.token_hex(16))' >"$work/admin-key"
+  setsid env KEV_CHECKPOINT="$checkpoint" KEV_GEMM_ALGOS="$table" TRITON_ADMIN_KEY_FILE="$work/admin-key" \
+    build/serve.sh --trace-config triton,file="$work/trace-$size.json" --trace-config level=OFF \
+    --trace-config rate=1 --trace-config triton,log-frequency=1 >"$logs/tritonserver-$size.log" 2>&1 &
   server=$!
   timeout 400 "$PY" loadtest/served.py --started "$started" --seconds 5 --limit 300 --commit "$COMMIT" \
     --out "$work/served-$size.json"
@@ -83,7 +88,7 @@ serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured,
   inprocess=$(ls -t "$work/bench-$size"/*.json 2>/dev/null | head -1)
   if ((code == 0)); then
     timeout 200 "$PY" loadtest/frontdoor.py --metrics 127.0.0.1:8002 --gateway http://127.0.0.1:8009 \
-      ${inprocess:+--inprocess "$inprocess"} \
+      ${inprocess:+--inprocess "$inprocess"} --admin-key-file "$work/admin-key" \
       --procs "${FRONTDOOR_PROCS:-8}" --model "kev-$size-shapes" --commit "$COMMIT" --out "$work/frontdoor-$size.json" \
       || code=1
   fi

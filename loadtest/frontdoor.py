@@ -4,11 +4,12 @@ one client alone and closed loops of many, set beside the engine's in-process fi
 --gateway, which also needs aiohttp: the test set has it).
 
     python loadtest/frontdoor.py --grpc 127.0.0.1:8001 [--gateway http://127.0.0.1:8009] [--inprocess BENCH.json]
-        [--clients 64,128] [--procs 4] [--seconds 5] --out FRONTDOOR.json
+        [--clients 64,128] [--procs 4] [--seconds 5] [--admin-key-file KEY] --out FRONTDOOR.json
 
 One client: --alone requests one after another from this process, each timed at the client from before its JSON is
 written to its answer decoded (the client's own time included; over gRPC with the asyncio client and again with the
-blocking one), with the server's breakdown of those requests, against the bench's `wall_new_ms` (the same request
+blocking one; with --admin-key-file once more with Triton's trace on, its time by phase: loadtest/tracing.py), with
+the server's breakdown of those requests, against the bench's `wall_new_ms` (the same request
 through the pipeline Triton's model uses, JSON in and out, in the engine's process). Many: the clients spread over
 --procs processes (so that the clients' own Python work is not what is measured), all starting together after a
 warm-up; requests/s is what was answered within the run. Writes served_over_inprocess
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from loops import in_processes, percentile, server_breakdown, server_totals
+from tracing import TritonTrace, phases
 
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import short6
@@ -61,29 +63,34 @@ class Door:
         else:
             await self.session.close()
 
-    async def send(self, body: dict) -> None:
+    async def send(self, body: dict) -> bytes:
+        """The answer's JSON."""
         if self.kind == "grpc":
-            await self.client.score_raw(json.dumps(body))
-            return
+            return await self.client.score_raw(json.dumps(body))
         async with self.session.post(
             f"{self.url}/v1/systemone", data=json.dumps(body), headers={"content-type": "application/json"}
         ) as response:
             if response.status != 200:
                 raise RuntimeError(f"{response.status}: {await response.text()}")
-            await response.read()
+            return await response.read()
 
 
-async def alone(door: Door, requests: int, seed: int) -> float:
-    """Median milliseconds of `requests` sent one after another (after 5 unmeasured)."""
+async def alone(door: Door, requests: int, seed: int) -> list[tuple[int, int, float]]:
+    """`requests` sent one after another (after 5 unmeasured): each one's start and end (time.monotonic_ns) and the
+    engine's time in its answer (latency_ms)."""
     numbers = iter(range(seed * 10**7, (seed + 1) * 10**7))
-    times = []
+    calls = []
     async with door:
         for i in range(requests + 5):
-            started = time.perf_counter()
-            await door.send(short6(next(numbers)))
+            started = time.monotonic_ns()
+            answer = await door.send(short6(next(numbers)))
             if i >= 5:
-                times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+                calls.append((started, time.monotonic_ns(), json.loads(answer)["latency_ms"]))
+    return calls
+
+
+def median_ms(calls: list[tuple[int, int, float]]) -> float:
+    return statistics.median(end - start for start, end, _ in calls) / 1e6
 
 
 def alone_blocking(url: str, requests: int, seed: int) -> float:
@@ -165,10 +172,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     for kind, url in doors.items():
         before = totals()
-        ms = asyncio.run(alone(Door(kind, url), args.alone, next(seeds)))
-        one = {"one_client_p50_ms": ms, "one_client_server": server_breakdown(before, totals())}
+        calls = asyncio.run(alone(Door(kind, url), args.alone, next(seeds)))
+        one = {"one_client_p50_ms": median_ms(calls), "one_client_server": server_breakdown(before, totals())}
         if kind == "grpc":
             one["one_client_blocking_p50_ms"] = alone_blocking(url, args.alone, next(seeds))
+            if args.admin_key_file:  # the same again, traced: where its time goes, phase by phase
+                with TritonTrace(url, args.admin_key_file).traced() as traces:
+                    calls = asyncio.run(alone(Door(kind, url), args.alone, next(seeds)))
+                one["one_client_phases_ms"] = phases(calls, traces)
         record[kind] = {**one, "levels": {}}
         print(f"{kind}: one client {one}", flush=True)
         for clients in args.clients:
@@ -213,6 +224,12 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4, help="client processes for the closed loops")
     parser.add_argument("--alone", type=int, default=100, help="requests of the one client")
     parser.add_argument("--seconds", type=float, default=5.0, help="per closed-loop level")
+    parser.add_argument(
+        "--admin-key-file",
+        type=Path,
+        help="Triton's admin key (kev-serve's TRITON_ADMIN_KEY_FILE): one client again over gRPC with Triton's trace"
+        " on, its time by phase (loadtest/tracing.py; the server started with a trace file)",
+    )
     parser.add_argument("--model", help="what the server serves, for the record (e.g. kev-0.8b-shapes)")
     parser.add_argument("--commit", help="the commit the record names (default: git's HEAD)")
     parser.add_argument("--out", type=Path, required=True)

@@ -141,10 +141,12 @@ def start_triton(
     timeout_s: float = 180.0,
     repository: Path | None = None,
     wrapper: tuple[str, ...] = (),
+    args: tuple[str, ...] = (),
     **extra_env: str,
 ) -> TritonServer:
     """The real tritonserver (build/serve.sh, as `make serve` runs it) on free loopback ports. `wrapper`: a command
-    that runs build/serve.sh, its path given as the wrapper's last argument."""
+    that runs build/serve.sh, its path given as the wrapper's last argument; `args`: build/serve.sh's arguments (extra
+    arguments for tritonserver)."""
     if not (REPO / "build" / ".tritonserver" / "bin" / "tritonserver").exists():
         pytest.fail("tritonserver is not installed: run `make setup`")
     ports = [free_port() for _ in range(3)]
@@ -164,7 +166,7 @@ def start_triton(
         **extra_env,
     }
     handle = log.open("wb")
-    command = [*wrapper, str(REPO / "build" / "serve.sh")]
+    command = [*wrapper, str(REPO / "build" / "serve.sh"), *args]
     process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
     server = TritonServer(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}", log, process)
     # Triton starts its metrics service after the HTTP one reports ready (~40 ms later on the CI machine): a test that

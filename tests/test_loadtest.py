@@ -15,7 +15,7 @@ import pytest
 
 from kev_backend.dev.workloads import Traffic, jevbench_cases
 
-from .conftest import REPO, Gateway, TritonServer, start_gateway, stop_gateway
+from .conftest import REPO, Gateway, TritonServer, start_gateway, start_triton, stop_gateway, stop_triton
 
 
 def test_traffic_shapes_and_repeat_share() -> None:
@@ -266,6 +266,46 @@ def test_frontdoor_against_tritonserver_and_the_gateway(triton: TritonServer, ti
     assert record["gateway_over_grpc"] == {"4": gateway_level["rps"] / grpc["levels"]["4"]["rps"]}
     added = record["gateway"]["one_client_p50_ms"] - grpc["one_client_p50_ms"]
     assert record["gateway_one_client_added_ms"] == added
+
+
+def test_frontdoor_traces_one_client_by_phase(tiny_dir: Path, tmp_path: Path) -> None:
+    """With the admin key, loadtest/frontdoor.py runs its gRPC client once more with Triton's trace on (through the
+    restricted trace API): every traced call is found in Triton's trace files, its phases (loadtest/tracing.py) lie
+    within its time, the engine's within the model's, and tracing is off again, its files removed, afterwards."""
+    import tritonclient.grpc as grpcclient
+
+    key = tmp_path / "admin-key"
+    key.write_text("frontdoor-trace-key\n")
+    trace = tmp_path / "trace.json"
+    server = start_triton(
+        tiny_dir / "kev", tmp_path / "tritonserver.log",
+        args=("--trace-config", f"triton,file={trace}", "--trace-config", "level=OFF", "--trace-config", "rate=1",
+              "--trace-config", "triton,log-frequency=1"),
+        TRITON_ADMIN_KEY_FILE=str(key),
+    )  # fmt: skip
+    out = tmp_path / "frontdoor.json"
+    try:
+        subprocess.run(
+            [sys.executable, "loadtest/frontdoor.py", "--grpc", server.grpc_url, "--metrics", server.metrics_url,
+             "--admin-key-file", str(key), "--clients", "2", "--procs", "1", "--alone", "6", "--seconds", "1",
+             "--out", str(out)],
+            capture_output=True, text=True, timeout=300, check=True, cwd=REPO,
+        )  # fmt: skip
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            headers = {"triton-grpc-protocol-admin-key": "frontdoor-trace-key"}
+            level = client.get_trace_settings("kev", headers=headers, as_json=True)["settings"]["trace_level"]
+        finally:
+            client.close()
+    finally:
+        stop_triton(server)
+    phases = json.loads(out.read_text())["grpc"]["one_client_phases_ms"]
+    assert phases["matched"] == 6, phases
+    assert 0 < phases["engine"] <= phases["in_model"] <= phases["total"]
+    assert all(phases[name] >= 0 for name in ("to_triton", "triton_queue", "execute", "to_sent", "to_client"))
+    assert phases["to_triton"] + phases["triton_queue"] + phases["to_client"] < phases["total"]
+    # Off once the traced client is done: the closed loop after it left no trace files behind.
+    assert level == {"value": ["OFF"]} and not list(tmp_path.glob("trace.json*"))
 
 
 @pytest.mark.parametrize("shape", ["bogus"])
