@@ -23,8 +23,9 @@
 #           sampled through 5 s of 64 gRPC clients, pyspy-SIZE.txt among the logs
 #                                                                                                  30 / 45 / 50 / 110
 #   refuse  (only when named in STEPS) the server started twice on a GPU another process fills: once leaving half the
-#           weights' bytes free, once the weights' bytes and 4 GiB (tritonserver's and the stub's CUDA contexts
-#           take about 2 GiB of it, less than any size's largest pass needs: the weights fit, the pass does not);
+#           weights' bytes (the checkpoint's and its base's) and 1.5 GiB free (tritonserver's and the stub's CUDA
+#           contexts take about 1.2 GiB: the weights do not fit), once the weights' bytes and 4 GiB (less than any
+#           size's largest pass needs beside the contexts: the weights fit, the pass does not);
 #           each start must exit (exit code 1) with its message and no restart; refuse-SIZE.json: seconds to exit,
 #           exit code, restarts, the message                                                                      ~40
 #   the checkpoint is deleted (before the next size is written: the disk holds one 27b at a time)
@@ -110,9 +111,9 @@ serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured,
 
 refuse() {  # SIZE CHECKPOINT: the server's start on a GPU left too small by another process, twice
   local size=$1 checkpoint=$2 bytes leave hog began code record=() case
-  bytes=$(du -sb "$checkpoint" | cut -f1)
+  bytes=$(du -sb "$(dirname "$checkpoint")" | cut -f1)  # the checkpoint and its base (a LoRA's weights are there)
   for case in weights bank; do
-    [[ $case == weights ]] && leave=$((bytes / 2)) || leave=$((bytes + (4 << 30)))
+    [[ $case == weights ]] && leave=$((bytes / 2 + (3 << 29))) || leave=$((bytes + (4 << 30)))
     "$PY" -c 'import sys, time, torch
 free, _ = torch.cuda.mem_get_info()
 held = torch.empty(free - int(sys.argv[1]), dtype=torch.uint8, device="cuda")

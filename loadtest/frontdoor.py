@@ -176,10 +176,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         one = {"one_client_p50_ms": median_ms(calls), "one_client_server": server_breakdown(before, totals())}
         if kind == "grpc":
             one["one_client_blocking_p50_ms"] = alone_blocking(url, args.alone, next(seeds))
-            if args.admin_key_file:  # the same again, traced: where its time goes, phase by phase
-                with TritonTrace(url, args.admin_key_file).traced() as traces:
-                    calls = asyncio.run(alone(Door(kind, url), args.alone, next(seeds)))
-                one["one_client_phases_ms"] = phases(calls, traces)
+        if args.admin_key_file:  # the same again, traced: where its time goes, phase by phase (through the gateway,
+            # its own time is in to_triton and to_client)
+            with TritonTrace(args.grpc, args.admin_key_file).traced() as traces:
+                calls = asyncio.run(alone(Door(kind, url), args.alone, next(seeds)))
+            one["one_client_phases_ms"] = phases(calls, traces)
         record[kind] = {**one, "levels": {}}
         print(f"{kind}: one client {one}", flush=True)
         for clients in args.clients:

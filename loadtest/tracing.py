@@ -8,7 +8,7 @@ triton,file=/tmp/kev-trace.json --trace-config level=OFF --trace-config rate=1 -
 and the files it wrote are read and removed afterwards. Triton's and the client's timestamps are both CLOCK_MONOTONIC
 (steady_clock; time.monotonic_ns), so the two sides line up on one machine.
 
-The phases of a request (medians, ms):
+The phases of a request (medians, ms); through the gateway, its own work is in to_triton and to_client:
   to_triton      client's call to Triton having read it (the client's encoding, gRPC, Triton's read)
   triton_queue   read to its execution starting (Triton's request handling, the batcher's queue)
   execute        the model's execute (the Python backend's IPC in, parsing, tokenizing, handing the batch over)

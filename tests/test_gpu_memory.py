@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kev_backend.dev import tiny
-from kev_backend.gpu.memory import GIB, MARGIN_BYTES, GpuMemoryError, MemoryPlan
+from kev_backend.gpu.memory import GIB, MARGIN_BYTES, GpuMemoryError, MemoryPlan, refusing_out_of_memory
 from kev_backend.model import checkpoint
 from kev_backend.model.qwen35 import Qwen35Config
 
@@ -58,6 +58,24 @@ def test_weights_that_cannot_fit_are_refused_before_any_is_read(monkeypatch: pyt
         checkpoint.check_weights_fit(config, torch.bfloat16, torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GIB, 79 * GIB))
     checkpoint.check_weights_fit(config, torch.bfloat16, torch.device("cuda"))  # fits: no refusal
+
+
+def test_running_out_of_memory_while_loading_is_refused_with_what_was_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU other processes fill: the weights fit, then the load runs out on the way (their fused forms, a pass).
+    The start fails with what was free when the load began and what it had taken, not the allocator's message about
+    one allocation; anything else the load raises goes through as it is."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(4.4 * GIB), int(79.2 * GIB)))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: int(2.7 * GIB))
+    with pytest.raises(GpuMemoryError) as refused, refusing_out_of_memory(torch.device("cuda")):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 MiB.")
+    message = str(refused.value)
+    for said in ("does not fit this GPU", "2.7 GiB of the 4.4 GiB free", "79.2 GiB in all", "KEV_MAX_STATE_TOKENS"):
+        assert said in message, message
+    assert "Tried to allocate" not in message
+    with pytest.raises(ValueError, match="not memory"), refusing_out_of_memory(torch.device("cuda")):
+        raise ValueError("not memory")
+    with refusing_out_of_memory(torch.device("cpu")):  # a CPU load asks the GPU nothing
+        pass
 
 
 def test_the_start_up_line_says_what_the_bank_holds(tiny_dir: Path) -> None:

@@ -269,9 +269,10 @@ def test_frontdoor_against_tritonserver_and_the_gateway(triton: TritonServer, ti
 
 
 def test_frontdoor_traces_one_client_by_phase(tiny_dir: Path, tmp_path: Path) -> None:
-    """With the admin key, loadtest/frontdoor.py runs its gRPC client once more with Triton's trace on (through the
-    restricted trace API): every traced call is found in Triton's trace files, its phases (loadtest/tracing.py) lie
-    within its time, the engine's within the model's, and tracing is off again, its files removed, afterwards."""
+    """With the admin key, loadtest/frontdoor.py runs its one client once more with Triton's trace on (through the
+    restricted trace API), over gRPC and through the gateway: every traced call is found in Triton's trace files, its
+    phases (loadtest/tracing.py) lie within its time, the engine's within the model's, and tracing is off again, its
+    files removed, afterwards."""
     import tritonclient.grpc as grpcclient
 
     key = tmp_path / "admin-key"
@@ -284,11 +285,13 @@ def test_frontdoor_traces_one_client_by_phase(tiny_dir: Path, tmp_path: Path) ->
         TRITON_ADMIN_KEY_FILE=str(key),
     )  # fmt: skip
     out = tmp_path / "frontdoor.json"
+    gateway = None
     try:
+        gateway = start_gateway(server, tmp_path / "gateway.log")
         subprocess.run(
             [sys.executable, "loadtest/frontdoor.py", "--grpc", server.grpc_url, "--metrics", server.metrics_url,
-             "--admin-key-file", str(key), "--clients", "2", "--procs", "1", "--alone", "6", "--seconds", "1",
-             "--out", str(out)],
+             "--gateway", gateway.url, "--admin-key-file", str(key), "--clients", "2", "--procs", "1", "--alone",
+             "6", "--seconds", "1", "--out", str(out)],
             capture_output=True, text=True, timeout=300, check=True, cwd=REPO,
         )  # fmt: skip
         client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -298,12 +301,16 @@ def test_frontdoor_traces_one_client_by_phase(tiny_dir: Path, tmp_path: Path) ->
         finally:
             client.close()
     finally:
+        if gateway is not None:
+            stop_gateway(gateway)
         stop_triton(server)
-    phases = json.loads(out.read_text())["grpc"]["one_client_phases_ms"]
-    assert phases["matched"] == 6, phases
-    assert 0 < phases["engine"] <= phases["in_model"] <= phases["total"]
-    assert all(phases[name] >= 0 for name in ("to_triton", "triton_queue", "execute", "to_sent", "to_client"))
-    assert phases["to_triton"] + phases["triton_queue"] + phases["to_client"] < phases["total"]
+    record = json.loads(out.read_text())
+    for door in ("grpc", "gateway"):
+        phases = record[door]["one_client_phases_ms"]
+        assert phases["matched"] == 6, (door, phases)
+        assert 0 < phases["engine"] <= phases["in_model"] <= phases["total"]
+        assert all(phases[name] >= 0 for name in ("to_triton", "triton_queue", "execute", "to_sent", "to_client"))
+        assert phases["to_triton"] + phases["triton_queue"] + phases["to_client"] < phases["total"]
     # Off once the traced client is done: the closed loop after it left no trace files behind.
     assert level == {"value": ["OFF"]} and not list(tmp_path.glob("trace.json*"))
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from ..gpu.cublaslt import check_table
+from ..gpu.memory import refusing_out_of_memory
 from ..gpu.passes import check_long_kernels
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from ..protocol.encoding import Encoded, KevTokenizer, encode
@@ -346,10 +347,12 @@ class Engine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:
         options = options or EngineOptions()
-        started = time.perf_counter()
-        checkpoint = load_checkpoint(path, options.resolved_device(), options.load)
-        loaded = time.perf_counter() - started
-        engine = cls(checkpoint, options)
+        device = options.resolved_device()
+        with refusing_out_of_memory(device):
+            started = time.perf_counter()
+            checkpoint = load_checkpoint(path, device, options.load)
+            loaded = time.perf_counter() - started
+            engine = cls(checkpoint, options)
         engine.startup = {"load": loaded, **engine.startup}
         return engine
 

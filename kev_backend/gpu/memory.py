@@ -7,13 +7,18 @@ questions over such a state once banked. Their working memory is measured at sta
 such state, before the real bank is made (FusedScorer.plan_memory); so is a pass of the graphs' largest bucket,
 which their shared pool holds once captured. The bank then takes a fifth of the GPU, as on a GPU with room to
 spare, or what is left after those and a margin where less. Where not even one state of max_state_tokens fits, the
-start fails at once, saying what is needed, what the GPU has and what to change.
+start fails at once, saying what is needed, what the GPU has and what to change; so does a load that runs out of
+memory before that (refusing_out_of_memory: a GPU other processes fill).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 GIB = 1 << 30
 # Beyond the two measured passes: cuBLAS's and cuDNN's workspaces, the caching allocator's rounding and the head.
@@ -70,3 +75,27 @@ def gib(n: int) -> str:
 def states_held(slots: int, pages: int, page_size: int, length: int) -> int:
     """How many states of `length` tokens a pool of `slots` slots and `pages` pages holds at once."""
     return min(slots, pages // max(1, math.ceil(length / page_size)))
+
+
+@contextlib.contextmanager
+def refusing_out_of_memory(device: torch.device) -> Iterator[None]:
+    """The model's load on `device` (its weights, their fused forms, the measured passes): the GPU running out of
+    memory on the way is GpuMemoryError, saying what was free when the load began and what it had taken by then,
+    instead of the allocator's message about one allocation."""
+    if device.type != "cuda":
+        yield
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise GpuMemoryError(out_of_memory(free, total, torch.cuda.max_memory_reserved(device))) from None
+
+
+def out_of_memory(free: int, total: int, taken: int) -> str:
+    return (
+        f"the model does not fit this GPU: it ran out of memory while loading, having taken {gib(taken)} of the "
+        f"{gib(free)} free when it began ({gib(total)} in all), and needs more. Serve it on a GPU with more memory, "
+        "or free this one of other processes; the largest pass and the state bank shrink with max_state_tokens and "
+        "max_row_tokens (KEV_MAX_STATE_TOKENS, KEV_MAX_ROW_TOKENS; docs/operations.md, GPU memory)"
+    )
