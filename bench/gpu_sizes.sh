@@ -129,10 +129,12 @@ time.sleep(900)' "$leave" >"$work/hog.txt" 2>&1 &
 import json, sys
 log, case, code, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 lines = open(log, errors="replace").read().splitlines()
-said = [line for line in lines if "does not fit" in line or "weights need" in line]
+# The model's refusal as Triton logs it: "...: NAME: MESSAGE\n\nAt:\n  TRACEBACK" (newlines escaped, within one line).
+said = [line.split(name + ": ", 1)[1].split("\\n", 1)[0] for line in lines
+        for name in ("WeightsDoNotFit", "GpuMemoryError") if name + ": " in line]
 print(json.dumps({"case": case, "exit_code": code, "seconds": seconds,
                   "restarts": sum("TRITON RESTART" in line for line in lines),
-                  "message": said[0][-1200:] if said else None}))
+                  "message": said[0] if said else None}))
 PYEOF
 )")
   done
