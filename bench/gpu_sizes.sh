@@ -17,8 +17,9 @@
 #   serve   KEV_CHECKPOINT=... build/serve.sh (the GPU configuration, chosen by itself) with the size's table:
 #           loadtest/served.py (ready, first answer, short6 over gRPC alone and at 64 clients), then
 #           loadtest/frontdoor.py (gRPC and the gateway: one client, 64 and 128 clients over FRONTDOOR_PROCS (8)
-#           processes, beside the bench's figures; the gRPC client once more with Triton's trace on, its time by
-#           phase: loadtest/tracing.py; ~50 s), 4b also loadtest/long_states.py (16k-token new states
+#           processes for 5 s each, 27b 20 s (its batches take about a second), beside the bench's figures; the one
+#           client once more with Triton's trace on, its time by phase: loadtest/tracing.py; ~50 s), 4b also
+#           loadtest/long_states.py (16k-token new states
 #           alone and 8 at once), the GPU's memory, SIGTERM. PYSPY=PATH (a py-spy binary): the stub's threads
 #           sampled through 5 s of 64 gRPC clients, pyspy-SIZE.txt among the logs
 #                                                                                                  30 / 45 / 50 / 110
@@ -88,10 +89,10 @@ serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured,
   echo "{\"checkpoint_bytes\": ${bytes:-null}, \"served_gpu_mib\": ${used:-null}}" >"$work/facts-$size.json"
   inprocess=$(ls -t "$work/bench-$size"/*.json 2>/dev/null | head -1)
   if ((code == 0)); then
-    timeout 200 "$PY" loadtest/frontdoor.py --metrics 127.0.0.1:8002 --gateway http://127.0.0.1:8009 \
-      ${inprocess:+--inprocess "$inprocess"} --admin-key-file "$work/admin-key" \
-      --procs "${FRONTDOOR_PROCS:-8}" --model "kev-$size-shapes" --commit "$COMMIT" --out "$work/frontdoor-$size.json" \
-      || code=1
+    timeout 300 "$PY" loadtest/frontdoor.py --metrics 127.0.0.1:8002 --gateway http://127.0.0.1:8009 \
+      ${inprocess:+--inprocess "$inprocess"} --admin-key-file "$work/admin-key" --procs "${FRONTDOOR_PROCS:-8}" \
+      --seconds "$([[ $size == 27b ]] && echo 20 || echo 5)" --model "kev-$size-shapes" --commit "$COMMIT" \
+      --out "$work/frontdoor-$size.json" || code=1
   fi
   if ((code == 0)) && [[ -n ${PYSPY:-} ]]; then  # the stub's threads sampled through 5 s of 64 gRPC clients
     "$PYSPY" record -p "$(pgrep -f triton_python_backend_stub | head -1)" -r 200 -d 5 --idle --threads -f raw \

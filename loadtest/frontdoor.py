@@ -9,13 +9,14 @@ one client alone and closed loops of many, set beside the engine's in-process fi
 One client: --alone requests one after another from this process, each timed at the client from before its JSON is
 written to its answer decoded (the client's own time included; over gRPC with the asyncio client and again with the
 blocking one; with --admin-key-file once more with Triton's trace on, its time by phase: loadtest/tracing.py), with
-the server's breakdown of those requests, against the bench's `wall_new_ms` (the same request
-through the pipeline Triton's model uses, JSON in and out, in the engine's process). Many: the clients spread over
---procs processes (so that the clients' own Python work is not what is measured), all starting together after a
-warm-up; requests/s is what was answered within the run. Writes served_over_inprocess
-and one_client_overhead_ms, and for the gateway gateway_over_grpc and gateway_one_client_added_ms; the server's own
-breakdown of each level (Triton's statistics: queue, execute and the engine's time; the busiest threads of
-tritonserver and its stubs, by their share of a core, where they run on this machine) beside them.
+the server's breakdown of those requests, against the bench's `wall_new_ms` (the same request through the pipeline
+Triton's model uses, JSON in and out, in the engine's process). Many: the clients spread over --procs processes (so
+that the clients' own Python work is not what is measured), all starting together; after --warm seconds,
+requests/s is what is answered within the next --seconds (the clients running through both). Writes
+served_over_inprocess and one_client_overhead_ms, and for the gateway gateway_over_grpc and
+gateway_one_client_added_ms; the server's own breakdown of each level (Triton's statistics: queue, execute and the
+engine's time; the busiest threads of tritonserver and its stubs, by their share of a core, where they run on this
+machine) beside them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +109,16 @@ def alone_blocking(url: str, requests: int, seed: int) -> float:
     return 1000 * statistics.median(times)
 
 
-async def _clients(kind: str, url: str, clients: int, seconds: float, seed: int, start_at: float) -> list[float]:
+async def _clients(
+    kind: str, url: str, clients: int, warm: float, seconds: float, seed: int, start_at: float
+) -> list[float]:
+    """The latencies of the requests answered within the window of `seconds` that follows `warm` seconds of the same
+    clients already running (so the window sees the load's steady state, not its start)."""
     numbers = iter(range(seed * 10**7, (seed + 1) * 10**7))
     latencies: list[float] = []
     await asyncio.sleep(max(0.0, start_at - time.time()))
-    deadline = start_at + seconds
+    window = start_at + warm
+    deadline = window + seconds
     async with Door(kind, url) as door:
 
         async def client() -> None:
@@ -119,21 +126,25 @@ async def _clients(kind: str, url: str, clients: int, seconds: float, seed: int,
                 body = short6(next(numbers))
                 started = time.time()
                 await door.send(body)
-                if time.time() <= deadline:
-                    latencies.append(time.time() - started)
+                if window <= (ended := time.time()) <= deadline:
+                    latencies.append(ended - started)
 
         await asyncio.gather(*(client() for _ in range(clients)))
     return latencies
 
 
-def _process(clients: int, seed: int, start_at: float, kind: str, url: str, seconds: float) -> list[float]:
-    return asyncio.run(_clients(kind, url, clients, seconds, seed, start_at))
+def _process(clients: int, seed: int, start_at: float, kind: str, url: str, warm: float, seconds: float) -> list[float]:
+    return asyncio.run(_clients(kind, url, clients, warm, seconds, seed, start_at))
 
 
-def closed_loop(kind: str, url: str, clients: int, seconds: float, procs: int, seed: int) -> dict[str, float]:
-    """`clients` closed-loop clients over `procs` processes, all starting together: requests/s answered within
-    `seconds`, p50 and p99."""
-    runs = in_processes(_process, clients, procs, seed, kind, url, seconds)
+def closed_loop(
+    kind: str, url: str, clients: int, seconds: float, procs: int, seed: int, warm: float, at_window: Callable[[], None]
+) -> dict[str, float]:
+    """`clients` closed-loop clients over `procs` processes, all starting together: after `warm` seconds (when
+    `at_window` is called, from this process), requests/s answered within the next `seconds`, their p50 and p99. The
+    clients run through both without a pause: a slow model's batches are in their steady state when the window opens
+    (started afresh, the window would lose up to a batch of answers at each end)."""
+    runs = in_processes(_process, clients, procs, seed, kind, url, warm, seconds, during=(warm, at_window))
     latencies = sorted(latency for run in runs for latency in run)
     return {
         "rps": len(latencies) / seconds,
@@ -184,11 +195,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         record[kind] = {**one, "levels": {}}
         print(f"{kind}: one client {one}", flush=True)
         for clients in args.clients:
-            closed_loop(kind, url, clients, 2.0, args.procs, next(seeds))  # warm-up: this load's batch shapes
-            before, threads = totals(), thread_seconds()
-            level = closed_loop(kind, url, clients, args.seconds, args.procs, next(seeds))
+            before: dict[str, float] = {}
+            threads: dict[str, float] = {}
+
+            def window_opens(before: dict[str, float] = before, threads: dict[str, float] = threads) -> None:
+                before.update(totals())
+                threads.update(thread_seconds())
+
+            level = closed_loop(kind, url, clients, args.seconds, args.procs, next(seeds), args.warm, window_opens)
             level["server"] = server_breakdown(before, totals())
-            level["server"]["busiest_threads"] = busiest(threads, thread_seconds(), args.seconds + 0.5)
+            level["server"]["busiest_threads"] = busiest(threads, thread_seconds(), args.seconds)
             record[kind]["levels"][str(clients)] = level
             print(f"{kind}: {clients} clients {level}", flush=True)
     return record
@@ -224,7 +240,10 @@ def main() -> None:
     parser.add_argument("--clients", type=lambda text: [int(n) for n in text.split(",")], default=[64, 128])
     parser.add_argument("--procs", type=int, default=4, help="client processes for the closed loops")
     parser.add_argument("--alone", type=int, default=100, help="requests of the one client")
-    parser.add_argument("--seconds", type=float, default=5.0, help="per closed-loop level")
+    parser.add_argument("--seconds", type=float, default=5.0, help="each closed-loop level's measured window")
+    parser.add_argument(
+        "--warm", type=float, default=2.0, help="seconds each level's clients run before its window (default 2)"
+    )
     parser.add_argument(
         "--admin-key-file",
         type=Path,
