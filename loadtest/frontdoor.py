@@ -247,8 +247,8 @@ def main() -> None:
     parser.add_argument(
         "--admin-key-file",
         type=Path,
-        help="Triton's admin key (kev-serve's TRITON_ADMIN_KEY_FILE): one client again over gRPC with Triton's trace"
-        " on, its time by phase (loadtest/tracing.py; the server started with a trace file)",
+        help="Triton's admin key (kev-serve's TRITON_ADMIN_KEY_FILE): each door's one client again with Triton's"
+        " trace on, its time by phase (loadtest/tracing.py; the server started with a trace file)",
     )
     parser.add_argument("--model", help="what the server serves, for the record (e.g. kev-0.8b-shapes)")
     parser.add_argument("--commit", help="the commit the record names (default: git's HEAD)")

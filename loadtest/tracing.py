@@ -89,7 +89,8 @@ def read_traces(trace_file: str, remove: bool = True) -> list[dict[str, int]]:
 def phases(calls: Iterable[tuple[int, int, float]], traces: list[dict[str, int]]) -> dict[str, float | int]:
     """Median milliseconds of each phase (PHASES) over the calls (client start ns, end ns, the answer's latency_ms)
     whose one trace started within them; `matched` says how many."""
-    complete = [t for t in traces if {"GRPC_WAITREAD_END", "COMPUTE_START", "GRPC_SEND_END"} <= t.keys()]
+    stamps = {"GRPC_WAITREAD_END", "COMPUTE_START", "COMPUTE_END", "INFER_RESPONSE_COMPLETE", "GRPC_SEND_END"}
+    complete = [t for t in traces if stamps <= t.keys()]
     rows = []
     for start, end, engine_ms in calls:
         mine = [t for t in complete if start <= t["GRPC_WAITREAD_END"] <= end]
