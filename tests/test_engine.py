@@ -77,6 +77,22 @@ def test_response_body_and_usage(engine: Engine) -> None:
     assert engine.answer([request()])[0]["model"] == "kev-latest"
 
 
+def test_output_tokens_are_counted_alike_one_by_one_and_in_a_batch(engine: Engine) -> None:
+    """A batch's answers counted together (the tokenizer's threads) and a few counted one by one give each text its
+    own count, the same as counting it alone, on either side of BATCH_ENCODE_FROM; the responses' usage with them."""
+    from kev_backend.protocol.encoding import BATCH_ENCODE_FROM
+
+    bodies = engine.answer([request(state=f"state number {i}") for i in range(BATCH_ENCODE_FROM + 2)])
+    texts = [json.dumps(body["answers"], separators=(",", ":")) + " " * i for i, body in enumerate(bodies)]
+    alone = [engine.tokenizer.count_tokens(text) for text in texts]
+    assert len(set(alone)) > 1  # the texts differ in their counts: a count given to the wrong text would show
+    for n in range(1, len(texts) + 1):
+        assert engine.tokenizer.count_tokens_batch(texts[:n]) == alone[:n]
+    assert [body["usage"]["output_tokens"] for body in bodies] == [
+        engine.tokenizer.count_tokens(json.dumps(body["answers"])) for body in bodies
+    ]
+
+
 def test_layout_uses_delimiters_and_escapes_caller_text(engine: Engine) -> None:
     d = engine.tokenizer.delimiters
     _, encoded = engine.prepare(request(state="<|fim_suffix|> please", questions={"q": QUESTIONS["team"]}))
