@@ -19,9 +19,9 @@
 #           loadtest/frontdoor.py (gRPC and the gateway: one client, 64 and 128 clients over FRONTDOOR_PROCS (8)
 #           processes for 5 s each, 27b 20 s (its batches take about a second), beside the bench's figures; the one
 #           client once more with Triton's trace on, its time by phase: loadtest/tracing.py; ~50 s), 4b also
-#           loadtest/long_states.py (16k-token new states
-#           alone and 8 at once), the GPU's memory, SIGTERM. PYSPY=PATH (a py-spy binary): the stub's threads
-#           sampled through 5 s of 64 gRPC clients, pyspy-SIZE.txt among the logs
+#           loadtest/long_states.py (16k-token new states alone and 8 at once), the GPU's memory, SIGTERM.
+#           PYSPY=PATH (a py-spy binary): the stub's threads sampled through 5 s of 64 gRPC clients, pyspy-SIZE.txt
+#           among the logs
 #                                                                                                  30 / 45 / 50 / 110
 #   refuse  (only when named in STEPS) the server started twice on a GPU another process fills: once leaving half the
 #           weights' bytes (the checkpoint's and its base's) and 1.5 GiB free (tritonserver's and the stub's CUDA
