@@ -395,9 +395,9 @@ class GatewaySettings:
     # they hold together; more get 429 at once.
     max_arriving: int = 4096
     max_arriving_bytes: int = 512 << 20
-    # The connections (serve/front.py): deadlines for a request's head, a body's pauses and its whole arrival, and a
-    # connection with no request in progress; the head's and the URL's bytes; connections open at once (None: the
-    # descriptor limit less an eighth).
+    # The connections (serve/gateway/front.py): deadlines for a request's head, a body's pauses and its whole
+    # arrival, and a connection with no request in progress; the head's and the URL's bytes; connections open at once
+    # (None: the descriptor limit less an eighth).
     header_timeout_s: float = 10.0
     body_idle_timeout_s: float = 10.0
     body_timeout_s: float = 60.0

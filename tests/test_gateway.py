@@ -26,7 +26,7 @@ from typesafe_sdk import (
 )
 
 from kev_backend.engine.engine import Engine
-from kev_backend.serve.gateway import MODELS_FRESH_S
+from kev_backend.serve.gateway.service import MODELS_FRESH_S
 
 from .conftest import (
     REPO,

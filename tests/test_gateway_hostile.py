@@ -23,10 +23,12 @@ from starlette.testclient import TestClient
 
 from kev_backend.dev.ports import free_port
 from kev_backend.engine.pipeline import PREPARE_APART_BYTES
-from kev_backend.serve import gateway as gateway_module
-from kev_backend.serve.bodies import MAX_FRAMES, decompress
+from kev_backend.serve.client import KevError
 from kev_backend.serve.gateway import create_app
-from kev_backend.serve.replies import REASONS, Refused
+from kev_backend.serve.gateway.answering import gather_or_cancel
+from kev_backend.serve.gateway.bodies import MAX_FRAMES, decompress
+from kev_backend.serve.gateway.replies import REASONS, Refused
+from kev_backend.serve.gateway.service import Gateway as GatewayService
 from kev_backend.settings import GatewaySettings
 
 from .conftest import Gateway, TritonServer, settled, start_gateway, stop_gateway, wait_until
@@ -532,7 +534,7 @@ def test_a_failed_call_cancels_the_others_before_its_admission_ends() -> None:
     fails, the others are cancelled (and with them their Triton calls) before the failure reaches the handler, so
     none runs on once the request's slots are given back: orphaned calls would fill Triton's queue past the
     gateway's in-flight limit."""
-    gateway = gateway_module.Gateway(GatewaySettings(triton_url="127.0.0.1:1"))
+    gateway = GatewayService(GatewaySettings(triton_url="127.0.0.1:1"))
     cancelled: list[int] = []
 
     async def run() -> None:
@@ -542,7 +544,7 @@ def test_a_failed_call_cancels_the_others_before_its_admission_ends() -> None:
         async def call(i: int) -> bytes:
             if i == 0:
                 await others_started.wait()
-                raise gateway_module.KevError("invalid", "the model refused part 0")
+                raise KevError("invalid", "the model refused part 0")
             started.append(i)
             if len(started) == 2:
                 others_started.set()
@@ -553,8 +555,8 @@ def test_a_failed_call_cancels_the_others_before_its_admission_ends() -> None:
                 raise
             return b""
 
-        with gateway.admitted(3), pytest.raises(gateway_module.KevError):
-            await gateway_module.gather_or_cancel([call(0), call(1), call(2)])
+        with gateway.admitted(3), pytest.raises(KevError):
+            await gather_or_cancel([call(0), call(1), call(2)])
         assert sorted(cancelled) == [1, 2] and gateway.in_flight == 0  # before asyncio.run cancels leftovers
 
     asyncio.run(run())

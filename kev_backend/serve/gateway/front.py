@@ -29,7 +29,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from ..settings import GatewaySettings
+from ...settings import GatewaySettings
 
 FRONT_EXTENSION = "kev.front"  # the request's BodyClock in its ASGI scope's extensions
 DRAIN_S = 2.0  # after refusing a request mid-head, its remaining bytes are read and dropped this long at most
