@@ -55,6 +55,27 @@ def test_fused_pass_answers_like_the_reference(tiny_dir: Path, graphs: bool, lon
     assert CALLS["chunked_rows padded=False"] > 0, CALLS  # eager passes (the long rows at least)
 
 
+def test_both_scorers_keep_the_scorer_contract(tiny_dir: Path) -> None:
+    """The reference and the fused scorer both answer the contract the engine, the metrics and the bench use
+    (scoring/contract.py): their statistics as one typed object, the graphs' counts the fused scorer's own, none for
+    the reference path; the warm-up's hooks; the start-up line built from them."""
+    from kev_backend.scoring.contract import ScorerStats
+
+    reference, fused = engines(tiny_dir)
+    for scorer in (reference.scorer, fused):
+        for name in ("probabilities", "launch", "units", "warm_graphs", "wide_states", "warm_head", "bank_summary"):
+            assert callable(getattr(scorer, name)), name
+    assert reference.scorer.stats() == ScorerStats() and reference.scorer.wide_states() == 0
+    assert "no CUDA graphs" in reference.summary()
+    fused.probabilities([reference.prepare(short6(n))[1] for n in range(3)])
+    stats, graphs = fused.stats(), fused.graphs.stats
+    assert isinstance(stats, ScorerStats)
+    assert (stats.graphs, stats.graph_captures, stats.graph_replays) == (graphs.count, graphs.captures, graphs.replays)
+    assert stats.oom_retries == fused.oom_retries == 0
+    assert stats.gemm_shapes is None  # a CPU's projections run on no pre-tuned cuBLASLt table
+    assert fused.wide_states() >= 1
+
+
 def test_a_batch_with_more_states_than_the_bank_holds_runs_in_passes_it_can_hold(tiny_dir: Path) -> None:
     """A pass takes at most as many states as the bank has slots to give (its scratch slot is not one): four states
     on a bank of three run in two passes, answering as the reference does."""

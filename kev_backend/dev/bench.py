@@ -18,6 +18,7 @@ Writes bench/results/<date>-<gpu>-<commit>[-<size>].json and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -577,18 +578,17 @@ def main() -> None:
             "misses": stats.misses,
             "evictions": stats.evictions,
             "bytes": stats.bytes,
-            "oom_retries": getattr(engine.scorer, "oom_retries", 0),
+            "oom_retries": engine.scorer.stats().oom_retries,
         }
         timed = [w for w in workloads.values() if isinstance(w, dict) and "first_over_median" in w]
         if timed:
             result["first_over_median"] = max(w["first_over_median"] for w in timed)
         result["gemm_algos"] = engine.gemm_algos
-        graphs = getattr(engine.scorer, "graphs", None)
-        if graphs is not None:
-            result["graphs_count"] = graphs.stats.count
-            result["graphs_bytes"] = graphs.stats.bytes
-            result["graph_stats"] = vars(graphs.stats)
-            result["graph_buckets_seen"] = sorted(b.name for b in graphs.seen)
+        scoring = engine.scorer.stats()
+        result["scorer_stats"] = dataclasses.asdict(scoring)
+        if scoring.graphs is not None:
+            result["graphs_count"] = scoring.graphs
+            result["graphs_bytes"] = scoring.graph_bytes
         result["gpu_gib_peak"] = torch.cuda.max_memory_allocated(device) / GIB
         path.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +31,7 @@ from ..protocol.systemone import (
     response_body,
 )
 from ..scoring.bank import BankStats, StateBank
+from ..scoring.contract import Pending, Scorer
 from ..scoring.reference import ReferenceScorer
 
 Body = str | bytes | dict
@@ -59,27 +59,6 @@ def unrecoverable(error: BaseException) -> bool:
         return False
     accelerator = getattr(torch, "AcceleratorError", None)
     return (accelerator is not None and isinstance(error, accelerator)) or "CUDA error" in str(error)
-
-
-class Pending(Protocol):
-    def result(self) -> list[list[list[float]]]: ...
-
-
-class Scorer(Protocol):
-    bank: Any
-    on_progress: Callable[[], None] | None  # called after each unit of model work
-
-    def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]: ...
-
-    def launch(self, batch: Sequence[Encoded]) -> Pending: ...
-
-    def units(self, batch: Sequence[Encoded]) -> Generator[None, None, Pending]: ...
-
-    def warm_head(self) -> None: ...
-
-    def prepare_thread(self) -> None: ...
-
-    def bank_summary(self) -> str: ...  # for the start-up line: what the bank holds ("" when nothing to say)
 
 
 @dataclass(frozen=True)
@@ -302,8 +281,7 @@ class Engine:
         family and configuration compiles and tunes now, not on a request), and the pointer head at every row count
         up to 512."""
         started = time.perf_counter()
-        if getattr(self.scorer, "graphs", None) is not None:
-            self.scorer.graphs.warm()
+        self.scorer.warm_graphs()
         self.startup["graphs"] = time.perf_counter() - started
         words = ("one two three four five six seven eight nine ten " * 20).strip()
         question = {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": None}}
@@ -317,8 +295,8 @@ class Engine:
                 {"state": words, "questions": {"q": question, "r": long_question}},
             ]
         )
-        wide = self.scorer.wide_states()  # type: ignore[attr-defined]  # warm() runs on the fused path only
-        self.answer([{"state": f"{words} {i}", "questions": {"r": long_question}} for i in range(wide)])
+        if wide := self.scorer.wide_states():
+            self.answer([{"state": f"{words} {i}", "questions": {"r": long_question}} for i in range(wide)])
         self.scorer.warm_head()
         self.startup["warm_batch"] = time.perf_counter() - started
 
@@ -358,11 +336,12 @@ class Engine:
 
     def summary(self) -> str:
         """One line for the server's log: device, path, CUDA graphs and the seconds of each start-up phase."""
-        graphs = getattr(self.scorer, "graphs", None)
-        held = f"{graphs.stats.count} CUDA graphs ({graphs.stats.capture_failures} failed to capture)" if graphs else ""
+        stats = self.scorer.stats()
+        graphed = "no CUDA graphs"
+        if stats.graphs is not None:
+            graphed = f"{stats.graphs} CUDA graphs ({stats.graph_capture_failures} failed to capture)"
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
         path = f"{self.backend} path" + (f" ({self.backend_why})" if self.backend_why else "")
-        graphed = held or "no CUDA graphs"
         bank = f"{summary}; " if (summary := self.scorer.bank_summary()) else ""
         return (
             f"on {self.device}, {path}; {graphed}; {bank}{self._gemms()}{self._preparation()}start-up seconds {phases}"
@@ -391,8 +370,8 @@ class Engine:
     @property
     def gemm_algos(self) -> dict[str, object] | None:
         """The pre-tuned cuBLASLt table the fused path uses (kev_backend/gpu/cublaslt.py): its file and shape count."""
-        algos = getattr(getattr(self.scorer, "model", None), "gemm_algos", None)
-        return {"table": algos.source, "shapes": len(algos.algos)} if algos is not None else None
+        stats = self.scorer.stats()
+        return {"table": stats.gemm_table, "shapes": stats.gemm_shapes} if stats.gemm_shapes is not None else None
 
     @property
     def bank(self):

@@ -13,6 +13,7 @@ import torch
 
 from ..model.qwen35 import Qwen35TextModel
 from ..protocol.encoding import Encoded, EncodedQuestion, token_ids
+from ..scoring.contract import ScorerStats
 from ..scoring.head import PendingProbabilities, batch_questions
 from ..scoring.transfer import device_int_fields
 from ..scoring.units import Units, run_units
@@ -193,13 +194,26 @@ class FusedScorer:
             long_states=self.long_kernels == "triton",  # fla's chunk maps live on the host: not capturable
         )
 
-    @property
-    def graph_replays(self) -> int:
-        return self.graphs.stats.replays if self.graphs is not None else 0
+    def stats(self) -> ScorerStats:
+        algos = self.model.gemm_algos
+        tables = {"gemm_table": algos.source, "gemm_shapes": len(algos.algos)} if algos is not None else {}
+        if self.graphs is None:
+            return ScorerStats(oom_retries=self.oom_retries, **tables)
+        graphs = self.graphs.stats
+        return ScorerStats(
+            graph_replays=graphs.replays,
+            graph_captures=graphs.captures,
+            graph_capture_failures=graphs.capture_failures,
+            graphs=graphs.count,
+            graph_bytes=graphs.bytes,
+            oom_retries=self.oom_retries,
+            **tables,
+        )
 
-    @property
-    def graph_captures(self) -> int:
-        return self.graphs.stats.captures if self.graphs is not None else 0
+    def warm_graphs(self) -> None:
+        """Captures every graph bucket (kev_backend/gpu/graphs.py), when graphs are on."""
+        if self.graphs is not None:
+            self.graphs.warm()
 
     def wide_states(self) -> int:
         """Long new states (each with a long question) for one pass of the chunked delta rule's wide configuration

@@ -28,6 +28,7 @@ import torch
 from ..model.qwen35 import PASS_CHUNK_TOKENS, Qwen35TextModel, SequenceCache
 from ..protocol.encoding import Encoded, EncodedQuestion
 from .bank import StateBank
+from .contract import ScorerStats
 from .head import PendingProbabilities, Picked, launch_batch_probabilities, pointer_probabilities, warm_pointer_head
 from .units import Units, run_units
 
@@ -79,6 +80,17 @@ class ReferenceScorer:
     def bank_summary(self) -> str:
         """Nothing for the start-up line: the reference path's bank is an LRU of `bank_bytes`, preallocating nothing."""
         return ""
+
+    def warm_graphs(self) -> None:
+        """Nothing: the reference path replays no graphs."""
+
+    def wide_states(self) -> int:
+        """None: the reference path has no kernel configuration for many long states to compile."""
+        return 0
+
+    def stats(self) -> ScorerStats:
+        """No graphs, no retries, no pre-tuned GEMMs: eager fp32 throughout."""
+        return ScorerStats()
 
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         """Per request, per question, the option probabilities."""

@@ -95,17 +95,16 @@ class KevMetrics:
             self.row_tokens.observe(batch.row_tokens)
             self.engine_ms.observe(batch.model_ms)
         stats = engine.bank_stats
-        scorer = engine.scorer
-        graphs = getattr(scorer, "graphs", None)
+        scoring = engine.scorer.stats()
         totals = {
             "hits": stats.hits,
             "misses": stats.misses,
             "evictions": stats.evictions,
-            "graph_replays": getattr(scorer, "graph_replays", 0),
-            "graph_captures": getattr(scorer, "graph_captures", 0),
-            "graph_failures": graphs.stats.capture_failures if graphs is not None else 0,
+            "graph_replays": scoring.graph_replays,
+            "graph_captures": scoring.graph_captures,
+            "graph_failures": scoring.graph_capture_failures,
             "tokenized_chars": engine.tokenizer.tokenized_chars,
-            "oom_retries": getattr(scorer, "oom_retries", 0),
+            "oom_retries": scoring.oom_retries,
         }
         counters = {
             "hits": self.bank_hits,
@@ -125,8 +124,8 @@ class KevMetrics:
             (self.bank_bytes, stats.bytes),
             (self.bank_entries, stats.entries),
             (self.tokenizer_cache_bytes, engine.tokenizer.cache.bytes),
-            (self.graphs, graphs.stats.count if graphs is not None else 0),
-            (self.graph_bytes, graphs.stats.bytes if graphs is not None else 0),
+            (self.graphs, scoring.graphs or 0),
+            (self.graph_bytes, scoring.graph_bytes),
         ]
         if engine.device.type == "cuda":
             gauges += [
