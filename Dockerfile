@@ -34,7 +34,7 @@ RUN find kev_backend -name __pycache__ -prune -exec rm -rf {} + \
 COPY model_repository model_repository
 RUN find model_repository -name __pycache__ -prune -exec rm -rf {} + \
     && rm -rf model_repository/kev/embedded \
-    && .venv/bin/python -m kev_backend.dev.tiny model_repository/kev/embedded \
+    && .venv/bin/python -m kev_backend.dev.synthetic model_repository/kev/embedded \
     && .venv/bin/python -m compileall -q model_repository
 COPY build/serve.sh build/tritonserver.sh build/
 # Everything readable by the non-root user (the checkpoint writer makes its files 0600), nothing writable by it.

@@ -51,7 +51,7 @@ export PODMAN_ROOT
 
 setup: $(STAMP)
 
-$(STAMP): $(REQUIREMENTS) pyproject.toml build/install_tritonserver.sh build/venv.sh build/requirements.py kev_backend/dev/tiny.py kev_backend/model/qwen35.py
+$(STAMP): $(REQUIREMENTS) pyproject.toml build/install_tritonserver.sh build/venv.sh build/requirements.py kev_backend/dev/synthetic.py kev_backend/dev/sizes.py kev_backend/model/qwen35.py
 	build/venv.sh $(VENV) $(PYTHON) $(TORCH)
 	$(if $(filter system,$(TORCH)),$(PIP_ENV) $(VENV)/stub/bin/python -m pip install --quiet $$(grep '^numpy==' requirements.txt))
 	$(if $(WHEELHOUSE),,$(PY) -m pip install --quiet --upgrade pip)
@@ -60,7 +60,7 @@ $(STAMP): $(REQUIREMENTS) pyproject.toml build/install_tritonserver.sh build/ven
 	$(PIP_ENV) $(PY) -m pip install --quiet -r $(STAMP).txt
 	$(PIP_ENV) $(PY) -m pip install --quiet --no-deps -e .
 	$(if $(WHEELHOUSE),PYTRITON_WHEELHOUSE=$(abspath $(WHEELHOUSE)) )build/install_tritonserver.sh $(VENV) build/.tritonserver
-	rm -rf $(EMBEDDED) && $(PY) -m kev_backend.dev.tiny $(EMBEDDED)
+	rm -rf $(EMBEDDED) && $(PY) -m kev_backend.dev.synthetic $(EMBEDDED)
 	rm -f .stamps/setup-* && touch $@
 
 serve: setup

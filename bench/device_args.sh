@@ -39,6 +39,6 @@ device_setup() {
 # exports KEV4B=DIR/kev (the checkpoint).
 kev4b_checkpoint() {
   local dir=${1:-/tmp/kev4b}
-  [[ -d $dir/kev ]] || "$PY" -m kev_backend.dev.tiny "$dir" --kev4b --device cuda >/dev/null || return 1
+  [[ -d $dir/kev ]] || "$PY" -m kev_backend.dev.synthetic "$dir" --kev4b --device cuda >/dev/null || return 1
   export KEV4B=$dir/kev
 }

@@ -25,7 +25,7 @@ make setup WHEELHOUSE="$wheelhouse" TORCH=system SETS=serve PYTHON=python3 >"$ou
   tail -30 "$out/setup.log"; exit 1; }
 echo "setup (make setup WHEELHOUSE=... TORCH=system SETS=serve): $(python3 -c "import time; print(round(time.time() - $begun, 1))") s"
 if [[ -z ${KEV_CHECKPOINT:-} ]]; then
-  .venv/bin/python -m kev_backend.dev.tiny /tmp/kev4b --kev4b --device cuda >/dev/null || exit 1
+  .venv/bin/python -m kev_backend.dev.synthetic /tmp/kev4b --kev4b --device cuda >/dev/null || exit 1
   export KEV_CHECKPOINT=/tmp/kev4b/kev
 fi
 status=0

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call on one H200: every chosen Kev size measured in turn, each on random weights of its shapes
-# (kev_backend.dev.tiny.SIZES). Setup as every device script (bench/device_args.sh: `make setup` from the carried
+# (kev_backend.dev.sizes.SIZES). Setup as every device script (bench/device_args.sh: `make setup` from the carried
 # wheelhouse).
 #   bash bench/gpu_sizes.sh [--out DIR] [--wheelhouse DIR] [--commit REV] SIZE...     (SIZE: 0.8b 4b 9b 27b)
 # Per size, in order; seconds on an H200 estimated from Kev-4B's measured figures scaled by weight bytes and FLOPs
 # (0.8b / 4b / 9b / 27b), the first size of a call paying ~20 s more for an empty kernel cache:
-#   write   python -m kev_backend.dev.tiny /tmp/kev-sizes/SIZE --size SIZE --device cuda: bf16 weights drawn a tensor
+#   write   python -m kev_backend.dev.synthetic /tmp/kev-sizes/SIZE --size SIZE --device cuda: bf16 weights drawn a tensor
 #           at a time on the GPU, written in 5 GiB shards (disk: 1.5 / 8.4 / 18 / 51 GB)             5 / 15 / 30 / 100
 #   tune    python -m kev_backend.dev.gemm_tuner tune SIZE: the size's GEMM table                     3 / 5 / 10 / 20
 #   bench   python -m kev_backend.dev.bench --quick --clients 64,128 (latencies, one request's wall time, short6 at 64
@@ -146,7 +146,7 @@ PYEOF
 for size in "${sizes[@]}"; do
   checkpoint=$work/$size/kev table=$work/gemm-$size.json
   echo "== $size"
-  wanted write && step "$size" write 300 "$PY" -m kev_backend.dev.tiny "$work/$size" --size "$size" --device cuda
+  wanted write && step "$size" write 300 "$PY" -m kev_backend.dev.synthetic "$work/$size" --size "$size" --device cuda
   if ! wanted tune || ! step "$size" tune 120 "$PY" -m kev_backend.dev.gemm_tuner tune "$size" "$table"; then
     table=auto
   fi

@@ -19,7 +19,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from kev_backend.dev import tiny
+from kev_backend.dev import synthetic
 from kev_backend.dev.ports import free_port
 from kev_backend.serve import prometheus
 
@@ -83,9 +83,9 @@ def parity_questions(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """base/, kev/ (LoRA) and kev-full/ checkpoints with random weights (kev_backend.dev.tiny)."""
+    """base/, kev/ (LoRA) and kev-full/ checkpoints with random weights (kev_backend.dev.synthetic)."""
     out = tmp_path_factory.mktemp("tiny")
-    tiny.build(out)
+    synthetic.build(out)
     return out
 
 

@@ -218,11 +218,11 @@ def test_config_reads_text_config_of_multimodal(tiny_dir: Path) -> None:
 
 
 def test_random_checkpoint_of_any_shape_loads(tmp_path: Path) -> None:
-    """`python -m kev_backend.dev.tiny OUT --kev4b` writes Kev-4B shapes this way (bf16 base, LoRA, head.pt)."""
-    from kev_backend.dev import tiny
+    """`python -m kev_backend.dev.synthetic OUT --kev4b` writes Kev-4B shapes this way (bf16 base, LoRA, head.pt)."""
+    from kev_backend.dev import sizes, synthetic
 
-    config = {**tiny.TINY_CONFIG, "vocab_size": len(tiny.vocabulary())}
-    tiny.build_random(tmp_path, config)
+    config = {**sizes.TINY_CONFIG, "vocab_size": len(synthetic.vocabulary())}
+    synthetic.build_random(tmp_path, config)
     checkpoint = load_checkpoint(tmp_path / "kev", "cpu")
     assert checkpoint.kind == "lora" and checkpoint.head_dim == 256 and checkpoint.dtype == torch.float32
     engine = Engine(checkpoint)

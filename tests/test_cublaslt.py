@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend.dev import gemm_tuner, tiny
+from kev_backend.dev import gemm_tuner, sizes
 from kev_backend.gpu import cublaslt
 from kev_backend.gpu.graphs import all_buckets
 
@@ -19,7 +19,7 @@ TABLES = sorted(cublaslt.TABLES.glob("*.json"))
 
 def kev4b_projections() -> set[tuple[int, int]]:
     """(out features, in features) of Kev-4B's fused projections, from its config."""
-    c = tiny.KEV4B_CONFIG
+    c = sizes.KEV4B_CONFIG
     hidden, heads, dim = c["hidden_size"], c["num_attention_heads"], c["head_dim"]
     key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
     value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
@@ -41,7 +41,7 @@ def test_committed_tables_hold_bucket_shapes_of_the_projections(path: Path) -> N
     tuned_on, shapes = cublaslt.read_table(path)
     assert tuned_on["gpu"] and tuned_on["cublaslt_version"] > 0
     tokens = {bucket.tokens for bucket in all_buckets(4096)}
-    projections = set().union(*(gemm_tuner.size_projections(size) for size in tiny.SIZES))
+    projections = set().union(*(gemm_tuner.size_projections(size) for size in sizes.SIZES))
     assert shapes and all(m in tokens and (n, k) in projections for m, n, k in shapes)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend.dev import determinism, tiny
+from kev_backend.dev import determinism, sizes, synthetic
 from kev_backend.dev.workloads import realistic
 from kev_backend.engine.engine import Engine, EngineOptions
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_every_answer_has_the_same_bits_in_any_batch(tiny_dir: Path, parity_questions: int) -> None:
-    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30))
     requests = realistic(parity_questions, seed=5, max_words=2300)
     encoded = [engine.prepare(body)[1] for body in requests]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kev_backend.dev import tiny
+from kev_backend.dev import sizes, synthetic
 from kev_backend.dev.parity import compare
 from kev_backend.dev.workloads import realistic, short6, sized, state_counter
 from kev_backend.gpu.scorer import Row
@@ -157,9 +157,9 @@ def test_new_states_over_cudnn_above_attend_on_calls_of_their_own(tiny_dir: Path
 
     monkeypatch.setattr(fused_pass, "CUDNN_ABOVE", 100)
     # The tiny model's one attention layer is its last, which computes no new state's attention: two more first.
-    config = {**tiny.TINY_CONFIG, "layer_types": [FULL_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, FULL_ATTENTION]}
+    config = {**sizes.TINY_CONFIG, "layer_types": [FULL_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, FULL_ATTENTION]}
     config["vocab_size"] = json.loads((tiny_dir / "base" / "config.json").read_text())["vocab_size"]
-    checkpoint = tiny.synthetic_checkpoint(config, tiny_dir / "base", "cpu", seed=3)
+    checkpoint = synthetic.synthetic_checkpoint(config, tiny_dir / "base", "cpu", seed=3)
     reference, fused = engines(tiny_dir, checkpoint=checkpoint, pass_tokens=2000, graphs=False)
     count = state_counter(reference.tokenizer)
     lengths = [90, 150, 80, 70, 120, 30]  # runs: [90] ours, 150 alone, [80, 70] ours, 120 alone; 30 is short

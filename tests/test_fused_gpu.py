@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend.dev import tiny
+from kev_backend.dev import sizes, synthetic
 from kev_backend.dev.parity import parity_report
 from kev_backend.dev.provenance import commit
 from kev_backend.dev.workloads import realistic
@@ -70,8 +70,8 @@ def test_small_checkpoint_parity(tiny_dir: Path, parity_questions: int) -> None:
     """A small checkpoint with Qwen3.5's head sizes scaled down (width 256, heads of 64), random weights."""
     tokenizer = tiny_dir / "small-tokenizer"
     tokenizer.mkdir(exist_ok=True)
-    config = {**tiny.SMALL_CONFIG, "vocab_size": tiny.write_tokenizer(tokenizer)}
-    checkpoint = tiny.synthetic_checkpoint(config, tokenizer, "cuda", seed=0)
+    config = {**sizes.SMALL_CONFIG, "vocab_size": synthetic.write_tokenizer(tokenizer)}
+    checkpoint = synthetic.synthetic_checkpoint(config, tokenizer, "cuda", seed=0)
     reference, fused = engines(checkpoint, 4 << 30)
     check(
         parity_report(reference, fused, realistic(parity_questions, seed=1, max_words=2300)), "small", parity_questions
@@ -79,8 +79,8 @@ def test_small_checkpoint_parity(tiny_dir: Path, parity_questions: int) -> None:
 
 
 def test_kev4b_shapes_parity(tiny_dir: Path, parity_questions: int) -> None:
-    config = {**tiny.KEV4B_CONFIG}
-    checkpoint = tiny.synthetic_checkpoint(config, tiny_dir / "base", "cuda", seed=0)
+    config = {**sizes.KEV4B_CONFIG}
+    checkpoint = synthetic.synthetic_checkpoint(config, tiny_dir / "base", "cuda", seed=0)
     reference, fused = engines(checkpoint, 48 << 30)
     check(
         parity_report(reference, fused, realistic(parity_questions, seed=2, max_words=2300)), "kev4b", parity_questions
@@ -96,7 +96,7 @@ def test_graph_replay_matches_eager(tiny_dir: Path, parity_questions: int) -> No
     from kev_backend.dev.parity import compare, scored
     from kev_backend.gpu.graphs import PassGraphs
 
-    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     options = dict(backend="fused", bank_bytes=16 << 30)
     eager = Engine(checkpoint, EngineOptions(**options, graphs=False))  # the eager reference: graphs off
     graphed = Engine(checkpoint, EngineOptions(**options, graphs=True))
@@ -156,8 +156,10 @@ def test_a_state_over_cudnn_above_answers_alike_alone_and_batched(tiny_dir: Path
     tokenizer = tiny_dir / "small-tokenizer"
     tokenizer.mkdir(exist_ok=True)
     layers = 8  # two attention layers: the last computes no new state's attention
-    config = {**tiny.SMALL_CONFIG, "vocab_size": tiny.write_tokenizer(tokenizer), "num_hidden_layers": layers}
-    checkpoint = tiny.synthetic_checkpoint({**config, "layer_types": tiny.hybrid_layers(layers)}, tokenizer, "cuda")
+    config = {**sizes.SMALL_CONFIG, "vocab_size": synthetic.write_tokenizer(tokenizer), "num_hidden_layers": layers}
+    checkpoint = synthetic.synthetic_checkpoint(
+        {**config, "layer_types": sizes.hybrid_layers(layers)}, tokenizer, "cuda"
+    )
     reference, fused = engines(checkpoint, 4 << 30)
     alone_engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30))
     assert fused.scorer.model._long_attention is not None  # cuDNN runs these heads here
@@ -185,7 +187,7 @@ def test_the_bank_takes_what_the_largest_pass_leaves(tiny_dir: Path) -> None:
     from kev_backend.gpu.memory import MARGIN_BYTES
     from kev_backend.gpu.scorer import Row
 
-    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     engine = Engine(checkpoint, EngineOptions(backend="fused", warm=False))
     plan = engine.scorer.memory
     assert plan is not None and plan.working > 0 and plan.graphs > 0
@@ -231,7 +233,7 @@ def test_after_a_failed_capture_passes_run_eagerly(tiny_dir: Path, monkeypatch: 
     from kev_backend.dev.parity import compare, scored
     from kev_backend.gpu.graphs import Bucket
 
-    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     options = dict(backend="fused", bank_bytes=4 << 30)
     engine = Engine(checkpoint, EngineOptions(**options, graphs=True, warm=False))
     graphs = engine.scorer.graphs
@@ -259,7 +261,7 @@ def test_a_pass_with_more_row_segments_than_one_launch_holds(tiny_dir: Path) -> 
     a grid's second dimension (a launch over it is refused: "invalid argument"); the kernels launch per span of
     segments (kernels.grid) or put items on the first dimension, and every answer equals the same question's in a
     request of 700."""
-    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     limits = Limits(max_questions=2100)  # past the default cap on purpose: one pass with 2,100 rows
     # Graphs off: passes this large fit no bucket, and capturing the buckets at start would only add time.
     engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, graphs=False, limits=limits))
@@ -284,7 +286,7 @@ def test_batches_enqueued_back_to_back_answer_as_one_at_a_time(tiny_dir: Path, p
     from kev_backend.dev.parity import compare
     from kev_backend.engine.pipeline import Pipeline
 
-    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     probe = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=1 << 30, graphs=False, warm=False))
     options = dict(backend="fused", bank_bytes=2 * 6 * probe.scorer.bank.pool.slot_bytes, graphs=True)
     del probe
@@ -384,7 +386,7 @@ def test_no_kernel_compiles_after_warm_up(tiny_dir: Path) -> None:
 
     from kev_backend.dev.parity import scored
 
-    checkpoint = tiny.synthetic_checkpoint({**tiny.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30, graphs=True))
     encoded = [engine.prepare(r)[1] for r in realistic(300, seed=5, max_words=2300)]
     compiled: list[str] = []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend.dev import tiny
+from kev_backend.dev import sizes
 from kev_backend.gpu.memory import GIB, MARGIN_BYTES, GpuMemoryError, MemoryPlan, refusing_out_of_memory
 from kev_backend.model import checkpoint
 from kev_backend.model.qwen35 import Qwen35Config
@@ -51,7 +51,7 @@ def test_a_gpu_without_room_for_one_state_is_refused_with_what_to_change() -> No
 
 def test_weights_that_cannot_fit_are_refused_before_any_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kev-27B's weights in bf16 need 47.7 GiB: a GPU with 40 GiB free refuses them at once, saying both."""
-    config = Qwen35Config.from_dict(tiny.SIZES["27b"].config)
+    config = Qwen35Config.from_dict(sizes.SIZES["27b"].config)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GIB, 79 * GIB))
     refusal = r"need 4\d\.\d GiB on the GPU, which has 40\.0 GiB free of 79"
     with pytest.raises(checkpoint.WeightsDoNotFit, match=refusal):

@@ -165,7 +165,7 @@ PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 PROBE = r"""
 import json, sys, time
 from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.dev.tiny import vocabulary
+from kev_backend.dev.synthetic import vocabulary
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kev_backend.dev import bench, tiny
+from kev_backend.dev import bench, sizes, synthetic
 from kev_backend.dev.workloads import FIVE, sized
 from kev_backend.engine.engine import Engine
 from kev_backend.gpu.pool import StatePool
@@ -24,13 +24,13 @@ from kev_backend.model.weights import safetensors_files
 from .conftest import REPO, TritonServer
 
 # The published names, in parameters. They round the whole released checkpoint, vision tower and multi-token-
-# prediction layer included, which the text model's count (tiny.text_parameters) leaves out: 0.8B's text model is
+# prediction layer included, which the text model's count (sizes.text_parameters) leaves out: 0.8B's text model is
 # 6 % under its name, 4B's 5 % over it, 9B's and 27B's within 1 %.
 NOMINAL = {"0.8b": 0.8e9, "4b": 4e9, "9b": 9e9, "27b": 27e9}
 
 
 def by_hand(c: dict) -> int:
-    """The text model's parameters from the config's numbers alone (tiny.text_parameters' convention: embedding,
+    """The text model's parameters from the config's numbers alone (sizes.text_parameters' convention: embedding,
     layers, final norm, plus the LM head when untied)."""
     h, mlp, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
@@ -46,46 +46,46 @@ def by_hand(c: dict) -> int:
     return embeddings + layers + h
 
 
-@pytest.mark.parametrize("size", sorted(tiny.SIZES))
+@pytest.mark.parametrize("size", sorted(sizes.SIZES))
 def test_size_configs_have_the_published_parameter_counts(size: str) -> None:
-    config = tiny.SIZES[size].config
-    count = tiny.text_parameters(config)
+    config = sizes.SIZES[size].config
+    count = sizes.text_parameters(config)
     assert count == by_hand(config)
     assert abs(count / NOMINAL[size] - 1) < 0.07, count
-    assert config["layer_types"] == tiny.hybrid_layers(config["num_hidden_layers"])
+    assert config["layer_types"] == sizes.hybrid_layers(config["num_hidden_layers"])
     assert config["vocab_size"] == 248_320 and config["head_dim"] == 256
 
 
 def test_sizes_are_the_published_shapes() -> None:
     """Exact counts: Qwen3.5-9B's text model is published as 8.95B (untied); Kev-27B's shapes give 26.9B."""
-    assert round(tiny.text_parameters(tiny.KEV9B_CONFIG) / 1e7) == 895
-    assert round(tiny.text_parameters(tiny.KEV27B_CONFIG) / 1e8) == 269
-    c = tiny.KEV27B_CONFIG
+    assert round(sizes.text_parameters(sizes.KEV9B_CONFIG) / 1e7) == 895
+    assert round(sizes.text_parameters(sizes.KEV27B_CONFIG) / 1e8) == 269
+    c = sizes.KEV27B_CONFIG
     shape = (c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"], c["num_attention_heads"])
     assert shape == (64, 5120, 17408, 24) and not c["tie_word_embeddings"]
     assert (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_conv_kernel_dim"]) == (16, 48, 4)
-    assert [tiny.SIZES[s].weights for s in ("0.8b", "4b", "9b", "27b")] == ["lora", "lora", "lora", "full"]
+    assert [sizes.SIZES[s].weights for s in ("0.8b", "4b", "9b", "27b")] == ["lora", "lora", "lora", "full"]
 
 
 def test_truncated_depth_keeps_the_layer_pattern() -> None:
-    spec = tiny.SIZES["27b"]
+    spec = sizes.SIZES["27b"]
     config = spec.parity_config()
     assert config["num_hidden_layers"] == len(config["layer_types"]) == 16
     assert config["layer_types"] == [LINEAR_ATTENTION] * 3 + [FULL_ATTENTION] + config["layer_types"][4:]
-    assert config["layer_types"] == tiny.hybrid_layers(16)
+    assert config["layer_types"] == sizes.hybrid_layers(16)
     assert {k: v for k, v in config.items() if k not in ("num_hidden_layers", "layer_types")} == {
         k: v for k, v in spec.config.items() if k not in ("num_hidden_layers", "layer_types")
     }
     Qwen35Config.from_dict(config)  # a valid config
     for bad in (0, 6, 68):
         with pytest.raises(ValueError):
-            tiny.truncated(spec.config, bad)
-    assert tiny.SIZES["4b"].parity_config() is tiny.KEV4B_CONFIG
+            sizes.truncated(spec.config, bad)
+    assert sizes.SIZES["4b"].parity_config() is sizes.KEV4B_CONFIG
 
 
-def drawn(config: dict, specs: list[tiny.StoredSpec]) -> dict[str, torch.Tensor]:
+def drawn(config: dict, specs: list[synthetic.StoredSpec]) -> dict[str, torch.Tensor]:
     """What write_random drew for `specs` (the same generator and order, seed 0)."""
-    make = tiny.drawn_tensors(Qwen35Config.from_dict(config), 0, "cpu")
+    make = synthetic.drawn_tensors(Qwen35Config.from_dict(config), 0, "cpu")
     return {spec.bare: make(spec) for spec in specs}
 
 
@@ -94,8 +94,8 @@ def test_sharded_bf16_checkpoint_round_trips_through_the_loader(tmp_path: Path, 
     """Each tensor drawn in bf16 and written at once, in shards (forced small) with HF's index: the loader reads
     back exactly what was drawn (the LoRA scaled to nothing), the safetensors library reads every file, and the
     checkpoint answers."""
-    config = {**tiny.TINY_CONFIG, "vocab_size": len(tiny.vocabulary())}
-    tiny.write_random(tmp_path, config, weights, shard_bytes=48 << 10)
+    config = {**sizes.TINY_CONFIG, "vocab_size": len(synthetic.vocabulary())}
+    synthetic.write_random(tmp_path, config, weights, shard_bytes=48 << 10)
     weights_dir = tmp_path / ("base" if weights == "lora" else "kev")
     files = safetensors_files(weights_dir)
     assert len(files) > 3 and (weights_dir / "model.safetensors.index.json").exists()
@@ -109,7 +109,7 @@ def test_sharded_bf16_checkpoint_round_trips_through_the_loader(tmp_path: Path, 
     loaded = load_checkpoint(tmp_path / "kev", "cpu", LoadOptions(dtype="bf16", lora_scale=0.0))
     assert loaded.kind == weights and loaded.dtype == torch.bfloat16
     parsed = Qwen35Config.from_dict(config)
-    expected = drawn(config, tiny.stored_specs(parsed, "", False, torch.bfloat16))
+    expected = drawn(config, synthetic.stored_specs(parsed, "", False, torch.bfloat16))
     state = loaded.model.state_dict()
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[name], tensor) for name, tensor in expected.items())
@@ -120,25 +120,27 @@ def test_sharded_bf16_checkpoint_round_trips_through_the_loader(tmp_path: Path, 
 
 
 def test_one_file_when_it_fits(tmp_path: Path) -> None:
-    config = {**tiny.TINY_CONFIG, "vocab_size": len(tiny.vocabulary())}
-    tiny.write_random(tmp_path, config, "full")
+    config = {**sizes.TINY_CONFIG, "vocab_size": len(synthetic.vocabulary())}
+    synthetic.write_random(tmp_path, config, "full")
     assert [p.name for p in safetensors_files(tmp_path / "kev")] == ["model.safetensors"]
     assert not (tmp_path / "kev" / "model.safetensors.index.json").exists()
 
 
 def test_shard_plan_keeps_order_and_bound() -> None:
-    specs = [tiny.StoredSpec(f"t{i}", f"t{i}", (n,), torch.bfloat16) for i, n in enumerate([10, 20, 200, 5, 5, 30])]
-    shards = tiny.plan_shards(specs, 100)  # bytes: 20, 40, 400, 10, 10, 60
+    specs = [
+        synthetic.StoredSpec(f"t{i}", f"t{i}", (n,), torch.bfloat16) for i, n in enumerate([10, 20, 200, 5, 5, 30])
+    ]
+    shards = synthetic.plan_shards(specs, 100)  # bytes: 20, 40, 400, 10, 10, 60
     assert [[s.stored for s in shard] for shard in shards] == [["t0", "t1"], ["t2"], ["t3", "t4", "t5"]]
     assert [s for shard in shards for s in shard] == specs
 
 
 def test_synthetic_model_in_bf16_is_the_fp32_one_rounded() -> None:
-    config = Qwen35Config.from_dict({**tiny.TINY_CONFIG, "vocab_size": 100})
-    fp32 = tiny.synthetic_model(config, "cpu", torch.float32).state_dict()
-    bf16 = tiny.synthetic_model(config, "cpu", torch.bfloat16).state_dict()
+    config = Qwen35Config.from_dict({**sizes.TINY_CONFIG, "vocab_size": 100})
+    fp32 = synthetic.synthetic_model(config, "cpu", torch.float32).state_dict()
+    bf16 = synthetic.synthetic_model(config, "cpu", torch.bfloat16).state_dict()
     assert all(torch.equal(bf16[name], tensor.to(torch.bfloat16)) for name, tensor in fp32.items())
-    full = tiny.synthetic_model(config, "cpu", torch.float32, lora_rank=0).state_dict()
+    full = synthetic.synthetic_model(config, "cpu", torch.float32, lora_rank=0).state_dict()
     assert torch.equal(full["embed_tokens.weight"], fp32["embed_tokens.weight"])  # no LoRA on the embedding
     assert not torch.equal(full["layers.0.mlp.up_proj.weight"], fp32["layers.0.mlp.up_proj.weight"])
 
@@ -150,7 +152,7 @@ def test_fused_projections_are_the_fused_weights(tiny_dir: Path) -> None:
     fused = FusedWeights(model)
     got = {layer.kind: [tuple(w.shape) for w in (layer.in_proj, layer.out_proj, layer.gate_up, layer.down)]
            for layer in fused.layers}  # fmt: skip
-    assert got == tiny.fused_projections(model.config)
+    assert got == sizes.fused_projections(model.config)
 
 
 @pytest.mark.parametrize("tokens", [40, 257, 4096, 65_535])
@@ -180,7 +182,7 @@ def test_sized_takes_the_longest_state_under_a_length_it_cannot_meet() -> None:
 def test_floor_counts_by_hand() -> None:
     """TINY_CONFIG (width 64, MLP 128, 3 DeltaNet layers then 1 attention; 4 query / 2 KV heads of 32; DeltaNet 2 key
     / 4 value heads of 16): a state of 100 tokens with rows of 10 and 20."""
-    config = Qwen35Config.from_dict({**tiny.TINY_CONFIG, "vocab_size": 100})
+    config = Qwen35Config.from_dict({**sizes.TINY_CONFIG, "vocab_size": 100})
     flops = bench.pass_flops(config, 100, [10, 20])
     mlp = 64 * 2 * 128 + 128 * 64
     attention_layer = 64 * (2 * 4 * 32 + 2 * 2 * 32) + 4 * 32 * 64 + mlp  # q + gate, k, v; o; MLP
@@ -208,7 +210,7 @@ def test_scaling_point_on_the_reference_path(tiny_dir: Path) -> None:
 
 def test_pool_capacity_is_what_the_pool_gives() -> None:
     """A pool sized like the engine's (half slots, half K/V pages) holds exactly `states` long states at once."""
-    config = Qwen35Config.from_dict({**tiny.TINY_CONFIG, "vocab_size": 100})
+    config = Qwen35Config.from_dict({**sizes.TINY_CONFIG, "vocab_size": 100})
     pool = StatePool.sized(config, 80 << 20, torch.device("cpu"), torch.bfloat16, min_tokens=65_600)
     capacity = bench.pool_capacity(pool, 65_535)
     assert capacity["pages_per_state"] == 1024 and capacity["states"] >= 2
@@ -365,7 +367,7 @@ def test_parity_of_a_size_at_a_truncated_depth_says_so() -> None:
 
     checkpoint, about = size_checkpoint("0.8b", torch.device("cpu"), layers=4)
     assert checkpoint.kind == "lora" and checkpoint.dtype == torch.float32
-    assert checkpoint.model.config.layer_types == tuple(tiny.hybrid_layers(4))
+    assert checkpoint.model.config.layer_types == tuple(sizes.hybrid_layers(4))
     assert about["model"] == "kev-0.8b-shapes" and (about["layers"], about["model_layers"]) == (4, 24)
     assert "the first 4 of 24 layers" in about["depth"]
 

@@ -14,7 +14,8 @@ from types import ModuleType
 
 import torch
 
-from kev_backend.dev.tiny import SIZES
+from kev_backend.dev.sizes import SIZES
+from kev_backend.dev.synthetic import size_checkpoint
 from kev_backend.gpu.passes import LONG_KERNELS
 
 # DeltaNet key heads, value heads, key dim, value dim of Kev-4B.
@@ -152,22 +153,24 @@ def kernel_parts(fn: Callable[[], object], *keys: str) -> str:
 
 def kev4b_checkpoint():
     """Random Kev-4B weights on the GPU (fp32, LoRA merged) with the tiny tokenizer."""
-    from kev_backend.dev import tiny
+    from kev_backend.dev import sizes, synthetic
 
     directory = Path(tempfile.mkdtemp())
-    tiny.write_tokenizer(directory)
-    return tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
+    synthetic.write_tokenizer(directory)
+    return synthetic.synthetic_checkpoint(sizes.KEV4B_CONFIG, directory, "cuda", seed=0)
 
 
 def kev4b_engine(args: argparse.Namespace | None = None, checkpoint=None, **options):
     """An engine on random Kev-4B weights (8 GiB bank; `checkpoint`: kev4b_checkpoint's, made here if not given; a
-    subcommand's --size other than 4b: that size's in bf16, tiny.Size.checkpoint), otherwise with EngineOptions'
+    subcommand's --size other than 4b: that size's in bf16, synthetic.size_checkpoint), otherwise with EngineOptions'
     defaults (the GPU config's), but for a subcommand's engine options in `args` (command's `engine`) and then
     `options`."""
     from kev_backend.engine.engine import Engine, EngineOptions
 
     size = getattr(args, "size", "4b")
-    checkpoint = checkpoint or (kev4b_checkpoint() if size == "4b" else SIZES[size].checkpoint("cuda", torch.bfloat16))
+    checkpoint = checkpoint or (
+        kev4b_checkpoint() if size == "4b" else size_checkpoint(SIZES[size], "cuda", torch.bfloat16)
+    )
     chosen: dict[str, object] = {"bank_bytes": 8 << 30}
     if args is not None:
         chosen.update(graphs=args.graphs, long_kernels=args.long_kernels)

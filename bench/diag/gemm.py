@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from kev_backend.dev.tiny import SIZES
+from kev_backend.dev.sizes import SIZES
 
 from .common import KEV4B_PROJECTIONS, captured_graph, command, cuda_ms, graph_ms, replayed
 
@@ -52,7 +52,7 @@ def gemmpad(args) -> None:
     weights cold (cycling through 4 copies, more than L2 holds), from a graph. Then, for the row counts in range that
     graph buckets and the bench's passes give, the fastest M' ≥ M within 256 rows and whether its rows equal the
     M-row GEMM's: what padding a pass's GEMMs would gain on this GPU."""
-    from kev_backend.dev import tiny
+    from kev_backend.dev import sizes
     from kev_backend.gpu import cublaslt
     from kev_backend.model.qwen35 import Qwen35Config
 
@@ -60,8 +60,8 @@ def gemmpad(args) -> None:
     first, last, step = (int(part) for part in args.rows.split(":"))
     counts = range(first, last + 1, step)
     targets = [m for m in (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560, 2630, 2688, 2816, 3072) if m in counts]
-    config = Qwen35Config.from_dict(tiny.SIZES[args.size].config)
-    shapes = dict.fromkeys(shape for kind in tiny.fused_projections(config).values() for shape in kind)
+    config = Qwen35Config.from_dict(sizes.SIZES[args.size].config)
+    shapes = dict.fromkeys(shape for kind in sizes.fused_projections(config).values() for shape in kind)
     torch.manual_seed(0)
     for n, k in shapes:
         name = f"{args.size} {n}x{k}"
@@ -88,14 +88,14 @@ def gemmrows(args) -> None:
     (each shape times its layers) and whether every variant gave the heuristic's bits."""
     from collections import Counter
 
-    from kev_backend.dev import tiny
+    from kev_backend.dev import sizes
     from kev_backend.gpu import cublaslt
     from kev_backend.model.qwen35 import Qwen35Config
 
     device = torch.device("cuda")
     gemms = cublaslt.pretuned(device)
-    config = Qwen35Config.from_dict(tiny.SIZES[args.size].config)
-    by_kind = tiny.fused_projections(config)
+    config = Qwen35Config.from_dict(sizes.SIZES[args.size].config)
+    by_kind = sizes.fused_projections(config)
     layers = Counter(shape for kind in config.layer_types for shape in by_kind[kind])
     torch.manual_seed(0)
     for m in (int(part) for part in args.rows.split(",")):
@@ -177,15 +177,15 @@ def gemmsustained(args) -> None:
     again), and the pass with each shape on its fastest sustained algorithm against the heuristic's, in turn. Then
     the 8,192³ GEMM of the bench's floor: alone with the GPU idle between calls (the bench's ceiling) and back to back
     for as long as the pass. With nvidia-smi, the SM clock and the power drawn in each sustained run."""
-    from kev_backend.dev import tiny
+    from kev_backend.dev import sizes
     from kev_backend.dev.bench import ceilings
     from kev_backend.gpu import cublaslt
     from kev_backend.model.qwen35 import Qwen35Config
 
     device = torch.device("cuda")
     gemms = cublaslt.pretuned(device, "off")
-    config = Qwen35Config.from_dict(tiny.SIZES[args.size].config)
-    by_kind = tiny.fused_projections(config)
+    config = Qwen35Config.from_dict(sizes.SIZES[args.size].config)
+    by_kind = sizes.fused_projections(config)
     sequence = [shape for kind in config.layer_types for shape in by_kind[kind]]
     m = args.rows
     torch.manual_seed(0)

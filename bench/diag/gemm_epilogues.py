@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kev_backend.dev.tiny import SIZES
+from kev_backend.dev.sizes import SIZES
 from kev_backend.gpu.kernels.norms import rms_norm, silu_mul
 
 from .common import captured_graph, command, graph_ms, replayed
@@ -155,13 +155,13 @@ def gemmepilogues(args) -> None:
     stream in its epilogue then the norm of the stream (its output fp32 here: 2 bytes a value more than an engine's
     would write, charged to the Triton side). ms of one layer, alone (a graph of a few calls) and sustained
     (every layer back to back for half a second after a second idle, each way twice in turn). Errors against fp32."""
-    from kev_backend.dev import tiny
+    from kev_backend.dev import sizes
     from kev_backend.gpu import cublaslt
     from kev_backend.model.qwen35 import Qwen35Config
 
     device = torch.device("cuda")
     gemms = cublaslt.pretuned(device, "off")
-    config = Qwen35Config.from_dict(tiny.SIZES[args.size].config)
+    config = Qwen35Config.from_dict(sizes.SIZES[args.size].config)
     hidden, width = config.hidden_size, config.intermediate_size
     torch.manual_seed(0)
     layers = range(config.num_hidden_layers)

@@ -175,14 +175,14 @@ def hostpath(args) -> None:
     the layout and the fill of a graph bucket's buffers for long5 and short6 on new states and short6 on its banked
     state (the pass itself stubbed), µs, medians of 40 after 5, on the tiny model with the fused path's bookkeeping
     at full size (graphs up to 4,096 tokens, 1 GiB bank)."""
-    from kev_backend.dev import bench, tiny
+    from kev_backend.dev import bench, synthetic
     from kev_backend.dev.workloads import long5, short6
     from kev_backend.engine.engine import Engine, EngineOptions
     from kev_backend.gpu.fused import PassKernels
     from kev_backend.gpu.scorer import FusedScorer, Row
 
     directory = Path(tempfile.mkdtemp())
-    tiny.build(directory)
+    synthetic.build(directory)
     reference = Engine.from_checkpoint(directory / "kev", EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
     no_kernels = PassKernels(*[None] * len(fields(PassKernels)))  # the pass is stubbed: no kernel runs

@@ -281,15 +281,15 @@ def invariance(args) -> None:
     alone (B, then C: the same batches again reading B's banked states), eager passes on fla's and our long kernels;
     compares answers and the picked hidden states the head reads, and names the worst requests' state and row
     lengths."""
-    from kev_backend.dev import tiny
+    from kev_backend.dev import sizes, synthetic
     from kev_backend.dev.parity import compare, scored
     from kev_backend.dev.workloads import realistic
     from kev_backend.engine.engine import Engine, EngineOptions
     from kev_backend.gpu.scorer import FusedScorer
 
     directory = Path(tempfile.mkdtemp())
-    tiny.write_tokenizer(directory)
-    checkpoint = tiny.synthetic_checkpoint(tiny.KEV4B_CONFIG, directory, "cuda", seed=0)
+    synthetic.write_tokenizer(directory)
+    checkpoint = synthetic.synthetic_checkpoint(sizes.KEV4B_CONFIG, directory, "cuda", seed=0)
     captured: list = []
     original = FusedScorer.run_group
 

@@ -49,7 +49,7 @@ def coldstart(args) -> None:
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
         root = checkpoint.parent
-        tiny = [sys.executable, "-m", "kev_backend.dev.tiny", str(root), "--kev4b", "--device", "cuda"]
+        tiny = [sys.executable, "-m", "kev_backend.dev.synthetic", str(root), "--kev4b", "--device", "cuda"]
         subprocess.run(tiny, check=True)
     modules = "import kev_backend.engine.engine, kev_backend.gpu.fused, kev_backend.gpu.graphs"
     imports = subprocess.run(

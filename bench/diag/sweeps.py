@@ -9,7 +9,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kev_backend.dev.tiny import SIZES
+from kev_backend.dev.sizes import SIZES
 
 from .common import (
     KEV4B_HEADS,
@@ -457,13 +457,13 @@ def overlap(args) -> None:
     cold), back to back, beside (a) one new state of --tokens tokens through the chunked delta rule (prep and chain),
     (b) the MLP activation (silu·mul) at --rows rows; each alone and both at once on two streams, from CUDA graphs,
     each side repeated to take about as long as the other. Prints ms and the share of the shorter side hidden."""
-    from kev_backend.dev import tiny
+    from kev_backend.dev import sizes
     from kev_backend.gpu import cublaslt, kernels
     from kev_backend.model.qwen35 import LINEAR_ATTENTION, Qwen35Config
 
     device = torch.device("cuda")
     config = Qwen35Config.from_dict(SIZES[args.size].config)
-    n, k = tiny.fused_projections(config)[LINEAR_ATTENTION][2]  # the MLP's gate and up together
+    n, k = sizes.fused_projections(config)[LINEAR_ATTENTION][2]  # the MLP's gate and up together
     gemms = cublaslt.pretuned(device, "off")
     plan = gemms.plan(args.rows, n, k)
     torch.manual_seed(0)

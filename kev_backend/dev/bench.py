@@ -1,6 +1,6 @@
 """In-process benchmark on the GPU: `python -m kev_backend.dev.bench` (`make bench`).
 
-Random weights of a Kev size's shapes (`--size`: 0.8b, 4b (default), 9b, 27b; kev_backend.dev.tiny.SIZES), or a
+Random weights of a Kev size's shapes (`--size`: 0.8b, 4b (default), 9b, 27b; kev_backend.dev.sizes.SIZES), or a
 checkpoint with --checkpoint (and --base). Workloads follow Kev's serving benchmark: `short6` (a ~34-token support
 ticket, 6 questions) and `long5` (~2,200-token document, 5 questions), each on a new state (prefix "Ticket {i}. ") and
 on the same state: median model time of 20; then requests/s at 1, 8, 32 and 64 concurrent in-process clients on new
@@ -40,7 +40,7 @@ from ..gpu.pool import StatePool
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from ..model.qwen35 import DELTA_RULE_CHUNK, FULL_ATTENTION, Qwen35Config
 from ..settings import use_cuda_allocator
-from . import determinism, tiny
+from . import determinism, sizes, synthetic
 from .provenance import commit
 from .workloads import long5, realistic, short6, sized, state_counter
 
@@ -265,7 +265,7 @@ def floor_rps(
 
 def pass_flops(config: Qwen35Config, state_tokens: int, row_lengths: list[int]) -> dict[str, float]:
     """bf16 FLOPs of a new state of `state_tokens` tokens and its question rows, as the floor counts them:
-    - gemm: 2 · out · in of every fused projection of every layer (tiny.fused_projections; LoRA merged), per token;
+    - gemm: 2 · out · in of every fused projection of every layer (sizes.fused_projections; LoRA merged), per token;
     - attention: 4 · heads · head_dim per (query, key) pair of each attention layer (q·k and p·v): the state causal,
       each row over the state and its own prefix;
     - delta_rule: the chunked gated delta rule per token and value head, with C = DELTA_RULE_CHUNK and dk, dv the
@@ -273,7 +273,7 @@ def pass_flops(config: Qwen35Config, state_tokens: int, row_lengths: list[int]) 
       inside a chunk (k·kᵀ, q·kᵀ, T·k; T·v, p·v), (2/3)·C² for the triangular solve. Rows counted like the state.
     Norms, the conv, gates and the pointer head (each under 0.1 %) are left out."""
     tokens = state_tokens + sum(row_lengths)
-    projections = tiny.fused_projections(config)
+    projections = sizes.fused_projections(config)
     per_token = sum(2 * n * k for kind in config.layer_types for n, k in projections[kind])
     attention_layers = sum(kind == FULL_ATTENTION for kind in config.layer_types)
     pairs = state_tokens * (state_tokens + 1) / 2 + sum(n * state_tokens + n * (n + 1) / 2 for n in row_lengths)
@@ -405,7 +405,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--long-kernels", choices=("triton", "fla"), default=defaults.long_kernels)
     parser.add_argument("--gemm-algos", default=defaults.gemm_algos, help="auto, off or a table (cublaslt.pretuned)")
     parser.add_argument("--bank-gib", type=float, help="the state bank (default: as the server sizes it)")
-    parser.add_argument("--size", choices=list(tiny.SIZES), help="random weights of a Kev size's shapes (4b)")
+    parser.add_argument("--size", choices=list(sizes.SIZES), help="random weights of a Kev size's shapes (4b)")
     parser.add_argument("--checkpoint", type=Path, help="a Kev checkpoint (with --size: checked to be its shapes)")
     parser.add_argument("--base", help="a local copy of the checkpoint's base model, when head.pt names a Hub id")
     parser.add_argument("--quick", action="store_true", help="latencies and short6 at 64 clients only (~1 min)")
@@ -445,7 +445,7 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[KevCheck
     """The checkpoint benchmarked, the model name the result gives (a size's label, or the checkpoint's directory)
     and a description. Random weights are built on the GPU in bf16, the serving dtype, a tensor at a time (a 27B
     model's fp32 copy would not fit)."""
-    size = tiny.SIZES[args.size or "4b"]
+    size = sizes.SIZES[args.size or "4b"]
     if args.checkpoint:
         checkpoint = load_checkpoint(args.checkpoint, device, LoadOptions(base=args.base))
         if args.size:
@@ -456,7 +456,7 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[KevCheck
                 raise SystemExit(f"{args.checkpoint} is not of {size.label}: {', '.join(wrong)} differ")
         model = size.label if args.size else args.checkpoint.name
         return checkpoint, model, str(args.checkpoint)
-    checkpoint = size.checkpoint(device, torch.bfloat16)
+    checkpoint = synthetic.size_checkpoint(size, device, torch.bfloat16)
     shipped = "LoRA r=16 merged" if size.lora_rank else "full weights"
     return checkpoint, size.label, f"random weights, {size.label} ({shipped}, bf16)"
 

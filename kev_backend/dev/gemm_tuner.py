@@ -4,7 +4,7 @@ writes the table kev_backend.gpu.cublaslt reads at run time (kev_backend/gpu/gem
     python -m kev_backend.dev.gemm_tuner tune CHECKPOINT|SIZE OUT.json
     python -m kev_backend.dev.gemm_tuner merge OUT.json TABLE...
 
-A SIZE (kev_backend.dev.tiny.SIZES: 0.8b, 4b, 9b, 27b) takes the projections from its config, loading no weights
+A SIZE (kev_backend.dev.sizes.SIZES: 0.8b, 4b, 9b, 27b) takes the projections from its config, loading no weights
 (the tuner times random matrices of each shape anyway). At run time one table per GPU and cuBLASLt version is used
 (cublaslt.pretuned: the first that matches), so tables of several sizes are merged into one before they ship.
 """
@@ -24,7 +24,7 @@ from ..gpu.fused import FusedWeights
 from ..gpu.graphs import all_buckets
 from ..model.checkpoint import load_checkpoint
 from ..model.qwen35 import Qwen35Config
-from .tiny import SIZES, fused_projections
+from .sizes import SIZES, fused_projections
 
 
 def _graph_us(fn: Callable[[], object], calls: int) -> float:

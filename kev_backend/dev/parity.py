@@ -117,16 +117,17 @@ def verdict(report: dict[str, Any]) -> dict[str, bool]:
 
 
 def size_checkpoint(size: str, device: Any, layers: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """A Kev size's random weights in fp32 on `device` (tiny.synthetic_model: LoRA merged for a LoRA size), at the
+    """A Kev size's random weights in fp32 on `device` (synthetic.synthetic_model: LoRA merged for a LoRA size), at the
     depth its fp32 reference fits at (Size.parity_config, or the first `layers`), with the tiny tokenizer; and what
     the report says of it."""
     import torch
 
-    from .tiny import SIZES, truncated
+    from . import synthetic
+    from .sizes import SIZES, truncated
 
     spec = SIZES[size]
     config = truncated(spec.config, layers) if layers else spec.parity_config()
-    checkpoint = spec.checkpoint(device, torch.float32, config)
+    checkpoint = synthetic.size_checkpoint(spec, device, torch.float32, config)
     depth, full = config["num_hidden_layers"], spec.config["num_hidden_layers"]
     about = {"model": spec.label, "weights": spec.weights, "layers": depth, "model_layers": full}
     if depth < full:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     """python -m kev_backend.dev.parity (CHECKPOINT | --size SIZE) --out DIR: the fused path's parity report on
     realistic requests, as JSON (the GPU tests check the same figures against their bars). A CHECKPOINT is loaded in
     fp32 (its LoRA merged in fp32), the reference's weights; the fused engine runs them in bf16. A SIZE is random
-    weights of a Kev size's shapes (tiny.SIZES), at a truncated depth where its fp32 copy would not fit."""
+    weights of a Kev size's shapes (sizes.SIZES), at a truncated depth where its fp32 copy would not fit."""
     import argparse
     import json
     from pathlib import Path
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..engine.engine import EngineOptions
     from ..model.checkpoint import LoadOptions, load_checkpoint
     from .provenance import commit
-    from .tiny import SIZES
+    from .sizes import SIZES
     from .workloads import realistic
 
     parser = argparse.ArgumentParser(description=main.__doc__)

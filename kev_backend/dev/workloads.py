@@ -12,8 +12,9 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-# The words of generated states and questions, and of the tiny checkpoints' word-level tokenizer (kev_backend.dev.tiny,
-# which imports them from here: this module stays free of torch, so a Locust file that draws traffic starts fast).
+# The words of generated states and questions, and of the tiny checkpoints' word-level tokenizer
+# (kev_backend.dev.synthetic, which imports them from here: this module stays free of torch, so a Locust file that
+# draws traffic starts fast).
 WORDS = """
 a an the and or but not no yes is are was were be been has have had do does did can could will would should may might
 must of to in on at by for with from as about into over after before under between through during without within up

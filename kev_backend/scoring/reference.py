@@ -16,7 +16,7 @@ chunk, and 2 × ATTENTION_CHUNK_ELEMENTS attention scores; in fp32 with s = 4 by
 where a ≈ 3 · intermediate_size + 4 · hidden_size + 3 · max(2 · H · Dh, conv_dim + Hv · Dv) floats of live
 activations per token (MLP gate, up and product; residual stream; a mixer's projections). A row pass adds its rows'
 copies of the state's K/V (bounded by the row-pass budget, or one row of at most max_row_tokens). For the tiny model
-(kev_backend.dev.tiny) at Kev's 65,536-token limit: 32 MiB cache + 32 MiB + 22 MiB + 32 MiB ≈ 118 MiB.
+(kev_backend.dev.synthetic) at Kev's 65,536-token limit: 32 MiB cache + 32 MiB + 22 MiB + 32 MiB ≈ 118 MiB.
 """
 
 from __future__ import annotations
