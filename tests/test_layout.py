@@ -61,3 +61,16 @@ def test_imports_point_down(path: Path) -> None:
         elif target in ORDER and ORDER.index(target) < ORDER.index(own):
             wrong.append(f"{line}: {name} ({own} is below {target})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_serving_code_never_imports_the_lab() -> None:
+    """What a server runs (serve/, and the Triton model beside the package) imports nothing of dev/: the benchmark,
+    the synthetic checkpoints and the diagnostics stay out of a serving process."""
+    serving = [p for p in modules() if p.relative_to(PACKAGE).parts[0] == "serve"]
+    serving.append(PACKAGE.parent / "model_repository" / "kev" / "1" / "model.py")
+    wrong = []
+    for path in serving:
+        for line, name in imports(path):
+            if name.startswith("kev_backend.dev"):
+                wrong.append(f"{path.name}:{line}: {name}")
+    assert serving and not wrong, "\n".join(wrong)
