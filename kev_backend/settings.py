@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .protocol.systemone import Limits
+from .protocol.request import Limits
 
 REPO = Path(__file__).resolve().parent.parent
 # The variable kev-serve sets for each start of tritonserver: where the model writes its heartbeat (ModelSettings).

@@ -40,7 +40,7 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
-from kev_backend.protocol.systemone import STATE_KEY_HEADER
+from kev_backend.protocol.request import STATE_KEY_HEADER
 from kev_backend.serve import shm
 from tests.helpers import README_ANSWERS, README_REQUEST, TRITON_HTTP
 

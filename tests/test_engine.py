@@ -10,7 +10,7 @@ import pytest
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.model.checkpoint import LoadOptions
 from kev_backend.protocol.encoding import Limits, StateTokens, token_ids
-from kev_backend.protocol.systemone import RequestError
+from kev_backend.protocol.request import RequestError
 
 from .helpers import QUESTIONS, max_gap, request
 

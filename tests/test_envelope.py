@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from kev_backend.protocol import envelope
-from kev_backend.protocol.systemone import STATE_KEY_HEADER
+from kev_backend.protocol.request import STATE_KEY_HEADER
 
 from .conftest import TritonServer
 from .helpers import request, request_array

@@ -22,7 +22,7 @@ from kev_backend.dev.provenance import commit
 from kev_backend.dev.workloads import realistic
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.model.checkpoint import LoadOptions, load_checkpoint
-from kev_backend.protocol.systemone import Limits
+from kev_backend.protocol.request import Limits
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from kev_backend.protocol.systemone import MAX_QUESTIONS, MAX_REQUEST_BYTES, RequestError
+from kev_backend.protocol.request import MAX_QUESTIONS, MAX_REQUEST_BYTES, RequestError
 from kev_backend.serve import prometheus
 
 from .conftest import Gateway, TritonServer, metric_values, settled, start_gateway, stop_gateway

@@ -12,7 +12,7 @@ import pytest
 
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.engine.pipeline import PREPARE_APART_BYTES, SUBMIT_BYTES, Pipeline, parts_by_size
-from kev_backend.protocol.systemone import RequestError
+from kev_backend.protocol.request import RequestError
 
 from .helpers import request
 

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from kev_backend.engine.engine import Engine, EngineOptions, RequestFault
 from kev_backend.protocol import encoding
 from kev_backend.protocol.encoding import TextCache, safe_cuts
-from kev_backend.protocol.systemone import Limits, RequestError, parse_request
+from kev_backend.protocol.request import Limits, RequestError, parse_request
 
 from .helpers import CORPUS, kev_tokenizer, random_text
 

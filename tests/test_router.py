@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from kev_backend.dev.ports import free_port
-from kev_backend.protocol.systemone import state_key, state_key_of
+from kev_backend.protocol.request import state_key, state_key_of
 from kev_backend.serve import prometheus
 from kev_backend.serve.client import KevClient
 from kev_backend.serve.router import Server, config

@@ -7,23 +7,24 @@ import random
 
 import pytest
 
-from kev_backend.protocol.systemone import (
+from kev_backend.protocol.answers import (
+    answers_from_probabilities,
+    answers_json,
+    choice_confidence,
+    response_body,
+    round4,
+    score_confidence,
+)
+from kev_backend.protocol.request import (
     MAX_ROW_TOKENS,
     MAX_STATE_TOKENS,
     Record,
     RequestError,
-    answers_from_probabilities,
-    answers_json,
-    choice_confidence,
-    escape_user_text,
     parse_request,
-    render,
-    response_body,
-    round4,
     row_too_long_message,
-    score_confidence,
     state_too_long_message,
 )
+from kev_backend.protocol.text import escape_user_text, render
 
 
 def body(questions: dict, state: object = "doc", **extra: object) -> str:

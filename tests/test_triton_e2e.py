@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from kev_backend.engine.engine import Engine
-from kev_backend.protocol.systemone import STATE_KEY_HEADER, state_key_of
+from kev_backend.protocol.request import STATE_KEY_HEADER, state_key_of
 from kev_backend.serve import prometheus
 
 from .conftest import REPO, TritonServer, metric_values, settled, wait_until

@@ -17,14 +17,14 @@ from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
 
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.protocol import encoding
+from kev_backend.protocol.answers import response_body
 from kev_backend.protocol.encoding import KevTokenizer
-from kev_backend.protocol.systemone import (
+from kev_backend.protocol.request import (
     MAX_JSON_DEPTH,
     Limits,
     Record,
     RequestError,
     parse_request,
-    response_body,
     row_too_long_message,
     state_too_long_message,
 )

@@ -117,7 +117,7 @@ def state_counter(tokenizer: Any) -> Callable[[dict[str, Any]], int]:
     counted past any request limit: `sized` may step over Kev's 65,536-token limit on its way to a length just
     under it."""
     from ..protocol.encoding import encode
-    from ..protocol.systemone import Limits, parse_request
+    from ..protocol.request import Limits, parse_request
 
     limits = Limits(
         max_request_bytes=1 << 40, max_state_tokens=1 << 40, max_row_tokens=1 << 40, max_request_tokens=1 << 40

@@ -20,16 +20,9 @@ from ..gpu.cublaslt import check_table
 from ..gpu.memory import refusing_out_of_memory
 from ..gpu.passes import check_long_kernels
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
+from ..protocol.answers import answers_from_probabilities, answers_json, response_body
 from ..protocol.encoding import Encoded, KevTokenizer, encode
-from ..protocol.systemone import (
-    Limits,
-    Record,
-    RequestError,
-    answers_from_probabilities,
-    answers_json,
-    parse_request,
-    response_body,
-)
+from ..protocol.request import Limits, Record, RequestError, parse_request
 from ..scoring.bank import BankStats, StateBank
 from ..scoring.contract import Pending, Scorer
 from ..scoring.reference import ReferenceScorer

@@ -48,7 +48,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..protocol.systemone import RequestError
+from ..protocol.request import RequestError
 from .engine import Body, Engine, Launch, PreparedBatch, unrecoverable
 from .scheduler import LONG_WORK_TOKENS, Scheduler
 

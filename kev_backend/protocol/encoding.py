@@ -27,16 +27,16 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from .systemone import (
+from .request import (
     DEFAULT_LIMITS,
     Limits,
     Record,
     RequestError,
-    escape_user_text,
     request_too_costly_message,
     row_too_long_message,
     state_too_long_message,
 )
+from .text import escape_user_text
 
 # Texts up to this many characters are tokenized whole; longer ones are counted in pieces first (~64 K characters
 # is ~15 K tokens of ordinary text: one piece costs a few ms).

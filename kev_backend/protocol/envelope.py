@@ -2,7 +2,7 @@
 the model reads beside `REQUEST`, and how the model marks the errors it gives a request about that request.
 
 Request parameters (a Triton request's `parameters`; Triton also forwards the x-kev-state-key header as one):
-- STATE_KEY (`x-kev-state-key`): the state's routing key (protocol/systemone.py, `state_key`); `check_state_key`
+- STATE_KEY (`x-kev-state-key`): the state's routing key (protocol/request.py, `state_key`); `check_state_key`
   says what a key may be, the same at every door.
 - USAGE_BY_QUESTION (bool): the response's `usage` gains `questions`, each question's own usage as Kev reports it
   for a request holding that question alone (the state's tokens and its branch's; the tokens of its answer alone).
@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .systemone import STATE_KEY_HEADER
+from .request import STATE_KEY_HEADER
 
 STATE_KEY = STATE_KEY_HEADER
 USAGE_BY_QUESTION = "kev_usage_by_question"

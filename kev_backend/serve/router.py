@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..protocol.systemone import STATE_KEY_HEADER
+from ..protocol.request import STATE_KEY_HEADER
 
 CLUSTER = "kev-triton"
 ADMIN_CLUSTER = "envoy-admin"

@@ -62,7 +62,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import text_format
 
-from ..protocol.systemone import STATE_KEY_HEADER
+from ..protocol.request import STATE_KEY_HEADER
 from ..settings import HEARTBEAT_PREFIX, REPO, ServeSettings, SettingError, admin_key, use_cuda_allocator
 from . import procs, shm
 from .gpus import Devices, cuda_devices

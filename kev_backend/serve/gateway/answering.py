@@ -15,7 +15,7 @@ from fastapi import Request, Response
 from pydantic import BaseModel, Field, ValidationError
 from starlette.types import Receive
 
-from ...protocol.systemone import Limits, Record, RequestError, load_body, parse_request, state_key
+from ...protocol.request import Limits, Record, RequestError, load_body, parse_request, state_key
 from .bodies import client_gone
 
 

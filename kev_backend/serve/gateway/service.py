@@ -17,7 +17,8 @@ from typing import Any
 from fastapi import Request, Response
 
 from ...protocol import envelope
-from ...protocol.systemone import Record, RequestError, round4
+from ...protocol.answers import round4
+from ...protocol.request import Record, RequestError
 from ...settings import GatewaySettings, SettingError, model_limits, parameters
 from ..client import AsyncKevClient, KevError, encode
 from .answering import (

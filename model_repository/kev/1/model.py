@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 
 
 def error_response(message, code):
-    from kev_backend.protocol.systemone import printable
+    from kev_backend.protocol.request import printable
 
     # A message quoting the request may hold text UTF-8 cannot encode; the stub could not send it at all.
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(printable(message), code))
@@ -153,7 +153,7 @@ def load_engine(settings, args):
 def warm_up(engine, metrics, settings, config):
     """Answers the `warmup_requests` JSONL before the model reports ready, in batches of up to max_batch_size; returns
     how many there were."""
-    from kev_backend.protocol.systemone import RequestError
+    from kev_backend.protocol.request import RequestError
     from kev_backend.serve.triton_config import warmup_requests
 
     warmup = warmup_requests(settings)
@@ -235,7 +235,7 @@ class Sender:
     def message(self, message, status, detail=None):
         """The error's message: tagged with `status` and `detail` (else the message) for a door that asked."""
         from kev_backend.protocol.envelope import tag_error
-        from kev_backend.protocol.systemone import printable
+        from kev_backend.protocol.request import printable
 
         if not self.tagged or status is None:
             return message
@@ -258,7 +258,7 @@ def response(results, message):
     """One request's response and the reason it failed (None when answered): its answers, or the first refusal,
     fault or cancellation among them. `message(text, status)` writes an error's message (Sender.message)."""
     from kev_backend.engine.engine import RequestFault, dumps
-    from kev_backend.protocol.systemone import RequestError
+    from kev_backend.protocol.request import RequestError
 
     if any(r is None for r in results):  # dropped before scoring
         return error_response("request cancelled", pb_utils.TritonError.CANCELLED), "cancelled"

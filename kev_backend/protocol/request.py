@@ -1,4 +1,5 @@
-"""The System One contract as Kev 1.0 serves it: request validation, rendering, answers and the response body.
+"""A System One request as Kev 1.0 reads it: its limits, its shapes, Kev's 422s, its parsing and its state's routing
+key. Rendering is protocol/text.py, the answers and the response body protocol/answers.py.
 
 Pure Python (pydantic, no torch, no tokenizer): the engine tokenizes the texts of a `Record` and hands back one
 probability row per question. Where Kev's HTTP layer (FastAPI) shapes an error, the same shape is produced here so
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from .dates import TooManyDates, date_facts, with_facts
+from .text import render
 
 JSONContent = str | dict | list | int | float | bool | None
 MAX_OPTIONS = 255
@@ -360,167 +360,6 @@ def _question(qid: str, raw: dict[str, Any]) -> Question:
 
 def _option_text(name: str, description: Any) -> str:
     return name if description is None or description == "" else f"{name}: {render(description)}"
-
-
-# --- text ------------------------------------------------------------------------------------------------------------
-
-
-def render(value: Any, indent: int = 0) -> str:
-    """JSON -> the text the model reads, as Kev renders it. Python str() of scalars is part of the contract (True,
-    532.0, 1e-07)."""
-    parts: list[str] = []
-    _render(value, indent, parts)
-    return "".join(parts)
-
-
-def _render(value: Any, indent: int, out: list[str]) -> None:
-    """Kev's recursive rendering, written once into `out`: a list item is "- " and the item's own text with its
-    leading whitespace stripped, a key with a list or object under it is "key:" and the value's lines below, one
-    more indent each; any other key is "key: value". Each piece is appended once, so the work is the text's length
-    (Kev's own form copies every nested text again at every level above it)."""
-    if value is None:
-        return
-    if isinstance(value, (str, int, float, bool)):
-        out.append(str(value))
-        return
-    pad = "  " * indent
-    if isinstance(value, list):
-        first, then = f"{pad}- ", f"\n{pad}- "  # one string each, however many items
-        for i, item in enumerate(value):
-            out.append(then if i else first)
-            if isinstance(item, str):
-                out.append(item.lstrip())
-            elif isinstance(item, (dict, list)):
-                start = len(out)
-                _render(item, indent + 1, out)
-                _lstrip(out, start)
-            elif item is not None:  # a number or a bool: str() never starts with whitespace
-                out.append(str(item))
-        return
-    for i, (key, item) in enumerate(value.items()):
-        line = f"\n{pad}{key}" if i else f"{pad}{key}"
-        if isinstance(item, (dict, list)):
-            out.append(f"{line}:\n")
-            _render(item, indent + 1, out)
-        else:
-            out.append(f"{line}: ")
-            _render(item, 0, out)
-
-
-def _lstrip(parts: list[str], start: int) -> None:
-    """str.lstrip() of the text parts[start:] make up, in place."""
-    for i in range(start, len(parts)):
-        parts[i] = parts[i].lstrip()
-        if parts[i]:
-            return
-
-
-_DELIMITER = re.compile(r"<\|([A-Za-z0-9_]+)\|>")
-
-
-def escape_user_text(text: str) -> str:
-    """<|name|> -> <¦name¦> (U+00A6), so caller text can never spell a delimiter token."""
-    return _DELIMITER.sub("<\u00a6\\1\u00a6>", text)
-
-
-# --- answers ---------------------------------------------------------------------------------------------------------
-# Sums use plain sum() over Python floats, as Kev does: Python 3.12+ compensates float sums and 3.11 does not, so
-# the last bit of a score or confidence follows the interpreter, exactly as it does in Kev itself.
-
-
-def round4(x: float) -> float:
-    """Python round(x, 4): the exact binary value is rounded, exact ties go to even."""
-    return round(float(x), 4)
-
-
-def _first_argmax(p: Sequence[float]) -> int:
-    return max(range(len(p)), key=p.__getitem__)
-
-
-def _normalised(p: Sequence[float]) -> list[float]:
-    total = sum(p)
-    return [1 / len(p)] * len(p) if total == 0 else [x / total for x in p]
-
-
-def choice_confidence(p: Sequence[float]) -> float:
-    """(max p̂ − 1/K) / (1 − 1/K) on p normalised to sum 1; one option is certain."""
-    k = len(p)
-    if k == 1:
-        return 1.0
-    return (max(_normalised([float(x) for x in p])) - 1 / k) / (1 - 1 / k)
-
-
-def score_confidence(p: Sequence[float]) -> float:
-    """max(0, 1 − E|i − mode| / D) on normalised p; D = the mean |i − (L−1)/2| of a uniform spread; one level is
-    certain."""
-    n = len(p)
-    if n == 1:
-        return 1.0
-    q = _normalised([float(x) for x in p])
-    mode = _first_argmax(q)
-    spread = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
-    return max(0.0, 1.0 - sum(pi * abs(i - mode) for i, pi in enumerate(q)) / spread)
-
-
-def answers_from_probabilities(record: Record, probs: Sequence[Sequence[float]]) -> dict[str, dict[str, Any]]:
-    """One probability row per question (request order, option order) -> the response's answers."""
-    if len(probs) != len(record.questions):
-        raise ValueError(f"{len(probs)} probability rows for {len(record.questions)} questions")
-    return {q.id: _answer(q, [float(x) for x in p]) for q, p in zip(record.questions, probs)}
-
-
-def _answer(question: Question, p: list[float]) -> dict[str, Any]:
-    if len(p) != len(question.keys):
-        raise ValueError(f"question {question.id!r}: {len(p)} probabilities for {len(question.keys)} options")
-    if question.type == "noul":
-        return {"type": "noul", "noul": round4(p[1])}
-    probabilities = {key: round4(x) for key, x in zip(question.keys, p)}
-    if question.type == "choice":
-        return {
-            "type": "choice",
-            "choice": question.keys[_first_argmax(p)],  # unrounded p: ties go to the earliest option
-            "confidence": round4(choice_confidence(p)),
-            "probabilities": probabilities,
-        }
-    return {
-        "type": "score",
-        "score": round4(sum(i * x for i, x in enumerate(p))),
-        "legend": dict(question.legend or {}),
-        "probabilities": probabilities,
-        "confidence": round4(score_confidence(p)),
-    }
-
-
-# --- response and limits ---------------------------------------------------------------------------------------------
-
-
-def answers_json(answers: dict[str, Any]) -> str:
-    """The text whose token count (plain tokenizer, no special tokens) is usage.output_tokens."""
-    return json.dumps(answers)
-
-
-def response_body(
-    model: str,
-    answers: dict[str, Any],
-    input_tokens: int,
-    output_tokens: int,
-    latency_ms: float,
-    state_tokens: tuple[int, int] | None = None,
-) -> dict[str, Any]:
-    """Kev's body. `state_tokens` (the request's whole state, what the model read; both with <state>) is given by a
-    server that may truncate states: it says on every response whether it did, as Kev's does, in usage's
-    `state_tokens` / `state_tokens_used` and a final `truncated` (TypeSafe SDKs ignore fields they do not model)."""
-    body = {
-        "model": model,
-        "answers": answers,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
-        "latency_ms": round(latency_ms, 1),
-    }
-    if state_tokens is not None:
-        whole, used = state_tokens
-        body["usage"].update(state_tokens=whole, state_tokens_used=used)
-        body["truncated"] = whole > used
-    return body
 
 
 def state_too_long_message(n_tokens: int, limit: int = MAX_STATE_TOKENS, counted_chars: int | None = None) -> str:
