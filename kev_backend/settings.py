@@ -181,8 +181,8 @@ class ModelSettings:
     engine: dict[str, Any] = field(default_factory=dict)
     load: dict[str, Any] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
-    # Where the model writes its heartbeat for kev-serve (serve/heartbeat.py): KEV_HEARTBEAT_PREFIX, which kev-serve
-    # sets for each start of tritonserver; None (tritonserver started otherwise): no heartbeat.
+    # Where the model writes its heartbeat for kev-serve (serve/stub/heartbeat.py): KEV_HEARTBEAT_PREFIX, which
+    # kev-serve sets for each start of tritonserver; None (tritonserver started otherwise): no heartbeat.
     heartbeat_prefix: str | None = None
 
     @classmethod
@@ -265,7 +265,7 @@ class ServeSettings:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 10.0
     probe_failures: int = 3
-    # The longest a model instance may hold a job without a beat (kev_backend/serve/heartbeat.py): beats come after
+    # The longest a model instance may hold a job without a beat (kev_backend/serve/stub/heartbeat.py): beats come after
     # every layer of every 4,096-token chunk on the CPU reference path and after every GPU pass, so this covers the
     # longest single unit of work (docs/operations.md, "Recovery and shutdown", says how it was chosen).
     progress_timeout_s: float = 120.0

@@ -12,7 +12,7 @@ import pytest
 from kev_backend.engine.engine import EngineOptions
 from kev_backend.protocol.dates import date_facts, dates_in, most_dates, parse_date, with_facts
 from kev_backend.protocol.request import Limits, RequestError, parse_request, state_key, state_key_of, with_date_facts
-from kev_backend.serve.triton_config import engine_options
+from kev_backend.serve.stub.triton_config import engine_options
 from kev_backend.settings import ModelSettings, SettingError
 
 NO_LIMIT = 1 << 30

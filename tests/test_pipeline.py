@@ -148,7 +148,7 @@ def test_submit_bytes_is_the_pipelines_budget(engine: Engine) -> None:
 
 
 class Beats:
-    """A heartbeat that counts (kev_backend.serve.heartbeat's interface)."""
+    """A heartbeat that counts (kev_backend.serve.stub.heartbeat's interface)."""
 
     def __init__(self) -> None:
         self.counts = {"beat": 0, "started": 0, "finished": 0, "broken": 0}

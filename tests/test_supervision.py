@@ -32,9 +32,9 @@ from tritonclient.utils import InferenceServerException
 
 from kev_backend.dev.ports import free_port
 from kev_backend.serve import procs, shm
-from kev_backend.serve.heartbeat import read as read_heartbeat
 from kev_backend.serve.probe import QUEUE_FULL, Probe, answered
 from kev_backend.serve.progress import HEARTBEAT
+from kev_backend.serve.stub.heartbeat import read as read_heartbeat
 from kev_backend.serve.supervisor import SHM_DIR, SHM_PREFIX, shm_prefix
 from kev_backend.settings import ServeSettings
 

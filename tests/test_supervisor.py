@@ -30,10 +30,10 @@ from tritonclient.utils import InferenceServerException
 from kev_backend.dev.ports import free_port
 from kev_backend.protocol import envelope
 from kev_backend.serve import procs, supervisor
-from kev_backend.serve.heartbeat import Heartbeat
 from kev_backend.serve.probe import QUEUE_FULL
 from kev_backend.serve.procs import children
 from kev_backend.serve.progress import Watch
+from kev_backend.serve.stub.heartbeat import Heartbeat
 from kev_backend.serve.supervisor import (
     SHM_DIR,
     SHM_PREFIX,

@@ -86,7 +86,7 @@ AWAIT_MAX_S = 0.1
 
 
 class Progress(Protocol):
-    """Who hears of the model's progress (kev-serve's heartbeat, kev_backend/serve/heartbeat.py): a batch taken by
+    """Who hears of the model's progress (kev-serve's heartbeat, kev_backend/serve/stub/heartbeat.py): a batch taken by
     the model thread, a unit of its work done, a batch answered, and an engine that can no longer answer."""
 
     def started(self) -> None: ...

@@ -42,8 +42,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from ..protocol import envelope
 from ..settings import ServeSettings, SettingError
 from . import progress
-from .heartbeat import Pulse
 from .shm import SHM_ERROR
+from .stub.heartbeat import Pulse
 
 PROBE_BODY = b'{"state":"probe","questions":{"ok":{"type":"noul","instructions":"ok?"}}}'
 QUEUE_FULL = "Exceeds maximum queue size"  # Triton's refusal when the model's queue is full

@@ -1,5 +1,5 @@
-"""What kev-serve and the health check make of the model instances' heartbeats (kev_backend/serve/heartbeat.py): is an
-instance broken, hung, or busy with work that progresses.
+"""What kev-serve and the health check make of the model instances' heartbeats (kev_backend/serve/stub/heartbeat.py):
+is an instance broken, hung, or busy with work that progresses.
 
 kev-serve gives tritonserver KEV_HEARTBEAT_PREFIX = `heartbeat_prefix(its start's region prefix)`: each stub writes
 `{prefix}{instance name}` in /dev/shm, removed with the start's other regions. An instance is
@@ -24,9 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import heartbeat, procs
-from .heartbeat import Pulse
+from . import procs
 from .shm import SHM_DIR
+from .stub import heartbeat
+from .stub.heartbeat import Pulse
 
 HEARTBEAT = "heartbeat_"
 # The share of one CPU a stub must have used over a probe's wait to count as working (see the module's docstring).

@@ -16,8 +16,8 @@ because of what other clients send. Once Triton is ready:
 - broken: a model instance's heartbeat says its engine is broken (a CUDA error poisons its process): restart at once;
 - hung: an instance holds jobs and its heartbeat's beats have not moved for KEV_PROGRESS_TIMEOUT_S. The model beats
   after every layer of every chunk on the CPU reference path, after every GPU pass, and when it takes or answers a
-  batch (kev_backend/serve/heartbeat.py; kev-serve gives each start its own KEV_HEARTBEAT_PREFIX, inside the start's
-  shared-memory prefix, so the files go with its regions);
+  batch (kev_backend/serve/stub/heartbeat.py; kev-serve gives each start its own KEV_HEARTBEAT_PREFIX, inside the
+  start's shared-memory prefix, so the files go with its regions);
 - the probe: every KEV_PROBE_INTERVAL_S a real inference (a one-question System One request, at priority 1 so no
   client queue holds or refuses it, errors tagged) goes through Triton's gRPC port (kev_backend/serve/probe.py). A
   reply saying the stub is not healthy restarts at once. A probe failed with its batch while Triton gathered the

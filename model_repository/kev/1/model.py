@@ -37,8 +37,8 @@ class TritonPythonModel:
 
     def initialize(self, args):
         from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline
-        from kev_backend.serve.heartbeat import Heartbeat
-        from kev_backend.serve.metrics import KevMetrics
+        from kev_backend.serve.stub.heartbeat import Heartbeat
+        from kev_backend.serve.stub.metrics import KevMetrics
         from kev_backend.settings import ModelSettings, parameters, use_cuda_allocator
 
         use_cuda_allocator()  # before the weights take the GPU: a plain tritonserver sets none
@@ -143,7 +143,7 @@ class TritonPythonModel:
 def load_engine(settings, args):
     """The engine on this instance's device (cuda:N for a KIND_GPU instance), from the model's settings."""
     from kev_backend.engine.engine import Engine
-    from kev_backend.serve.triton_config import engine_options
+    from kev_backend.serve.stub.triton_config import engine_options
 
     gpu = args["model_instance_kind"] == "GPU"
     device = f"cuda:{args['model_instance_device_id']}" if gpu else "auto"
@@ -154,7 +154,7 @@ def warm_up(engine, metrics, settings, config):
     """Answers the `warmup_requests` JSONL before the model reports ready, in batches of up to max_batch_size; returns
     how many there were."""
     from kev_backend.protocol.request import RequestError
-    from kev_backend.serve.triton_config import warmup_requests
+    from kev_backend.serve.stub.triton_config import warmup_requests
 
     warmup = warmup_requests(settings)
     size = max(1, config.get("max_batch_size", 1))

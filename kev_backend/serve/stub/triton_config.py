@@ -3,9 +3,9 @@ overrides) mean for the engine: its options on this instance's device, and the w
 
 from __future__ import annotations
 
-from ..engine.engine import EngineOptions
-from ..model.checkpoint import LoadOptions
-from ..settings import ModelSettings
+from ...engine.engine import EngineOptions
+from ...model.checkpoint import LoadOptions
+from ...settings import ModelSettings
 
 
 def engine_options(settings: ModelSettings, device: str) -> EngineOptions:
