@@ -73,7 +73,7 @@ def _answer(question: Question, p: list[float]) -> dict[str, Any]:
     }
 
 
-# --- response and limits ---------------------------------------------------------------------------------------------
+# --- the response ----------------------------------------------------------------------------------------------------
 
 
 def answers_json(answers: dict[str, Any]) -> str:

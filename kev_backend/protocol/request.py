@@ -362,6 +362,9 @@ def _option_text(name: str, description: Any) -> str:
     return name if description is None or description == "" else f"{name}: {render(description)}"
 
 
+# --- Kev's messages for requests over a token limit ------------------------------------------------------------------
+
+
 def state_too_long_message(n_tokens: int, limit: int = MAX_STATE_TOKENS, counted_chars: int | None = None) -> str:
     """Kev 1.0's 422 text for a state over the limit (its admission check plus the truncation hint). A state
     refused before it was tokenized whole says how far it was counted."""
