@@ -70,8 +70,9 @@ class TritonTrace:
             traces.extend(read_traces(trace_file))
 
 
-def read_traces(trace_file: str, remove: bool = True) -> list[dict[str, int]]:
-    """Each request's timestamps from the trace files Triton wrote (FILE and FILE.N), by trace id."""
+def read_traces(trace_file: str) -> list[dict[str, int]]:
+    """Each request's timestamps from the trace files Triton wrote (FILE and FILE.N), by trace id; the files are
+    removed once read."""
     by_id: dict[int, dict[str, int]] = {}
     for path in glob.glob(f"{trace_file}*"):
         try:
@@ -81,8 +82,7 @@ def read_traces(trace_file: str, remove: bool = True) -> list[dict[str, int]]:
         for event in events:
             for stamp in event.get("timestamps", ()):
                 by_id.setdefault(event["id"], {})[stamp["name"]] = stamp["ns"]
-        if remove:
-            os.remove(path)
+        os.remove(path)
     return [by_id[key] for key in sorted(by_id)]
 
 
