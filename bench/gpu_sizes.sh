@@ -20,8 +20,8 @@
 #           processes for 5 s each, 27b 20 s (its batches take about a second), beside the bench's figures; the one
 #           client once more with Triton's trace on, its time by phase: loadtest/tracing.py; ~50 s), 4b also
 #           loadtest/long_states.py (16k-token new states alone and 8 at once), the GPU's memory, SIGTERM.
-#           PYSPY=PATH (a py-spy binary): the stub's threads sampled through 5 s of 64 gRPC clients, pyspy-SIZE.txt
-#           among the logs
+#           PYSPY=PATH (a py-spy binary): the stub's threads sampled through 64 gRPC clients, 5 s of them waits
+#           included (pyspy-SIZE.txt among the logs), 5 s only where a thread holds the GIL (pyspy-gil-SIZE.txt)
 #                                                                                                  30 / 45 / 50 / 110
 #   refuse  (only when named in STEPS) the server started twice on a GPU another process fills: once leaving half the
 #           weights' bytes (the checkpoint's and its base's) and 1.5 GiB free (tritonserver's and the stub's CUDA
@@ -94,11 +94,15 @@ serve() {  # SIZE CHECKPOINT TABLE: the real server on the checkpoint, measured,
       --seconds "$([[ $size == 27b ]] && echo 20 || echo 5)" --model "kev-$size-shapes" --commit "$COMMIT" \
       --out "$work/frontdoor-$size.json" || code=1
   fi
-  if ((code == 0)) && [[ -n ${PYSPY:-} ]]; then  # the stub's threads sampled through 5 s of 64 gRPC clients
-    "$PYSPY" record -p "$(pgrep -f triton_python_backend_stub | head -1)" -r 200 -d 5 --idle --threads -f raw \
-      -o "$logs/pyspy-$size.txt" >/dev/null 2>&1 & spy=$!
-    timeout 60 "$PY" loadtest/frontdoor.py --alone 1 --clients 64 --seconds 6 --procs "${FRONTDOOR_PROCS:-8}" \
-      --out "$work/spied-$size.json" >/dev/null
+  if ((code == 0)) && [[ -n ${PYSPY:-} ]]; then  # the stub sampled through 64 gRPC clients: its threads (waits
+    # included) for 5 s, then for 5 s only where a thread holds the GIL (what the stub's Python work costs)
+    local stub
+    stub=$(pgrep -f triton_python_backend_stub | head -1)
+    timeout 60 "$PY" loadtest/frontdoor.py --alone 1 --clients 64 --seconds 12 --procs "${FRONTDOOR_PROCS:-8}" \
+      --out "$work/spied-$size.json" >/dev/null & spy=$!
+    sleep 3
+    "$PYSPY" record -p "$stub" -r 200 -d 5 --idle --threads -f raw -o "$logs/pyspy-$size.txt" >/dev/null 2>&1
+    "$PYSPY" record -p "$stub" -r 500 -d 5 --gil --threads -f raw -o "$logs/pyspy-gil-$size.txt" >/dev/null 2>&1
     wait "$spy"
   fi
   if ((code == 0)) && [[ $size == 4b ]]; then
