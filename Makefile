@@ -83,7 +83,7 @@ lint: setup
 	$(VENV)/bin/ruff check kev_backend tests model_repository loadtest bench
 	$(VENV)/bin/ruff format --check kev_backend tests model_repository loadtest bench
 
-# GPU benchmark, in-process (on the GPU machine: the image's python3 with fla-core from requirements-gpu.txt).
+# GPU benchmark, in-process (on the GPU machine: the project's venv, else the machine's python3).
 bench:
 	$(if $(wildcard $(PY)),$(PY),python3) -m kev_backend.dev.bench $(BENCH_ARGS)
 

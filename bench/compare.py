@@ -32,7 +32,6 @@ def rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     for run in runs:
         choices = (
             ("graphs", run.get("graphs")),
-            ("fla", run.get("long_kernels") == "fla"),  # else this project's Triton kernels
             ("partial", run.get("complete") is False),  # a run cut short: some workloads missing
         )
         variant = "+".join(name for name, on in choices if on)

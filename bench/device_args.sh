@@ -31,8 +31,7 @@ device_setup() {
   export PY=$PWD/.venv/bin/python PYTHONUNBUFFERED=1
   echo "setup from the wheelhouse: $((SECONDS - begun)) s"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  "$PY" -c "import torch, triton, importlib.metadata as m; print('torch', torch.__version__, 'triton', triton.__version__,
-'fla-core', m.version('fla-core'))"
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 }
 
 # kev4b_checkpoint [DIR]: random weights of Kev-4B shapes in DIR (default /tmp/kev4b), drawn on the GPU, once;

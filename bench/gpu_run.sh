@@ -19,7 +19,7 @@
 #              functions by own time, from graphs (~1 min)
 #   gaps       diag gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients, from
 #              graphs; GAPS_WORKLOAD=long5 for long5 (~1 min)
-#   invariance diag invariance: where answers depend on the batch, fla's and our long kernels (~3 min)
+#   invariance diag invariance: where answers depend on the batch (~3 min)
 #   batchtrace diag batchtrace: the op where a question's numbers first depend on its batch, alone against
 #              shuffled batches, bit for bit (~3 min; batchtrace.json)
 #   chunkvariants  diag chunkvariants: the chain by value block, warps and register cap (~1 min)

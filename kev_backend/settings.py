@@ -148,7 +148,6 @@ PARAMETERS = (
     Parameter("graphs", "engine", boolean),
     Parameter("graph_max_tokens", "engine", integer(1)),
     Parameter("max_graphs", "engine", integer(1)),
-    Parameter("long_kernels", "engine", one_of("triton", "fla")),
     Parameter("gemm_algos", "engine", text),
     Parameter("date_facts", "engine", boolean),
     Parameter("base", "load", text),

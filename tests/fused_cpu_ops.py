@@ -1,9 +1,8 @@
-"""Torch stand-ins, with the same signatures, for every kernel of a fused pass (fla's, varlen_attn, ours).
+"""Torch stand-ins, with the same signatures, for every kernel of a fused pass.
 
 They let the fused pass (pool writes, rows reading the bank by slot, picks, norms) run on a CPU against the
 reference engine. Our Triton kernels' stand-ins are their plain torch references, kept beside each kernel
-(kev_backend/gpu/kernels/*.py, `reference_*`) and checked against them in tests/test_kernel_*.py; fla's and
-varlen_attn are checked on the GPU.
+(kev_backend/gpu/kernels/*.py, `reference_*`) and checked against them in tests/test_kernel_*.py.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from kev_backend.gpu.kernels.norms import (
     reference_sigmoid_gate,
     reference_silu_mul,
 )
-from kev_backend.gpu.kernels.segments import segment_bounds
 from kev_backend.gpu.scorer import FusedScorer
 from kev_backend.model.checkpoint import KevCheckpoint
 from kev_backend.model.qwen35 import causal_attention, gated_delta_rule, l2_normalize
@@ -48,40 +46,6 @@ def segment_attention(q, keys, values):
     """Causal attention of one segment's queries [L, Hq, D] over keys and values [S, Hkv, D], bottom-right aligned."""
     qq, kk, vv = (t.transpose(0, 1)[None] for t in (q, keys, values))
     return causal_attention(qq, kk, vv, q.shape[-1] ** -0.5)[0].transpose(0, 1)
-
-
-def delta_rule(
-    q,
-    k,
-    v,
-    g=None,
-    beta=None,
-    initial_state=None,
-    output_final_state=False,
-    use_qk_l2norm_in_kernel=True,
-    cu_seqlens=None,
-    cu_seqlens_cpu=None,
-):
-    """fla's chunk_gated_delta_rule (varlen, batch 1), segment by segment."""
-    assert cu_seqlens_cpu is None or torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
-    outputs, finals = [], []
-    for n, (a, b) in enumerate(segment_bounds(cu_seqlens)):
-        h0 = None if initial_state is None else initial_state[n]
-        o, state = segment_delta_rule(q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b], h0)
-        outputs.append(o.to(v.dtype))
-        finals.append(state)
-    return torch.cat(outputs)[None], (torch.stack(finals) if output_final_state else None)
-
-
-def attention(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, -1)):
-    """varlen attention's contract: an output for every token of q; tokens outside the segments (before cu[0] or
-    after cu[-1], as in a captured pass) are left unset (zeros here)."""
-    assert window_size == (-1, 0) and cu_q.dtype == torch.int32
-    o = torch.zeros_like(q)
-    for (a, b), (c, d) in zip(segment_bounds(cu_q), segment_bounds(cu_k)):
-        assert b - a <= max_q and d - c <= max_k
-        o[a:b] = segment_attention(q[a:b], k[c:d], v[c:d])
-    return o
 
 
 # Our kernels' stand-ins take padded passes too (a captured pass's layout): the region may hold tokens after the last
@@ -111,8 +75,6 @@ def long_attention(q, k, v, out):
 
 
 TORCH_KERNELS = PassKernels(
-    chunk=delta_rule,
-    attention=attention,
     rms_norm=reference_rms_norm,
     rms_norm_rope=reference_rms_norm_rope,
     gated_rms_norm=reference_gated_rms_norm,
@@ -130,7 +92,7 @@ def engines(
     tiny_dir: Path, bank_bytes: int = 1 << 26, checkpoint: KevCheckpoint | None = None, **options
 ) -> tuple[Engine, FusedScorer]:
     """The reference engine on the tiny checkpoint (or `checkpoint`) and a fused scorer (fp32, torch stand-ins) on
-    the same model, with FusedScorer's defaults (the shipped configuration: graphs, our long kernels) unless
+    the same model, with FusedScorer's defaults (the shipped configuration: graphs) unless
     `options` say otherwise."""
     if checkpoint is None:
         reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))

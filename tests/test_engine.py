@@ -169,18 +169,14 @@ def test_parity_report_plumbing(tiny_dir: Path) -> None:
 
 
 def test_engine_options_default_to_the_shipped_configuration_and_refuse_unknown_values(tmp_path: Path) -> None:
-    """CUDA graphs and our long kernels by default (the fused GPU path's; the reference path ignores them), the
-    packaged pre-tuned GEMM tables; an unknown kernel choice or a table path that names no file fails when the options
-    are made, naming what is accepted."""
+    """CUDA graphs by default (the fused GPU path's; the reference path ignores them), the packaged pre-tuned GEMM
+    tables; a table path that names no file fails when the options are made, naming what is accepted."""
     options = EngineOptions()
-    assert options.graphs and options.long_kernels == "triton" and options.gemm_algos == "auto"
+    assert options.graphs and options.gemm_algos == "auto"
     table = tmp_path / "table.json"
     table.write_text("{}")
     for value in ("off", str(table)):
         assert EngineOptions(gemm_algos=value).gemm_algos == value
-    assert EngineOptions(long_kernels="fla").long_kernels == "fla"
-    with pytest.raises(ValueError, match="long_kernels must be one of triton, fla, not 'ours'"):
-        EngineOptions(long_kernels="ours")
     with pytest.raises(ValueError, match="gemm_algos must be auto, off or the path of a table JSON file"):
         EngineOptions(gemm_algos=str(tmp_path / "missing.json"))
 

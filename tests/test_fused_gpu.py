@@ -28,7 +28,6 @@ pytestmark = pytest.mark.gpu
 
 
 def check(report: dict, name: str, questions: int, max_abs: float | None = 0.03) -> None:
-    report["long_kernels"] = EngineOptions().long_kernels  # the fused engines run the defaults (engines)
     report.update(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit())
     print(name, json.dumps(report))
     assert report["vs_reference"]["questions"] >= questions

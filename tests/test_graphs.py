@@ -73,15 +73,14 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
     assert bucket_for(layout([33], [38, 52, 26, 19, 30, 20])) == Bucket(64, 192)
     assert bucket_for(layout([40] * 8, [30] * 6)) == Bucket(512, 256)  # 1.5x row steps only where rows fill the pass
     assert bucket_for(layout([34] * 9, [10])) == Bucket(512, 64)  # nine states: more than 64 // 8 segments
-    assert bucket_for(layout([65], [10])) is None  # a long state: eager (fla's long kernels)
-    assert smallest_bucket(buckets, layout([65], [10]), 1000, long_states=True) == Bucket(128, 64)
+    assert bucket_for(layout([65], [10])) == Bucket(128, 64)  # a long new state
     long5 = layout([2200], [40] * 5)  # one padded to 2,560 state tokens, not 4,096, and trimmed: 2,688 in all
-    assert smallest_bucket(buckets, long5, 1000, long_states=True) == Bucket(2560, 256, 128)
+    assert smallest_bucket(buckets, long5, 1000) == Bucket(2560, 256, 128)
     fuller = layout([2500], [40] * 5)  # 2,700 tokens: one tile more
-    assert smallest_bucket(buckets, fuller, 1000, long_states=True) == Bucket(2560, 256)
+    assert smallest_bucket(buckets, fuller, 1000) == Bucket(2560, 256)
     many_long = layout([70] * 9, [10])  # nine long states need 9 × 128 tokens of capacity
-    assert smallest_bucket(buckets, many_long, 1000, long_states=True) == Bucket(1536, 64)
-    assert smallest_bucket(buckets, layout([], [65]), 1000, long_states=True) is None  # a long row: eager
+    assert smallest_bucket(buckets, many_long, 1000) == Bucket(1536, 64)
+    assert smallest_bucket(buckets, layout([], [65]), 1000) is None  # a long row: eager
     assert bucket_for(layout([], [10] * 2000)) is None  # beyond the largest bucket
     split = layout([], [39] * 6)  # rows on a banked state long enough for a split launch of their attention
     split.prefix_len[0] = attention.SPLIT_ABOVE + 1
@@ -136,21 +135,19 @@ def test_long_and_short_new_states_share_the_state_region() -> None:
     bucket = Bucket(2560, 64)
     inputs = StaticInputs(Bucket(4096, 4096), prefix_tokens=1000, device=torch.device("cpu"))
     inputs.fill(bucket, layout([34, 5, 100, 2000], [39]), ScratchPool(), pad_id=1)
-    (both,) = inputs.pass_input(bucket, long_states=True).states.groups
+    (both,) = inputs.pass_input(bucket).states.groups
     assert not both.short and both.padded and (both.start, both.end, both.max_len) == (0, 2560, 2560)
     assert both.short_segments == bucket.states == 64 and len(both.slots) == 64 + bucket.long_states == 84
     short_cu = [0, 34, 39] + [39] * (bucket.states - 2)
     assert both.cu.tolist() == short_cu + [139, 2139] + [2139] * 18
     assert both.slots.tolist() == [0, 1] + [9] * 62 + [2, 3] + [9] * 18
-    p = inputs.pass_input(bucket, long_states=True)
+    p = inputs.pass_input(bucket)
     assert p.positions[39:139].tolist() == list(range(100)) and p.positions[2139:2560].eq(0).all()
     assert p.state_kv_dst.tolist()[139:141] == [300, 301] and p.state_kv_dst[2139:].eq(640).all()
-    (short,) = inputs.pass_input(bucket).states.groups  # without long states: the short group alone
-    assert short.short and short.short_segments == 0 and short.cu.tolist() == short_cu
     # A bucket too small for a long state: the short group alone.
     small = Bucket(64, 64)
     inputs.fill(small, layout([34, 5], [39]), ScratchPool(), pad_id=1)
-    (group,) = inputs.pass_input(small, long_states=True).states.groups
+    (group,) = inputs.pass_input(small).states.groups
     assert group.short and group.short_segments == 0 and group.cu.tolist() == [0, 34, 39] + [39] * 6
 
 
@@ -160,7 +157,7 @@ def test_a_trimmed_bucket_puts_the_rows_at_the_pass_end() -> None:
     bucket = Bucket(2560, 256, 128)
     inputs = StaticInputs(Bucket(4096, 4096), prefix_tokens=1000, device=torch.device("cpu"))
     inputs.fill(bucket, layout([2400], [39, 12]), ScratchPool(), pad_id=1)
-    p = inputs.pass_input(bucket, long_states=True)
+    p = inputs.pass_input(bucket)
     at = 2688 - 51  # the rows' first token
     assert p.ids.shape == (2688,) and p.ids[:2400].eq(10).all() and p.ids[2400:at].eq(1).all()
     assert p.ids[at : at + 39].eq(20).all() and p.ids[at + 39 :].eq(21).all()

@@ -179,13 +179,20 @@ def test_cudnn_plan_lengths_take_the_smallest_state_of_each_class() -> None:
 
 
 def test_cudnn_attention_hands_torch_the_layout_keyed_by_length_class(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch keys cuDNN's plans by length class (RAGGED_PLANS, set on import) only for q, k and v laid out [batch,
-    tokens, heads, D] contiguous: cudnn_attention gives it that layout whatever the strides it gets (v read in place
-    from a wider projection here), and writes the result into `out`."""
+    """torch keys cuDNN's plans by length class (RAGGED_PLANS, set by the fused path's start-up step on a GPU) only
+    for q, k and v laid out [batch, tokens, heads, D] contiguous: cudnn_attention gives it that layout whatever the
+    strides it gets (v read in place from a wider projection here), and writes the result into `out`."""
     import torch.nn.functional as F
 
+    from kev_backend.gpu import process
     from kev_backend.gpu.kernels import attention
 
+    monkeypatch.delenv(attention.RAGGED_PLANS, raising=False)
+    process.configure(torch.device("cpu"))
+    assert attention.RAGGED_PLANS not in os.environ  # a CPU pass makes none of CUDA's settings
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.backends.cuda, "preferred_blas_library", lambda library: None)
+        process.configure(torch.device("cuda"))
     assert os.environ[attention.RAGGED_PLANS] == "1"
     seen = []
 

@@ -339,7 +339,6 @@ def bench_record(commit: str, date: str, rps: float) -> dict:
         "commit": commit,
         "backend": "fused",
         "graphs": True,
-        "long_kernels": "triton",
         "complete": True,
         "workloads": {"short6": workload(1.0), "long5": workload(7.0)},
     }

@@ -45,7 +45,7 @@ def test_paths_resolve_against_the_model_directory(tmp_path: Path) -> None:
 def test_unset_and_empty_settings_keep_the_defaults_in_code() -> None:
     options = engine_options(read({"bank_bytes": "", "graphs": " "}), "auto")
     assert options == EngineOptions(), "an empty parameter must mean the default, not a value"
-    assert options.graphs and options.long_kernels == "triton", "the shipped GPU choices are the defaults in code"
+    assert options.graphs and options.gemm_algos == "auto", "the shipped GPU choices are the defaults in code"
     assert read({}).limits == Limits()
 
 
@@ -80,7 +80,7 @@ def test_switches_take_one_grammar_everywhere(value: str, expected: bool) -> Non
         ({}, {"KEV_GRAPHS": "maybe"}, "KEV_GRAPHS='maybe'"),
         ({"bank_bytes": "1GiB"}, {}, "parameter bank_bytes='1GiB': must be a whole number"),
         ({"max_json_depth": "500"}, {}, "max_json_depth='500': must be 2..200"),
-        ({"long_kernels": "ours"}, {}, "long_kernels='ours': must be one of triton, fla"),
+        ({"long_kernels": "triton"}, {}, "unknown model parameter.*long_kernels"),  # a retired switch
         ({"dtype": "int8"}, {}, "dtype='int8'"),
         ({"temprature": "1"}, {}, "unknown model parameter.*temprature"),
     ],

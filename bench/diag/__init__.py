@@ -1,5 +1,6 @@
 """Diagnostics on the GPU machine (not a benchmark): where a pass spends GPU and host time, kernel configurations
-timed against each other and fla's, start-up phases, and whether answers depend on the batch.
+timed against each other and against fla's (the kernels ours replaced), start-up phases, and whether answers depend
+on the batch.
 
     python -m bench.diag SUBCOMMAND [OPTIONS]      (from the repository root; `--help` lists the subcommands)
 

@@ -16,7 +16,6 @@ import torch
 
 from kev_backend.dev.sizes import SIZES
 from kev_backend.dev.synthetic import size_checkpoint
-from kev_backend.gpu.passes import LONG_KERNELS
 
 # DeltaNet key heads, value heads, key dim, value dim of Kev-4B.
 KEV4B_HEADS = (16, 32, 128, 128)
@@ -67,9 +66,6 @@ def command(sub, name: str, run: Callable, summary: str, engine: bool = False) -
             type=int,
             default=None,
             help="the largest graph bucket, every bucket kept (default: the engine's)",
-        )
-        parser.add_argument(
-            "--long-kernels", choices=LONG_KERNELS, default="triton", help="new long states' kernels (default: triton)"
         )
         parser.add_argument(
             "--size", choices=SIZES, default="4b", help="random weights of a Kev size's shapes, bf16 (default 4b)"
@@ -173,7 +169,7 @@ def kev4b_engine(args: argparse.Namespace | None = None, checkpoint=None, **opti
     )
     chosen: dict[str, object] = {"bank_bytes": 8 << 30}
     if args is not None:
-        chosen.update(graphs=args.graphs, long_kernels=args.long_kernels)
+        chosen.update(graphs=args.graphs)
         if args.graph_max_tokens is not None:
             chosen.update(graph_max_tokens=args.graph_max_tokens, max_graphs=200)
     return Engine(checkpoint, EngineOptions(device="cuda", backend="fused", **(chosen | options)))

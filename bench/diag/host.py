@@ -39,7 +39,7 @@ def hostsplit(args) -> None:
     from kev_backend.dev import bench
     from kev_backend.dev.workloads import long5, short6
 
-    engine = kev4b_engine(graphs=True, long_kernels="triton")
+    engine = kev4b_engine(graphs=True)
     scorer = engine.scorer
     graphs = scorer.graphs
     host: dict[str, float] = {}
@@ -152,7 +152,7 @@ def hostops(args) -> None:
     for name, fn in cases.items():
         print(f"hostops {name}: {us(fn):.2f} us", flush=True)
         torch.cuda.synchronize()
-    engine = kev4b_engine(graphs=True, long_kernels="triton")
+    engine = kev4b_engine(graphs=True)
     scorer, graphs = engine.scorer, engine.scorer.graphs
     engine.answer([short6(None)])
     batch = engine.prepare_batch([short6(None)])
@@ -195,7 +195,6 @@ def hostpath(args) -> None:
         dtype=torch.float32,
         kernels=no_kernels,
         graphs=True,
-        long_kernels="triton",
     )
     graphs = scorer.graphs
     phases: dict[str, float] = {}
@@ -229,7 +228,7 @@ def launch(args) -> None:
     from kev_backend.dev import bench
     from kev_backend.dev.workloads import long5, short6
 
-    engine = kev4b_engine(graphs=True, long_kernels="triton")
+    engine = kev4b_engine(graphs=True)
     graphs = engine.scorer.graphs
 
     def timer() -> torch.cuda.Event:

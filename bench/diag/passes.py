@@ -27,13 +27,13 @@ LAYER_KERNELS = {
 def latency(args) -> None:
     """The bench's latency figures alone (median of 20, model time) for short6 and long5, new and same state, and
     requests/s at 64 clients (3 s each), pipelined and serial: a quick engine-level comparison of the engine options
-    (--long-kernels, --no-graphs)."""
+    (--no-graphs, --graph-max-tokens)."""
     from kev_backend.dev import bench
     from kev_backend.dev.workloads import long5, short6
 
     engine = kev4b_engine(args)
     options = engine.options
-    print("kernels", options.long_kernels, "graphs", options.graphs, flush=True)
+    print("graphs", options.graphs, flush=True)
     for label, make in (("short6", short6), ("long5", long5)):
         print(label, bench.latency(engine, make), flush=True)
         for pipelined in (True, False):
@@ -278,9 +278,8 @@ def gaps(args) -> None:
 
 def invariance(args) -> None:
     """Where a question's answer depends on the batch it rides in (Kev-4B shapes): states computed in a batch (A) or
-    alone (B, then C: the same batches again reading B's banked states), eager passes on fla's and our long kernels;
-    compares answers and the picked hidden states the head reads, and names the worst requests' state and row
-    lengths."""
+    alone (B, then C: the same batches again reading B's banked states), eager passes; compares answers and the
+    picked hidden states the head reads, and names the worst requests' state and row lengths."""
     from kev_backend.dev import sizes, synthetic
     from kev_backend.dev.parity import compare, scored
     from kev_backend.dev.workloads import realistic
@@ -301,31 +300,26 @@ def invariance(args) -> None:
         return picked, decides
 
     with patched(FusedScorer, run_group=capturing):
-        for long_kernels in ("fla", "triton"):
-            options = EngineOptions(
-                device="cuda", backend="fused", bank_bytes=16 << 30, graphs=False, long_kernels=long_kernels, warm=False
-            )
-            engine = Engine(checkpoint, options)
-            encoded = [engine.prepare(r)[1] for r in realistic(300, seed=2, max_words=2300)]
-            runs, hidden = {}, {}
-            for name, size, clear in (("A", 32, True), ("B", 1, True), ("C", 32, False)):
-                if clear:
-                    engine.bank.clear()
-                captured.clear()
-                runs[name] = scored(engine, encoded, size)
-                hidden[name] = [call[key] for call in captured for key in sorted(call)]
-            for x, y in (("A", "B"), ("A", "C"), ("B", "C")):
-                gap = max((a[0] - b[0]).abs().max().item() for a, b in zip(hidden[x], hidden[y]))
-                print(long_kernels, x, "vs", y, compare(runs[x], runs[y]), "hidden max", gap, flush=True)
-            gaps_ = [
-                max((abs(p - q) for pa, pb in zip(a, b) for p, q in zip(pa, pb)), default=0.0)
-                for a, b in zip(runs["A"], runs["B"])
-            ]
-            for i in sorted(range(len(encoded)), key=lambda i: -gaps_[i])[:6]:
-                rows = [len(q.tokens) for q in encoded[i].questions]
-                print(f"  request {i} state {len(encoded[i].state)} rows {rows} A-B {gaps_[i]:.5f}", flush=True)
-            del engine
-            torch.cuda.empty_cache()
+        options = EngineOptions(device="cuda", backend="fused", bank_bytes=16 << 30, graphs=False, warm=False)
+        engine = Engine(checkpoint, options)
+        encoded = [engine.prepare(r)[1] for r in realistic(300, seed=2, max_words=2300)]
+        runs, hidden = {}, {}
+        for name, size, clear in (("A", 32, True), ("B", 1, True), ("C", 32, False)):
+            if clear:
+                engine.bank.clear()
+            captured.clear()
+            runs[name] = scored(engine, encoded, size)
+            hidden[name] = [call[key] for call in captured for key in sorted(call)]
+        for x, y in (("A", "B"), ("A", "C"), ("B", "C")):
+            gap = max((a[0] - b[0]).abs().max().item() for a, b in zip(hidden[x], hidden[y]))
+            print(x, "vs", y, compare(runs[x], runs[y]), "hidden max", gap, flush=True)
+        gaps_ = [
+            max((abs(p - q) for pa, pb in zip(a, b) for p, q in zip(pa, pb)), default=0.0)
+            for a, b in zip(runs["A"], runs["B"])
+        ]
+        for i in sorted(range(len(encoded)), key=lambda i: -gaps_[i])[:6]:
+            rows = [len(q.tokens) for q in encoded[i].questions]
+            print(f"  request {i} state {len(encoded[i].state)} rows {rows} A-B {gaps_[i]:.5f}", flush=True)
 
 
 def batchtrace(args) -> None:
@@ -354,7 +348,7 @@ def register(sub) -> None:
     parser.add_argument("--shapes", default="short6", help="comma-separated workloads (default short6)")
     parser = command(sub, "gaps", gaps, "the GPU's idle gaps and the model thread's phases at 64 clients", engine=True)
     parser.add_argument("--workload", choices=("short6", "long5"), default="short6")
-    command(sub, "invariance", invariance, "where answers depend on the batch (fla's and our long kernels)")
+    command(sub, "invariance", invariance, "where answers depend on the batch")
     parser = command(sub, "batchtrace", batchtrace, "the op where a question's numbers first depend on its batch")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--mixes", type=int, default=3)

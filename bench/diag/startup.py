@@ -25,7 +25,7 @@ def startup(args) -> None:
     """The engine's start-up phases with every graph bucket captured (as the GPU config loads it): seconds by phase,
     in eager warm-up passes and in captures, the graphs' count and memory; --profile: where the host spends them
     (cProfile, and which callers compile Python source at run time)."""
-    engine, profiler = profiled(lambda: kev4b_engine(graphs=True, long_kernels="triton"), args.profile)
+    engine, profiler = profiled(lambda: kev4b_engine(graphs=True), args.profile)
     stats = engine.scorer.graphs.stats
     phases = {phase: round(seconds, 2) for phase, seconds in engine.startup.items()}
     print(
@@ -135,7 +135,7 @@ def start_once(checkpoint: str, profile: bool, split: bool) -> None:
     context = time.perf_counter() - started
     if split:
         load_split(Path(checkpoint))
-    options = EngineOptions(device="cuda", backend="fused", graphs=True, long_kernels="triton")
+    options = EngineOptions(device="cuda", backend="fused", graphs=True)
     engine, profiler = profiled(lambda: Engine.from_checkpoint(checkpoint, options), profile)
     stats = engine.scorer.graphs.stats
     phases = {phase: round(seconds, 2) for phase, seconds in engine.startup.items()}

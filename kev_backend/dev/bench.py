@@ -402,7 +402,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", default="fused", help="fused (default) or reference")
     defaults = EngineOptions()
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=defaults.graphs, help="CUDA graphs")
-    parser.add_argument("--long-kernels", choices=("triton", "fla"), default=defaults.long_kernels)
     parser.add_argument("--gemm-algos", default=defaults.gemm_algos, help="auto, off or a table (cublaslt.pretuned)")
     parser.add_argument("--bank-gib", type=float, help="the state bank (default: as the server sizes it)")
     parser.add_argument("--size", choices=list(sizes.SIZES), help="random weights of a Kev size's shapes (4b)")
@@ -533,7 +532,6 @@ def main() -> None:
         backend=args.backend,
         bank_bytes=None if args.bank_gib is None else int(args.bank_gib * GIB),
         graphs=args.graphs,
-        long_kernels=args.long_kernels,
         gemm_algos=args.gemm_algos,
     )
     started = time.perf_counter()
@@ -552,7 +550,6 @@ def main() -> None:
         "checkpoint": name,
         "backend": engine.backend,
         "graphs": args.graphs,
-        "long_kernels": options.long_kernels,
         "quick": args.quick,
         "pipelined": True,  # throughput through kev_backend/engine/pipeline.py; serial_rps_64 without it
         "load_s": load_s,
@@ -565,9 +562,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = result["gpu"].replace(" ", "-").lower()
-    variant = ("" if args.graphs else "-eager") + (
-        "" if options.long_kernels == "triton" else f"-{options.long_kernels}"
-    )
+    variant = "" if args.graphs else "-eager"
     sized_name = f"-{args.size}" if args.size else ""
     path = args.out / f"{result['date'][:10]}-{gpu}-{result['commit'][:8]}{variant}{sized_name}.json"
 

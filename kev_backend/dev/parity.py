@@ -182,7 +182,6 @@ def main(argv: list[str] | None = None) -> None:
         gpu=torch.cuda.get_device_name(),
         date=time.strftime("%Y-%m-%d"),
         commit=commit(args.commit),
-        long_kernels=fused.options.long_kernels,
         gpu_gib_peak=torch.cuda.max_memory_allocated() / (1 << 30),
     )
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ import torch
 
 from ..gpu.cublaslt import check_table
 from ..gpu.memory import refusing_out_of_memory
-from ..gpu.passes import check_long_kernels
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from ..protocol.answers import answers_from_probabilities, answers_json, response_body
 from ..protocol.encoding import Encoded, KevTokenizer, encode
@@ -60,26 +59,22 @@ class EngineOptions:
     build one from the Triton model's parameters; values are checked when it is made."""
 
     device: str = "auto"  # "auto": CUDA when available, else CPU
-    # "auto": the fused GPU path on CUDA (with fla and torch's varlen attention when long_kernels is "fla") and a
-    # bf16/fp16 model, else the reference path.
+    # "auto": the fused GPU path on CUDA and a bf16/fp16 model, else the reference path.
     backend: str = "auto"
     pass_tokens: int = 32_768  # fused path: tokens per pass (states, counted once, and their rows)
     # None: 1 GiB on CPU; on CUDA the fused path's bank takes a fifth of the GPU, or what the weights and its largest
     # pass leave if less (gpu/memory.py), the reference path's a fifth
     bank_bytes: int | None = None
     row_pass_tokens: int = 16_384
-    # fused path: CUDA graphs (kev_backend/gpu/graphs.py) for passes of short rows and new states (long new states
-    # only with long_kernels "triton"), buckets up to graph_max_tokens tokens (111 up to 4,096), at most max_graphs
-    # kept. Nothing is captured without CUDA; the reference path never uses them.
+    # fused path: CUDA graphs (kev_backend/gpu/graphs.py) for passes of short rows and new states, buckets up to
+    # graph_max_tokens tokens (111 up to 4,096), at most max_graphs kept. Nothing is captured without CUDA; the
+    # reference path never uses them.
     graphs: bool = True
     graph_max_tokens: int = 4096
     max_graphs: int = 112
-    # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles, fla's
-    # autotuning), so no request pays for them
+    # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles and
+    # autotunes), so no request pays for them
     warm: bool = True
-    # fused path: new states over 64 tokens on our Triton kernels ("triton") or on fla's chunked delta rule and
-    # torch's varlen attention ("fla": not capturable, so such passes run eagerly); gpu/passes.py LONG_KERNELS
-    long_kernels: str = "triton"
     # fused path: the projections' pre-tuned cuBLASLt algorithms (kev_backend/gpu/cublaslt.py): "auto" (a packaged
     # table matching the GPU and cuBLASLt version, if any), "off", or the path of a table JSON
     gemm_algos: str = "auto"
@@ -90,7 +85,6 @@ class EngineOptions:
     load: LoadOptions = field(default_factory=LoadOptions)
 
     def __post_init__(self) -> None:
-        check_long_kernels(self.long_kernels)
         check_table(self.gemm_algos)
 
     def resolved_bank_bytes(self, device: torch.device) -> int:
@@ -229,7 +223,6 @@ class Engine:
                 graphs=self.options.graphs,
                 graph_max_tokens=self.options.graph_max_tokens,
                 max_graphs=self.options.max_graphs,
-                long_kernels=self.options.long_kernels,
                 gemm_algos=self.options.gemm_algos,
             )
         else:
@@ -247,8 +240,7 @@ class Engine:
         self.last_batch = BatchReport()
 
     def _choose_backend(self) -> tuple[str, str]:
-        """The path that serves, and why it is the reference path when it is (empty when it is the fused one). The
-        GPU package is imported only for a CUDA device: a CPU server needs neither it nor Triton's compiler."""
+        """The path that serves, and why it is the reference path when it is (empty when it is the fused one)."""
         requested = self.options.backend
         if requested not in ("auto", "fused", "reference"):
             raise ValueError(f"unknown backend {requested!r}: auto, fused or reference")
@@ -257,13 +249,8 @@ class Engine:
         why = ""
         if self.device.type != "cuda":
             why = f"the device is {self.device}, not CUDA"
-        else:
-            from ..gpu.fused import FLA_VERSION, fused_available
-
-            if not fused_available(self.options.long_kernels):
-                why = f"long_kernels 'fla' needs torch's varlen attention and fla-core=={FLA_VERSION}"
-            elif requested == "auto" and self.checkpoint.dtype == torch.float32:
-                why = "the weights are fp32 (dtype): the fused path runs bf16 or fp16"
+        elif requested == "auto" and self.checkpoint.dtype == torch.float32:
+            why = "the weights are fp32 (dtype): the fused path runs bf16 or fp16"
         if requested == "fused" and why:
             raise RuntimeError(f"the fused path cannot run: {why}")
         return ("reference", why) if why else ("fused", "")

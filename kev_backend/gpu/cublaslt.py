@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import process
+
 TABLES = Path(__file__).parent / "gemm_algos"  # the packaged tables, one per GPU and cuBLASLt version
 
 # cublasLt.h and library_types.h values used here.
@@ -67,7 +69,7 @@ def library(device: torch.device) -> ctypes.CDLL:
     """The libcublasLt torch loaded (after one bf16 GEMM through cuBLASLt on `device`: no other GPU's context)."""
     global _library
     if _library is None:
-        torch.backends.cuda.preferred_blas_library("cublaslt")
+        process.configure(device)  # torch's BLAS is cuBLASLt: the GEMM below loads it
         ones = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
         F.linear(ones, ones)
         path = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()

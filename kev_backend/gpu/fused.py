@@ -12,7 +12,6 @@ The pass's inputs are described in passes.py; the scorer that plans passes and r
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,34 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from ..model.qwen35 import FULL_ATTENTION, Qwen35TextModel
-from . import cublaslt
+from . import cublaslt, process
 from .kernels.attention import CUDNN_ABOVE, build_cudnn_plans, cudnn_attention_runs
 from .kernels.streams import beside
-from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, check_long_kernels, pad_rows
+from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, pad_rows
 from .pool import StatePool
-
-FLA_VERSION = "0.6.0"  # the kernels' behaviour (caching, chunk maps) is pinned; requirements-gpu.txt names it
-
-
-def fused_available(long_kernels: str = "triton") -> bool:
-    """What the fused path needs: a CUDA device and, when new long states run on fla's chunked delta rule and torch's
-    varlen attention (long_kernels "fla"), those two, with exactly the pinned fla-core (never on a CPU: its kernels
-    crash there). With "triton" neither is imported: fla's package imports all of its layers and models (transformers
-    among them), and varlen_attn imports torch._dynamo: together seconds of the start-up's build phase
-    (docs/kernels.md)."""
-    if not torch.cuda.is_available():
-        return False
-    if check_long_kernels(long_kernels) == "triton":
-        return True
-    try:
-        if importlib.metadata.version("fla-core") != FLA_VERSION:
-            return False
-        import fla.ops.gated_delta_rule  # noqa: F401
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:  # PackageNotFoundError among them
-        return False
-    return True
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # weights
@@ -138,12 +114,9 @@ class FusedWeights:
 @dataclass(frozen=True)
 class PassKernels:
     """The GPU kernels of a pass: ours (kev_backend.gpu.kernels) for norms, the causal conv, the chunked delta rule
-    and attention, which read (rows) or write (new states) the bank in place; with long_kernels "fla", fla's chunked
-    delta rule and torch's varlen attention for new states over RECURRENT_MAX_LEN tokens. A CPU test substitutes
-    torch references with the same signatures to check the pass's plumbing."""
+    and attention, which read (rows) or write (new states) the bank in place. A CPU test substitutes torch references
+    with the same signatures to check the pass's plumbing."""
 
-    chunk: Callable
-    attention: Callable
     rms_norm: Callable
     rms_norm_rope: Callable
     gated_rms_norm: Callable
@@ -158,17 +131,10 @@ class PassKernels:
     long_attention: Callable | None = None
 
     @classmethod
-    def gpu(cls, long_kernels: str = "triton") -> PassKernels:
+    def gpu(cls) -> PassKernels:
         from . import kernels
 
-        if check_long_kernels(long_kernels) == "fla":
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
-            from torch.nn.attention.varlen import varlen_attn as attention
-        else:  # not imported (fused_available says why) and never called
-            chunk = attention = _fla_kernels_only
         return cls(
-            chunk,
-            attention,
             kernels.rms_norm,
             kernels.rms_norm_rope,
             kernels.gated_rms_norm,
@@ -182,10 +148,6 @@ class PassKernels:
         )
 
 
-def _fla_kernels_only(*args: object, **kwargs: object) -> None:
-    raise RuntimeError("fla's chunked delta rule and torch's varlen attention run only with long_kernels 'fla'")
-
-
 class FusedQwen35:
     """The fused forward over a PassInput; returns the final-norm hidden states at the picks (fp32)."""
 
@@ -194,29 +156,19 @@ class FusedQwen35:
         weights: FusedWeights,
         pool: StatePool,
         kernels: PassKernels | None = None,
-        long_kernels: str = "triton",
         gemm_algos: str = "auto",
     ) -> None:
-        # cuBLAS may otherwise reduce split-K partial sums in bf16, with a split chosen by the token count: answers
-        # would then move with the batch they ride in.
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        if weights.embed.is_cuda:
-            torch.backends.cuda.preferred_blas_library("cublaslt")  # see MIN_GEMM_ROWS (a process-wide setting)
-        k = kernels or PassKernels.gpu(check_long_kernels(long_kernels))
+        process.configure(weights.embed.device)  # batch-invariant GEMMs on cuBLASLt, cuDNN's plans bounded
+        k = kernels or PassKernels.gpu()
         self.w = weights
         self.pool = pool
         self.c = weights.config
-        self._chunk, self._attn = k.chunk, k.attention
         self._rms_norm, self._gated_norm, self._silu_mul = k.rms_norm, k.gated_rms_norm, k.silu_mul
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv = k.chunked_rows, k.conv
-        # The delta rule and attention of new states over RECURRENT_MAX_LEN tokens: ours ("triton": chunked_rows and
-        # rows_attention, reading and writing the bank in place, no host chunk maps, so capturable), or fla's chunked
-        # kernel and torch's varlen attention ("fla"). Every other segment runs ours.
-        self.long_kernels = long_kernels
         self._rows_attention, self._bank_kv = k.rows_attention, k.bank_kv
-        self._long_attention = k.long_attention if long_kernels == "triton" else None
+        self._long_attention = k.long_attention
         c = weights.config
         self._attention_heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, weights.embed.dtype)
         if self._long_attention is not None and weights.embed.is_cuda:
@@ -325,41 +277,22 @@ class FusedQwen35:
         out: torch.Tensor,
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
-        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots. Every segment on
-        our chunked kernel (rows read their states in place, no gathered copy: fla's answers for a row moved with the
-        other rows of its call), except new long states with long_kernels "fla", on fla's chunked kernel."""
+        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots, on our chunked
+        kernel (rows read their states in place, no gathered copy)."""
         c = self.c
-        T = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         k = k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
         v = v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim))
         args = (q, k, v, a, b, layer.a_log, layer.dt_bias, state_pool, group.slots, group.cu)
-        if group.short or not new or self.long_kernels == "triton":
-            # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a
-            # graph's bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration
-            # runs fastest (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments. Its first long chain
-            # on a launch of its own (lead_apart) pays only for long new states: rows and short states stay in turn.
-            lead_apart = group.padded and new and not group.short  # a captured pass's long new states
-            self._chunked_rows(
-                *args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart, lead=group.short_segments
-            )
-            return
-        g = (-layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)).unsqueeze(0)
-        o, final = self._chunk(
-            q.unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            g=g,
-            beta=torch.sigmoid(b).unsqueeze(0),
-            initial_state=None,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=group.cu,
-            cu_seqlens_cpu=group.cu_cpu,
+        # A captured pass's group counts its capacity (a 2,560-token bucket: 20 long states), not its work: a graph's
+        # bucket of up to 4,096 tokens holds one or two long chains, which the narrow configuration runs fastest
+        # (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments. Its first long chain on a launch of its
+        # own (lead_apart) pays only for long new states: rows and short states stay in turn.
+        lead_apart = group.padded and new and not group.short  # a captured pass's long new states
+        self._chunked_rows(
+            *args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart, lead=group.short_segments
         )
-        state_pool.index_copy_(0, group.slots, final)
-        out.copy_(o[0].view(T, c.linear_num_value_heads, c.linear_value_head_dim))
 
     # -- gated attention -----------------------------------------------------------------------------------------
 
@@ -372,7 +305,7 @@ class FusedQwen35:
         # Per-head norm and partial RoPE in one kernel each, reading the projection's per-head views in place.
         q = self._norm_rope(q, layer.q_norm, c.rms_norm_eps, *rope)
         k = self._norm_rope(k.unflatten(-1, (Hkv, D)), layer.k_norm, c.rms_norm_eps, *rope)
-        v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel; varlen_attn (long_kernels "fla") gets a copy
+        v = v.unflatten(-1, (Hkv, D))  # read in place by our kernel
         out = torch.empty(T, Hq, D, device=x.device, dtype=x.dtype)  # padding tokens' rows: never read
         keys, values = self.pool.keys[index], self.pool.values[index]
         self._bank_states_kv(p, keys, values, k, v)  # first: the rows read the new states' K/V from the bank
@@ -395,11 +328,11 @@ class FusedQwen35:
 
     def _rows_beside_states(self, p: PassInput) -> bool:
         """Whether the rows' attention runs on a side stream beside the new states' own: in a pass with long new
-        states, on our kernels (varlen attention writes its whole span, which a trimmed bucket's rows overlap). Over
+        states. Over
         a long prefix the rows' attention is a few programs bound by latency, and a lone state's causal attention
         leaves SMs idle in its last blocks, so the two overlap. Short new states' attention stays in turn (forking it
         too is slower: docs/kernels.md); same-state passes have no new states."""
-        if p.states is None or self.long_kernels != "triton":
+        if p.states is None:
             return False
         return any(not group.short for group in p.states.groups)
 
@@ -419,7 +352,7 @@ class FusedQwen35:
                 span = group.span
                 if self._long_attention is not None and not group.padded and group.max_len > CUDNN_ABOVE:
                     self._long_states_attention(group, q, k, v, keys, values, out)
-                elif group.short_segments or group.short or self.long_kernels == "triton":  # ours: causal, own tokens
+                else:  # ours: causal, own tokens
                     # A captured pass's short and long new states in one group: by class, as in two groups.
                     n = group.short_segments
                     classes = [(group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)]
@@ -427,18 +360,6 @@ class FusedQwen35:
                         self._rows_attention(
                             q[span], k[span], v[span], keys, values, None, None, None, cu, max_len, out[span]
                         )
-                else:  # varlen attention writes its whole span: in a graph, the short group (next) rewrites its tokens
-                    cu32 = group.cu32 if group.cu32 is not None else group.cu.to(torch.int32)
-                    out[span] = self._attn(
-                        q[span],
-                        k[span],
-                        v[span].contiguous(),
-                        cu32,
-                        cu32,
-                        group.max_len,
-                        group.max_len,
-                        window_size=(-1, 0),
-                    )
 
     def _long_states_attention(
         self,
@@ -453,7 +374,7 @@ class FusedQwen35:
         """An eager pass's long new states with one over CUDNN_ABOVE tokens: each such state on a call of its own
         (long_attention), each run of the others between them on ours (a state's output does not depend on the
         states launched with it)."""
-        cu, span = group.cu_cpu.tolist(), group.span  # cu: offsets from the group's first token
+        cu, span = group.cu_host, group.span  # cu: offsets from the group's first token
         first = 0  # the current run of states at most CUDNN_ABOVE tokens long: [first, n)
         for n in range(len(cu)):
             if n < len(cu) - 1 and cu[n + 1] - cu[n] <= CUDNN_ABOVE:

@@ -2,10 +2,8 @@
 
 A pass is padded to a bucket: its new states' tokens to one size of STATE_BUCKETS (or none), its rows' tokens to one
 of ROW_BUCKETS. Segment, pick and prefix capacities follow from the bucket, so the bucket alone fixes every shape and
-grid. Rows must all be short (at most RECURRENT_MAX_LEN tokens). New states may be long too when the long-state
-kernels are capturable (`long_kernels` "triton": the conv and the chunked delta rule find segments by binary search
-on the device, kernels/segments.py); fla's chunked kernel builds chunk maps on the host, so with it passes with a
-long new state run eagerly.
+grid. Rows must all be short (at most RECURRENT_MAX_LEN tokens). New states may be long too: the conv and the chunked
+delta rule find segments by binary search on the device (kernels/segments.py), with no host-built chunk maps.
 
 In a graph the short and the long new states form one kernel group over the whole state region, short segments
 first (Bucket.states of them), then long, with offsets counted from the region's start (as in an eager pass): two
@@ -162,12 +160,10 @@ def all_buckets(max_tokens: int) -> list[Bucket]:
     return buckets
 
 
-def smallest_bucket(
-    buckets: list[Bucket], layout: PassLayout, prefix_tokens: int, long_states: bool = False
-) -> Bucket | None:
-    """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a long new state
-    without `long_states`, a prefix index over `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX
-    tokens, or too large for any (the pass runs eagerly). Rows over a state of more than SPLIT_ABOVE tokens take a
+def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: int) -> Bucket | None:
+    """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a prefix index over
+    `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX tokens, or too large for any (the pass runs
+    eagerly). Rows over a state of more than SPLIT_ABOVE tokens take a
     long-prefix bucket."""
     if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
         return None
@@ -175,8 +171,6 @@ def smallest_bucket(
     if longest > LONG_PREFIX_MAX:
         return None
     long = sum(not is_short(n) for n in layout.state_lengths)
-    if long and not long_states:
-        return None
     split = longest > attention.SPLIT_ABOVE
     return next((b for b in buckets if b.long_prefix == split and b.fits(layout, long)), None)
 
@@ -226,10 +220,10 @@ class StaticInputs:
         assert n <= size
         return self.flat[start : start + n]
 
-    def pass_input(self, bucket: Bucket, long_states: bool = False) -> PassInput:
-        """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. With `long_states` the
-        state region holds the long new states too (capacity bucket.long_states, each up to the whole region), in one
-        group with the short ones, short segments first (the module's doc)."""
+    def pass_input(self, bucket: Bucket) -> PassInput:
+        """The bucket's PassInput: views of the buffers, every shape fixed by the bucket. The state region holds the
+        long new states too (capacity bucket.long_states, each up to the whole region), in one group with the short
+        ones, short segments first (the module's doc)."""
         s, r = bucket.state_tokens, bucket.row_tokens
 
         def group(
@@ -248,7 +242,7 @@ class StaticInputs:
 
         states = None
         if s:
-            n_short, n_long = bucket.states, bucket.long_states if long_states else 0
+            n_short, n_long = bucket.states, bucket.long_states
             if n_long:  # the long states' segments follow the short ones' in the same buffers
                 region = group(0, s, "state_cu", "state_slots", n_short + n_long, short=False, short_segments=n_short)
             else:
@@ -340,8 +334,7 @@ class GraphStats:
 
 class PassGraphs:
     """Captures and replays the fused forward per bucket. With `capture` False (no CUDA) the same padded passes run
-    eagerly from the same buffers: tests check the padding and the buffers on a CPU. `long_states`: passes with long
-    new states are graphed too (only with capturable long-state kernels: FusedQwen35.long_kernels "triton")."""
+    eagerly from the same buffers: tests check the padding and the buffers on a CPU."""
 
     def __init__(
         self,
@@ -352,10 +345,8 @@ class PassGraphs:
         prefix_tokens: int = PREFIX_TOKENS,
         max_graphs: int = 112,
         capture: bool = True,
-        long_states: bool = False,
     ) -> None:
         self.model = model
-        self.long_states = long_states  # passes with long new states too (their kernels are capturable)
         self.pool = pool
         self.pad_id = pad_id
         most = EAGER_ABOVE_FLOPS / model.w.projection_flops
@@ -378,7 +369,7 @@ class PassGraphs:
         self.stats = GraphStats()
 
     def bucket_for(self, layout: PassLayout) -> Bucket | None:
-        return smallest_bucket(self.buckets, layout, self.inputs.prefix_tokens, self.long_states)
+        return smallest_bucket(self.buckets, layout, self.inputs.prefix_tokens)
 
     def run(self, bucket: Bucket, layout: PassLayout) -> torch.Tensor:
         """The pass's picked hidden states [picks, hidden] (fp32), replaying (or first capturing) its bucket: a view of
@@ -391,7 +382,7 @@ class PassGraphs:
         self.stats.long_runs += not all(is_short(n) for n in layout.state_lengths)
         self.seen.add(bucket)
         if entry is None:  # no CUDA, or the capture failed: the padded pass, eagerly
-            out = self.model.forward(self.inputs.pass_input(bucket, self.long_states))
+            out = self.model.forward(self.inputs.pass_input(bucket))
         else:
             self.graphs.move_to_end(bucket)
             graph, out = entry
@@ -436,7 +427,7 @@ class PassGraphs:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats.evictions += 1
-        inputs = self.inputs.pass_input(bucket, self.long_states)
+        inputs = self.inputs.pass_input(bucket)
         # An empty pass: every segment empty, so warm-up and capture write only the scratch slot and page.
         self.inputs.fill(bucket, PassLayout(), self.pool, self.pad_id)
         stream = self.stream

@@ -2,9 +2,6 @@
 tokens first, then question rows' tokens, each kind split into kernel groups by segment length (short segments,
 then long ones), plus the bank pool indices the mixers read and write. Eager passes size it exactly; captured
 passes (graphs.py) pad it to a bucket.
-
-fla hazard: fla memoises results derived from `cu_seqlens` by tensor identity, so every eager pass builds fresh
-`cu_seqlens` tensors and never mutates them.
 """
 
 from __future__ import annotations
@@ -17,23 +14,10 @@ import torch.nn.functional as F
 
 from ..scoring.transfer import device_ints
 
-# A segment this short is "short", a longer one "long": new long states may run other kernels (LONG_KERNELS), and
-# each class is a kernel group of its own. The class depends on the segment alone, never on what shares its pass,
+# A segment this short is "short", a longer one "long": each class is a kernel group of its own (its kernels'
+# configurations differ). The class depends on the segment alone, never on what shares its pass,
 # so a question's answer does not depend on its batch.
 RECURRENT_MAX_LEN = 64
-
-# Which kernels run the delta rule and attention of new states over RECURRENT_MAX_LEN tokens
-# (FusedQwen35.long_kernels): ours ("triton", the default: capturable in CUDA graphs, and faster) or fla's chunked
-# delta rule with torch's varlen attention ("fla").
-LONG_KERNELS = ("triton", "fla")
-
-
-def check_long_kernels(long_kernels: str) -> str:
-    """`long_kernels` if it is one of LONG_KERNELS, else a ValueError naming them."""
-    if long_kernels not in LONG_KERNELS:
-        raise ValueError(f"long_kernels must be one of {', '.join(LONG_KERNELS)}, not {long_kernels!r}")
-    return long_kernels
-
 
 # Batch invariance of the GEMMs: cuBLAS picks split-K by the row count M, and a split changes the summation order, so
 # a row's bf16 output would depend on what shares its pass. On Kev-4B's projections (M = 1..4,096 against
@@ -55,18 +39,16 @@ def is_short(length: int) -> bool:
 @dataclass
 class KernelGroup:
     """Segments of one kind and one length class, contiguous in the pass: tokens [start, end). Short ones (up to
-    RECURRENT_MAX_LEN tokens) and rows run our kernels, which read or write the bank in place; new long ones ours or
-    fla's chunked delta rule and torch's varlen attention (FusedQwen35.long_kernels). The class depends on a
-    segment's own length, never on its company."""
+    RECURRENT_MAX_LEN tokens), long ones and rows run our kernels, which read or write the bank in place. The class
+    depends on a segment's own length, never on its company."""
 
     short: bool
     start: int
     end: int
     max_len: int  # longest segment (for a captured pass, the bound its grids are sized for)
-    cu: torch.Tensor  # int64 offsets from `start`, [segments + 1]; fresh per eager pass (fla caches by identity)
+    cu: torch.Tensor  # int64 offsets from `start`, [segments + 1]
     slots: torch.Tensor  # the pool slot of each segment (its own, or the state a row continues)
-    cu_cpu: torch.Tensor | None = None  # long groups: the same on the host, so fla builds its chunk maps unsynced
-    cu32: torch.Tensor | None = None  # long new states: int32 for varlen attention
+    cu_host: list[int] | None = None  # long groups: the same offsets on the host (FusedQwen35._long_states_attention)
     padded: bool = False  # a captured pass's group: `slots` and `cu` are its capacity, mostly empty segments
     # A captured pass's new states in one group (graphs.StaticInputs.pass_input): its first `short_segments`
     # segments are the short states' slots, the rest the long ones'. 0: one length class, as `short` says.
@@ -89,8 +71,7 @@ class KernelGroup:
             max_len=max(lengths),
             cu=cu,
             slots=device_ints(slots, device),
-            cu_cpu=None if short else torch.tensor(cu_host, dtype=torch.int64),
-            cu32=None if short else cu.to(torch.int32),
+            cu_host=None if short else cu_host,
         )
 
 

@@ -20,7 +20,7 @@ from ..scoring.units import Units, run_units
 from .fused import FusedQwen35, FusedWeights, PassKernels
 from .head import PointerHead
 from .memory import BANK_SHARE, GpuMemoryError, MemoryPlan, gib, states_held
-from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, check_long_kernels, is_short
+from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
 from .pool import GpuBank, Slot, StatePool
 
 # The bank where none is given and the device is not a GPU (the fused pass's stand-ins on a CPU, in tests).
@@ -53,11 +53,9 @@ class FusedScorer:
         graphs: bool = True,
         graph_max_tokens: int = 4096,
         max_graphs: int = 112,
-        long_kernels: str = "triton",
         gemm_algos: str = "auto",
     ) -> None:
         self.device = next(model.parameters()).device
-        self.long_kernels = check_long_kernels(long_kernels)
         self.gemm_table = gemm_algos  # which pre-tuned cuBLASLt table (cublaslt.pretuned)
         self.weights = FusedWeights(model, dtype)
         self.pointer = PointerHead(head, temperature)
@@ -177,7 +175,7 @@ class FusedScorer:
         return f"{size}, holding states of tokens: {held}"
 
     def _new_model(self) -> FusedQwen35:
-        return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.long_kernels, self.gemm_table)
+        return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.gemm_table)
 
     def _new_graphs(self):
         if not self.use_graphs:
@@ -191,7 +189,6 @@ class FusedScorer:
             max_tokens=self.graph_max_tokens,
             max_graphs=self.max_graphs,
             capture=self.device.type == "cuda",
-            long_states=self.long_kernels == "triton",  # fla's chunk maps live on the host: not capturable
         )
 
     def stats(self) -> ScorerStats:

@@ -651,8 +651,8 @@ def child_env(env: dict[str, str], config: ServeSettings) -> dict[str, str]:
     env = dict(env)
     env.pop("TRITON_ADMIN_KEY", None)  # the children have no use for it
     env["KEV_VENV"] = str(config.venv)  # the stub's environment (build/tritonserver.sh)
-    # Triton-language kernels (ours, fla's) compile once per shape class; keep them for the next start. fla stores
-    # its autotuning results there too; TRITON_CACHE_AUTOTUNING=1 does the same for any other autotuned kernel.
+    # Triton-language kernels compile once per shape class; keep them for the next start. TRITON_CACHE_AUTOTUNING=1
+    # keeps autotuned kernels' results there too.
     env.setdefault("TRITON_CACHE_DIR", str(REPO / "build" / ".triton-cache"))
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     # Expandable segments (settings.CUDA_ALLOCATOR). glibc's arenas are left at their default: MALLOC_ARENA_MAX=2

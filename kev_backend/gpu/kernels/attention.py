@@ -5,7 +5,6 @@ without a prefix, causal attention of new states over their own tokens; for the 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +50,9 @@ CUDNN_ABOVE = 4096
 # Its key holds the sequence lengths, so each new state length would pay a build and grow that cache with what clients
 # send. With RAGGED_PLANS set, calls whose q, k and v are [batch, tokens, heads, D] contiguous (cudnn_attention's) are
 # keyed by their lengths rounded up to powers of two and run on their own lengths: one plan a class, four from 4,097
-# to 65,536 tokens (docs/kernels.md). torch reads the variable once, at the process's first cuDNN attention call: it
-# is set here, when the fused path's kernels are imported, before any.
+# to 65,536 tokens (docs/kernels.md). torch reads the variable once, at the process's first cuDNN attention call: the
+# fused path's start-up step sets it (gpu/process.py), before any.
 RAGGED_PLANS = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
-os.environ[RAGGED_PLANS] = "1"
 
 
 @triton.jit
