@@ -8,6 +8,7 @@ reference engine. Our Triton kernels' stand-ins are their plain torch references
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -92,22 +93,14 @@ def engines(
     tiny_dir: Path, bank_bytes: int = 1 << 26, checkpoint: KevCheckpoint | None = None, **options
 ) -> tuple[Engine, FusedScorer]:
     """The reference engine on the tiny checkpoint (or `checkpoint`) and a fused scorer (fp32, torch stand-ins) on
-    the same model, with FusedScorer's defaults (the shipped configuration: graphs) unless
-    `options` say otherwise."""
+    the same model, with the engine's default options (the shipped configuration: graphs), graph buckets up to 1,024
+    tokens, unless `options` (FusedOptions' fields) say otherwise."""
     if checkpoint is None:
         reference = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
     else:
         reference = Engine(checkpoint, EngineOptions(bank_bytes=0))
     ck = reference.checkpoint
-    fused = FusedScorer(
-        ck.model,
-        ck.head,
-        ck.temperature,
-        reference.tokenizer.delimiters.pad,
-        bank_bytes=bank_bytes,
-        dtype=torch.float32,
-        kernels=TORCH_KERNELS,
-        graph_max_tokens=1024,
-        **options,
-    )
+    fused_options = replace(EngineOptions(bank_bytes=bank_bytes, graph_max_tokens=1024).fused(), **options)
+    pad = reference.tokenizer.delimiters.pad
+    fused = FusedScorer(ck.model, ck.head, ck.temperature, pad, fused_options, torch.float32, TORCH_KERNELS)
     return reference, fused

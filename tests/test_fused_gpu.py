@@ -43,8 +43,7 @@ def check(report: dict, name: str, questions: int, max_abs: float | None = 0.03)
 
 
 def engines(checkpoint, bank_bytes: int) -> tuple[Engine, Engine]:
-    """The reference engine and a fused one in the shipped configuration (EngineOptions' defaults: CUDA graphs, our
-    long kernels)."""
+    """The reference engine and a fused one in the shipped configuration (EngineOptions' defaults: CUDA graphs)."""
     reference = Engine(checkpoint, EngineOptions(backend="reference", bank_bytes=0))
     fused = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=bank_bytes))
     return reference, fused
@@ -91,7 +90,7 @@ def test_kev4b_shapes_parity(tiny_dir: Path, parity_questions: int) -> None:
 def test_graph_replay_matches_eager(tiny_dir: Path, parity_questions: int) -> None:
     """Passes replayed from CUDA graphs answer like eager passes (≤ 0.01; the buckets keep ≥ 64 GEMM rows
     and every kernel's per-segment work is the same, so equality is expected), batched, alone and from the bank.
-    On our long kernels (the default), so passes with long new states are graphed too."""
+    Passes with long new states are graphed too."""
     from kev_backend.dev.parity import compare, scored
     from kev_backend.gpu.graphs import PassGraphs
 

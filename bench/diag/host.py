@@ -191,10 +191,9 @@ def hostpath(args) -> None:
         ck.head,
         ck.temperature,
         reference.tokenizer.delimiters.pad,
-        bank_bytes=1 << 30,
+        EngineOptions(bank_bytes=1 << 30, graphs=True).fused(),
         dtype=torch.float32,
         kernels=no_kernels,
-        graphs=True,
     )
     graphs = scorer.graphs
     phases: dict[str, float] = {}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.engine import EngineOptions
 from ..gpu.cublaslt import GemmAlgos, identity, read_table
 from ..gpu.fused import FusedWeights
 from ..gpu.graphs import all_buckets
@@ -86,10 +87,10 @@ def size_projections(size: str) -> set[tuple[int, int]]:
 
 def tune_table(source: str, out: Path) -> None:
     """A table for this GPU: `source`'s projections (a SIZE's or a checkpoint's) at the token counts of the graphs'
-    buckets (graph_max_tokens 4,096)."""
+    buckets (the shipped graph_max_tokens)."""
     device = torch.device("cuda")
     projections = sorted(size_projections(source) if source in SIZES else checkpoint_projections(source, device))
-    tokens = sorted({bucket.tokens for bucket in all_buckets(4096)})
+    tokens = sorted({bucket.tokens for bucket in all_buckets(EngineOptions().graph_max_tokens)})
     started = time.perf_counter()
     entries = tune([(m, n, k) for m in tokens for n, k in projections], device)
     data = identity(device) | {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "shapes": entries}

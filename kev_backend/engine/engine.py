@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from ..protocol.request import Limits, Record, RequestError, parse_request
 from ..scoring.bank import BankStats, StateBank
 from ..scoring.contract import Pending, Scorer
 from ..scoring.reference import ReferenceScorer
+
+if TYPE_CHECKING:
+    from ..gpu.scorer import FusedOptions
 
 Body = str | bytes | dict
 log = logging.getLogger(__name__)
@@ -86,6 +90,21 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         check_table(self.gemm_algos)
+
+    def fused(self) -> FusedOptions:
+        """The fused scorer's options: these options' (the request limits' for the longest state and rows)."""
+        from ..gpu.scorer import FusedOptions
+
+        return FusedOptions(
+            bank_bytes=self.bank_bytes,
+            pass_tokens=self.pass_tokens,
+            max_state_tokens=self.limits.max_state_tokens,
+            max_row_tokens=self.limits.max_row_tokens,
+            graphs=self.graphs,
+            graph_max_tokens=self.graph_max_tokens,
+            max_graphs=self.max_graphs,
+            gemm_algos=self.gemm_algos,
+        )
 
     def resolved_bank_bytes(self, device: torch.device) -> int:
         if self.bank_bytes is not None:
@@ -212,18 +231,7 @@ class Engine:
             from ..gpu.scorer import FusedScorer
 
             self.scorer: Scorer = FusedScorer(
-                checkpoint.model,
-                checkpoint.head,
-                checkpoint.temperature,
-                pad,
-                self.options.bank_bytes,
-                pass_tokens=self.options.pass_tokens,
-                max_state_tokens=self.options.limits.max_state_tokens,
-                max_row_tokens=self.options.limits.max_row_tokens,
-                graphs=self.options.graphs,
-                graph_max_tokens=self.options.graph_max_tokens,
-                max_graphs=self.options.max_graphs,
-                gemm_algos=self.options.gemm_algos,
+                checkpoint.model, checkpoint.head, checkpoint.temperature, pad, self.options.fused()
             )
         else:
             self.scorer = ReferenceScorer(

@@ -341,9 +341,9 @@ class PassGraphs:
         model: FusedQwen35,
         pool: StatePool,
         pad_id: int,
-        max_tokens: int = 4096,
+        max_tokens: int,
+        max_graphs: int,
         prefix_tokens: int = PREFIX_TOKENS,
-        max_graphs: int = 112,
         capture: bool = True,
     ) -> None:
         self.model = model

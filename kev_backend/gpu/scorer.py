@@ -27,6 +27,23 @@ from .pool import GpuBank, Slot, StatePool
 DEFAULT_CPU_BANK_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class FusedOptions:
+    """How the fused scorer runs. The engine builds it from its own options (EngineOptions.fused), where every default
+    is written: none is written here."""
+
+    bank_bytes: int | None  # None: on a GPU, what the weights and the largest pass leave, at most a fifth of it
+    pass_tokens: int  # tokens per pass (states, counted once, and their rows)
+    max_state_tokens: int  # the longest state a request may hold (the request limits')
+    max_row_tokens: int  # the most tokens of one state's rows (the request limits')
+    # CUDA graphs for passes that fit a bucket of up to graph_max_tokens tokens (graphs.py), at most max_graphs kept;
+    # off: every pass eagerly. Without CUDA nothing is captured: the padded passes run eagerly from the graphs' buffers.
+    graphs: bool
+    graph_max_tokens: int
+    max_graphs: int
+    gemm_algos: str  # which pre-tuned cuBLASLt table (cublaslt.pretuned)
+
+
 @dataclass
 class Row:
     request: int
@@ -44,34 +61,23 @@ class FusedScorer:
         head: dict[str, torch.Tensor],
         temperature: float,
         pad_id: int,
-        bank_bytes: int | None = None,
-        pass_tokens: int = 32_768,
-        max_state_tokens: int = 65_536,
-        max_row_tokens: int = 73_728,
+        options: FusedOptions,
         dtype: torch.dtype = torch.bfloat16,
         kernels: PassKernels | None = None,
-        graphs: bool = True,
-        graph_max_tokens: int = 4096,
-        max_graphs: int = 112,
-        gemm_algos: str = "auto",
     ) -> None:
+        """`dtype` and `kernels` are what a CPU test changes (fp32, torch stand-ins for the GPU kernels)."""
         self.device = next(model.parameters()).device
-        self.gemm_table = gemm_algos  # which pre-tuned cuBLASLt table (cublaslt.pretuned)
+        self.options = options
         self.weights = FusedWeights(model, dtype)
         self.pointer = PointerHead(head, temperature)
         self.pad_id = pad_id
-        self.pass_tokens = pass_tokens
-        self.max_state_tokens = max_state_tokens
-        self.max_row_tokens = max_row_tokens
+        self.pass_tokens = options.pass_tokens
+        self.max_state_tokens = options.max_state_tokens
+        self.max_row_tokens = options.max_row_tokens
         self.dtype = dtype
         self.kernels = kernels
-        # CUDA graphs for passes that fit a bucket (graphs.py; with long new states only on our long kernels); off:
-        # every pass eagerly. Without CUDA nothing is captured: the padded passes run eagerly from the graphs' buffers.
-        self.use_graphs = graphs
-        self.graph_max_tokens = graph_max_tokens
-        self.max_graphs = max_graphs
-        # None: on a GPU, what the weights and the largest pass leave, at most a fifth of it (gpu/memory.py).
-        self.memory: MemoryPlan | None = None
+        self.memory: MemoryPlan | None = None  # how the bank was sized on a GPU (gpu/memory.py)
+        bank_bytes = options.bank_bytes
         if bank_bytes is None and self.device.type == "cuda":
             self.memory = self.plan_memory()
             bank_bytes = self.memory.bank_bytes()
@@ -125,7 +131,7 @@ class FusedScorer:
         state = (pad,) * self.max_state_tokens
         largest = max(self.max_row_tokens, self.pass_tokens, self.max_state_tokens + MIN_GEMM_ROWS)
         branch = largest - self.max_state_tokens
-        graphed = max(self.graph_max_tokens, 2 * MIN_GEMM_ROWS)
+        graphed = max(self.options.graph_max_tokens, 2 * MIN_GEMM_ROWS)
         try:
             working = peak(rows(state, branch, branch))  # the state new, with its first rows
             working = max(working, peak(rows(state, self.pass_tokens, min(branch, self.pass_tokens))))  # banked
@@ -149,7 +155,7 @@ class FusedScorer:
             free=free,
             weights=weights,
             working=working,
-            graphs=graphs if self.use_graphs else 0,
+            graphs=graphs if self.options.graphs else 0,
             minimum=minimum,
             max_state_tokens=self.max_state_tokens,
             largest_pass_tokens=largest,
@@ -175,10 +181,10 @@ class FusedScorer:
         return f"{size}, holding states of tokens: {held}"
 
     def _new_model(self) -> FusedQwen35:
-        return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.gemm_table)
+        return FusedQwen35(self.weights, self.bank.pool, self.kernels, self.options.gemm_algos)
 
     def _new_graphs(self):
-        if not self.use_graphs:
+        if not self.options.graphs:
             return None
         from .graphs import PassGraphs
 
@@ -186,8 +192,8 @@ class FusedScorer:
             self.model,
             self.bank.pool,
             self.pad_id,
-            max_tokens=self.graph_max_tokens,
-            max_graphs=self.max_graphs,
+            max_tokens=self.options.graph_max_tokens,
+            max_graphs=self.options.max_graphs,
             capture=self.device.type == "cuda",
         )
 

@@ -41,7 +41,7 @@ class ReferenceScorer:
         temperature: float,
         pad_id: int,
         bank: StateBank[SequenceCache],
-        row_pass_tokens: int = 16_384,
+        row_pass_tokens: int,
         chunk_tokens: int = PASS_CHUNK_TOKENS,
     ) -> None:
         self.model = model
