@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.gpu.fused import PassKernels
 from kev_backend.gpu.kernels.attention import reference_rows_attention
 from kev_backend.gpu.kernels.bank import reference_bank_kv
 from kev_backend.gpu.kernels.conv import reference_conv_rows
@@ -26,6 +25,7 @@ from kev_backend.gpu.kernels.norms import (
     reference_sigmoid_gate,
     reference_silu_mul,
 )
+from kev_backend.gpu.pass_kernels import PassKernels
 from kev_backend.gpu.scorer import FusedScorer
 from kev_backend.model.checkpoint import KevCheckpoint
 from kev_backend.model.qwen35 import causal_attention, gated_delta_rule, l2_normalize

@@ -146,7 +146,7 @@ def test_synthetic_model_in_bf16_is_the_fp32_one_rounded() -> None:
 
 
 def test_fused_projections_are_the_fused_weights(tiny_dir: Path) -> None:
-    from kev_backend.gpu.fused import FusedWeights
+    from kev_backend.gpu.weights import FusedWeights
 
     model = load_checkpoint(tiny_dir / "kev", "cpu").model
     fused = FusedWeights(model)
@@ -391,7 +391,7 @@ def test_parity_verdict_holds_the_bars() -> None:
 def test_fused_weights_share_a_bf16_models_memory(tiny_dir: Path) -> None:
     """A model already in bf16 (as the GPU path loads it) and its fused projections are one copy in memory: each
     projection of the model is a view of its stack, with the same values, and the model answers as before."""
-    from kev_backend.gpu.fused import FusedWeights
+    from kev_backend.gpu.weights import FusedWeights
 
     model = load_checkpoint(tiny_dir / "kev", "cpu", LoadOptions(dtype="bf16")).model
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

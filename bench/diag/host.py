@@ -178,7 +178,7 @@ def hostpath(args) -> None:
     from kev_backend.dev import bench, synthetic
     from kev_backend.dev.workloads import long5, short6
     from kev_backend.engine.engine import Engine, EngineOptions
-    from kev_backend.gpu.fused import PassKernels
+    from kev_backend.gpu.pass_kernels import PassKernels
     from kev_backend.gpu.scorer import FusedScorer, Row
 
     directory = Path(tempfile.mkdtemp())

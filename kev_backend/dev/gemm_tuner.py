@@ -21,8 +21,8 @@ import torch
 
 from ..engine.engine import EngineOptions
 from ..gpu.cublaslt import GemmAlgos, identity, read_table
-from ..gpu.fused import FusedWeights
 from ..gpu.graphs import all_buckets
+from ..gpu.weights import FusedWeights
 from ..model.checkpoint import load_checkpoint
 from ..model.qwen35 import Qwen35Config
 from .sizes import SIZES, fused_projections

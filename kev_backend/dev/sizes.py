@@ -168,7 +168,7 @@ def text_parameters(config: dict[str, Any]) -> int:
 
 
 def fused_projections(config: Qwen35Config) -> dict[str, list[tuple[int, int]]]:
-    """(out, in) features of the GEMMs a layer of each kind runs on the fused path (kev_backend/gpu/fused.py's
+    """(out, in) features of the GEMMs a layer of each kind runs on the fused path (kev_backend/gpu/weights.py's
     FusedWeights, LoRA merged): the concatenated input projection (attention: query with its gate, keys, values;
     DeltaNet: qkv, z, b, a), the output projection, the MLP's gate and up together, its down."""
     c = config

@@ -7,145 +7,23 @@ pool), then the rows (varlen, each continuing its state read from the pool). fp3
 recurrent state, norm statistics and the residual stream, the picked hidden states and the pointer head. There is
 no LM head: after the last mixer only the tokens at `</opt>` and `<decide>` go on.
 
-The pass's inputs are described in passes.py; the scorer that plans passes and reads the head is scorer.py.
+The pass's inputs are described in passes.py, its weights in weights.py, which kernel runs each step in
+pass_kernels.py; the scorer that plans passes and reads the head is scorer.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from ..model.qwen35 import FULL_ATTENTION, Qwen35TextModel
+from ..model.qwen35 import FULL_ATTENTION
 from . import cublaslt, process
 from .kernels.attention import CUDNN_ABOVE, build_cudnn_plans, cudnn_attention_runs
 from .kernels.streams import beside
+from .pass_kernels import PassKernels
 from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, pad_rows
 from .pool import StatePool
-
-# --------------------------------------------------------------------------------------------------------------------
-# weights
-
-
-@dataclass
-class LayerWeights:
-    kind: str
-    input_norm: torch.Tensor  # (1 + w), fp32
-    post_norm: torch.Tensor  # (1 + w), fp32
-    in_proj: torch.Tensor  # GDN: [qkv | z | b | a]; attention: [q+gate | k | v]
-    out_proj: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    conv: torch.Tensor | None = None  # [conv_dim, W]
-    a_log: torch.Tensor | None = None  # fp32
-    dt_bias: torch.Tensor | None = None  # fp32
-    gated_norm: torch.Tensor | None = None  # plain weight, fp32
-    q_norm: torch.Tensor | None = None  # (1 + w), fp32
-    k_norm: torch.Tensor | None = None
-
-
-def stacked(parts: list[torch.nn.Parameter], dtype: torch.dtype) -> torch.Tensor:
-    """The parts' weights stacked by rows, in `dtype`. Where the parts already are `dtype` on one device, each part
-    then becomes a view of the stack, so the model's weights and the fused ones are one copy in memory: building the
-    fused weights of a model that fills most of a GPU (Kev-27B's 54 GB on an 80 GB H100) costs one layer's largest
-    stack more, not a second copy of the model."""
-    stack = torch.cat([part.detach() for part in parts]).to(dtype)
-    if all(part.dtype == dtype and part.device == stack.device for part in parts):
-        start = 0
-        for part in parts:
-            part.data = stack[start : start + part.shape[0]]
-            start += part.shape[0]
-    return stack
-
-
-class FusedWeights:
-    """Concatenated bf16 projections built from a (merged) reference model; norm weights kept in fp32. A model already
-    in `dtype` shares its projections' memory with them (`stacked`); the embedding is the model's own tensor."""
-
-    def __init__(self, model: Qwen35TextModel, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.config = model.config
-        self.dtype = dtype
-        self.embed = model.embed_tokens.weight.detach().to(dtype)
-        self.final_norm = 1.0 + model.norm.weight.detach().float()
-        self.layers: list[LayerWeights] = []
-        for layer in model.layers:
-            common = dict(
-                input_norm=1.0 + layer.input_layernorm.weight.detach().float(),
-                post_norm=1.0 + layer.post_attention_layernorm.weight.detach().float(),
-                gate_up=stacked([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], dtype),
-                down=layer.mlp.down_proj.weight.detach().to(dtype),
-            )
-            if layer.layer_type == FULL_ATTENTION:
-                a = layer.self_attn
-                self.layers.append(
-                    LayerWeights(
-                        kind=FULL_ATTENTION,
-                        in_proj=stacked([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dtype),
-                        out_proj=a.o_proj.weight.detach().to(dtype),
-                        q_norm=1.0 + a.q_norm.weight.detach().float(),
-                        k_norm=1.0 + a.k_norm.weight.detach().float(),
-                        **common,
-                    )
-                )
-            else:
-                g = layer.linear_attn
-                proj = [g.in_proj_qkv.weight, g.in_proj_z.weight, g.in_proj_b.weight, g.in_proj_a.weight]
-                self.layers.append(
-                    LayerWeights(
-                        kind=layer.layer_type,
-                        in_proj=stacked(proj, dtype),
-                        out_proj=g.out_proj.weight.detach().to(dtype),
-                        conv=g.conv1d.weight.detach().squeeze(1).to(dtype).contiguous(),
-                        a_log=g.A_log.detach().float(),
-                        dt_bias=g.dt_bias.detach().float(),
-                        gated_norm=g.norm.weight.detach().float(),
-                        **common,
-                    )
-                )
-
-    @property
-    def projection_flops(self) -> int:
-        """A token's FLOPs in the layers' projections: 2 × their weights."""
-        return 2 * sum(w.in_proj.numel() + w.out_proj.numel() + w.gate_up.numel() + w.down.numel() for w in self.layers)
-
-
-@dataclass(frozen=True)
-class PassKernels:
-    """The GPU kernels of a pass: ours (kev_backend.gpu.kernels) for norms, the causal conv, the chunked delta rule
-    and attention, which read (rows) or write (new states) the bank in place. A CPU test substitutes torch references
-    with the same signatures to check the pass's plumbing."""
-
-    rms_norm: Callable
-    rms_norm_rope: Callable
-    gated_rms_norm: Callable
-    silu_mul: Callable
-    sigmoid_gate: Callable
-    chunked_rows: Callable
-    conv: Callable
-    rows_attention: Callable
-    bank_kv: Callable
-    # One new state's attention over its own tokens when it is over CUDNN_ABOVE tokens in an eager pass (cuDNN's,
-    # where it runs the model's heads); None: rows_attention's.
-    long_attention: Callable | None = None
-
-    @classmethod
-    def gpu(cls) -> PassKernels:
-        from . import kernels
-
-        return cls(
-            kernels.rms_norm,
-            kernels.rms_norm_rope,
-            kernels.gated_rms_norm,
-            kernels.silu_mul,
-            kernels.sigmoid_gate,
-            kernels.chunked_rows,
-            kernels.conv_tokens,
-            kernels.rows_attention,
-            kernels.bank_kv,
-            kernels.cudnn_attention,
-        )
+from .weights import FusedWeights, LayerWeights
 
 
 class FusedQwen35:

@@ -17,11 +17,13 @@ from ..scoring.contract import ScorerStats
 from ..scoring.head import PendingProbabilities, batch_questions
 from ..scoring.transfer import device_int_fields
 from ..scoring.units import Units, run_units
-from .fused import FusedQwen35, FusedWeights, PassKernels
+from .fused import FusedQwen35
 from .head import PointerHead
 from .memory import BANK_SHARE, GpuMemoryError, MemoryPlan, gib, states_held
+from .pass_kernels import PassKernels
 from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
 from .pool import GpuBank, Slot, StatePool
+from .weights import FusedWeights
 
 # The bank where none is given and the device is not a GPU (the fused pass's stand-ins on a CPU, in tests).
 DEFAULT_CPU_BANK_BYTES = 1 << 30
