@@ -11,7 +11,7 @@ import pytest
 from kev_backend.dev import sizes, synthetic
 from kev_backend.dev.parity import compare
 from kev_backend.dev.workloads import realistic, short6, sized, state_counter
-from kev_backend.gpu.scorer import Row
+from kev_backend.gpu.passes import Row
 from kev_backend.model.qwen35 import FULL_ATTENTION, LINEAR_ATTENTION
 
 from .fused_cpu_ops import CALLS, engines

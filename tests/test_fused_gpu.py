@@ -183,7 +183,7 @@ def test_the_bank_takes_what_the_largest_pass_leaves(tiny_dir: Path) -> None:
     accounting; its answers are the same bits as from one pass of it all, and as alone."""
     from kev_backend.dev.workloads import sized, state_counter
     from kev_backend.gpu.memory import MARGIN_BYTES
-    from kev_backend.gpu.scorer import Row
+    from kev_backend.gpu.passes import Row
 
     checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     engine = Engine(checkpoint, EngineOptions(backend="fused", warm=False))

@@ -113,7 +113,7 @@ def hostops(args) -> None:
     bucket and fill alone (a banked state's rows, from graphs): whether hostsplit's phases are this CPU or something
     in them."""
     from kev_backend.dev.workloads import short6
-    from kev_backend.gpu.scorer import Row
+    from kev_backend.gpu.passes import Row, lay_out
 
     def us(fn, n: int = 200) -> float:
         runs = []
@@ -162,9 +162,10 @@ def hostops(args) -> None:
         for q, tokens in enumerate(encoded.questions)
     ]
     slots = {rows[0].state: scorer.bank.get(rows[0].state)}
-    layout = scorer.layout(rows, [], slots)
+    page = scorer.bank.pool.page_size
+    layout = lay_out(rows, [], slots, page)
     bucket = graphs.bucket_for(layout)
-    print(f"hostops short6 same layout: {us(lambda: scorer.layout(rows, [], slots)):.2f} us", flush=True)
+    print(f"hostops short6 same layout: {us(lambda: lay_out(rows, [], slots, page)):.2f} us", flush=True)
     print(f"hostops short6 same bucket: {us(lambda: graphs.bucket_for(layout)):.2f} us", flush=True)
     fill = lambda: graphs.inputs.fill(bucket, layout, scorer.bank.pool, scorer.pad_id)  # noqa: E731
     print(f"hostops short6 same fill: {us(fill):.2f} us", flush=True)
@@ -178,8 +179,10 @@ def hostpath(args) -> None:
     from kev_backend.dev import bench, synthetic
     from kev_backend.dev.workloads import long5, short6
     from kev_backend.engine.engine import Engine, EngineOptions
+    from kev_backend.gpu import scorer as scorer_module
     from kev_backend.gpu.pass_kernels import PassKernels
-    from kev_backend.gpu.scorer import FusedScorer, Row
+    from kev_backend.gpu.passes import Row
+    from kev_backend.gpu.scorer import FusedScorer
 
     directory = Path(tempfile.mkdtemp())
     synthetic.build(directory)
@@ -197,7 +200,7 @@ def hostpath(args) -> None:
     )
     graphs = scorer.graphs
     phases: dict[str, float] = {}
-    scorer.layout = _timed(phases, "layout", scorer.layout, scale=1e6, accumulate=False)
+    scorer_module.lay_out = _timed(phases, "layout", scorer_module.lay_out, scale=1e6, accumulate=False)
     graphs.inputs.fill = _timed(phases, "fill", graphs.inputs.fill, scale=1e6, accumulate=False)
     picked = torch.zeros(512, ck.model.config.hidden_size)
 

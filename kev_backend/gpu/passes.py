@@ -1,7 +1,8 @@
-"""What one fused pass works on, described on the host (PassLayout) and on the device (PassInput): new states'
-tokens first, then question rows' tokens, each kind split into kernel groups by segment length (short segments,
-then long ones), plus the bank pool indices the mixers read and write. Eager passes size it exactly; captured
-passes (graphs.py) pad it to a bucket.
+"""What one fused pass works on, and how it is built: described on the host (PassLayout, from the scorer's rows:
+lay_out) and on the device (PassInput): new states' tokens first, then question rows' tokens, each kind split into
+kernel groups by segment length (short segments, then long ones), plus the bank pool indices the mixers read and
+write. Eager passes size it exactly (exact_input); captured passes (graphs.py) fill the same layout into a bucket's
+padded buffers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..scoring.transfer import device_ints
+from ..protocol.encoding import EncodedQuestion, token_ids
+from ..scoring.transfer import device_int_fields, device_ints
+from .pool import Slot
 
 # A segment this short is "short", a longer one "long": each class is a kernel group of its own (its kernels'
 # configurations differ). The class depends on the segment alone, never on what shares its pass,
@@ -154,3 +157,101 @@ class PassInput:
     # The longest row prefix, on the host (a long-prefix graph's: graphs.LONG_PREFIX_MAX): over
     # kernels.attention.SPLIT_ABOVE the rows' attention is a split launch
     row_prefix_max: int = 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# building a pass: a group of question rows (Row) laid out on the host (lay_out), then on the device exactly sized
+# (exact_input); a captured pass fills the same PassLayout into its bucket's padded buffers instead (graphs.py)
+
+
+@dataclass
+class Row:
+    request: int
+    question: int
+    tokens: EncodedQuestion
+    state: tuple[int, ...]
+
+
+def lay_out(rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, ...], Slot], page: int) -> PassLayout:
+    """The pass on the host: the `new` states' tokens (computed into their bank `slots`), then the `rows`' (each
+    continuing its state from the bank), in the given orders; K/V indices by pages of `page` tokens."""
+    out = PassLayout()
+    kv_dst: list[np.ndarray] = []
+    state_ids: list[np.ndarray] = []
+    for state in new:
+        state_ids.append(token_ids(state))
+        out.state_lengths.append(len(state))
+        out.state_slots.append(slots[state].slot)
+        kv_dst.append(slots[state].kv_index(page))
+    # Each state's pool K/V index once; every row points at its state's run. A request's rows share its state's
+    # tuple, so the run and slot are found by the tuple's identity first: hashing a long state's tuple on every
+    # lookup would cost host time for each row.
+    runs: dict[tuple[int, ...], int] = {}
+    by_identity: dict[int, tuple[int, Slot]] = {}  # the tuples stay alive (in `rows`) while this runs
+    prefix: list[np.ndarray] = []
+    prefix_tokens = 0
+    for row in rows:
+        if (found := by_identity.get(id(row.state))) is None:
+            slot = slots[row.state]
+            if (run := runs.get(row.state)) is None:
+                run = runs[row.state] = prefix_tokens
+                prefix.append(slot.kv_index(page))
+                prefix_tokens += len(prefix[-1])
+            found = by_identity[id(row.state)] = (run, slot)
+        run, slot = found
+        out.prefix_start.append(run)
+        out.prefix_len.append(len(row.state))
+        start = len(out.row_ids)
+        tokens = row.tokens.tokens
+        out.row_ids.extend(tokens)
+        out.row_positions.extend(range(len(row.state), len(row.state) + len(tokens)))
+        out.row_lengths.append(len(tokens))
+        out.row_slots.append(slot.slot)
+        out.row_picks.append(start + row.tokens.decide)
+        out.row_picks.extend(start + i for i in row.tokens.option_ends)
+    # The new states' ids and K/V indices stay numpy arrays (a long state's are thousands, and an array is written
+    # into the pinned buffer far faster than a list).
+    if new:
+        out.state_ids = np.concatenate(state_ids)
+        out.state_kv_dst = np.concatenate(kv_dst)
+    if prefix:
+        out.prefix = np.concatenate(prefix)
+    return out
+
+
+def exact_input(layout: PassLayout, pad_id: int, device: torch.device) -> PassInput:
+    """The pass on the device, exactly sized (padded only to MIN_GEMM_ROWS tokens)."""
+    n_state = len(layout.state_ids)
+    padding = max(0, MIN_GEMM_ROWS - n_state - len(layout.row_ids))
+    ids, positions, state_kv_dst, prefix, prefix_start, prefix_len, picks = device_int_fields(
+        [
+            np.concatenate(
+                [
+                    np.asarray(layout.state_ids, np.int64),
+                    np.asarray(layout.row_ids, np.int64),
+                    np.full(padding, pad_id, np.int64),
+                ]
+            ),
+            np.concatenate(
+                [layout.state_positions(), np.asarray(layout.row_positions, np.int64), np.zeros(padding, np.int64)]
+            ),
+            layout.state_kv_dst,
+            layout.prefix,
+            layout.prefix_start,
+            layout.prefix_len,
+            [n_state + i for i in layout.row_picks],
+        ],
+        device,
+    )
+    return PassInput(
+        ids=ids,
+        positions=positions,
+        states=Segments.build(0, layout.state_lengths, layout.state_slots, device) if n_state else None,
+        state_kv_dst=state_kv_dst if n_state else None,
+        rows=Segments.build(n_state, layout.row_lengths, layout.row_slots, device) if layout.row_ids else None,
+        row_prefix=prefix,
+        row_prefix_start=prefix_start,
+        row_prefix_len=prefix_len,
+        picks=picks,
+        row_prefix_max=max(layout.prefix_len, default=0),
+    )

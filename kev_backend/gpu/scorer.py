@@ -8,20 +8,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..model.qwen35 import Qwen35TextModel
-from ..protocol.encoding import Encoded, EncodedQuestion, token_ids
+from ..protocol.encoding import Encoded, EncodedQuestion
 from ..scoring.contract import ScorerStats
 from ..scoring.head import PendingProbabilities, batch_questions
-from ..scoring.transfer import device_int_fields
 from ..scoring.units import Units, run_units
 from .fused import FusedQwen35
 from .head import PointerHead
 from .memory import BANK_SHARE, GpuMemoryError, MemoryPlan, gib, states_held
 from .pass_kernels import PassKernels
-from .passes import MIN_GEMM_ROWS, PassInput, PassLayout, Segments, is_short
+from .passes import MIN_GEMM_ROWS, PassLayout, Row, exact_input, is_short, lay_out
 from .pool import GpuBank, Slot, StatePool
 from .weights import FusedWeights
 
@@ -44,14 +42,6 @@ class FusedOptions:
     graph_max_tokens: int
     max_graphs: int
     gemm_algos: str  # which pre-tuned cuBLASLt table (cublaslt.pretuned)
-
-
-@dataclass
-class Row:
-    request: int
-    question: int
-    tokens: EncodedQuestion
-    state: tuple[int, ...]
 
 
 class FusedScorer:
@@ -351,7 +341,7 @@ class FusedScorer:
         rows = sorted(rows, key=lambda row: not is_short(len(row.tokens.tokens)))
         try:
             # One pass: the new states' tokens and the rows' share every GEMM.
-            picked = self.forward(self.layout(rows, new, slots))
+            picked = self.forward(lay_out(rows, new, slots, self.bank.pool.page_size))
         except BaseException:
             for state in new:
                 self.bank.forget(state)
@@ -367,87 +357,4 @@ class FusedScorer:
         """One pass: replayed from its bucket's CUDA graph when it has one, else eagerly."""
         if self.graphs is not None and (bucket := self.graphs.bucket_for(layout)) is not None:
             return self.graphs.run(bucket, layout)
-        return self.model.forward(self.pass_input(layout))
-
-    def layout(self, rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, ...], Slot]) -> PassLayout:
-        page = self.bank.pool.page_size
-        out = PassLayout()
-        kv_dst: list[np.ndarray] = []
-        state_ids: list[np.ndarray] = []
-        for state in new:
-            state_ids.append(token_ids(state))
-            out.state_lengths.append(len(state))
-            out.state_slots.append(slots[state].slot)
-            kv_dst.append(slots[state].kv_index(page))
-        # Each state's pool K/V index once; every row points at its state's run. A request's rows share its state's
-        # tuple, so the run and slot are found by the tuple's identity first: hashing a long state's tuple on every
-        # lookup would cost host time for each row.
-        runs: dict[tuple[int, ...], int] = {}
-        by_identity: dict[int, tuple[int, Slot]] = {}  # the tuples stay alive (in `rows`) while this runs
-        prefix: list[np.ndarray] = []
-        prefix_tokens = 0
-        for row in rows:
-            if (found := by_identity.get(id(row.state))) is None:
-                slot = slots[row.state]
-                if (run := runs.get(row.state)) is None:
-                    run = runs[row.state] = prefix_tokens
-                    prefix.append(slot.kv_index(page))
-                    prefix_tokens += len(prefix[-1])
-                found = by_identity[id(row.state)] = (run, slot)
-            run, slot = found
-            out.prefix_start.append(run)
-            out.prefix_len.append(len(row.state))
-            start = len(out.row_ids)
-            tokens = row.tokens.tokens
-            out.row_ids.extend(tokens)
-            out.row_positions.extend(range(len(row.state), len(row.state) + len(tokens)))
-            out.row_lengths.append(len(tokens))
-            out.row_slots.append(slot.slot)
-            out.row_picks.append(start + row.tokens.decide)
-            out.row_picks.extend(start + i for i in row.tokens.option_ends)
-        # The new states' ids and K/V indices stay numpy arrays (a long state's are thousands, and an array is written
-        # into the pinned buffer far faster than a list).
-        if new:
-            out.state_ids = np.concatenate(state_ids)
-            out.state_kv_dst = np.concatenate(kv_dst)
-        if prefix:
-            out.prefix = np.concatenate(prefix)
-        return out
-
-    def pass_input(self, layout: PassLayout) -> PassInput:
-        """The pass on the device, exactly sized (padded only to MIN_GEMM_ROWS tokens)."""
-        n_state = len(layout.state_ids)
-        padding = max(0, MIN_GEMM_ROWS - n_state - len(layout.row_ids))
-        device = self.device
-        ids, positions, state_kv_dst, prefix, prefix_start, prefix_len, picks = device_int_fields(
-            [
-                np.concatenate(
-                    [
-                        np.asarray(layout.state_ids, np.int64),
-                        np.asarray(layout.row_ids, np.int64),
-                        np.full(padding, self.pad_id, np.int64),
-                    ]
-                ),
-                np.concatenate(
-                    [layout.state_positions(), np.asarray(layout.row_positions, np.int64), np.zeros(padding, np.int64)]
-                ),
-                layout.state_kv_dst,
-                layout.prefix,
-                layout.prefix_start,
-                layout.prefix_len,
-                [n_state + i for i in layout.row_picks],
-            ],
-            device,
-        )
-        return PassInput(
-            ids=ids,
-            positions=positions,
-            states=Segments.build(0, layout.state_lengths, layout.state_slots, device) if n_state else None,
-            state_kv_dst=state_kv_dst if n_state else None,
-            rows=Segments.build(n_state, layout.row_lengths, layout.row_slots, device) if layout.row_ids else None,
-            row_prefix=prefix,
-            row_prefix_start=prefix_start,
-            row_prefix_len=prefix_len,
-            picks=picks,
-            row_prefix_max=max(layout.prefix_len, default=0),
-        )
+        return self.model.forward(exact_input(layout, self.pad_id, self.device))
