@@ -69,7 +69,7 @@ EXPOSE 8009
 # Triton ready AND a real inference answered (tritonserver 2.51 reports ready with a dead stub), then the gateway's
 # /ready. The start period covers loading a real checkpoint (kev-serve allows KEV_START_TIMEOUT_S, 600 s).
 HEALTHCHECK --interval=30s --timeout=20s --start-period=600s --retries=3 \
-    CMD ["/opt/kev/.venv/bin/python", "-m", "kev_backend.serve.probe"]
+    CMD ["/opt/kev/.venv/bin/python", "-m", "kev_backend.serve.supervisor.probe"]
 STOPSIGNAL SIGTERM
 # tini is PID 1: it forwards SIGTERM to kev-serve (a Python PID 1 would ignore it) and reaps orphans. kev-serve
 # stops tritonserver and the gateway and exits 0; tini exits with that code. KEV_STOP_TIMEOUT_S=2 (above) bounds that

@@ -22,7 +22,7 @@ from pathlib import Path
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import short6
 from kev_backend.serve.client import KevClient, KevError
-from kev_backend.serve.procs import descendant_named
+from kev_backend.serve.supervisor.procs import descendant_named
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serve Kev: tritonserver on the Kev model repository and the System One gateway beside it, both run and supervised
-# by kev_backend/serve/supervisor.py (`kev-serve`). The command behind `make serve`; the end-to-end tests run it with
+# by kev_backend/serve/supervisor/supervisor.py (`kev-serve`). The command behind `make serve`; the end-to-end tests run it with
 # GATEWAY=0.
 #
 # Topology: the gateway is the front door (request limits, bodies validated before Triton sees them, the bearer key
@@ -29,7 +29,7 @@
 #   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (build/.triton-cache)
 #   PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True)  GPU memory that stays flat under load
 #   TRITON_ADMIN_KEY_FILE  file holding the admin key (letters, digits, ._~+/-); default: random per start
-# Supervision (kev_backend/serve/supervisor.py says more): Triton is restarted only when it is dead or truly stuck,
+# Supervision (kev_backend/serve/supervisor/supervisor.py says more): Triton is restarted only when it is dead or truly stuck,
 # never for being busy with valid work or for what other clients send:
 #   - at once: tritonserver exits, a Python stub dies, a probe reply says the stub "is not healthy", or an instance's
 #     heartbeat says its engine is broken;

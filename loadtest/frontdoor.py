@@ -36,8 +36,8 @@ from tracing import TritonTrace, phases
 
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import short6
-from kev_backend.serve import procs
 from kev_backend.serve.client import AsyncKevClient, KevClient
+from kev_backend.serve.supervisor import procs
 
 # Each client process numbers its new states from its seed x 10**7; a measurement's processes take seeds apart from
 # every other's, so no run sends a state another sent (its answer would be a bank hit).

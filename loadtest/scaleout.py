@@ -44,8 +44,8 @@ from served import ready
 from kev_backend.dev.ports import free_port
 from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import Traffic
-from kev_backend.serve import procs, prometheus
-from kev_backend.serve.client import AsyncKevClient, KevError
+from kev_backend.serve.client import AsyncKevClient, KevError, prometheus
+from kev_backend.serve.supervisor import procs
 
 REPO = Path(__file__).resolve().parent.parent
 ENVOY = Path(sys.prefix) / "bin" / "envoy"

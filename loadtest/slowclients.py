@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 from loops import percentile
 
-from kev_backend.serve import prometheus
+from kev_backend.serve.client import prometheus
 
 EVENTS = "kev_gateway_connection_events_total"  # the gateway's counter of its front's refusals and closes
 SLOW_BODY_BYTES = 1000  # what a slow request's Content-Length promises

@@ -42,8 +42,8 @@ import aiohttp
 from kev_backend.dev.provenance import commit, gpu_name, nvidia_smi
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve.client import AsyncKevClient, KevError
-from kev_backend.serve.procs import STUB_COMM, children
-from kev_backend.serve.prometheus import parse as parse_prometheus
+from kev_backend.serve.client.prometheus import parse as parse_prometheus
+from kev_backend.serve.supervisor.procs import STUB_COMM, children
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from kev_backend.dev import synthetic
 from kev_backend.dev.ports import free_port
-from kev_backend.serve import prometheus
+from kev_backend.serve.client import prometheus
 
 REPO = Path(__file__).resolve().parents[1]
 

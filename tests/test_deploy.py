@@ -41,7 +41,7 @@ import yaml
 from referencing import Registry, Resource
 
 from kev_backend.protocol.request import STATE_KEY_HEADER
-from kev_backend.serve import shm
+from kev_backend.serve.supervisor import shm
 from tests.helpers import README_ANSWERS, README_REQUEST, TRITON_HTTP
 
 pytestmark = pytest.mark.deploy
@@ -398,7 +398,7 @@ def test_the_schema_checks_catch_mistakes() -> None:
 
 # --- what the manifests must agree on ---------------------------------------------------------------------------
 
-PROBE = ["/opt/kev/.venv/bin/python", "-m", "kev_backend.serve.probe", "--timeout", "5"]
+PROBE = ["/opt/kev/.venv/bin/python", "-m", "kev_backend.serve.supervisor.probe", "--timeout", "5"]
 
 
 def triton_pods(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -428,8 +428,8 @@ def test_triton_pods_follow_the_design(name: str) -> None:
     assert volumes[mounts["/tmp"]].get("emptyDir") is not None
     if name != "overlays/local":  # local: the runtime's /dev/shm (overlays/local/local.yaml says why)
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-        # Room for what the request limits let its one model instance need (kev_backend/serve/shm.py) and the pool's
-        # growth steps: 1 GiB.
+        # Room for what the request limits let its one model instance need (kev_backend/serve/supervisor/shm.py) and
+        # the pool's growth steps: 1 GiB.
         size = volumes[mounts["/dev/shm"]]["emptyDir"]["sizeLimit"]
         assert size == "1Gi" and (1 << 30) >= shm.Need(1, 64, 4 << 20).total * 1.2, size
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"

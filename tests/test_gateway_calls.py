@@ -22,7 +22,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from kev_backend.serve import procs
+from kev_backend.serve.supervisor import procs
 
 from .conftest import (
     Gateway,

@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from kev_backend.protocol.request import MAX_QUESTIONS, MAX_REQUEST_BYTES, RequestError
-from kev_backend.serve import prometheus
+from kev_backend.serve.client import prometheus
 
 from .conftest import Gateway, TritonServer, metric_values, settled, start_gateway, stop_gateway
 

@@ -74,3 +74,27 @@ def test_serving_code_never_imports_the_lab() -> None:
             if name.startswith("kev_backend.dev"):
                 wrong.append(f"{path.name}:{line}: {name}")
     assert serving and not wrong, "\n".join(wrong)
+
+
+# serve/'s sub-packages by who runs them, and what each may import of the others: what the Triton model imports (stub,
+# inside Triton's Python stub) and the client (in users' programs) nothing of them; the gateway the client it sends
+# with; the supervisor the stub's heartbeats it reads.
+SERVE_MAY_IMPORT = {"stub": set(), "client": set(), "gateway": {"client"}, "supervisor": {"stub"}}
+
+
+def test_serve_subpackages_import_only_what_they_need() -> None:
+    serve = PACKAGE / "serve"
+    subpackages = sorted(p.name for p in serve.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert subpackages == sorted(SERVE_MAY_IMPORT)
+    wrong = []
+    for own, allowed in SERVE_MAY_IMPORT.items():
+        for path in sorted((serve / own).rglob("*.py")):
+            for line, name in imports(path):
+                parts = name.split(".")
+                if parts[:2] == ["kev_backend", "serve"] and len(parts) > 2 and parts[2] != own:
+                    if parts[2] not in allowed:
+                        wrong.append(f"{path.relative_to(serve)}:{line}: {name}")
+    model = PACKAGE.parent / "model_repository" / "kev" / "1" / "model.py"
+    wrong += [f"model.py:{line}: {name}" for line, name in imports(model)
+              if name.startswith("kev_backend.serve.") and not name.startswith("kev_backend.serve.stub.")]  # fmt: skip
+    assert not wrong, "\n".join(wrong)

@@ -23,8 +23,7 @@ import yaml
 
 from kev_backend.dev.ports import free_port
 from kev_backend.protocol.request import state_key, state_key_of
-from kev_backend.serve import prometheus
-from kev_backend.serve.client import KevClient
+from kev_backend.serve.client import KevClient, prometheus
 from kev_backend.serve.router import Server, config
 
 from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready, wait_until

@@ -14,7 +14,7 @@ import pytest
 from kev_backend.engine.engine import EngineOptions
 from kev_backend.protocol.request import Limits
 from kev_backend.serve.stub.triton_config import engine_options, warmup_requests
-from kev_backend.serve.supervisor import choose_model_config
+from kev_backend.serve.supervisor.supervisor import choose_model_config
 from kev_backend.settings import (
     PARAMETERS,
     GatewaySettings,

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kev_backend.serve.procs import descendant_named
+from kev_backend.serve.supervisor.procs import descendant_named
 
 from .conftest import REPO, TritonServer, start_gateway, stop_gateway
 

@@ -31,11 +31,12 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from kev_backend.dev.ports import free_port
-from kev_backend.serve import procs, shm
-from kev_backend.serve.probe import QUEUE_FULL, Probe, answered
-from kev_backend.serve.progress import HEARTBEAT
 from kev_backend.serve.stub.heartbeat import read as read_heartbeat
-from kev_backend.serve.supervisor import SHM_DIR, SHM_PREFIX, shm_prefix
+from kev_backend.serve.supervisor import procs, shm
+from kev_backend.serve.supervisor.children import SHM_PREFIX, shm_prefix
+from kev_backend.serve.supervisor.probe import QUEUE_FULL, Probe, answered
+from kev_backend.serve.supervisor.progress import HEARTBEAT
+from kev_backend.serve.supervisor.shm import SHM_DIR
 from kev_backend.settings import ServeSettings
 
 from .conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready, wait_until

@@ -1,4 +1,4 @@
-"""kev-serve (kev_backend/serve/supervisor.py, run by build/serve.sh) around the real tritonserver and gateway: a killed
+"""kev-serve (kev_backend/serve/supervisor/, run by build/serve.sh) around the real tritonserver and gateway: a killed
 Python stub or gateway is restarted and answering again, with errors (not silence) meanwhile; SIGTERM stops
 everything within seconds and leaves no shared memory; Triton binds loopback only; a start that never becomes ready
 exits non-zero with the reason."""
@@ -29,18 +29,14 @@ from tritonclient.utils import InferenceServerException
 
 from kev_backend.dev.ports import free_port
 from kev_backend.protocol import envelope
-from kev_backend.serve import procs, supervisor
-from kev_backend.serve.probe import QUEUE_FULL
-from kev_backend.serve.procs import children
-from kev_backend.serve.progress import Watch
 from kev_backend.serve.stub.heartbeat import Heartbeat
-from kev_backend.serve.supervisor import (
-    SHM_DIR,
-    SHM_PREFIX,
-    RestartBudget,
-    remove_stale_shm,
-    shm_prefix,
-)
+from kev_backend.serve.supervisor import procs, supervisor
+from kev_backend.serve.supervisor.children import SHM_PREFIX, remove_stale_shm, shm_prefix
+from kev_backend.serve.supervisor.probe import QUEUE_FULL
+from kev_backend.serve.supervisor.procs import children
+from kev_backend.serve.supervisor.progress import Watch
+from kev_backend.serve.supervisor.shm import SHM_DIR
+from kev_backend.serve.supervisor.supervisor import RestartBudget
 from kev_backend.settings import ServeSettings
 
 from .conftest import REPO, TritonServer, metric_values, start_triton, stop_triton, wait_ready, wait_until
@@ -228,19 +224,21 @@ def test_killed_stub_is_restarted_and_answers_again(served: Served) -> None:
 
 
 def health(triton: TritonServer, gateway_url: str, timeout_s: float = 3) -> subprocess.CompletedProcess[str]:
-    """`python -m kev_backend.serve.probe` (the image's HEALTHCHECK) against this server, as its settings say."""
+    """`python -m kev_backend.serve.supervisor.probe` (the image's HEALTHCHECK) against this server, as its settings
+    say."""
     ports = {
         "HTTP_PORT": triton.http_url.rsplit(":", 1)[1],
         "GRPC_PORT": triton.grpc_url.rsplit(":", 1)[1],
         "GATEWAY_PORT": gateway_url.rsplit(":", 1)[1],
     }
-    command = [sys.executable, "-m", "kev_backend.serve.probe", "--timeout", str(timeout_s)]
+    command = [sys.executable, "-m", "kev_backend.serve.supervisor.probe", "--timeout", str(timeout_s)]
     return subprocess.run(command, env={**os.environ, **ports}, capture_output=True, text=True, timeout=60)
 
 
 def test_hung_stub_is_restarted_by_the_probe(served: Served) -> None:
     """A stopped stub is alive, so only the inference probe can tell: Triton refuses it as not healthy. The health
-    check (kev_backend.serve.probe) says unhealthy meanwhile, though Triton's process is up, and healthy after."""
+    check (kev_backend.serve.supervisor.probe) says unhealthy meanwhile, though Triton's process is up, and healthy
+    after."""
     assert (result := health(served.triton, served.gateway_url)).returncode == 0 and result.stdout.startswith(
         "healthy"
     ), result

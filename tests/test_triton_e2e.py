@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from kev_backend.engine.engine import Engine
 from kev_backend.protocol.request import STATE_KEY_HEADER, state_key_of
-from kev_backend.serve import prometheus
+from kev_backend.serve.client import prometheus
 
 from .conftest import REPO, TritonServer, metric_values, settled, wait_until
 from .helpers import assert_same_answer, grpc_all, http_all, make_request, request_array

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import prometheus
+from ..client import prometheus
 from . import front
 from .replies import REASONS
 

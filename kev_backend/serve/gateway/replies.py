@@ -17,7 +17,7 @@ from typing import Any
 from starlette.responses import Response
 
 from ...protocol import envelope
-from ..client import KevError
+from ..client.clients import KevError
 
 REQUEST_ID = "x-typesafe-request-id"
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never seen by the client

@@ -20,7 +20,7 @@ from ...protocol import envelope
 from ...protocol.answers import round4
 from ...protocol.request import Record, RequestError
 from ...settings import GatewaySettings, SettingError, model_limits, parameters
-from ..client import AsyncKevClient, KevError, encode
+from ..client.clients import AsyncKevClient, KevError, encode
 from .answering import (
     forget,
     gather_or_cancel,

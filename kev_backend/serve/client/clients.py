@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
-from ..protocol.request import STATE_KEY_HEADER, state_key_of
+from ...protocol.request import STATE_KEY_HEADER, state_key_of
 
 Protocol = Literal["grpc", "http"]
 Body = dict[str, Any] | str | bytes

@@ -30,7 +30,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from ..settings import model_limits
+from ...settings import model_limits
 
 SHM_DIR = Path("/dev/shm")
 MIB = 1 << 20

@@ -1,8 +1,8 @@
 """The real-inference probe: a one-question System One request to the model through Triton's gRPC port, and whether
 its reply holds Kev's answer. tritonserver 2.51 keeps reporting ready after its Python stub died, so readiness alone
-proves nothing. kev-serve sends it every KEV_PROBE_INTERVAL_S; `python -m kev_backend.serve.probe` is the same check
-for a container's HEALTHCHECK or a Kubernetes probe: Triton's ready endpoint, the model's heartbeats, then the
-inference, then (with the gateway on) the gateway's /ready. It prints one line and exits 0 when healthy, 1 when not
+proves nothing. kev-serve sends it every KEV_PROBE_INTERVAL_S; `python -m kev_backend.serve.supervisor.probe` is the
+same check for a container's HEALTHCHECK or a Kubernetes probe: Triton's ready endpoint, the model's heartbeats, then
+the inference, then (with the gateway on) the gateway's /ready. It prints one line and exits 0 when healthy, 1 when not
 (2: a bad setting).
 
 The probe goes at priority 1 (config.pbtxt: `priority_levels: 2`, clients at the default 2): Triton takes it before
@@ -39,11 +39,11 @@ from collections.abc import Callable
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from ..protocol import envelope
-from ..settings import ServeSettings, SettingError
+from ...protocol import envelope
+from ...settings import ServeSettings, SettingError
+from ..stub.heartbeat import Pulse
 from . import progress
 from .shm import SHM_ERROR
-from .stub.heartbeat import Pulse
 
 PROBE_BODY = b'{"state":"probe","questions":{"ok":{"type":"noul","instructions":"ok?"}}}'
 QUEUE_FULL = "Exceeds maximum queue size"  # Triton's refusal when the model's queue is full

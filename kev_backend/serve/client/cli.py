@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from .client import AsyncKevClient, KevError
+from .clients import AsyncKevClient, KevError
 
 # Line separators JSON allows raw inside strings (str.splitlines() breaks at each), written as escapes in output.
 RAW_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})

@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..stub import heartbeat
+from ..stub.heartbeat import Pulse
 from . import procs
 from .shm import SHM_DIR
-from .stub import heartbeat
-from .stub.heartbeat import Pulse
 
 HEARTBEAT = "heartbeat_"
 # The share of one CPU a stub must have used over a probe's wait to count as working (see the module's docstring).
