@@ -13,8 +13,12 @@ desired = ceil(current x metric / target) outside a 10 % tolerance, pods without
 up and as the target when scaling down, scale-up limited by its policies, scale-down by its stabilization window.
 KEDA adds scale from zero: one replica is asked for at the first poll that sees traffic.
 
-    python loadtest/simulate.py --out bench/results/2026-12-02-sizing            # the table: every shape, JSON + PNG
-    python loadtest/simulate.py --shape short6 --base 500 --burst 4 --min-replicas 4 --target-ms 20 --out out/sim
+    python loadtest/simulate.py MEASURED --out out/sizing            # the table: every shape, JSON + PNG
+    python loadtest/simulate.py MEASURED --shape short6 --base-rps 500 --burst 4 --min-replicas 4 --target-ms 20 \
+        --out out/sim                                                  # one scenario
+
+MEASURED: --bench, --triton, --openloop-short6, --openloop-mix and --soak, the measurements' JSON files (Measured;
+docs/operations.md names the ones its figures come from).
 """
 
 from __future__ import annotations
@@ -32,11 +36,6 @@ from typing import Any
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
-BENCH_JSON = "2026-12-02-nvidia-h200-13f9af2-graphs-ours.json"
-TRITON_JSON = "2026-12-02-triton-13f9af2.json"
-OPENLOOP_JSON = {"short6": "2026-12-02-openloop-short6-13f9af2.json", "mix": "2026-12-02-openloop-mix-13f9af2.json"}
-SOAK_JSON = "2026-12-02-nvidia-h200-488322b-soak.json"
 SHORT6_TOKENS, LONG5_TOKENS = 218, 2630
 
 
@@ -404,8 +403,22 @@ def summarize(
 
 
 # ------------------------------------------------------------------------------------------------- the measured curves
-def load(name: str, results: Path) -> dict[str, Any]:
-    return json.loads((results / name).read_text())
+@dataclass(frozen=True)
+class Measured:
+    """The measurements the service model is fitted to and checked against (the arguments of the same names)."""
+
+    bench: Path  # python -m kev_backend.dev.bench: short6 and long5 requests/s at 1 / 8 / 32 / 64 clients
+    triton: Path  # the same engine through Triton's gRPC door: 64 clients (`grpc`) and one (`grpc_1c`)
+    openloop_short6: Path  # loadtest/openloop.py, short6: p50 at each offered rate
+    openloop_mix: Path  # loadtest/openloop.py, the jevbench mix
+    soak: Path  # loadtest/soak.py: the mix at a fixed rate, p50 and p99 per 10 s sample
+
+    def openloops(self) -> dict[str, Path]:
+        return {"short6": self.openloop_short6, "mix": self.openloop_mix}
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
 
 
 def mix_shares() -> tuple[float, ...]:
@@ -438,10 +451,10 @@ def solve(f: Any, lo: float, hi: float, goal: float, steps: int = 14) -> float:
     return math.sqrt(lo * hi)
 
 
-def measured_models(results: Path = RESULTS) -> tuple[dict[str, ServiceModel], dict[str, Any]]:
-    """The service model of each shape from the committed results, and where each number came from."""
-    bench = load(BENCH_JSON, results)["workloads"]
-    triton = load(TRITON_JSON, results)
+def measured_models(measured: Measured) -> tuple[dict[str, ServiceModel], dict[str, Any]]:
+    """The service model of each shape from the measurements, and where each number came from."""
+    bench = load(measured.bench)["workloads"]
+    triton = load(measured.triton)
     conc = (1.0, 8.0, 32.0, 64.0)
     short_rps = tuple(bench["short6"]["rps"][str(int(c))] for c in conc)
     long_rps = tuple(bench["long5"]["rps"][str(int(c))] for c in conc)
@@ -454,7 +467,7 @@ def measured_models(results: Path = RESULTS) -> tuple[dict[str, ServiceModel], d
     base = ServiceModel(conc, short_rps, long_rps, host_s=host_s, door_s=door_s, queue_share=queue_share)
     # A closed loop of c clients keeps fewer than c requests in the server (the rest are on their way): the
     # concurrency scale is fitted so one simulated replica gives the measured short6 open-loop p50.
-    short_point = load(OPENLOOP_JSON["short6"], results)["rates"][-1]
+    short_point = load(measured.openloop_short6)["rates"][-1]
     scale = solve(
         lambda g: one_replica(replace(base, conc_scale=g), short_point["offered_rps"])["p50_ms"],
         0.1,
@@ -464,8 +477,8 @@ def measured_models(results: Path = RESULTS) -> tuple[dict[str, ServiceModel], d
     base = replace(base, conc_scale=scale)
     # The mix by length alone (mean ~491 tokens) answers faster than measured: its cost is scaled by one factor so
     # one simulated replica gives the soak's p50 at 100 req/s (the loaded regime that sizing is about).
-    mix_point = load(OPENLOOP_JSON["mix"], results)["rates"][-1]
-    soak = load(SOAK_JSON, results)["soak"]
+    mix_point = load(measured.openloop_mix)["rates"][-1]
+    soak = load(measured.soak)["soak"]
     soak_p50 = float(np.median([s["p50_ms"] for s in soak["samples"] if s.get("p50_ms")]))
     mix = replace(base, mix=shares)
     factor = solve(lambda m: one_replica(replace(mix, cost_scale=(m, m)), soak["rate"])["p50_ms"], 0.5, 10.0, soak_p50)
@@ -476,13 +489,13 @@ def measured_models(results: Path = RESULTS) -> tuple[dict[str, ServiceModel], d
         "mix": replace(mix, cost_scale=(low, high)),
     }
     sources = {
-        "curves": f"bench/results/{BENCH_JSON}: workloads.short6/long5.rps at 1/8/32/64 clients",
+        "curves": f"{measured.bench}: workloads.short6/long5.rps at 1/8/32/64 clients",
         "short6_rps": short_rps,
         "long5_rps": long_rps,
         "host_ms": round(1000 * host_s, 3),
         "door_ms": round(1000 * door_s, 3),
         "queue_share": round(queue_share, 4),
-        "from": f"bench/results/{TRITON_JSON}: grpc rps {grpc['rps']:.1f}, queue_ms {grpc['server']['queue_ms']:.1f}, "
+        "from": f"{measured.triton}: grpc rps {grpc['rps']:.1f}, queue_ms {grpc['server']['queue_ms']:.1f}, "
         f"grpc_1c p50 {triton['grpc_1c']['p50_ms']:.2f} ms",
         "conc_scale": round(scale, 4),
         "conc_scale_from": f"short6 open loop {short_point['offered_rps']:g} req/s: p50 {short_point['p50_ms']:.1f} ms",
@@ -496,13 +509,13 @@ def measured_models(results: Path = RESULTS) -> tuple[dict[str, ServiceModel], d
     return models, sources
 
 
-def checks(models: dict[str, ServiceModel], results: Path = RESULTS) -> list[dict[str, Any]]:
+def checks(models: dict[str, ServiceModel], measured: Measured) -> list[dict[str, Any]]:
     """One simulated replica against the measured open-loop points (p50s fitted, p99s and queue times not)."""
     points = []
-    for shape, name in OPENLOOP_JSON.items():
-        for rate in load(name, results)["rates"]:
-            points.append((shape, rate["offered_rps"], rate, f"bench/results/{name}"))
-    soak = load(SOAK_JSON, results)["soak"]
+    for shape, path in measured.openloops().items():
+        for rate in load(path)["rates"]:
+            points.append((shape, rate["offered_rps"], rate, str(path)))
+    soak = load(measured.soak)["soak"]
     samples = [s for s in soak["samples"] if s.get("p99_ms")]
     points.append(
         (
@@ -513,7 +526,7 @@ def checks(models: dict[str, ServiceModel], results: Path = RESULTS) -> list[dic
                 "p99_ms": float(np.median([s["p99_ms"] for s in samples])),
                 "queue_ms": None,
             },
-            f"bench/results/{SOAK_JSON} (median of its 10 s samples; 30 % through the gateway)",
+            f"{measured.soak} (median of its 10 s samples; 30 % through the gateway)",
         )
     )
     out = []
@@ -602,8 +615,8 @@ def autoscaler(args: argparse.Namespace, **given: Any) -> Autoscaler:
 
 
 def sizing(args: argparse.Namespace) -> None:
-    models, sources = measured_models(args.results)
-    model_checks = checks(models)
+    models, sources = measured_models(measured(args))
+    model_checks = checks(models, measured(args))
     scaler = autoscaler(args)
     table = []
     for shape in args.shapes:
@@ -658,7 +671,7 @@ def sizing(args: argparse.Namespace) -> None:
 
 
 def one(args: argparse.Namespace) -> None:
-    models, _ = measured_models(args.results)
+    models, _ = measured_models(measured(args))
     target = args.target_ms if args.metric == "queue" else args.target_concurrency
     scaler = autoscaler(args, kind=args.kind, target=target, min_replicas=args.min_replicas)
     base = args.base_rps if args.base_rps else args.base[args.shape]
@@ -672,7 +685,12 @@ def one(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where the measured JSONs are")
+    inputs = parser.add_argument_group("the measurements (JSON files) the replicas are modelled on: Measured")
+    inputs.add_argument("--bench", type=Path, required=True, help="python -m kev_backend.dev.bench (1/8/32/64 clients)")
+    inputs.add_argument("--triton", type=Path, required=True, help="the same engine through Triton's gRPC door")
+    inputs.add_argument("--openloop-short6", type=Path, required=True, help="loadtest/openloop.py, short6")
+    inputs.add_argument("--openloop-mix", type=Path, required=True, help="loadtest/openloop.py, the mix")
+    inputs.add_argument("--soak", type=Path, required=True, help="loadtest/soak.py")
     parser.add_argument("--shape", choices=("short6", "long5", "mix"), help="one scenario instead of the table")
     parser.add_argument("--shapes", default="short6,long5,mix", type=lambda s: s.split(","))
     parser.add_argument("--base", default="short6=500,long5=50,mix=200", help="base req/s per shape")
@@ -698,6 +716,10 @@ def main() -> None:
         one(args)
     else:
         sizing(args)
+
+
+def measured(args: argparse.Namespace) -> Measured:
+    return Measured(args.bench, args.triton, args.openloop_short6, args.openloop_mix, args.soak)
 
 
 if __name__ == "__main__":
