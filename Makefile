@@ -103,18 +103,18 @@ image: $(WHEELHOUSE_DIR)/manifest.json
 	  --build-arg WHEELHOUSE=$(WHEELHOUSE_DIR) -t $(IMAGE) .
 
 # The image against the real server: README requests over Triton HTTP and gRPC and through the gateway, the
-# healthcheck, SIGTERM (tests/test_image.py, pytest marker `image`, which plain `make test` leaves out).
+# healthcheck, SIGTERM (tests/deploy/test_image.py, pytest marker `image`, which plain `make test` leaves out).
 image-test: image setup
-	KEV_IMAGE=$(IMAGE) PODMAN="$(PODMAN)" $(PY) -m pytest -q -rs -m image tests/test_image.py
+	KEV_IMAGE=$(IMAGE) PODMAN="$(PODMAN)" $(PY) -m pytest -q -rs -m image tests/deploy/test_image.py
 
-# The Kubernetes manifests in deploy/, offline (tests/test_deploy.py, pytest marker `deploy`): rendered with kubectl's
+# The Kubernetes manifests in deploy/, offline (tests/deploy/test_manifests.py, pytest marker `deploy`): rendered with kubectl's
 # kustomize, strict schemas, checkov and kserve in their own venv (their pins clash with the project's), Envoy's
 # validation, and the local overlay under `podman kube play` on the image. Needs kubectl, podman and the image.
 DEPLOY_VENV ?= build/.deploy-venv
 deploy-test: setup
 	test -x $(DEPLOY_VENV)/bin/checkov || ($(PYTHON) -m venv $(DEPLOY_VENV) && \
 	  $(DEPLOY_VENV)/bin/pip install --quiet -r deploy/requirements-tools.txt)
-	KEV_DEPLOY_VENV=$(DEPLOY_VENV) $(PY) -m pytest -q -rs -m deploy tests/test_deploy.py
+	KEV_DEPLOY_VENV=$(DEPLOY_VENV) $(PY) -m pytest -q -rs -m deploy tests/deploy/test_manifests.py
 
 clean:
 	rm -rf $(VENV) .stamps build/.tritonserver build/.downloads $(EMBEDDED)

@@ -26,7 +26,7 @@ out=$OUT steps=(${ARGS[@]+"${ARGS[@]}"})
 device_setup || exit 1
 status=0
 run_tests() {
-  "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fused_gpu.py tests/test_determinism_gpu.py \
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu/test_fused_gpu.py tests/gpu/test_determinism.py \
     -k "back_to_back or long_work_between or graph_replay or same_bits or engine_api" 2>&1 \
     | tee "$out/gpu-tests.log" | grep -E "^determinism |passed|failed|Error|assert" | cut -c1-400 || status=1
 }

@@ -9,7 +9,7 @@
 #   tests      GPU tests but parity and graphs: compiled kernels, engine API, no compiles after warm-up (~2.5 min)
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
 #   graphtest  graph replay vs eager on our long kernels (~1.5 min)
-#   determinism  every answer's bits alone against in batch mixes, graphs and eager (tests/test_determinism_gpu.py)
+#   determinism  every answer's bits alone against in batch mixes, graphs and eager (tests/gpu/test_determinism.py)
 #   latency    the engine's latency and 64-client throughput from graphs (~1 min)
 #   scaling    diag scaling: new and same-state latency on states of 2k to 64k tokens (~1 min)
 #   long       diag long: our delta rule and conv against fla's (~2 min)
@@ -57,8 +57,8 @@ device_setup || exit 1
 status=0
 gpu_pytest() {  # LOG -k EXPRESSION FILTER: the GPU tests matching it, the log's tail through FILTER (grep -E)
   local log=$1 expression=$2 filter=$3
-  "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_kernels.py tests/test_fused_gpu.py \
-    tests/test_determinism_gpu.py tests/test_safetensors_reader.py \
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/gpu/kernels/test_compiled_for_hopper.py tests/gpu/test_fused_gpu.py \
+    tests/gpu/test_determinism.py tests/model/test_safetensors_reader.py \
     -k "$expression" 2>&1 | tee "$out/$log" | grep -E "$filter" | cut -c1-1500 || status=1
 }
 diag() {  # SECONDS FILTER SUBCOMMAND [ARGS...]: python -m bench.diag, its output but warnings into

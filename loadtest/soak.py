@@ -95,7 +95,8 @@ def request_body(state: Any, questions: dict[str, Any] | None = None) -> bytes:
 
 
 def bad_cases() -> list[BadCase]:
-    """One of each way tests/test_hostile.py found to hurt a server, built once (the largest is 5 MB)."""
+    """One of each way tests/serve/test_hostile_at_every_door.py found to hurt a server, built once (the largest is
+    5 MB)."""
     depth = 400  # past the 64-level limit; written as text, so nothing recursive builds it
     deep = b'{"state": ' + b"[" * depth + b'"leaf"' + b"]" * depth + b', "questions": {"q": {"type": "noul"}}}'
     noul = {"type": "noul", "instructions": "is this urgent ?"}

@@ -25,7 +25,7 @@ from kev_backend.serve.client import prometheus
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Our Triton kernels' tests (tests/test_kernel_*.py) run in the pytest process: compiled where CUDA is, else in
+# Our Triton kernels' tests (tests/gpu/kernels/test_*.py) run in the pytest process: compiled where CUDA is, else in
 # Triton's interpreter. triton.jit picks the interpreter when it decorates a kernel, at its module's import, so it is
 # set here, before any test module is imported; nothing imported above decorates one (a check, not a hope: below).
 if not torch.cuda.is_available():
@@ -51,7 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @dataclass(frozen=True)
 class KernelRun:
-    """How tests/test_kernel_*.py run the kernels, and the tolerances that follow. In the interpreter everything is
+    """How tests/gpu/kernels/test_*.py run the kernels, and the tolerances that follow. In the interpreter everything is
     exact fp32; compiled on a GPU, tl.dot on fp32 runs in TF32 and norms use fast reciprocal square roots."""
 
     interpreted: bool
@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (GPU machine only)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not a keyword: tests/gpu/ holds CPU tests too
             item.add_marker(skip)
 
 
@@ -161,7 +161,7 @@ def start_triton(
         "GATEWAY": "0",
         "MODEL_REPOSITORY": str(repository or REPO / "model_repository"),
         # The tests count requests and batches exactly: no inference probe from the supervisor (it still watches the
-        # Python stub; tests/test_supervisor.py turns the probe on).
+        # Python stub; tests/serve/supervisor/test_supervisor.py turns the probe on).
         "KEV_PROBE_INTERVAL_S": "0",
         **extra_env,
     }
@@ -181,7 +181,7 @@ def start_triton(
 @pytest.fixture(scope="module")
 def qwen_bpe() -> Tokenizer:
     """A byte-level BPE with Qwen's pre-tokenizer (tests/helpers.py), one per module: kev_tokenizer adds to it."""
-    from .helpers import qwen_bpe as train  # helpers imports this module
+    from tests.helpers import qwen_bpe as train  # helpers imports this module
 
     return train()
 

@@ -22,8 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from kev_backend.protocol import encoding
 from kev_backend.protocol.encoding import KevTokenizer
-
-from .conftest import REPO, Gateway, TritonServer
+from tests.conftest import REPO, Gateway, TritonServer
 
 # --- requests -----------------------------------------------------------------------------------------------------
 

@@ -98,3 +98,20 @@ def test_serve_subpackages_import_only_what_they_need() -> None:
     wrong += [f"model.py:{line}: {name}" for line, name in imports(model)
               if name.startswith("kev_backend.serve.") and not name.startswith("kev_backend.serve.stub.")]  # fmt: skip
     assert not wrong, "\n".join(wrong)
+
+
+def test_tests_mirror_the_packages() -> None:
+    """tests/<package>/test_<what>.py: a test lives under the path of the package it tests (kev_backend's, or the
+    repository's tools: bench/, loadtest/, deploy/ with the image); at the top only what tests the package as a whole
+    (this file) and the one module beside the packages (settings.py)."""
+    tests = Path(__file__).resolve().parent
+    tools = ("bench", "loadtest", "deploy")
+    wrong = []
+    for path in sorted(tests.rglob("test_*.py")):
+        where = path.parent.relative_to(tests).parts
+        if not where:
+            if path.name not in ("test_layout.py", "test_settings.py"):
+                wrong.append(f"{path.name}: at the top")
+        elif not (where[0] in tools and len(where) == 1) and not PACKAGE.joinpath(*where).is_dir():
+            wrong.append(f"{path.relative_to(tests)}: no package kev_backend/{'/'.join(where)}")
+    assert not wrong, "\n".join(wrong)

@@ -1,7 +1,7 @@
 """Whether a question's answer depends on anything but its own request: its probabilities, bit for bit, alone on a
 new state against inside random batch mixes (1 to `max_batch` requests, in any order, states new and banked, the
 bank emptied at random between batches so states are evicted and computed again), with passes replayed from CUDA
-graphs and run eagerly. The GPU test requires that none differ (tests/test_determinism_gpu.py); the bench records
+graphs and run eagerly. The GPU test requires that none differ (tests/gpu/test_determinism.py); the bench records
 the counts in its `determinism` field:
 
     python -m kev_backend.dev.bench --determinism 1000          (the questions; after the bench's workloads)

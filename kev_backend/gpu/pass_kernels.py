@@ -1,12 +1,13 @@
 """The kernel table of a fused pass: which function runs each of its kernels. On a GPU this project's Triton kernels
-(kev_backend.gpu.kernels) and cuDNN's attention for long new states; a CPU test substitutes torch references with
-the same signatures.
+(kev_backend.gpu.kernels) and cuDNN's attention for long new states; on a CPU (the tests) each kernel's plain torch
+reference, kept beside it in kernels/ with the same signature.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -43,4 +44,29 @@ class PassKernels:
             kernels.rows_attention,
             kernels.bank_kv,
             kernels.cudnn_attention,
+        )
+
+    @classmethod
+    def references(cls) -> PassKernels:
+        """Each kernel's torch reference (kernels/*.py, `reference_*`): a pass that runs anywhere, slowly, and answers
+        as the kernels do (their tests compare each kernel with its reference)."""
+        from .kernels import attention, bank, conv, delta_rule, norms
+
+        def chunked_rows(*args: Any, padded: bool = False, lead_apart: bool = False, lead: int = 0, **kw: Any) -> Any:
+            return delta_rule.reference_rows(*args, **kw)  # the launch options change no result
+
+        def long_attention(q: Any, k: Any, v: Any, out: Any) -> None:
+            out.copy_(attention.reference_segment_attention(q, k, v))
+
+        return cls(
+            norms.reference_rms_norm,
+            norms.reference_rms_norm_rope,
+            norms.reference_gated_rms_norm,
+            norms.reference_silu_mul,
+            norms.reference_sigmoid_gate,
+            chunked_rows,
+            conv.reference_conv_rows,  # conv_tokens' job, segment by segment
+            attention.reference_rows_attention,
+            bank.reference_bank_kv,
+            long_attention,
         )

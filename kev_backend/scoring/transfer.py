@@ -18,8 +18,8 @@ def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 # int64s per 16 bytes. Triton specialises a kernel on whether each pointer argument is 16-byte aligned (and compiles
 # it again when that changes): fields that are views of one buffer start on 16 bytes, as torch's own allocations do,
-# or a pass's field lengths would decide which variant runs, compiling new ones on requests (tests/test_fused_gpu.py's
-# no-compile check holds it).
+# or a pass's field lengths would decide which variant runs, compiling new ones on requests
+# (tests/gpu/test_fused_gpu.py's no-compile check holds it).
 ALIGNED_INTS = 2
 
 

@@ -12,7 +12,7 @@ checks so a dead server's keys move to the others within about two seconds (only
 The router speaks gRPC (HTTP/2) to clients and servers alike: Triton's gRPC port carries inference, its HTTP port
 only the health check (GET /v2/health/ready). A request the chosen server refuses at connection level is retried
 on another server only when no byte of it reached the first, so a request is never scored twice. Requests without
-the header are spread at random. deploy/base/envoy.yaml is this module's output (tests/test_router.py checks it).
+the header are spread at random. deploy/base/envoy.yaml is this module's output (tests/serve/test_router.py checks it).
 """
 
 from __future__ import annotations

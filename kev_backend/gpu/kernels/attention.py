@@ -17,7 +17,7 @@ from .segments import segment_bounds
 # Query rows per program (tokens × the query heads sharing a key/value head; tl.dot wants at least 16), and keys per
 # step and pipeline stages for heads over 128 wide (Qwen3.5's 256), all read at each launch. 64 rows read a GQA
 # group's prefix once per tile, not once per head; 64 keys on 2 stages is the fastest of the tiles measured
-# (docs/kernels.md). 8 warps (as launched, no spills on sm_90a: tests/test_kernels.py).
+# (docs/kernels.md). 8 warps (as launched, no spills on sm_90a: tests/gpu/kernels/test_compiled_for_hopper.py).
 TILE_ROWS = 64
 WIDE_HEAD_KEYS = 64
 WIDE_HEAD_STAGES = 2
@@ -429,8 +429,8 @@ def reference_rows_attention(
     out: torch.Tensor | None = None,
     max_prefix: int = 0,
 ) -> torch.Tensor:
-    """rows_attention in torch (tests/test_kernel_attention.py, tests/fused_cpu_ops.py), segment by segment: over
-    [k_pool/v_pool at the row's prefix run | its own K/V]. Tokens outside the segments are zeros (or `out`'s)."""
+    """rows_attention in torch (tests/gpu/kernels/test_attention.py, tests/gpu/fused_cpu_ops.py), segment by segment:
+    over [k_pool/v_pool at the row's prefix run | its own K/V]. Tokens outside the segments are zeros (or `out`'s)."""
     o = torch.zeros_like(q) if out is None else out
     for n, (lo, hi) in enumerate(segment_bounds(cu)):
         assert hi - lo <= max_len

@@ -42,6 +42,6 @@ def bank_kv(keys: torch.Tensor, values: torch.Tensor, dst: torch.Tensor, k: torc
 def reference_bank_kv(
     keys: torch.Tensor, values: torch.Tensor, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """bank_kv in torch (tests/test_kernel_bank.py): index_copy_ along dim 0 for both."""
+    """bank_kv in torch (tests/gpu/kernels/test_bank.py): index_copy_ along dim 0 for both."""
     keys.index_copy_(0, dst, k)
     values.index_copy_(0, dst, v)

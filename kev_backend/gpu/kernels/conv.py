@@ -248,7 +248,7 @@ def reference_conv_rows(
     cu: torch.Tensor,
     new_states: bool = False,
 ) -> torch.Tensor:
-    """conv_rows' and conv_tokens' job in torch (tests/test_kernel_conv.py, tests/fused_cpu_ops.py), segment by
+    """conv_rows' and conv_tokens' job in torch (tests/gpu/kernels/test_conv.py, tests/gpu/fused_cpu_ops.py), segment by
     segment: silu(depthwise conv1d) over [the window | the segment's inputs]; with `new_states` from a zero window,
     writing the last W inputs into pool[slot] (an empty segment writes its zero window). Tokens outside the segments
     are zeros."""

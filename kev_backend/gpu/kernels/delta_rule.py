@@ -85,7 +85,7 @@ CHUNK_NARROW: tuple[int, int, int | None] = (32, 4, None)
 CHUNK_WIDE: tuple[int, int, int | None] = (64, 4, None)
 WIDE_ABOVE = 2
 # Warps per prep program: 2, faster than 4 with identical outputs (docs/kernels.md). With whole chunks unmasked it
-# compiles without spills on 2 warps (230 registers as launched: tests/test_kernels.py).
+# compiles without spills on 2 warps (230 registers as launched: tests/gpu/kernels/test_compiled_for_hopper.py).
 PREP_WARPS = 2
 # A register cap on the prep (None: none). Uncapped it takes 230 registers on 2 warps, four programs an SM; at 168 six
 # fit, for a few bytes of spill stores, and new states' prep and chain run faster (docs/kernels.md). Identical outputs
@@ -686,8 +686,8 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-# Plain torch references (tests/test_kernel_delta_rule.py, tests/fused_cpu_ops.py): the gated delta rule in fp32,
-# token by token, segment by segment (model.qwen35.gated_delta_rule computes the same in chunks).
+# Plain torch references (tests/gpu/kernels/test_delta_rule.py, tests/gpu/fused_cpu_ops.py): the gated delta rule in
+# fp32, token by token, segment by segment (model.qwen35.gated_delta_rule computes the same in chunks).
 
 
 def reference_segment_delta_rule(
@@ -735,7 +735,7 @@ def reference_rows(
     """chunked_rows' job in torch (same arguments, less its launch options): rows from
     pool[slots[n]] (read, never written), or new states from zero writing their final state into it (an empty new
     segment writes a zero state). Tokens outside the segments are zeros (or `out`'s). `segment_rule`: one segment's
-    rule, reference_segment_delta_rule's arguments and results (tests/fused_cpu_ops.py passes the engine's)."""
+    rule, reference_segment_delta_rule's arguments and results (tests/gpu/fused_cpu_ops.py passes the engine's)."""
     T, HV, V = v.shape
     o = torch.zeros(T, HV, V, device=v.device, dtype=v.dtype) if out is None else out
     for (lo, hi), slot in zip(segment_bounds(cu), slots.tolist()):

@@ -280,12 +280,13 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 # Plain torch references, one per kernel above (fp32 inside, one rounding to x's dtype, as the kernels): what
-# tests/test_kernel_norms.py compares the kernels with, and the fused pass's CPU stand-ins (tests/fused_cpu_ops.py).
+# tests/gpu/kernels/test_norms.py compares the kernels with, and the fused pass's CPU stand-ins
+# (tests/gpu/fused_cpu_ops.py).
 
 # A CPU runs an element-wise op on more than at::internal::GRAIN_SIZE elements on several threads, each given an equal
 # count of elements, not of rows: a cut inside a row makes the row's elements before it the tail of a vector loop,
 # computed with the scalar math (libm's exp, not SLEEF's), which rounds apart. A row's gate would then change with
-# the rows beside it (tests/test_invariance.py, 16 threads on an AVX-512 CPU). Blocks of whole rows under that size
+# the rows beside it (tests/dev/test_invariance.py, 16 threads on an AVX-512 CPU). Blocks of whole rows under that size
 # run on one thread each.
 _ONE_THREAD_ELEMENTS = 32768
 

@@ -112,7 +112,7 @@ def pointer_softmax(
 def reference_pointer_softmax(
     projected: torch.Tensor, decides: torch.Tensor, widths: torch.Tensor, n_cols: int, temperature: float
 ) -> torch.Tensor:
-    """pointer_softmax in torch (tests/test_kernel_pointer.py): question by question, softmax over its options of
+    """pointer_softmax in torch (tests/gpu/kernels/test_pointer.py): question by question, softmax over its options of
     (k_j · q) / √dp / T; zeros past them."""
     dp = projected.shape[1] // 2
     out = torch.zeros(decides.shape[0], n_cols, device=projected.device, dtype=torch.float32)

@@ -37,7 +37,8 @@ def segment_of(cu, N, t, steps):
     return lo
 
 
-# Plain torch references (tests/test_kernel_segments.py), and the segments' bounds the other kernels' references walk.
+# Plain torch references (tests/gpu/kernels/test_segments.py), and the segments' bounds the other kernels' references
+# walk.
 
 
 def reference_segment_of(cu: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""The soak driver (loadtest/soak.py) run for real, briefly, against tritonserver and the gateway on the tiny
+checkpoint: good, hostile and abandoned requests through both doors, the server's memory watched, and its outputs
+checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kev_backend.serve.supervisor.procs import descendant_named
+from tests.conftest import REPO, TritonServer, start_gateway, stop_gateway
+
+MEMORY = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", "bank_bytes", "graphs", "graph_bytes")
+GROWTH = (*MEMORY, "tokenizer_cache_bytes", "torch_reserved_bytes", "torch_allocated_bytes")
+SAMPLE_KEYS = {
+    "t_s",
+    "time",
+    "sent",
+    "answered",
+    "expected_errors",
+    "unexpected_errors",
+    "refused_overload",
+    "disconnects",
+    "p50_ms",
+    "p99_ms",
+    *GROWTH,
+    "request_errors",
+    "gateway_errors",
+}
+
+
+def tritonserver_pid(triton: TritonServer) -> int:
+    """The tritonserver process: `triton.process` is the supervisor that runs it (kev-serve through serve.sh)."""
+    pid = descendant_named(triton.process.pid, "tritonserver")
+    assert pid is not None, f"no tritonserver below pid {triton.process.pid}"
+    return pid
+
+
+def test_soak_briefly(triton: TritonServer, tmp_path: Path) -> None:
+    gateway = start_gateway(triton, tmp_path / "gateway.log")
+    out = tmp_path / "soak"
+    command = [
+        str(Path(sys.prefix) / "bin" / "python"),
+        str(REPO / "loadtest" / "soak.py"),
+        "--triton-grpc",
+        triton.grpc_url,
+        "--gateway",
+        gateway.url,
+        "--metrics",
+        f"http://{triton.metrics_url}/metrics",
+        "--minutes",
+        "0.4",
+        "--rate",
+        "8",
+        "--shape",
+        "short6",
+        "--bad-share",
+        "0.1",
+        "--disconnect-share",
+        "0.1",
+        "--sample-seconds",
+        "3",
+        "--server-pid",
+        str(tritonserver_pid(triton)),
+        "--out",
+        str(out),
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=REPO)
+    finally:
+        stop_gateway(gateway)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    record = json.loads((out / "soak.json").read_text())
+    assert {"gpu", "date", "commit", "soak"} <= set(record) and record["date"].endswith("Z")
+    soak = record["soak"]
+    for key in ("minutes", "requests", "unexpected_errors", "expected_errors", "disconnects", "rate", "shape"):
+        assert key in soak, key
+    assert soak["minutes"] == 0.4 and soak["rate"] == 8.0 and soak["shape"] == "short6"
+    assert soak["requests"] > 0 and soak["unexpected_errors"] == 0, soak["unexpected_examples"]
+    assert soak["expected_errors"] > 0 and soak["disconnects"] > 0 and soak["answered"] > 0
+    for part in ("growth", "start", "end", "max"):
+        assert set(soak[part]) == set(GROWTH), part
+    for figure in ("stub_rss_mb", "tritonserver_rss_mb"):
+        assert soak["start"][figure] > 0 and soak["end"][figure] > 0 and soak["growth"][figure] is not None
+    # ~24 s sampled every 3 s, plus the baseline before traffic and the last sample after the last answer
+    samples = soak["samples"]
+    assert len(samples) >= 8 and all(SAMPLE_KEYS <= set(s) for s in samples)
+    assert [s["t_s"] for s in samples] == sorted(s["t_s"] for s in samples)
+    assert samples[-1]["sent"] == soak["requests"] and samples[-1]["unexpected_errors"] == 0
+    assert all(s["stub_rss_mb"] and s["tritonserver_rss_mb"] for s in samples)
+    assert any(s["p50_ms"] is not None and s["p50_ms"] <= s["p99_ms"] for s in samples)
+    # Triton counted the gRPC refusals the driver saw as expected (the gateway refuses its own before Triton)
+    errors = samples[-1]["request_errors"]
+    assert errors["invalid"] + errors["too_large"] > 0 and errors["internal"] == errors["engine_error"] == 0
+    assert (out / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "unexpected" in result.stdout and "tritonserver_rss_mb" in result.stdout
