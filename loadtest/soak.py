@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from soak_report import plot, print_table, summarize
+from soak_watch import Watch
 
-from kev_backend.dev.provenance import commit, gpu_name, nvidia_smi
+from kev_backend.dev.provenance import commit, gpu_name
 from kev_backend.dev.workloads import Traffic
 from kev_backend.serve.client import AsyncKevClient, KevError
-from kev_backend.serve.client.prometheus import parse as parse_prometheus
-from kev_backend.serve.supervisor.procs import STUB_COMM, children
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,17 +63,6 @@ CANCEL_AFTER_S = (0.002, 0.02)
 # the driver. Repeats come from the most recent states only (as a state bank with LRU eviction would see them).
 HISTORY_KEEP = 10_000
 EXAMPLES_KEPT = 20  # distinct unexpected errors described in the JSON, with their counts; others are only counted
-METRICS_TIMEOUT_S = 5.0
-# The backend's gauges watched, by the name they get here, and Triton's metrics name (summed over model instances).
-GAUGES = {
-    "bank_bytes": "kev_bank_bytes",
-    "graphs": "kev_graphs",
-    "graph_bytes": "kev_graph_bytes",
-    "tokenizer_cache_bytes": "kev_tokenizer_cache_bytes",
-    "torch_reserved_bytes": "kev_gpu_reserved_bytes",
-    "torch_allocated_bytes": "kev_gpu_allocated_bytes",
-}
-GROWTH_METRICS = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", *GAUGES)
 WORDS = "the refund is late please help "
 
 
@@ -269,97 +258,6 @@ def percentile(ordered: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
 
 
-# --- reading the server from outside ------------------------------------------------------------------------------
-
-
-def proc_status_kb(pid: int, key: str) -> int | None:
-    """A `kB` field of /proc/PID/status (VmRSS), or None when the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def rss_mb(pids: list[int]) -> float | None:
-    """The summed VmRSS of `pids` in MiB; None when none could be read."""
-    values = [kb for pid in pids if (kb := proc_status_kb(pid, "VmRSS")) is not None]
-    return round(sum(values) / 1024, 1) if values else None
-
-
-def gpu_memory_mb() -> float | None:
-    """Memory used on all GPUs together (MiB), or None without a GPU."""
-    try:
-        values = [float(v) for v in nvidia_smi("memory.used")]
-    except ValueError:  # "[N/A]" on some virtual GPUs
-        return None
-    return sum(values) if values else None
-
-
-def gauge_sums(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float | None]:
-    """Each of GAUGES summed over the model's instances; None when Triton does not report it."""
-    sums: dict[str, float | None] = {}
-    for key, name in GAUGES.items():
-        values = [value for sample, _, value in samples if sample == name]
-        sums[key] = sum(values) if values else None
-    return sums
-
-
-def sums_by_reason(samples: list[tuple[str, dict[str, str], float]], name: str) -> dict[str, float]:
-    """A counter family summed over everything but its `reason` label."""
-    sums: dict[str, float] = {}
-    for sample, labels, value in samples:
-        if sample == name:
-            reason = labels.get("reason", "")
-            sums[reason] = sums.get(reason, 0.0) + value
-    return sums
-
-
-# Loopback only: no proxy from the environment may carry the metrics requests elsewhere.
-OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def fetch_text(url: str) -> str | None:
-    try:
-        with OPENER.open(url, timeout=METRICS_TIMEOUT_S) as response:
-            return response.read().decode(errors="replace")
-    except OSError:
-        return None
-
-
-@dataclass(frozen=True)
-class Watch:
-    """Where the server's figures come from: its process (optional), Triton's metrics and the gateway's."""
-
-    server_pid: int | None
-    metrics_url: str
-    gateway_metrics_url: str | None
-
-    def read(self) -> dict[str, Any]:
-        """Blocking (files, a subprocess, HTTP): run it off the event loop."""
-        figures: dict[str, Any] = {
-            "gpu_memory_mb": gpu_memory_mb(),
-            "tritonserver_rss_mb": None,
-            "stub_rss_mb": None,
-            "gateway_errors": None,
-        }
-        if self.server_pid is not None:
-            figures["tritonserver_rss_mb"] = rss_mb([self.server_pid])
-            stubs = [pid for pid, comm in children(self.server_pid).items() if comm == STUB_COMM]
-            figures["stub_rss_mb"] = rss_mb(stubs)
-        text = fetch_text(self.metrics_url)
-        samples = parse_prometheus(text) if text is not None else []
-        figures.update(gauge_sums(samples))
-        figures["request_errors"] = sums_by_reason(samples, "kev_request_errors_total") if text is not None else None
-        if self.gateway_metrics_url is not None:  # the gateway's own refusals (client_disconnected, internal, ...)
-            text = fetch_text(self.gateway_metrics_url)
-            errors = sums_by_reason(parse_prometheus(text), "kev_gateway_errors_total") if text is not None else None
-            figures["gateway_errors"] = None if errors is None else {k: v for k, v in errors.items() if v}
-        return figures
-
-
 # --- the run ----------------------------------------------------------------------------------------------------
 
 
@@ -507,20 +405,6 @@ async def drive(args: argparse.Namespace) -> Soak:
 # --- results ----------------------------------------------------------------------------------------------------
 
 
-def summarize(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str, float | None]]:
-    """start (first sample after the warm-up, else the last), end (last sample), max, and growth end/start - 1."""
-    first = next((s for s in samples if s["t_s"] >= warmup_s), samples[-1])
-    last = samples[-1]
-    out: dict[str, dict[str, float | None]] = {"growth": {}, "start": {}, "end": {}, "max": {}}
-    for key in GROWTH_METRICS:
-        start, end = first.get(key), last.get(key)
-        values = [s[key] for s in samples if s.get(key) is not None]
-        out["start"][key], out["end"][key] = start, end
-        out["max"][key] = max(values) if values else None
-        out["growth"][key] = round(end / start - 1, 4) if start and end is not None else None
-    return out
-
-
 def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:
     tally, samples = soak.tally, soak.samples
     warmup_s = 60 * args.warmup_minutes
@@ -554,63 +438,6 @@ def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:
             "samples": samples,
         },
     }
-
-
-MIB = 1 << 20
-
-
-def plot(samples: list[dict[str, Any]], warmup_s: float, title: str, path: Path) -> None:
-    """One panel per memory figure that was measured (bytes shown in MiB), and one of p50/p99 latency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    minutes = [s["t_s"] / 60 for s in samples]
-    panels = [key for key in GROWTH_METRICS if any(s.get(key) is not None for s in samples)]
-    rows = (len(panels) + 2) // 2
-    fig, axes = plt.subplots(rows, 2, figsize=(11, 2.6 * rows), squeeze=False, sharex=True)
-    flat = list(axes.flat)
-    for ax, key in zip(flat, panels):
-        scale, unit = (MIB, "MiB") if key.endswith("_bytes") else (1, "MiB" if key.endswith("_mb") else "count")
-        ax.plot(minutes, [None if s.get(key) is None else s[key] / scale for s in samples], ".-")
-        ax.set_title(f"{key} ({unit})", fontsize=9)
-    latency = flat[len(panels)]
-    for key, style in (("p50_ms", ".-"), ("p99_ms", "^:")):
-        latency.plot(minutes, [s.get(key) for s in samples], style, label=key.removesuffix("_ms"))
-    latency.set_title("good requests' latency per period (ms)", fontsize=9)
-    latency.legend(fontsize=8)
-    for ax in flat[len(panels) + 1 :]:
-        ax.set_visible(False)
-    for ax in flat[: len(panels) + 1]:
-        ax.axvline(warmup_s / 60, color="grey", lw=0.8, ls="--")  # the end of the warm-up: growth is from here
-        ax.grid(True, alpha=0.3)
-        ax.tick_params(labelbottom=True)  # shared x, but a panel above a hidden one is its column's lowest
-    flat[len(panels)].set_xlabel("minutes")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def print_table(record: dict[str, Any]) -> None:
-    soak = record["soak"]
-    print(
-        f"soak {soak['elapsed_s'] / 60:.2f} min at {soak['rate']:g} r/s ({soak['shape']}): {soak['requests']} requests,"
-        f" {soak['answered']} answered, {soak['expected_errors']} expected errors, {soak['disconnects']} disconnects,"
-        f" {soak['refused_overload']} refused (overload), {soak['unexpected_errors']} unexpected"
-        + (f", {soak['abandoned']} abandoned at a second stop signal" if soak["abandoned"] else "")
-    )
-    print(f"{'figure':<22} {'start':>14} {'end':>14} {'max':>14} {'growth':>8}")
-    for key in GROWTH_METRICS:
-        cells = [soak[part][key] for part in ("start", "end", "max")]
-        growth = soak["growth"][key]
-        digits = 1 if key.endswith("_mb") else 0
-        text = [f"{c:14,.{digits}f}" if c is not None else f"{'-':>14}" for c in cells]
-        change = f"{growth:+8.1%}" if growth is not None else f"{'-':>8}"
-        print(f"{key:<22} {' '.join(text)} {change}")
-    for example, count in soak["unexpected_examples"].items():
-        print(f"unexpected ({count}x): {example}", file=sys.stderr)
 
 
 # --- command line -----------------------------------------------------------------------------------------------

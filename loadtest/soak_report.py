@@ -1,0 +1,83 @@
+"""What a soak run (loadtest/soak.py) reports beside its record: each watched figure's growth after the warm-up, its
+plot and its table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from soak_watch import GAUGES
+
+GROWTH_METRICS = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", *GAUGES)
+
+
+def summarize(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str, float | None]]:
+    """start (first sample after the warm-up, else the last), end (last sample), max, and growth end/start - 1."""
+    first = next((s for s in samples if s["t_s"] >= warmup_s), samples[-1])
+    last = samples[-1]
+    out: dict[str, dict[str, float | None]] = {"growth": {}, "start": {}, "end": {}, "max": {}}
+    for key in GROWTH_METRICS:
+        start, end = first.get(key), last.get(key)
+        values = [s[key] for s in samples if s.get(key) is not None]
+        out["start"][key], out["end"][key] = start, end
+        out["max"][key] = max(values) if values else None
+        out["growth"][key] = round(end / start - 1, 4) if start and end is not None else None
+    return out
+
+
+MIB = 1 << 20
+
+
+def plot(samples: list[dict[str, Any]], warmup_s: float, title: str, path: Path) -> None:
+    """One panel per memory figure that was measured (bytes shown in MiB), and one of p50/p99 latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    minutes = [s["t_s"] / 60 for s in samples]
+    panels = [key for key in GROWTH_METRICS if any(s.get(key) is not None for s in samples)]
+    rows = (len(panels) + 2) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 2.6 * rows), squeeze=False, sharex=True)
+    flat = list(axes.flat)
+    for ax, key in zip(flat, panels):
+        scale, unit = (MIB, "MiB") if key.endswith("_bytes") else (1, "MiB" if key.endswith("_mb") else "count")
+        ax.plot(minutes, [None if s.get(key) is None else s[key] / scale for s in samples], ".-")
+        ax.set_title(f"{key} ({unit})", fontsize=9)
+    latency = flat[len(panels)]
+    for key, style in (("p50_ms", ".-"), ("p99_ms", "^:")):
+        latency.plot(minutes, [s.get(key) for s in samples], style, label=key.removesuffix("_ms"))
+    latency.set_title("good requests' latency per period (ms)", fontsize=9)
+    latency.legend(fontsize=8)
+    for ax in flat[len(panels) + 1 :]:
+        ax.set_visible(False)
+    for ax in flat[: len(panels) + 1]:
+        ax.axvline(warmup_s / 60, color="grey", lw=0.8, ls="--")  # the end of the warm-up: growth is from here
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelbottom=True)  # shared x, but a panel above a hidden one is its column's lowest
+    flat[len(panels)].set_xlabel("minutes")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(record: dict[str, Any]) -> None:
+    soak = record["soak"]
+    print(
+        f"soak {soak['elapsed_s'] / 60:.2f} min at {soak['rate']:g} r/s ({soak['shape']}): {soak['requests']} requests,"
+        f" {soak['answered']} answered, {soak['expected_errors']} expected errors, {soak['disconnects']} disconnects,"
+        f" {soak['refused_overload']} refused (overload), {soak['unexpected_errors']} unexpected"
+        + (f", {soak['abandoned']} abandoned at a second stop signal" if soak["abandoned"] else "")
+    )
+    print(f"{'figure':<22} {'start':>14} {'end':>14} {'max':>14} {'growth':>8}")
+    for key in GROWTH_METRICS:
+        cells = [soak[part][key] for part in ("start", "end", "max")]
+        growth = soak["growth"][key]
+        digits = 1 if key.endswith("_mb") else 0
+        text = [f"{c:14,.{digits}f}" if c is not None else f"{'-':>14}" for c in cells]
+        change = f"{growth:+8.1%}" if growth is not None else f"{'-':>8}"
+        print(f"{key:<22} {' '.join(text)} {change}")
+    for example, count in soak["unexpected_examples"].items():
+        print(f"unexpected ({count}x): {example}", file=sys.stderr)

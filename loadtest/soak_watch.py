@@ -1,0 +1,112 @@
+"""The server's figures as a soak run (loadtest/soak.py) reads them from outside, every sample: the processes' memory
+(/proc), the GPUs' (nvidia-smi), and Triton's and the gateway's metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kev_backend.dev.provenance import nvidia_smi
+from kev_backend.serve.client.prometheus import parse as parse_prometheus
+from kev_backend.serve.supervisor.procs import STUB_COMM, children
+
+METRICS_TIMEOUT_S = 5.0
+# The backend's gauges watched, by the name they get here, and Triton's metrics name (summed over model instances).
+GAUGES = {
+    "bank_bytes": "kev_bank_bytes",
+    "graphs": "kev_graphs",
+    "graph_bytes": "kev_graph_bytes",
+    "tokenizer_cache_bytes": "kev_tokenizer_cache_bytes",
+    "torch_reserved_bytes": "kev_gpu_reserved_bytes",
+    "torch_allocated_bytes": "kev_gpu_allocated_bytes",
+}
+
+
+def proc_status_kb(pid: int, key: str) -> int | None:
+    """A `kB` field of /proc/PID/status (VmRSS), or None when the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def rss_mb(pids: list[int]) -> float | None:
+    """The summed VmRSS of `pids` in MiB; None when none could be read."""
+    values = [kb for pid in pids if (kb := proc_status_kb(pid, "VmRSS")) is not None]
+    return round(sum(values) / 1024, 1) if values else None
+
+
+def gpu_memory_mb() -> float | None:
+    """Memory used on all GPUs together (MiB), or None without a GPU."""
+    try:
+        values = [float(v) for v in nvidia_smi("memory.used")]
+    except ValueError:  # "[N/A]" on some virtual GPUs
+        return None
+    return sum(values) if values else None
+
+
+def gauge_sums(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float | None]:
+    """Each of GAUGES summed over the model's instances; None when Triton does not report it."""
+    sums: dict[str, float | None] = {}
+    for key, name in GAUGES.items():
+        values = [value for sample, _, value in samples if sample == name]
+        sums[key] = sum(values) if values else None
+    return sums
+
+
+def sums_by_reason(samples: list[tuple[str, dict[str, str], float]], name: str) -> dict[str, float]:
+    """A counter family summed over everything but its `reason` label."""
+    sums: dict[str, float] = {}
+    for sample, labels, value in samples:
+        if sample == name:
+            reason = labels.get("reason", "")
+            sums[reason] = sums.get(reason, 0.0) + value
+    return sums
+
+
+# Loopback only: no proxy from the environment may carry the metrics requests elsewhere.
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def fetch_text(url: str) -> str | None:
+    try:
+        with OPENER.open(url, timeout=METRICS_TIMEOUT_S) as response:
+            return response.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Where the server's figures come from: its process (optional), Triton's metrics and the gateway's."""
+
+    server_pid: int | None
+    metrics_url: str
+    gateway_metrics_url: str | None
+
+    def read(self) -> dict[str, Any]:
+        """Blocking (files, a subprocess, HTTP): run it off the event loop."""
+        figures: dict[str, Any] = {
+            "gpu_memory_mb": gpu_memory_mb(),
+            "tritonserver_rss_mb": None,
+            "stub_rss_mb": None,
+            "gateway_errors": None,
+        }
+        if self.server_pid is not None:
+            figures["tritonserver_rss_mb"] = rss_mb([self.server_pid])
+            stubs = [pid for pid, comm in children(self.server_pid).items() if comm == STUB_COMM]
+            figures["stub_rss_mb"] = rss_mb(stubs)
+        text = fetch_text(self.metrics_url)
+        samples = parse_prometheus(text) if text is not None else []
+        figures.update(gauge_sums(samples))
+        figures["request_errors"] = sums_by_reason(samples, "kev_request_errors_total") if text is not None else None
+        if self.gateway_metrics_url is not None:  # the gateway's own refusals (client_disconnected, internal, ...)
+            text = fetch_text(self.gateway_metrics_url)
+            errors = sums_by_reason(parse_prometheus(text), "kev_gateway_errors_total") if text is not None else None
+            figures["gateway_errors"] = None if errors is None else {k: v for k, v in errors.items() if v}
+        return figures
