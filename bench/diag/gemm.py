@@ -178,7 +178,7 @@ def gemmsustained(args) -> None:
     the 8,192³ GEMM of the bench's floor: alone with the GPU idle between calls (the bench's ceiling) and back to back
     for as long as the pass. With nvidia-smi, the SM clock and the power drawn in each sustained run."""
     from kev_backend.dev import sizes
-    from kev_backend.dev.bench import ceilings
+    from kev_backend.dev.floors import ceilings
     from kev_backend.gpu import cublaslt
     from kev_backend.model.qwen35 import Qwen35Config
 

@@ -46,10 +46,10 @@ def scaling(args) -> None:
     """The bench's scaling points alone: long5's questions on states of 2k to 64k tokens, median model time of 3 new
     and 3 same-state requests each, beside the new state's compute floor: a quick engine-level comparison of changes
     to long states' passes."""
-    from kev_backend.dev import bench
+    from kev_backend.dev import bench, floors
 
     engine = kev4b_engine(args)
-    ceil = bench.ceilings(engine.device)
+    ceil = floors.ceilings(engine.device)
     for tokens in bench.SCALING_TOKENS:
         point = bench.scaling_point(engine, tokens, ceil, repeat=3)
         print("scaling", {key: round(point[key], 2) for key in ("state_tokens", "new_ms", "same_ms", "floor_ms")})

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kev_backend.dev import bench, sizes, synthetic
+from kev_backend.dev import bench, floors, sizes, synthetic
 from kev_backend.dev.workloads import FIVE, sized
 from kev_backend.engine.engine import Engine
 from kev_backend.gpu.pool import StatePool
@@ -182,7 +182,7 @@ def test_floor_counts_by_hand() -> None:
     """TINY_CONFIG (width 64, MLP 128, 3 DeltaNet layers then 1 attention; 4 query / 2 KV heads of 32; DeltaNet 2 key
     / 4 value heads of 16): a state of 100 tokens with rows of 10 and 20."""
     config = Qwen35Config.from_dict({**sizes.TINY_CONFIG, "vocab_size": 100})
-    flops = bench.pass_flops(config, 100, [10, 20])
+    flops = floors.pass_flops(config, 100, [10, 20])
     mlp = 64 * 2 * 128 + 128 * 64
     attention_layer = 64 * (2 * 4 * 32 + 2 * 2 * 32) + 4 * 32 * 64 + mlp  # q + gate, k, v; o; MLP
     delta_layer = 64 * (2 * 2 * 16 + 2 * 4 * 16 + 2 * 4) + 4 * 16 * 64 + mlp  # qkv, z, b, a; out; MLP
@@ -201,7 +201,7 @@ def test_scaling_point_on_the_reference_path(tiny_dir: Path) -> None:
     assert point["new_ms"] > 0 and point["same_ms"] > 0
     _, encoded = engine.prepare(sized(300, bench.state_length(engine)))
     rows = [len(q.tokens) for q in encoded.questions]
-    expected = bench.pass_flops(engine.checkpoint.model.config, 300, rows)["total"]
+    expected = floors.pass_flops(engine.checkpoint.model.config, 300, rows)["total"]
     assert point["floor_ms"] == pytest.approx(expected / 1e9)  # ms at 1 TFLOP/s
     assert point["floor_sustained_ms"] == pytest.approx(expected / 0.8e9)
     assert engine.bank_stats.hits >= 2  # the same state came from the bank

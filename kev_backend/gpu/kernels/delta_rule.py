@@ -1,5 +1,6 @@
 """The gated delta rule in chunks for segments read from or written to the bank in place: any length, grids that
-depend only on token and segment counts (graph-capturable)."""
+depend only on token and segment counts (graph-capturable). One algorithm, hence one module over 600 lines: the chunk's
+preparation, the chain across chunks and their launch share its layout and its numerics, with its torch reference."""
 
 from __future__ import annotations
 
