@@ -1,4 +1,4 @@
-"""bench/gpu_ab.sh's logs as a results JSON: every run's figures, and per figure the two sides' medians and this
+"""bench/gpu.sh ab's logs as a results JSON: every run's figures, and per figure the two sides' medians and this
 side's change in percent.
 
     python3 bench/ab_report.py --out RESULT.json [--field KEY=VALUE ...] [LABEL=]LOG ...

@@ -1,4 +1,4 @@
-"""Rewrites a Triton model config for bench/gpu_batcher.sh's sweep: the dynamic batcher's delay and the number of
+"""Rewrites a Triton model config for bench/gpu.sh batcher's sweep: the dynamic batcher's delay and the number of
 model instances. Each setting must stand on exactly one line; a trailing comment stays.
     python bench/batcher_config.py CONFIG DELAY_US [INSTANCES]"""
 

@@ -1,4 +1,4 @@
-"""One Kev size's results from bench/gpu_sizes.sh, merged into one JSON, and its short table.
+"""One Kev size's results from bench/gpu.sh sizes, merged into one JSON, and its short table.
 
     python bench/sizes_report.py SIZE WORK_DIR OUT.json
 

@@ -7,4 +7,4 @@ on the batch.
 One module per family: `passes` (latency, GPU time by kernel, idle gaps, batch invariance), `sweeps` (kernel
 configurations and fla's kernels), `gemm` (the projections' GEMMs), `gemm_epilogues` (the MLP's memory-bound work in
 Triton GEMMs' epilogues), `host` (the host's work around a pass), `startup` (start-up phases); shared helpers in
-`common`. bench/gpu_run.sh runs them as steps."""
+`common`. bench/gpu.sh steps runs them as steps."""

@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m bench.diag",
         description=summary.split("\n\n")[0],
         epilog="Subcommands that build a Kev-4B engine take the GPU config's options by default (CUDA graphs, our "
-        "long kernels); --no-graphs and --graph-max-tokens change them. bench/gpu_run.sh runs these "
+        "long kernels); --no-graphs and --graph-max-tokens change them. bench/gpu.sh steps runs these "
         "as steps.",
     )
     sub = main.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)

@@ -435,7 +435,7 @@ def convscan(args) -> None:
 
 def ncuprobe(args) -> None:
     """Three calls each (the first two warm) of the chunked delta rule on 8 new 2,200-token states and on 6 rows of 40
-    tokens: for Nsight Compute to profile the third (bench/gpu_run.sh ncu)."""
+    tokens: for Nsight Compute to profile the third (bench/gpu.sh steps ncu)."""
     from kev_backend.gpu import kernels
 
     _, HV, K, V = KEV4B_HEADS
@@ -528,4 +528,4 @@ def register(sub) -> None:
     parser.add_argument("--size", choices=SIZES, default="27b", help="a Kev size's shapes (default 27b)")
     parser.add_argument("--rows", type=int, default=1315, help="the GEMM's rows (default 1315: half of long5's pass)")
     parser.add_argument("--tokens", type=int, default=1232, help="the state's tokens (default 1232: half of long5's)")
-    command(sub, "ncuprobe", ncuprobe, "a few delta-rule calls for Nsight Compute (bench/gpu_run.sh ncu)")
+    command(sub, "ncuprobe", ncuprobe, "a few delta-rule calls for Nsight Compute (bench/gpu.sh steps ncu)")

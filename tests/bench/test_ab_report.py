@@ -1,4 +1,4 @@
-"""bench/ab_report.py: bench/gpu_ab.sh's logs (made up here, as bench.diag prints them) into a results JSON."""
+"""bench/ab_report.py: bench/gpu.sh ab's logs (made up here, as bench.diag prints them) into a results JSON."""
 
 from __future__ import annotations
 

@@ -281,7 +281,7 @@ def test_gemm_tables_merge_into_one(tmp_path: Path) -> None:
 
 
 def test_sizes_report_merges_a_size_and_prints_its_table(tmp_path: Path) -> None:
-    """bench/sizes_report.py on the files gpu_sizes.sh's steps write (here: made up, a step that failed missing)."""
+    """bench/sizes_report.py on the files the sizes suite writes (here: made up, a step that failed missing)."""
     (tmp_path / "steps-27b.txt").write_text("write 98 0\ntune 20 0\nbench 121 0\nparity 60 0\nserve 110 1\n")
     latency = {"new_ms": 250.0, "same_ms": 30.0}
     bench_json = {

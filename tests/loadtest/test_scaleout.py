@@ -1,6 +1,6 @@
 """loadtest/scaleout.py end to end on CPUs: two real tritonservers (tiny model, each its own state bank) behind the real
 Envoy that kev_backend.serve.router configures, against one; the repeated-state mix with and without affinity, a
-server killed mid-run, and the comparison the GPU run writes (bench/gpu_scaleout.sh runs the same on one server per
+server killed mid-run, and the comparison the GPU run writes (bench/gpu.sh scaleout runs the same on one server per
 GPU)."""
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def test_gpu_config_differs_only_in_its_gpu_settings() -> None:
 
 
 def test_batcher_config_rewrites_for_the_sweep() -> None:
-    """bench/gpu_batcher.sh rewrites the GPU config's batcher delay and instance count: exactly those lines change."""
+    """bench/gpu.sh batcher rewrites the GPU config's batcher delay and instance count: exactly those lines change."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("batcher_config", REPO / "bench" / "batcher_config.py")

@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
-# One device call on the GPU machine: `make setup` from the carried wheelhouse (bench/device_args.sh), then the named
-# steps in order. Everything lands in the output directory.
-#   bench/gpu_run.sh [--out DIR] [--wheelhouse DIR] [--commit REV] STEP...        (default: all)
-# --out DIR (or OUT; default /tmp/out): where logs and results go. --wheelhouse DIR (or WHEELHOUSE; default
-# .wheelhouse): what setup installs from, offline. --commit REV: the commit the results name (a copy of the tree
-# without its history cannot tell).
+# The named steps in order, after setup (bench/suites/lib.sh); everything lands in the output directory.
+#   bash bench/gpu.sh steps [OPTIONS] STEP...        (default: all; OPTIONS: bench/gpu.sh's)
 # Steps (the diagnostics are `python -m bench.diag SUBCOMMAND`; its --help describes each):
 #   tests      GPU tests but parity and graphs: compiled kernels, engine API, no compiles after warm-up (~2.5 min)
 #   parity     fused vs fp32 reference on tiny, width-256 and Kev-4B checkpoints (~5 min)
@@ -50,10 +46,10 @@
 # (gaps: short6 or long5), BENCH_ARGS (bench), LONGATTN_ARGS (longattn), PROFILE_ARGS (profile: e.g.
 # "--state-tokens 65535" or "--size 27b"), GEMMPAD_ARGS (gemmpad).
 set -uo pipefail
-source "$(dirname "$0")/device_args.sh" "$@"
-out=$OUT steps=(${ARGS[@]+"${ARGS[@]}"})
+source "$(dirname "$0")/lib.sh"
+out=$OUT steps=("$@")
 ((${#steps[@]})) || steps=(all)
-device_setup || exit 1
+gpu_setup || exit 1
 status=0
 gpu_pytest() {  # LOG -k EXPRESSION FILTER: the GPU tests matching it, the log's tail through FILTER (grep -E)
   local log=$1 expression=$2 filter=$3

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# One device call: Triton's dynamic-batcher delay and model instances per GPU chosen by measurement. For each
+# Triton's dynamic-batcher delay and model instances per GPU chosen by measurement. For each
 # instance count in INSTANCES and max_queue_delay in DELAYS (µs; a delay named twice is measured twice, e.g. "500 0 0
 # 500" for ABBA), a copy of the model repository with those settings in configs/gpu.pbtxt, the server started afresh
 # (kernel cache kept), and loadtest/frontdoor.py over gRPC: short6 on new states, one client, then 64 and 128
 # closed-loop clients over FRONTDOOR_PROCS (8) processes, with the server's breakdown. Writes batcher.json into the
-# output directory ({"<run>-<instances>x<delay>": frontdoor.py's record}) and prints a line a run. Setup:
-# bench/gpu_triton_env.sh (carry the wheelhouse). Each setting takes ~45 s once the first start has filled the kernel
+# output directory ({"<run>-<instances>x<delay>": frontdoor.py's record}) and prints a line a run, after setup
+# (bench/suites/lib.sh) and random Kev-4B weights. Each setting takes ~45 s once the first start has filled the kernel
 # cache.
 # LONG_STATES=1: the first setting's server also takes 8 new 16k-token states at once (loadtest/long_states.py,
 # long-states.json).
-#   INSTANCES="1 2" DELAYS="500" bench/gpu_batcher.sh [--out DIR] [--wheelhouse DIR] [--commit REV]
-# --out, --wheelhouse, --commit: as bench/gpu_run.sh.
+#   INSTANCES="1 2" DELAYS="500" bash bench/gpu.sh batcher [OPTIONS]                  (OPTIONS: bench/gpu.sh's)
 set -uo pipefail
-source "$(dirname "$0")/device_args.sh" "$@"
-set -- ${ARGS[@]+"${ARGS[@]}"}
-source "$(dirname "$0")/gpu_triton_env.sh"
-rm -f /tmp/batcher-*.json  # a warm machine may hold an earlier call's
+source "$(dirname "$0")/lib.sh"
+out=$OUT
+gpu_setup || exit 1
+kev4b_checkpoint || exit 1
+rm -f /tmp/batcher-*.json  # an earlier run's
 run=0
 for instances in ${INSTANCES:-1}; do
 for delay in ${DELAYS:-0 500 2000}; do

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# One device call on one H200: every chosen Kev size measured in turn, each on random weights of its shapes
-# (kev_backend.dev.sizes.SIZES). Setup as every device script (bench/device_args.sh: `make setup` from the carried
-# wheelhouse).
-#   bash bench/gpu_sizes.sh [--out DIR] [--wheelhouse DIR] [--commit REV] SIZE...     (SIZE: 0.8b 4b 9b 27b)
+# Every chosen Kev size measured in turn, each on random weights of its shapes (kev_backend.dev.sizes.SIZES), after
+# setup (bench/suites/lib.sh).
+#   bash bench/gpu.sh sizes [OPTIONS] SIZE...     (SIZE: 0.8b 4b 9b 27b; OPTIONS: bench/gpu.sh's)
 # Per size, in order; seconds on an H200 estimated from Kev-4B's measured figures scaled by weight bytes and FLOPs
-# (0.8b / 4b / 9b / 27b), the first size of a call paying ~20 s more for an empty kernel cache:
+# (0.8b / 4b / 9b / 27b), the first size of a run paying ~20 s more for an empty kernel cache:
 #   write   python -m kev_backend.dev.synthetic /tmp/kev-sizes/SIZE --size SIZE --device cuda: bf16 weights drawn a tensor
 #           at a time on the GPU, written in 5 GiB shards (disk: 1.5 / 8.4 / 18 / 51 GB)             5 / 15 / 30 / 100
 #   tune    python -m kev_backend.dev.gemm_tuner tune SIZE: the size's GEMM table                     3 / 5 / 10 / 20
@@ -31,19 +30,17 @@
 #           exit code, restarts, the message                                                                      ~40
 #   the checkpoint is deleted (before the next size is written: the disk holds one 27b at a time)
 # Totals with setup (~35 s): 0.8b ~140 s, 4b ~240 s, 9b ~270 s, 27b ~450 s (its write depends on the disk: 51 GB
-# at 0.5-1.5 GB/s). Within the 10-minute limit: `0.8b 4b`, then `9b`, then `27b`, one call each (`4b 9b` is ~550 s:
-# too close). STEPS="bench serve" (a subset of write tune bench parity serve refuse, in that order; refuse only
+# at 0.5-1.5 GB/s). STEPS="bench serve" (a subset of write tune bench parity serve refuse, in that order; refuse only
 # when named) runs only those: the checkpoint is written when bench, serve or refuse is among them.
-# Out (at most 8 files come back): sizes-SIZE.json per size (bench/sizes_report.py: every step's JSON merged, the
-# size's GEMM table among them), gemm-algos-SIZES.json (this call's tables merged: to commit, merge it with the
-# packaged one: python -m kev_backend.dev.gemm_tuner merge OUT.json kev_backend/gpu/gemm_algos/TABLE.json THIS.json),
-# sizes-logs.tar.gz (every step's log, setup's). Each size's files are written when it ends: a call cut short keeps
+# Out: sizes-SIZE.json per size (bench/sizes_report.py: every step's JSON merged, the size's GEMM table among them),
+# gemm-algos-SIZES.json (this run's tables merged: to commit, merge it with the packaged one:
+# python -m kev_backend.dev.gemm_tuner merge OUT.json kev_backend/gpu/gemm_algos/TABLE.json THIS.json),
+# sizes-logs.tar.gz (every step's log, setup's). Each size's files are written when it ends: a run cut short keeps
 # the sizes done.
 set -uo pipefail
-source "$(dirname "$0")/device_args.sh" "$@"
-sizes=(${ARGS[@]+"${ARGS[@]}"})
-((${#sizes[@]})) || { echo "usage: bash bench/gpu_sizes.sh [--out DIR] [--commit REV] SIZE... (0.8b 4b 9b 27b)"
-  exit 2; }
+source "$(dirname "$0")/lib.sh"
+sizes=("$@")
+((${#sizes[@]})) || { echo "usage: bash bench/gpu.sh sizes [OPTIONS] SIZE... (0.8b 4b 9b 27b)"; exit 2; }
 for size in "${sizes[@]}"; do
   [[ $size =~ ^(0\.8b|4b|9b|27b)$ ]] || { echo "unknown size $size (0.8b 4b 9b 27b)"; exit 2; }
 done
@@ -54,8 +51,8 @@ work=/tmp/kev-sizes
 logs=$work/logs
 rm -rf "$work"
 mkdir -p "$logs"
-trap 'rm -rf "$work"/{0.8b,4b,9b,27b}' EXIT  # a checkpoint never outlives the call (the disk holds one 27b)
-device_setup || { mv "$OUT/setup.log" "$logs/" 2>/dev/null; tar -czf "$OUT/sizes-logs.tar.gz" -C "$work" logs; exit 1; }
+trap 'rm -rf "$work"/{0.8b,4b,9b,27b}' EXIT  # a checkpoint never outlives the run (the disk holds one 27b)
+gpu_setup || { mv "$OUT/setup.log" "$logs/" 2>/dev/null; tar -czf "$OUT/sizes-logs.tar.gz" -C "$work" logs; exit 1; }
 mv "$OUT/setup.log" "$logs/"
 # One kernel cache for every step: the server starts on the kernels the bench compiled.
 export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# One device call: long work against short requests on the GPU, served as `make serve` serves (the supervisor with its
-# probe on), with random Kev-4B weights. Setup from the carried wheelhouse (bench/device_args.sh).
-#   bench/gpu_fairness.sh [--out DIR] [--wheelhouse DIR] [--commit REV] [STEP...]     (default: tests serve)
-#   bench/gpu_fairness.sh prepare REV      here, first, for the `ab` step: REV's tree in .ab/base (git-ignored); carry
-#                                          ".ab" with the wheelhouse
+# Long work against short requests on the GPU, served as `make serve` serves (the supervisor with its probe on), with
+# random Kev-4B weights, after setup (bench/suites/lib.sh).
+#   bash bench/gpu.sh fairness [OPTIONS] [STEP...]          (default: tests serve; OPTIONS: bench/gpu.sh's)
+# The `ab` step needs a base tree in .ab/base: `bash bench/gpu.sh base REV` where the history is.
 # Steps:
 #   tests   the fused path's GPU tests of the pipeline and graphs, and the determinism test (every answer's bits
 #           alone against in batch mixes)
@@ -15,15 +14,10 @@
 # FAIR_ARGS adds arguments to both fairness runs (e.g. "--seconds 20"). Results: served.json, fairness-state.json,
 # fairness-permute.json, served-ab.json, the logs.
 set -uo pipefail
-if [[ ${1:-} == prepare ]]; then
-  rm -rf .ab && mkdir -p .ab/base && git archive "${2:?a base revision}" | tar -x -C .ab/base || exit 1
-  git rev-parse --short "$2" > .ab/REV && echo "base $(cat .ab/REV) in .ab/base"
-  exit 0
-fi
-source "$(dirname "$0")/device_args.sh" "$@"
-out=$OUT steps=(${ARGS[@]+"${ARGS[@]}"})
+source "$(dirname "$0")/lib.sh"
+out=$OUT steps=("$@")
 ((${#steps[@]})) || steps=(tests serve)
-device_setup || exit 1
+gpu_setup || exit 1
 status=0
 run_tests() {
   "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu/test_fused_gpu.py tests/gpu/test_determinism.py \
@@ -49,10 +43,10 @@ run_serve() {
   grep -E "kev-serve|kev: " "$out/serve.log" | cut -c1-300 | tail -6
 }
 served_from() {  # LABEL TREE: TREE served (its own setup), served.py against it, stopped
-  local label=$1 tree=$2 started serve wheels
-  wheels=$(realpath "$WHEELHOUSE")  # here: WHEELHOUSE may be relative to this tree
-  (cd "$tree" && make setup WHEELHOUSE="$wheels" TORCH=system SETS=serve PYTHON=python3 \
-    >"$out/setup-$label.log" 2>&1) || { tail -5 "$out/setup-$label.log"; return 1; }
+  local label=$1 tree=$2 started serve setup
+  mapfile -t setup < <(setup_args)
+  (cd "$tree" && make setup "${setup[@]}" SETS=serve >"$out/setup-$label.log" 2>&1) \
+    || { tail -5 "$out/setup-$label.log"; return 1; }
   kev4b_checkpoint || return 1
   started=$(python3 -c 'import time; print(time.time())')
   (cd "$tree" && KEV_CHECKPOINT=$KEV4B TRITON_CACHE_DIR=/tmp/triton-cache GATEWAY=0 exec build/serve.sh) \
@@ -65,7 +59,7 @@ served_from() {  # LABEL TREE: TREE served (its own setup), served.py against it
 }
 run_ab() {
   local base=$PWD/.ab/base round side turn=0
-  [[ -d $base ]] || { echo "no .ab/base: run bench/gpu_fairness.sh prepare REV here and carry .ab"; return 1; }
+  [[ -d $base ]] || { echo "no .ab/base: bash bench/gpu.sh base REV where the history is, and copy .ab with the tree"; return 1; }
   for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
     for side in base this this base; do
       ((turn += 1))

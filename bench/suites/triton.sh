@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# One device call: the real tritonserver 2.51 on the GPU machine with the Kev model on random Kev-4B weights
-# (setup: bench/gpu_triton_env.sh; carry the wheelhouse). Writes logs and JSON under the output directory.
-#   bench/gpu_triton.sh [--out DIR] [--wheelhouse DIR] [--commit REV] [short6 open-loop rates] [mix open-loop rates]
-# --out, --wheelhouse, --commit: as bench/gpu_run.sh.
+# The real tritonserver 2.51 with the Kev model on random Kev-4B weights, after setup (bench/suites/lib.sh). Writes
+# logs and JSON under the output directory.
+#   bash bench/gpu.sh triton [OPTIONS] [short6 open-loop rates] [mix open-loop rates]   (OPTIONS: bench/gpu.sh's)
 # Measures: the bench in-process with graphs on, then tritonserver with configs/gpu.pbtxt (KIND_GPU, graphs on): time
 # to ready and to the first answer with an empty kernel cache and again with the cache the first start filled, each
 # with its start-up phases (added to the bench JSON); gRPC (loadtest/frontdoor.py) against the bench's
 # in-process figures; open-loop sweeps for short6 and the realistic mix; Triton's and our metrics. About 5.5 minutes.
 set -uo pipefail
-source "$(dirname "$0")/device_args.sh" "$@"
-set -- ${ARGS[@]+"${ARGS[@]}"}
-source "$(dirname "$0")/gpu_triton_env.sh"
+source "$(dirname "$0")/lib.sh"
+out=$OUT
+gpu_setup || exit 1
+kev4b_checkpoint || exit 1
 # The engine alone first (the bench in this process, graphs on, nothing else on the GPU), then the server: never both
 # at once. The bench JSON gets the start times (below) and is the in-process reference.
 # STARTUP_ONLY=1: only the two starts below (~2.5 minutes), their times in $out/triton-startup.json.
@@ -21,8 +21,8 @@ if [[ ${STARTUP_ONLY:-0} != 1 ]]; then
   [[ -n $bench_json ]] || { echo "no bench JSON"; exit 1; }
 fi
 # First start: an empty kernel cache (a fresh container). Second: the cache the first filled (Triton's compiled
-# kernels and autotuning results), as a restarted or redeployed server with a kept TRITON_CACHE_DIR sees it. The
-# machine may be one an earlier call left warm, its cache filled: emptied first.
+# kernels and autotuning results), as a restarted or redeployed server with a kept TRITON_CACHE_DIR sees it. An
+# earlier run's cache is emptied first.
 rm -rf /tmp/triton-cache
 start_triton "$PWD/model_repository" /tmp/first-start.log
 wait_ready /tmp/start.json /tmp/first-start.log
