@@ -14,7 +14,8 @@ GPU ?= $(shell build/gpu.sh)
 TORCH ?= pip
 SETS ?= serve test
 MACHINE := $(if $(filter 1,$(GPU)),gpu,cpu)
-# requirements-cpu.txt is the kernel tests' interpreter, requirements-gpu.txt the GPU path's options.
+# requirements-cpu.txt is the kernel tests' interpreter, requirements-gpu.txt the measured GPU stack (its torch pin
+# replaces requirements.txt's CPU build: build/requirements.py).
 # SETS: serve (requirements.txt), bench (requirements-bench.txt: the benchmark and load-measurement tools), test
 # (requirements-test.txt; it brings bench too).
 REQUIREMENTS := requirements.txt $(if $(filter bench test,$(SETS)),requirements-bench.txt) \

@@ -3,9 +3,10 @@ torch (TORCH=system: a GPU server's or an image's torch, with whatever it was bu
 
     python build/requirements.py [--have FILE | --installed] REQUIREMENTS.txt...
 
-Without options: every requirement line, as written. `--installed` (run with the environment's own python): leaves
+Without options: every requirement line, as written, except that a project named in several files takes the last
+file's line (requirements-gpu.txt's torch, the measured GPU stack, over requirements.txt's CPU build). `--installed` (run with the environment's own python): leaves
 out every project that is already installed outside the environment's own site-packages (the system's, through the
-venv's system-torch.pth), whatever its version, and torch's own stack (torch, triton, nvidia-*) always. `--have FILE`:
+venv's system-torch.pth), whatever its version, and torch's own stack (torch, triton, nvidia-*, cuda-*) always. `--have FILE`:
 the same against a `pip freeze` or `pip list --format=freeze` of the target environment (for `make wheelhouse`),
 except numpy, which a wheelhouse always holds: the tritonserver 2.51 Python stub needs numpy<2, which setup installs
 into the stub's own environment (build/venv.sh) while the venv keeps the environment's numpy.
@@ -30,7 +31,7 @@ from pathlib import Path
 
 ALWAYS_OURS = {"numpy"}
 BUILD_BACKEND = "setuptools"
-TORCH_STACK = re.compile(r"^(torch|triton|nvidia-.*)$")
+TORCH_STACK = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 
 
 def name(line: str) -> str:
@@ -82,17 +83,18 @@ def main() -> None:
         have = installed_elsewhere()
     if args.prune is not None:
         prune(args.prune, have)
+    lines: dict[str, str] = {}  # by project, in the order first named; a later file's line replaces an earlier one
     for path in args.files:
         for line in path.read_text().splitlines():
             line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            project = name(line)
-            ours = ALWAYS_OURS if args.have is not None else set()
-            if system and project not in ours and (TORCH_STACK.match(project) or project in have):
-                print(f"# provided by the environment: {line}", file=sys.stderr)
-                continue
-            print(line)
+            if line:
+                lines[name(line)] = line
+    ours = ALWAYS_OURS if args.have is not None else set()
+    for project, line in lines.items():
+        if system and project not in ours and (TORCH_STACK.match(project) or project in have):
+            print(f"# provided by the environment: {line}", file=sys.stderr)
+            continue
+        print(line)
 
 
 if __name__ == "__main__":

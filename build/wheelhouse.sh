@@ -9,8 +9,8 @@
 #                   pip also takes every older manylinux tag, e.g. torch's manylinux_2_28 wheels)
 #   WHEEL_TORCH     cpu (default), cuda or system. cpu pins torch to its +cpu build, which is on the PyTorch CPU
 #                   index, not on PyPI (set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu, unless pip's own
-#                   configuration finds it), and adds requirements-cpu.txt with the test set; cuda takes PyPI's torch
-#                   (CUDA, with the nvidia-* wheels, several GB) and adds requirements-gpu.txt; system is for a target
+#                   configuration finds it), and adds requirements-cpu.txt with the test set; cuda takes the measured
+#                   GPU stack, requirements-gpu.txt (torch's CUDA build and its nvidia-* wheels, several GB); system is for a target
 #                   whose python brings its own torch (`make setup TORCH=system`): no torch stack, requirements-gpu.txt
 #                   added, and with WHEEL_HAVE nothing the target already has
 #   WHEEL_HAVE      (system) a `pip freeze` of the target's python: those projects are used there as they are and
@@ -72,7 +72,10 @@ trap 'rm -rf "$tmp"' EXIT
 torch_pin=$(sed -n 's/^torch==\([^ ;#]*\).*/\1/p' "$repo/requirements.txt")
 [[ -n $torch_pin ]] || { echo "error: requirements.txt pins no torch==" >&2; exit 1; }
 setuptools_pin=setuptools==80.9.0
-reqs=(); for f in "${files[@]}"; do reqs+=(-r "$repo/$f"); done
+# One line a project (build/requirements.py: requirements-gpu.txt's torch, the measured GPU stack, replaces
+# requirements.txt's CPU build).
+(cd "$repo" && "$python" build/requirements.py "${files[@]}") >"$tmp/requirements.txt"
+reqs=(-r "$tmp/requirements.txt")
 extra=("$setuptools_pin")
 pipenv=(env)
 have=/dev/null

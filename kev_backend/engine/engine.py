@@ -227,12 +227,17 @@ class Engine:
         self.device = next(checkpoint.model.parameters()).device
         self.backend, self.backend_why = self._choose_backend()
         pad = self.tokenizer.delimiters.pad
+        self.stack: dict[str, str] = {}  # the GPU stack the fused path runs on (gpu/stack.py)
         if self.backend == "fused":
+            from ..gpu import stack
             from ..gpu.scorer import FusedScorer
 
             self.scorer: Scorer = FusedScorer(
                 checkpoint.model, checkpoint.head, checkpoint.temperature, pad, self.options.fused()
             )
+            self.stack = stack.running(self.device)
+            if stack.differences(self.stack):
+                log.warning("kev: %s", stack.summary(self.stack))
         else:
             self.scorer = ReferenceScorer(
                 checkpoint.model,
@@ -323,7 +328,8 @@ class Engine:
         return engine
 
     def summary(self) -> str:
-        """One line for the server's log: device, path, CUDA graphs and the seconds of each start-up phase."""
+        """One line for the server's log: device, path, the GPU stack, CUDA graphs and the seconds of each start-up
+        phase."""
         stats = self.scorer.stats()
         graphed = "no CUDA graphs"
         if stats.graphs is not None:
@@ -331,8 +337,14 @@ class Engine:
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in self.startup.items())
         path = f"{self.backend} path" + (f" ({self.backend_why})" if self.backend_why else "")
         bank = f"{summary}; " if (summary := self.scorer.bank_summary()) else ""
+        stack = ""
+        if self.stack:
+            from ..gpu.stack import summary
+
+            stack = f"{summary(self.stack)}; "
         return (
-            f"on {self.device}, {path}; {graphed}; {bank}{self._gemms()}{self._preparation()}start-up seconds {phases}"
+            f"on {self.device}, {path}; {stack}{graphed}; {bank}{self._gemms()}{self._preparation()}"
+            f"start-up seconds {phases}"
         )
 
     def _gemms(self) -> str:
@@ -342,8 +354,10 @@ class Engine:
             return ""
         if algos["shapes"]:
             table = f"{algos['shapes']} GEMM shapes on pre-tuned cuBLASLt algorithms ({algos['table']}), the rest"
+        elif algos["passed_over"]:
+            table = f"GEMMs (no pre-tuned table used: {algos['passed_over']})"
         else:
-            table = "GEMMs (no pre-tuned table for this GPU)"
+            table = "GEMMs (no pre-tuned table)"
         return f"{table} on cuBLASLt's choice without split-K; "
 
     def _preparation(self) -> str:
@@ -357,9 +371,12 @@ class Engine:
 
     @property
     def gemm_algos(self) -> dict[str, object] | None:
-        """The pre-tuned cuBLASLt table the fused path uses (kev_backend/gpu/cublaslt.py): its file and shape count."""
+        """The pre-tuned cuBLASLt table the fused path uses (kev_backend/gpu/cublaslt.py): its file and shape count,
+        and with none in use, the tables passed over and what they were tuned on."""
         stats = self.scorer.stats()
-        return {"table": stats.gemm_table, "shapes": stats.gemm_shapes} if stats.gemm_shapes is not None else None
+        if stats.gemm_shapes is None:
+            return None
+        return {"table": stats.gemm_table, "shapes": stats.gemm_shapes, "passed_over": stats.gemm_passed_over}
 
     @property
     def bank(self):

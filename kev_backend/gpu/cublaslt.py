@@ -12,7 +12,7 @@ A table file holds, for one GPU and cuBLASLt version, the algorithm of each (row
 changing; `python -m kev_backend.dev.gemm_tuner tune CHECKPOINT OUT.json` makes one. At run time `pretuned(device,
 table)` reads a matching table ("auto": the packaged gpu/gemm_algos/*.json; or a table's path; "off": none) into the
 GemmAlgos whose `linear` runs every projection. No table for this GPU and library: every shape on the heuristic's
-choice without split-K.
+choice without split-K; the start-up line names the tables passed over and what they were tuned on.
 
 cuBLASLt is called through ctypes on the library torch itself loaded. An algorithm is stored as its 64-byte opaque
 structure and used only on the GPU model and cuBLASLt version it was tuned on (both named in the table); the GPU
@@ -177,8 +177,11 @@ class GemmAlgos:
     # per projection for each eager pass's token count.
     PLANS = 4096
 
-    def __init__(self, table: dict[tuple[int, int, int], _Algo], device: torch.device, source: str = "") -> None:
+    def __init__(
+        self, table: dict[tuple[int, int, int], _Algo], device: torch.device, source: str = "", passed_over: str = ""
+    ) -> None:
         self.source = source  # the table's file name ("" for none)
+        self.passed_over = passed_over  # without a table: the tables looked at and why none is used ("" if none)
         self.lt = library(device)
         self.handle = ctypes.c_void_p()
         with torch.cuda.device(device):  # the handle on this GPU's context
@@ -212,16 +215,26 @@ class GemmAlgos:
         return y
 
     @classmethod
-    def load(cls, path: Path, device: torch.device) -> GemmAlgos | None:
-        """The table in `path` if it was tuned on this GPU and cuBLASLt version, else None."""
+    def load(cls, path: Path, device: torch.device) -> GemmAlgos | str:
+        """The table in `path` if it was tuned on this GPU and cuBLASLt version, else what it was tuned on."""
         tuned_on, shapes = read_table(path)
         if tuned_on != identity(device):
-            return None
+            return f"{path.name}: {describe(tuned_on)}"
         table = {}
         for shape, words in shapes.items():
             algo = table[shape] = _Algo()
             algo.data[:] = words
         return cls(table, device, path.name)
+
+
+def version_text(version: int) -> str:
+    """cuBLASLt's version number (major × 10,000 + minor × 100 + patch) as people read it: 130100 is "13.1.0"."""
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+
+
+def describe(tuned_on: dict[str, object]) -> str:
+    """A GPU and cuBLASLt version as people read them: "NVIDIA H200, cuBLASLt 13.1.0"."""
+    return f"{tuned_on['gpu']}, cuBLASLt {version_text(int(str(tuned_on['cublaslt_version'])))}"
 
 
 def read_table(path: Path) -> tuple[dict[str, object], dict[tuple[int, int, int], list[int]]]:
@@ -270,8 +283,13 @@ def pretuned(device: torch.device, table: str = "auto") -> GemmAlgos | None:
         paths = sorted(TABLES.glob("*.json"))
     else:
         paths = [Path(table)]
+    passed_over = []
     for path in paths:
         algos = GemmAlgos.load(path, device)
-        if algos is not None:
+        if isinstance(algos, GemmAlgos):
             return algos
-    return GemmAlgos({}, device)
+        passed_over.append(algos)
+    # A table tuned on another GPU or cuBLASLt version names algorithms this one may not have, or run them at
+    # another speed: none is used, and the start-up line says which were passed over and why.
+    said = f"this is {describe(identity(device))}; tables for " + "; ".join(passed_over) if passed_over else ""
+    return GemmAlgos({}, device, passed_over=said)

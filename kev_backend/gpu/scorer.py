@@ -191,7 +191,11 @@ class FusedScorer:
 
     def stats(self) -> ScorerStats:
         algos = self.model.gemm_algos
-        tables = {"gemm_table": algos.source, "gemm_shapes": len(algos.algos)} if algos is not None else {}
+        tables = (
+            {"gemm_table": algos.source, "gemm_shapes": len(algos.algos), "gemm_passed_over": algos.passed_over}
+            if algos is not None
+            else {}
+        )
         if self.graphs is None:
             return ScorerStats(oom_retries=self.oom_retries, **tables)
         graphs = self.graphs.stats

@@ -29,6 +29,7 @@ class ScorerStats:
     oom_retries: int = 0  # passes retried in parts after the GPU ran out of memory
     gemm_table: str | None = None  # the pre-tuned cuBLASLt table the projections use (its file)
     gemm_shapes: int | None = None  # the shapes it holds; None where the projections run on no such table
+    gemm_passed_over: str = ""  # with no table in use: the tables looked at and what each was tuned on
 
 
 class Scorer(Protocol):

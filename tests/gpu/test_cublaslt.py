@@ -68,3 +68,14 @@ def test_a_malformed_table_is_refused(tmp_path: Path) -> None:
 
 def test_no_table_off_cuda() -> None:
     assert cublaslt.pretuned(torch.device("cpu")) is None
+
+
+def test_a_table_names_what_it_was_tuned_on() -> None:
+    """The start-up line names a table passed over by its GPU and cuBLASLt version as people read them."""
+    for path in TABLES:
+        tuned_on, _ = cublaslt.read_table(path)
+        said = cublaslt.describe(tuned_on)
+        assert said.startswith(f"{tuned_on['gpu']}, cuBLASLt 13.") and said.count(".") == 2, said
+    assert cublaslt.describe({"gpu": "NVIDIA H100 80GB HBM3", "cublaslt_version": 130100}) == (
+        "NVIDIA H100 80GB HBM3, cuBLASLt 13.1.0"
+    )

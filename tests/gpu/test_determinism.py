@@ -1,7 +1,8 @@
 """Deterministic answers on the GPU: on random weights of Kev-4B shapes, every question of >= 1,000 realistic ones
 gets the same probabilities, bit for bit, alone and inside random batch mixes of 1 to 64 requests (new and banked
 states, states evicted between batches), through CUDA graphs and eagerly (kev_backend/dev/determinism.py); and a
-request's response body is the same alone as in a batch, `latency_ms` aside."""
+request's response body is the same alone as in a batch, `latency_ms` aside. A pre-tuned GEMM table tuned on another
+GPU or cuBLASLt version is passed over, says so, and changes no bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from kev_backend.dev import determinism, sizes, synthetic
 from kev_backend.dev.workloads import realistic
 from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.gpu import cublaslt
 
 pytestmark = pytest.mark.gpu
 
@@ -36,5 +38,42 @@ def test_every_answer_has_the_same_bits_in_any_batch(tiny_dir: Path, parity_ques
     alone = [body(engine.answer([request])[0]) for request in some]
     engine.bank.clear()
     assert [body(result) for result in engine.answer(some)] == alone
+    del engine, checkpoint
+    torch.cuda.empty_cache()
+
+
+def test_a_table_tuned_elsewhere_is_passed_over_and_changes_no_bit(tiny_dir: Path, tmp_path: Path) -> None:
+    """The packaged table for this GPU, relabelled as tuned on the next cuBLASLt version: the engine given it uses no
+    table and its start-up line says which it passed over and why; its answers are those of the engine on the
+    matching table, bit for bit, alone and in batch mixes."""
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
+    requests = realistic(200, seed=7, max_words=2300)
+
+    def bodies(engine: Engine) -> list[str]:
+        engine.bank.clear()
+        results = [engine.answer([request])[0] for request in requests[:64]]
+        return [json.dumps({k: v for k, v in r.items() if k != "latency_ms"}, sort_keys=True) for r in results]
+
+    matching = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30))
+    used = matching.gemm_algos
+    assert used is not None
+    if not used["shapes"]:
+        pytest.skip(f"no packaged GEMM table for {torch.cuda.get_device_name()}")
+    expected = bodies(matching)
+    table = json.loads((cublaslt.TABLES / str(used["table"])).read_text())
+    del matching
+    torch.cuda.empty_cache()
+    elsewhere = tmp_path / "tuned-elsewhere.json"
+    elsewhere.write_text(json.dumps(table | {"cublaslt_version": int(table["cublaslt_version"]) + 1}))
+    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30, gemm_algos=str(elsewhere)))
+    said = engine.gemm_algos
+    assert said is not None and said["shapes"] == 0 and said["table"] == ""
+    line = engine.summary()
+    assert "no pre-tuned table used: this is " in line and "tuned-elsewhere.json: " in line, line
+    assert bodies(engine) == expected
+    encoded = [engine.prepare(body)[1] for body in requests]
+    report = determinism.check(engine.scorer, encoded, mixes=2)
+    print("determinism, a table passed over", json.dumps(report))
+    assert report["differing"] == 0 and report["graphs_vs_eager_differing"] == 0, report
     del engine, checkpoint
     torch.cuda.empty_cache()

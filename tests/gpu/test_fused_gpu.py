@@ -446,7 +446,7 @@ def test_gemms_give_a_row_the_same_bits_in_any_gemm(tmp_path: Path) -> None:
     path = tmp_path / "gemm-algos-test.json"
     path.write_text(json.dumps(table))
     algos = cublaslt.GemmAlgos.load(path, device)
-    assert algos is not None and len(algos.algos) == 3
+    assert isinstance(algos, cublaslt.GemmAlgos) and len(algos.algos) == 3
     torch.manual_seed(1)
     for m, n, k in [*shapes, (100, 18432, 2560)]:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -472,4 +472,5 @@ def test_gemms_give_a_row_the_same_bits_in_any_gemm(tmp_path: Path) -> None:
     assert torch.equal(algos.linear(x, w), torch.nn.functional.linear(x, w))
     mismatched = path.with_name("gemm-algos-other.json")
     mismatched.write_text(json.dumps(table | {"cublaslt_version": -1}))
-    assert cublaslt.GemmAlgos.load(mismatched, device) is None
+    said = cublaslt.GemmAlgos.load(mismatched, device)
+    assert isinstance(said, str) and said.startswith("gemm-algos-other.json: ")
