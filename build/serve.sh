@@ -23,6 +23,8 @@
 #   KEV_MODEL_CONFIG (auto)  auto: configs/gpu.pbtxt when KEV_VENV's torch sees a GPU (one instance per GPU), else
 #     config.pbtxt; "default": config.pbtxt; a name: that file of model_repository/kev/configs/. The first log line
 #     says which path, GPUs and configuration it chose.
+#   KEV_EXPECT_GPU (0)  1 (the GPU image sets it): a start that sees no GPU serves on the CPU path and its first
+#     log line is a warning saying so
 #   KEV_CHECKPOINT  Kev checkpoint directory (default: the model's `checkpoint` parameter, the embedded tiny one)
 #   KEV_API_KEY     bearer key the gateway requires on /v1/* (none: open)
 #   KEV_VENV        the venv that runs the supervisor, the gateway and the Python stub (<repo>/.venv)

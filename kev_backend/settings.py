@@ -259,6 +259,8 @@ class ServeSettings:
     # "auto": configs/gpu.pbtxt when the serving environment's torch sees a GPU, else config.pbtxt; "default":
     # config.pbtxt; any other name: that file of the model's configs/ directory
     model_config: str = "auto"
+    # Set by the GPU image: a start that sees no GPU still serves (the CPU path) but says so first, loudly.
+    expect_gpu: bool = False
     venv: Path = REPO / ".venv"
     model: str = "kev"
     probe_interval_s: float = 1.0
@@ -293,6 +295,7 @@ class ServeSettings:
             bind_address=get("BIND_ADDRESS", text, d.bind_address),
             model_repository=Path(get("MODEL_REPOSITORY", text, d.model_repository)).resolve(),
             model_config=get("KEV_MODEL_CONFIG", text, d.model_config),
+            expect_gpu=get("KEV_EXPECT_GPU", boolean, d.expect_gpu),
             venv=Path(get("KEV_VENV", text, d.venv)).resolve(),
             model=get("KEV_TRITON_MODEL", text, d.model),
             probe_interval_s=get("KEV_PROBE_INTERVAL_S", seconds, d.probe_interval_s),

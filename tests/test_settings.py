@@ -126,6 +126,10 @@ def test_the_model_config_follows_the_gpus() -> None:
     assert choose_model_config(replace(config, model_config="default"))[0] is None
     assert choose_model_config(replace(config, model_config="gpu"))[0] == "gpu"
     assert choose_model_config(replace(config, extra_args=("--model-config-name=gpu",)))[0] is None
+    if not torch.cuda.is_available():  # the GPU image on a machine without one: the CPU path, said loudly
+        name, line = choose_model_config(replace(config, expect_gpu=True))
+        assert name is None and line.startswith("WARNING: NO GPU. This is the GPU image (KEV_EXPECT_GPU=1)"), line
+        assert ServeSettings.read({"KEV_EXPECT_GPU": "1"}).expect_gpu and not ServeSettings.read({}).expect_gpu
 
 
 def test_admin_key(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ setup_args() {
 }
 
 # gpu_setup: `make setup SETS=...` (SETS in the environment; default "serve bench") in this tree, its log in
-# $OUT/setup.log, unless INSTALL=installed; then PY (the project's python) and PYTHONUNBUFFERED are exported and the GPU
-# and the stack are printed.
+# $OUT/setup.log, unless INSTALL=installed; then PY (the project's python) and PYTHONUNBUFFERED are exported, the GPU
+# and the stack are printed and the environment's packages written to $OUT/packages.txt.
 gpu_setup() {
   local begun=$SECONDS args
   if [[ $INSTALL != installed ]]; then
@@ -29,6 +29,9 @@ gpu_setup() {
   [[ -x $PY ]] || { echo "no .venv in $PWD: run make setup, or leave out --installed"; return 1; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  # The environment the run measured, every project and version (the GPU image is checked against a kept copy:
+  # tests/deploy/test_image.py).
+  "$PY" -m pip freeze --all >"$OUT/packages.txt" 2>/dev/null
 }
 
 # kev4b_checkpoint [DIR]: random weights of Kev-4B shapes in DIR (default /tmp/kev4b), drawn on the GPU, once;

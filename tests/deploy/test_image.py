@@ -168,6 +168,71 @@ def test_runs_as_non_root_under_tini(container):
     assert any(mount["Destination"] == "/var/cache/kev/triton" for mount in mounts), mounts
 
 
+def image_env(container: Container) -> dict[str, str]:
+    listed = container.inspect("{{range .Config.Env}}{{println .}}{{end}}")
+    return dict(line.split("=", 1) for line in listed.splitlines() if line)
+
+
+def test_the_first_line_names_the_path_and_a_missing_gpu_loudly(container):
+    """kev-serve's first line says which path it serves; the GPU image (KEV_EXPECT_GPU=1) on a machine without a GPU
+    serves on the CPU path and says so first, as a warning."""
+    first = next(line for line in container.logs().splitlines() if " kev-serve: " in line)
+    said = first.split(" kev-serve: ", 1)[1]
+    gpu_image = image_env(container).get("KEV_EXPECT_GPU") == "1"
+    container.metrics["gpu_image"] = gpu_image
+    if gpu_image:
+        assert said.startswith("WARNING: NO GPU. This is the GPU image"), first
+    else:
+        assert said.startswith("CPU path ("), first
+
+
+def test_the_image_installs_its_pins_exactly(container):
+    """Every project the image's requirement files pin (build/requirements.py's lines, kept in the image) is installed
+    at that version; the GPU image's torch stack is the measured one (kev_backend/gpu/stack.py). A GPU run records
+    its own environment (bench/gpu.sh: packages.txt); where one is kept under bench/results/, the GPU image must
+    match it on every project both hold."""
+    pinned = dict(
+        line.split("==", 1)
+        for line in container.exec("cat", "/opt/kev/build/requirements-installed.txt").splitlines()
+        if "==" in line
+    )
+    frozen = dict(
+        line.split("==", 1) for line in container.exec("python", "-m", "pip", "freeze").splitlines() if "==" in line
+    )
+
+    def key(name: str) -> str:
+        return name.split("[", 1)[0].lower().replace("_", "-").replace(".", "-")
+
+    installed = {key(name): version for name, version in frozen.items()}
+
+    def matches(pin: str, version: str | None) -> bool:  # pip's ==: a pin without a local tag takes any (+cpu)
+        return version is not None and (version == pin or ("+" not in pin and version.split("+", 1)[0] == pin))
+
+    drift = {
+        name: (pin, installed.get(key(name)))
+        for name, pin in pinned.items()
+        if not matches(pin, installed.get(key(name)))
+    }
+    assert not drift, f"pinned (version, installed): {drift}"
+    container.metrics["packages"] = len(installed)
+    if image_env(container).get("KEV_EXPECT_GPU") != "1":
+        return
+    from kev_backend.gpu.stack import MEASURED
+
+    assert installed["torch"].split("+", 1)[0] == MEASURED["torch"] and installed["triton"] == MEASURED["triton"]
+    runs = sorted((REPO / "bench" / "results").glob("*-packages.txt"))
+    container.metrics["packages_match_gpu_run"] = None
+    if runs:
+        ran = {
+            key(n): v for n, v in (line.split("==", 1) for line in runs[-1].read_text().splitlines() if "==" in line)
+        }
+        differ = {
+            n: (v, ran[n]) for n, v in installed.items() if n in ran and ran[n].split("+", 1)[0] != v.split("+", 1)[0]
+        }
+        container.metrics["packages_match_gpu_run"] = not differ
+        assert not differ, f"the image against {runs[-1].name} (image, GPU run): {differ}"
+
+
 def test_only_the_gateway_faces_the_network(container):
     listening = {(address, port) for address, port in json.loads(container.python(LISTENING))}
     for port in (8000, 8001, 8002):  # Triton's HTTP, gRPC and metrics ports: container loopback only
@@ -275,9 +340,7 @@ def test_healthcheck_needs_a_real_inference(container):
 def test_sigterm_stops_within_the_stop_timeout(container):
     """podman stop: kev-serve stops everything by its stop timeout (the image's KEV_STOP_TIMEOUT_S; SIGKILL at the
     deadline) and exits 0 on its own."""
-    listed = container.inspect("{{range .Config.Env}}{{println .}}{{end}}")
-    env = dict(line.split("=", 1) for line in listed.splitlines() if line)
-    stop_timeout_s = float(env["KEV_STOP_TIMEOUT_S"])
+    stop_timeout_s = float(image_env(container)["KEV_STOP_TIMEOUT_S"])
     assert gateway_ready(container)
     started = time.monotonic()
     podman("stop", "-t", "10", container.name)

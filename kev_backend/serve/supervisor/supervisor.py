@@ -463,6 +463,9 @@ class Supervisor:
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self.on_signal)
+        # The path chosen is the first line: an operator reading the log's head sees the GPU, or that there is none.
+        self.model_config, why = choose_model_config(self.config, self.visible_devices)
+        log(why)
         if stale := remove_stale_shm():
             log(f"removed {len(stale)} shared-memory region(s) left by supervisors no longer running")
         if self.config.triton_address not in ("127.0.0.1", "::1", "localhost"):
@@ -470,8 +473,6 @@ class Supervisor:
                 f"WARNING: Triton's ports bind {self.config.triton_address}: they face the network, and the admin key"
                 " guarding its restricted APIs is readable by local users in tritonserver's argv"
             )
-        self.model_config, why = choose_model_config(self.config, self.visible_devices)
-        log(why)
         self.check_shm()
         code = 0
         try:
@@ -522,6 +523,12 @@ def choose_model_config(config: ServeSettings, devices: Callable[[], Devices] | 
     seen = devices() if devices is not None else cuda_devices(config.venv / "bin" / "python")
     if seen.gpus:
         return "gpu", f"GPU path: {seen.describe()}; model config configs/gpu.pbtxt (an instance per GPU)"
+    if config.expect_gpu:
+        return None, (
+            f"WARNING: NO GPU. This is the GPU image (KEV_EXPECT_GPU=1) and it sees none ({seen.describe()}): serving "
+            "on the CPU path, config.pbtxt, far slower than on a GPU. Give the container a GPU (podman run --device "
+            "nvidia.com/gpu=all, docker run --gpus all, Kubernetes resources.limits nvidia.com/gpu: 1)"
+        )
     return None, f"CPU path ({seen.describe()}); model config config.pbtxt"
 
 
