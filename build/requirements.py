@@ -3,13 +3,16 @@ torch (TORCH=system: a GPU server's or an image's torch, with whatever it was bu
 
     python build/requirements.py [--have FILE | --installed] REQUIREMENTS.txt...
 
-Without options: every requirement line, as written, except that a project named in several files takes the last
-file's line (requirements-gpu.txt's torch, the measured GPU stack, over requirements.txt's CPU build). `--installed` (run with the environment's own python): leaves
-out every project that is already installed outside the environment's own site-packages (the system's, through the
-venv's system-torch.pth), whatever its version, and torch's own stack (torch, triton, nvidia-*, cuda-*) always. `--have FILE`:
-the same against a `pip freeze` or `pip list --format=freeze` of the target environment (for `make wheelhouse`),
-except numpy, which a wheelhouse always holds: the tritonserver 2.51 Python stub needs numpy<2, which setup installs
-into the stub's own environment (build/venv.sh) while the venv keeps the environment's numpy.
+Without options: every requirement line, one a project: a project named in several files takes the last file's
+version (requirements-gpu.txt's torch, the measured GPU stack, over requirements.txt's CPU build) with the extras of
+them all (tritonclient[grpc] and tritonclient[http] make tritonclient[grpc,http]).
+
+`--installed` (run with the environment's own python): leaves out every project that is already installed outside
+the environment's own site-packages (the system's, through the venv's system-torch.pth), whatever its version, and
+torch's own stack (torch, triton, nvidia-*, cuda-*) always. `--have FILE`: the same against a `pip freeze` or `pip
+list --format=freeze` of the target environment (for `make wheelhouse`), except numpy, which a wheelhouse always
+holds: the tritonserver 2.51 Python stub needs numpy<2, which setup installs into the stub's own environment
+(build/venv.sh) while the venv keeps the environment's numpy.
 
     python build/requirements.py --have FILE --prune DIR     (build/wheelhouse.sh, WHEEL_TORCH=system)
 
@@ -36,6 +39,17 @@ TORCH_STACK = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 
 def name(line: str) -> str:
     return re.split(r"[\s\[(=<>!~;]", line.strip(), maxsplit=1)[0].lower().replace("_", "-").replace(".", "-")
+
+
+EXTRAS = re.compile(r"^([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?(.*)$")
+
+
+def merged(earlier: str, later: str) -> str:
+    """One line for a project two files name: the later line's version and markers, the extras of both."""
+    first, second = EXTRAS.match(earlier), EXTRAS.match(later)
+    assert first is not None and second is not None
+    extras = sorted({e.strip() for m in (first, second) for e in (m[2] or "").split(",") if e.strip()})
+    return f"{second[1]}{'[' + ','.join(extras) + ']' if extras else ''}{second[3]}"
 
 
 def installed_elsewhere() -> set[str]:
@@ -83,12 +97,13 @@ def main() -> None:
         have = installed_elsewhere()
     if args.prune is not None:
         prune(args.prune, have)
-    lines: dict[str, str] = {}  # by project, in the order first named; a later file's line replaces an earlier one
+    lines: dict[str, str] = {}  # by project, in the order first named
     for path in args.files:
         for line in path.read_text().splitlines():
             line = line.split("#", 1)[0].strip()
             if line:
-                lines[name(line)] = line
+                project = name(line)
+                lines[project] = merged(lines[project], line) if project in lines else line
     ours = ALWAYS_OURS if args.have is not None else set()
     for project, line in lines.items():
         if system and project not in ours and (TORCH_STACK.match(project) or project in have):

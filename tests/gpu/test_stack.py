@@ -48,3 +48,13 @@ def test_the_start_up_line_names_a_stack_that_was_not_measured() -> None:
     said = stack.summary(other)
     assert said.startswith("torch 2.13.0, cuda 13.0, cublaslt 13.4.1, triton 3.6.0: NOT the stack")
     assert "measured on (torch 2.11.0, cublaslt 13.1.0)" in said
+
+
+def test_setup_keeps_every_extra_of_a_project_named_twice() -> None:
+    """requirements.txt's tritonclient[grpc] and requirements-test.txt's tritonclient[http] install both clients."""
+    lines = subprocess.run(
+        [sys.executable, "build/requirements.py", "requirements.txt", "requirements-test.txt"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    version = re.search(r"^tritonclient\[grpc\]==(\S+)", (REPO / "requirements.txt").read_text(), re.MULTILINE)[1]
+    assert [line for line in lines if line.startswith("tritonclient")] == [f"tritonclient[grpc,http]=={version}"]
