@@ -78,8 +78,11 @@ def test_serving_code_never_imports_the_lab() -> None:
 
 # serve/'s sub-packages by who runs them, and what each may import of the others: what the Triton model imports (stub,
 # inside Triton's Python stub) and the client (in users' programs) nothing of them; the gateway the client it sends
-# with; the supervisor the stub's heartbeats it reads.
-SERVE_MAY_IMPORT = {"stub": set(), "client": set(), "gateway": {"client"}, "supervisor": {"stub"}}
+# with; the supervisor the stub's heartbeats it reads; the checkpoint fill (kev-fill, in a Job or an init container,
+# standard library only) nothing of them.
+# serve's own modules every sub-package may import: the project's version (every command's --version).
+SERVE_SHARED = {"version"}
+SERVE_MAY_IMPORT = {"stub": set(), "client": set(), "gateway": {"client"}, "supervisor": {"stub"}, "fill": set()}
 
 
 def test_serve_subpackages_import_only_what_they_need() -> None:
@@ -92,7 +95,7 @@ def test_serve_subpackages_import_only_what_they_need() -> None:
             for line, name in imports(path):
                 parts = name.split(".")
                 if parts[:2] == ["kev_backend", "serve"] and len(parts) > 2 and parts[2] != own:
-                    if parts[2] not in allowed:
+                    if parts[2] not in allowed | SERVE_SHARED:
                         wrong.append(f"{path.relative_to(serve)}:{line}: {name}")
     model = PACKAGE.parent / "model_repository" / "kev" / "1" / "model.py"
     wrong += [f"model.py:{line}: {name}" for line, name in imports(model)
@@ -102,15 +105,15 @@ def test_serve_subpackages_import_only_what_they_need() -> None:
 
 def test_tests_mirror_the_packages() -> None:
     """tests/<package>/test_<what>.py: a test lives under the path of the package it tests (kev_backend's, or the
-    repository's tools: bench/, loadtest/, deploy/ with the image); at the top only what tests the package as a whole
-    (this file) and the one module beside the packages (settings.py)."""
+    repository's tools: bench/, loadtest/, deploy/ with the image); at the top only what tests the repository as a whole
+    (this file, and test_readme.py: README's commands) and the one module beside the packages (settings.py)."""
     tests = Path(__file__).resolve().parent
     tools = ("bench", "loadtest", "deploy")
     wrong = []
     for path in sorted(tests.rglob("test_*.py")):
         where = path.parent.relative_to(tests).parts
         if not where:
-            if path.name not in ("test_layout.py", "test_settings.py"):
+            if path.name not in ("test_layout.py", "test_settings.py", "test_readme.py"):
                 wrong.append(f"{path.name}: at the top")
         elif not (where[0] in tools and len(where) == 1) and not PACKAGE.joinpath(*where).is_dir():
             wrong.append(f"{path.relative_to(tests)}: no package kev_backend/{'/'.join(where)}")

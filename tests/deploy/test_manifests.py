@@ -424,7 +424,13 @@ def test_triton_pods_follow_the_design(name: str) -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # large checkpoints
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes[mounts["/var/cache/kev/triton"]].get("emptyDir") is not None
+    cache = volumes[mounts["/var/cache/kev/triton"]]
+    if name == "overlays/gpu":  # components/kernel-cache: one cache every pod starts on, the autoscaler's new ones too
+        assert cache == {"name": "triton-cache", "persistentVolumeClaim": {"claimName": "kev-kernel-cache"}}
+        claim = find(name, "PersistentVolumeClaim", "kev-kernel-cache")
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and spec["securityContext"]["fsGroup"] == 10001
+    else:
+        assert cache.get("emptyDir") is not None
     assert volumes[mounts["/tmp"]].get("emptyDir") is not None
     if name != "overlays/local":  # local: the runtime's /dev/shm (overlays/local/local.yaml says why)
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"

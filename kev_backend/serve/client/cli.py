@@ -1,136 +1,123 @@
-"""`kev score IN.jsonl OUT.jsonl`: offline batch scoring against a running Kev Triton server.
+"""`kev score IN.jsonl OUT.jsonl`: batch scoring against a running Kev server (Triton's port or the gateway), fit for
+a pipeline (kev_backend/serve/client/batch.py says how the output is kept in order and resumed).
 
-One System One request per input line; one output line per input line, in input order: the response body, or
-`{"error": {"kind", "message"}}` for a line that failed (also reported on stderr; the run goes on), each with
-`"line"`, the number of the input line it answers (from 1), so output joins to input without trusting position.
-Output is appended in order as it completes, so rerunning the same command resumes after the last line written.
-
-Lines are split at "\n" alone (a "\r" before it is JSON whitespace): JSON allows U+2028, U+2029 and U+0085 raw
-inside its strings, and Python's str.splitlines() would split a request there. Output escapes those three, so a
-reader that splits at any line boundary still sees one line per answer.
+Exit codes: 0 every line answered (with --dry-run: every line valid); 1 some lines failed (written as errors; run the
+same command again to retry them); 2 a usage error or an input that cannot be read; 130 interrupted (SIGINT or
+SIGTERM; the output keeps every answer so far, and a rerun goes on from it).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
+import signal
 import sys
-import time
+import threading
 from pathlib import Path
-from typing import TextIO
 
-from .clients import AsyncKevClient, KevError
+from ...protocol.request import DEFAULT_LIMITS, RequestError, parse_request
+from ..version import version_line
+from .batch import Summary, count_lines, input_lines, score_file
+from .targets import GatewayTarget, Retries, Target, TritonTarget
 
-# Line separators JSON allows raw inside strings (str.splitlines() breaks at each), written as escapes in output.
-RAW_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
-
-
-def input_lines(path: Path) -> list[str]:
-    """The file's lines, split at "\n" only (read as bytes: text mode would also split at a lone "\r"); a last line
-    without its "\n" counts, an empty file has none."""
-    text = path.read_bytes().decode("utf-8")
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return lines
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def output_line(line: int, body: dict) -> str:
-    """One output line: the body with the number of the input line it answers, on one line whatever it holds."""
-    return json.dumps({"line": line, **body}, ensure_ascii=False).translate(RAW_SEPARATORS)
+def parser() -> argparse.ArgumentParser:
+    kev = argparse.ArgumentParser(prog="kev", description="Kev on Triton tools")
+    kev.add_argument("--version", action="version", version=version_line("kev"))
+    commands = kev.add_subparsers(dest="command", required=True)
+    score = commands.add_parser(
+        "score",
+        help="score a JSONL file of System One requests",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    score.add_argument("source", type=Path, help="one System One request (JSON) a line")
+    score.add_argument("target", type=Path, help="one answer a line, in input order; rerun to retry failed lines")
+    where = score.add_mutually_exclusive_group()
+    where.add_argument("--url", default="127.0.0.1:8001", help="Triton's address (gRPC 8001; HTTP 8000)")
+    where.add_argument("--gateway", metavar="URL", help="the System One gateway instead, e.g. http://127.0.0.1:8009")
+    score.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="with --url")
+    score.add_argument("--model", default="kev", help="with --url: Triton's model name")
+    score.add_argument(
+        "--api-key-file", type=Path, help="with --gateway: a file holding its key (else KEV_API_KEY, if set)"
+    )
+    score.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    score.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take (default 60)")
+    score.add_argument(
+        "--retries", type=int, default=5, help="retries of a line the server or network failed (default 5)"
+    )
+    score.add_argument("--dry-run", action="store_true", help="validate every line as the server would; send nothing")
+    score.add_argument("--quiet", action="store_true", help="no progress bar (there is none when not on a terminal)")
+    return kev
 
 
-def completed_lines(path: Path) -> int:
-    """Lines already answered; a partial last line (an interrupted write) is cut off and redone."""
-    if not path.exists():
-        return 0
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    if keep != len(data):
-        with path.open("r+b") as f:
-            f.truncate(keep)
-    return data[:keep].count(b"\n")
+def target_of(args: argparse.Namespace) -> Target:
+    if args.gateway:
+        key = os.environ.get("KEV_API_KEY") or None
+        if args.api_key_file is not None:
+            key = args.api_key_file.read_text().strip()
+        return GatewayTarget(args.gateway, key, args.timeout)
+    return TritonTarget(args.url, args.protocol, args.model, args.timeout)
 
 
-class Progress:
-    def __init__(self, total: int, done: int, stream: TextIO = sys.stderr) -> None:
-        self.total, self.done, self.failed, self.stream = total, done, 0, stream
-        self.started, self.shown, self.first = time.monotonic(), 0.0, done
-
-    def step(self, failed: bool) -> None:
-        self.done += 1
-        self.failed += failed
-        now = time.monotonic()
-        if now - self.shown > 0.2 or self.done == self.total:
-            self.shown = now
-            rate = (self.done - self.first) / max(now - self.started, 1e-9)
-            width = 30
-            filled = int(width * self.done / max(self.total, 1))
-            self.stream.write(
-                f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.1f}/s failed {self.failed}"
-            )
-            self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\n")
+def dry_run(source: Path) -> int:
+    """Every line through the request validation the server runs before tokenizing (Kev's messages; the token
+    limits need the model's tokenizer and are checked by the server alone)."""
+    invalid = lines = 0
+    with source.open("rb") as f:
+        for number, raw in input_lines(f):
+            lines = number
+            try:
+                parse_request(raw, DEFAULT_LIMITS)
+            except RequestError as error:
+                invalid += 1
+                print(f"line {number}: invalid: {error.message}", file=sys.stderr)
+    print(json.dumps({"lines": lines, "invalid": invalid}), file=sys.stderr)
+    return EXIT_FAILED if invalid else EXIT_OK
 
 
-async def score_file(
-    source: Path, target: Path, url: str, protocol: str, model: str, concurrency: int, progress: bool = True
-) -> dict[str, int]:
-    lines = input_lines(source)
-    start = completed_lines(target)
-    bar = Progress(len(lines), start) if progress else None
-    results: dict[int, str] = {}
-    next_index = iter(range(start, len(lines)))
-    written = start
-    failures = 0
-    async with AsyncKevClient(url, protocol, model) as kev:  # type: ignore[arg-type]
-        with target.open("a") as out:
+def score(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
 
-            async def worker() -> None:
-                nonlocal written, failures
-                for index in next_index:
-                    try:
-                        reply = output_line(index + 1, await kev.score(lines[index]))
-                        failed = False
-                    except KevError as error:
-                        reply = output_line(index + 1, {"error": {"kind": error.kind, "message": error.message}})
-                        print(f"line {index + 1}: {error.kind}: {error.message}", file=sys.stderr)
-                        failed = True
-                    failures += failed
-                    results[index] = reply
-                    while written in results:  # keep input order; flush each line as soon as it is next
-                        out.write(results.pop(written) + "\n")
-                        written += 1
-                    out.flush()
-                    if bar:
-                        bar.step(failed)
+    stopping = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopping.set())
+    # tqdm draws only on a terminal (disable=None): a log gets the failures and the summary line, no carriage returns.
+    bar = tqdm(total=count_lines(args.source), unit="line", disable=True if args.quiet else None, file=sys.stderr)
 
-            await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
-    if bar:
+    def on_line(number: int, failure: str | None) -> None:
+        bar.update()
+        if failure is not None:
+            bar.write(f"line {number}: {failure}", file=sys.stderr)
+
+    target = target_of(args)
+    try:
+        retries = Retries(attempts=max(0, args.retries))
+        summary: Summary = score_file(args.source, args.target, target, args.concurrency, retries, stopping, on_line)
+    finally:
         bar.close()
-    return {"lines": len(lines), "skipped": start, "scored": len(lines) - start, "failed": failures}
+        target.close()
+    print(json.dumps(summary.as_dict()), file=sys.stderr)
+    if summary.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if summary.failed else EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kev", description="Kev on Triton tools")
-    commands = parser.add_subparsers(dest="command", required=True)
-    score = commands.add_parser("score", help="score a JSONL file of System One requests")
-    score.add_argument("source", type=Path)
-    score.add_argument("target", type=Path)
-    score.add_argument("--url", default="127.0.0.1:8001", help="Triton address (gRPC 8001, HTTP 8000)")
-    score.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
-    score.add_argument("--model", default="kev")
-    score.add_argument("--concurrency", type=int, default=32)
-    score.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    summary = asyncio.run(
-        score_file(args.source, args.target, args.url, args.protocol, args.model, args.concurrency, not args.quiet)
-    )
-    print(json.dumps(summary), file=sys.stderr)
-    return 0
+    args = parser().parse_args(argv)
+    if not args.source.is_file():
+        print(f"kev score: no such input file: {args.source}", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.dry_run and not args.target.parent.is_dir():
+        print(f"kev score: the output's folder does not exist: {args.target.parent}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.api_key_file is not None and not args.api_key_file.is_file():
+        print(f"kev score: no such key file: {args.api_key_file}", file=sys.stderr)
+        return EXIT_USAGE
+    return dry_run(args.source) if args.dry_run else score(args)
 
 
 if __name__ == "__main__":

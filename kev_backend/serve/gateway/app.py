@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from ...settings import GatewaySettings, gateway_address
+from ..version import version_line
 from . import front
 from .middleware import Guard, Observe
 from .replies import REQUEST_ID
@@ -70,6 +71,7 @@ def log_config() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Kev System One gateway in front of Triton")
+    parser.add_argument("--version", action="version", version=version_line("kev-gateway"))
     host, port = gateway_address()
     parser.add_argument("--host", default=host, help="listening address (GATEWAY_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=port, help="listening port (GATEWAY_PORT, default 8009)")

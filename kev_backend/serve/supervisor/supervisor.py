@@ -62,6 +62,7 @@ from google.protobuf import text_format
 
 from ...protocol.request import STATE_KEY_HEADER
 from ...settings import HEARTBEAT_PREFIX, REPO, ServeSettings, SettingError, admin_key
+from ..version import version_line
 from . import procs, shm
 from .children import (
     Child,
@@ -533,10 +534,15 @@ def choose_model_config(config: ServeSettings, devices: Callable[[], Devices] | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Arguments go to tritonserver; everything else comes from the environment (build/serve.sh lists it)."""
+    """Arguments go to tritonserver (but a lone --version); everything else comes from the environment (build/serve.sh
+    lists it)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--version"]:
+        print(version_line("kev-serve"))
+        sys.exit(0)
     env = dict(os.environ)
     try:
-        config = ServeSettings.read(env, sys.argv[1:] if argv is None else argv)
+        config = ServeSettings.read(env, args)
         key = admin_key(env)
     except SettingError as error:
         log(f"EXITING: {error}")
