@@ -31,7 +31,7 @@ RUN python3 -m venv .venv \
 COPY build/install_tritonserver.sh build/
 RUN PYTRITON_WHEELHOUSE=/tmp/wheelhouse build/install_tritonserver.sh .venv build/.tritonserver \
     && rm -rf build/.downloads
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY kev_backend kev_backend
 RUN find kev_backend -name __pycache__ -prune -exec rm -rf {} + \
     && .venv/bin/pip install --quiet --no-deps -e . \

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from ...protocol.request import DEFAULT_LIMITS, RequestError, parse_request
+from ...settings import api_key
 from ..version import version_line
 from .batch import Summary, count_lines, input_lines, score_file
 from .targets import GatewayTarget, Retries, Target, TritonTarget
@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
 
 def target_of(args: argparse.Namespace) -> Target:
     if args.gateway:
-        key = os.environ.get("KEV_API_KEY") or None
+        key = api_key()
         if args.api_key_file is not None:
             key = args.api_key_file.read_text().strip()
         return GatewayTarget(args.gateway, key, args.timeout)
