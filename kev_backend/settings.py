@@ -410,6 +410,7 @@ class GatewaySettings:
     max_header_bytes: int = 32 << 10
     max_url_bytes: int = 8 << 10
     max_connections: int | None = None
+    access_log: bool = True  # a JSON line a request on stdout (serve/gateway/access.py)
     env: Mapping[str, str] = field(default_factory=dict, repr=False)  # for the model's KEV_* limit overrides
 
     @classmethod
@@ -422,6 +423,7 @@ class GatewaySettings:
             model=get("KEV_TRITON_MODEL", text, d.model),
             api_key=get("KEV_API_KEY", text, None),
             max_in_flight=get("KEV_GATEWAY_MAX_IN_FLIGHT", integer(1), d.max_in_flight),
+            access_log=get("KEV_GATEWAY_ACCESS_LOG", boolean, d.access_log),
             timeout_s=get("KEV_GATEWAY_TIMEOUT_S", seconds, d.timeout_s),
             release_date=get("KEV_RELEASE_DATE", text, d.release_date),
             max_body_bytes=get("KEV_GATEWAY_MAX_BODY_BYTES", integer(1), d.max_body_bytes),

@@ -228,3 +228,10 @@ body = {"inputs": [{"name": "REQUEST", "shape": [1, 1], "datatype": "BYTES", "da
 request = urllib.request.Request("http://127.0.0.1:8000/v2/models/kev/infer", json.dumps(body).encode())
 print(urllib.request.urlopen(request, timeout=30).read().decode())
 """
+
+
+def error_detail(reply: dict) -> dict:
+    """A gateway error body without its `request_id` (every JSON error names the request id it answered, as the
+    x-typesafe-request-id header does), which it must have."""
+    assert isinstance(reply.get("request_id"), str) and reply["request_id"], reply
+    return {key: value for key, value in reply.items() if key != "request_id"}

@@ -190,6 +190,15 @@ class AsyncKevClient(_Client):
             raise KevError.from_triton(error) from None
         return result.as_numpy("RESPONSE")[0, 0]
 
+    async def server_version(self) -> str:
+        """tritonserver's version, from its server metadata."""
+        try:
+            if self.protocol == "grpc":
+                return str((await self._client.get_server_metadata(as_json=True))["version"])
+            return str((await self._client.get_server_metadata())["version"])
+        except InferenceServerException as error:
+            raise KevError.from_triton(error) from None
+
     async def model_config(self) -> dict[str, Any]:
         if self.protocol == "grpc":
             return (await self._client.get_model_config(self.model, as_json=True))["config"]

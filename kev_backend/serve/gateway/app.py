@@ -4,9 +4,13 @@ hardened front (front.py)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import copy
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -31,7 +35,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await gateway.start()
+        # Several workers: each copies its gauges into the shared metrics files, for a scrape another one answers.
+        sync = asyncio.ensure_future(gateway.metrics.keep_synced(gateway)) if gateway.metrics.multiprocess else None
         yield
+        if sync is not None:
+            sync.cancel()
+        gateway.metrics.close()
         await gateway.stop()
 
     app = FastAPI(title="Kev System One gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -56,7 +65,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         allow_headers=["*"],
         expose_headers=[REQUEST_ID, "server-timing"],
     )
-    app.add_middleware(Observe, metrics=gateway.metrics)
+    app.add_middleware(Observe, metrics=gateway.metrics, access_log=settings.access_log)
     return app
 
 
@@ -66,6 +75,14 @@ def log_config() -> dict[str, Any]:
 
     config = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["kev_backend"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    # The access log: its JSON lines alone on stdout, one a request (access.py).
+    config["formatters"]["kev_access"] = {"format": "%(message)s"}
+    config["handlers"]["kev_access"] = {
+        "formatter": "kev_access", "class": "logging.StreamHandler", "stream": "ext://sys.stdout"
+    }  # fmt: skip
+    config["loggers"]["kev_backend.serve.gateway.access"] = {
+        "handlers": ["kev_access"], "level": "INFO", "propagate": False
+    }  # fmt: skip
     return config
 
 
@@ -77,7 +94,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=port, help="listening port (GATEWAY_PORT, default 8009)")
     parser.add_argument("--triton", help="Triton gRPC address (TRITON_GRPC_URL, default 127.0.0.1:8001)")
     parser.add_argument("--metrics", help="Triton metrics address (TRITON_METRICS_URL, default 127.0.0.1:8002)")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="worker processes (their metrics are summed)")
     args = parser.parse_args()
     front.raise_descriptor_limit()  # before uvicorn forks any worker: they inherit it
     settings = GatewaySettings.read()  # read here too, so a bad setting stops the start with its message
@@ -85,8 +102,33 @@ def main() -> None:
         os.environ["TRITON_GRPC_URL"] = args.triton
     if args.metrics:
         os.environ["TRITON_METRICS_URL"] = args.metrics
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     import uvicorn
 
+    with metrics_directory(args.workers):
+        serve(uvicorn, args, settings)
+
+
+@contextlib.contextmanager
+def metrics_directory(workers: int) -> Iterator[None]:
+    """With several workers, a fresh directory for prometheus_client's multiprocess mode for this start, removed
+    when it ends: each worker writes its metrics there and a scrape, whichever worker answers it, reads them all. It
+    is named before uvicorn starts the workers (new processes that import prometheus_client, which reads it then);
+    a directory left by another start would add that start's counts to this one's. One worker keeps its metrics in
+    its own memory."""
+    if workers == 1:
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="kev-gateway-metrics-")  # mode 0700: the gateway's user alone
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    try:
+        yield
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def serve(uvicorn: Any, args: argparse.Namespace, settings: GatewaySettings) -> None:
     uvicorn.run(
         "kev_backend.serve.gateway.app:create_app",
         factory=True,

@@ -1,5 +1,5 @@
-"""The gateway's middleware, outermost first: Observe (the request id, server-timing, counting responses), CORS
-(Starlette's), Guard (a malformed request id, the bearer key, the catch-all 500)."""
+"""The gateway's middleware, outermost first: Observe (the request id, server-timing, counting and timing
+responses), CORS (Starlette's), Guard (a malformed request id, the bearer key, the catch-all 500)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,27 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .access import Access, access_log, current
 from .observability import Metrics, log
-from .replies import REQUEST_ID, json_response
+from .replies import REQUEST_ID, json_response, with_request_id
 
 REQUEST_ID_MAX = 128  # a client's request id: 1 to this many visible ASCII characters, else 400
 
 
 class Observe:
     """Outermost: gives each request its id in `request.state.request_id`, adds it and server-timing to every
-    response, and counts every response by route and status. Paths that are not routes count as "other", so hostile
-    paths cannot grow the metrics.
+    response and `request_id` to every JSON error body, counts and times every response by route and status (the time
+    from the request's arrival here to the end of its response, body sent: kev_gateway_request_duration_seconds), and
+    writes its access-log line (access.py). Paths that are not routes count as "other", so hostile paths cannot grow
+    the metrics or reach the log.
 
     The id is the client's x-typesafe-request-id when that is 1 to REQUEST_ID_MAX visible ASCII characters, else a
     fresh one: a malformed id is never echoed, sent to Triton or logged, and Guard refuses its request with 400 (the
-    response carrying the fresh id)."""
+    response carrying the fresh id). The id goes to Triton with the request (its request id), so a server-side log
+    line names it too."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: Metrics, access_log: bool = True) -> None:
+        self.app, self.metrics, self.access_log = app, metrics, access_log
         self.routes: frozenset[str] | None = None
 
     def route(self, scope: Scope) -> str:
@@ -43,22 +47,50 @@ class Observe:
         request_id = sent if sent and valid_request_id(sent) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"], state["bad_request_id"] = request_id, bool(sent) and request_id != sent
-        status = 500  # should the app send nothing at all
+        access = Access(request_id, scope["method"], "other", started)
+        held: Message | None = None  # an error's response start, held until its body is complete
+        parts: list[bytes] = []
+
+        async def counting_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                access.bytes_in += len(message.get("body", b""))
+            return message
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal status
+            nonlocal held
             if message["type"] == "http.response.start":
-                status = message["status"]
+                access.status = message["status"]
                 headers = MutableHeaders(raw=list(message.get("headers", [])))
                 headers[REQUEST_ID] = request_id
                 headers["server-timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
                 message = {**message, "headers": headers.raw}
+                if access.status >= 400 and headers.get("content-type", "").startswith("application/json"):
+                    held = message  # error bodies are small: held whole, for their request id
+                    return
+            elif message["type"] == "http.response.body" and held is not None:
+                parts.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                body = with_request_id(b"".join(parts), request_id)
+                headers = MutableHeaders(raw=list(held["headers"]))
+                headers["content-length"] = str(len(body))
+                start, held = {**held, "headers": headers.raw}, None
+                await send(start)
+                message = {"type": "http.response.body", "body": body}
+            if message["type"] == "http.response.body":
+                access.bytes_out += len(message.get("body", b""))
             await send(message)
 
+        token = current.set(access)
         try:
-            await self.app(scope, receive, send_with_headers)
+            await self.app(scope, counting_receive, send_with_headers)
         finally:
-            self.metrics.request(self.route(scope), status)
+            current.reset(token)
+            access.route = self.route(scope)
+            self.metrics.request(access.route, access.status, time.perf_counter() - started)
+            if self.access_log:
+                access_log.info(access.line())
 
 
 def valid_request_id(value: str) -> bool:

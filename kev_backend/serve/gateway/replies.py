@@ -75,12 +75,28 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     cannot be UTF-8: backslashreplace writes it back as that same JSON escape, inside its string, so the body stays
     valid JSON. A non-finite float (NaN, Infinity a client sent and a 422 echoes in its `input`) is written as null,
     as pydantic's JSON mode writes it: JSON has no such numbers."""
+    return Response(encode_json(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def encode_json(body: Any) -> bytes:
+    """`body` as json_response writes it."""
     try:
         text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except ValueError:  # a non-finite float somewhere: rare, so only then is the body walked
         text = json.dumps(finite(body), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    content = text.encode("utf-8", "backslashreplace")
-    return Response(content, status_code=status, media_type="application/json", headers=headers)
+    return text.encode("utf-8", "backslashreplace")
+
+
+def with_request_id(body: bytes, request_id: str) -> bytes:
+    """An error's JSON body with `request_id` added (Kev's fields untouched; a body that is not a JSON object, or
+    names one already, as it is)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict) or "request_id" in data:
+        return body
+    return encode_json({**data, "request_id": request_id})
 
 
 def finite(value: Any) -> Any:

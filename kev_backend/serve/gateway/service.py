@@ -21,6 +21,8 @@ from ...protocol.answers import round4
 from ...protocol.request import Record, RequestError
 from ...settings import GatewaySettings, SettingError, model_limits, parameters
 from ..client.clients import AsyncKevClient, KevError, encode
+from ..version import version
+from .access import note_state_key
 from .answering import (
     forget,
     gather_or_cancel,
@@ -158,8 +160,11 @@ class Gateway:
         a router in front of several servers), computed once for all of a request's calls. A body over
         OFFLOAD_BYTES (`size`) is parsed on a worker thread: its rendered state can be many times its size."""
         if size > OFFLOAD_BYTES:
-            return await asyncio.to_thread(parsed_and_keyed, body, self.limits)
-        return parsed_and_keyed(body, self.limits)
+            record, key = await asyncio.to_thread(parsed_and_keyed, body, self.limits)
+        else:
+            record, key = parsed_and_keyed(body, self.limits)
+        note_state_key(key)  # for the request's access-log line
+        return record, key
 
     async def score(
         self, body: dict[str, Any] | bytes, request_id: str, key: str, by_question: bool = False
@@ -193,11 +198,18 @@ class Gateway:
             log.error("the model's request limits: %s", error)
         return params
 
-    async def read_model_info(self) -> tuple[dict[str, str], dict[str, float | int] | None]:
-        """What GET /v1/models reports beside the cards: the model's parameters and its serving statistics."""
+    async def read_model_info(self) -> tuple[dict[str, str], dict[str, float | int] | None, dict[str, Any]]:
+        """What GET /v1/models reports beside the cards: the model's parameters, its serving statistics and what
+        answers (the model instances' kev_build_info, tritonserver's version, this gateway's)."""
         params = await self.model_parameters()
         settings = self.settings
-        return params, await asyncio.to_thread(serving_statistics, settings.metrics_url, settings.model)
+        serving, answering = await asyncio.to_thread(serving_statistics, settings.metrics_url, settings.model)
+        try:
+            tritonserver = await self.kev.server_version()
+        except KevError:
+            tritonserver = None
+        provenance = {"instances": answering, "tritonserver": tritonserver, "gateway": version()}
+        return params, serving, provenance
 
     def route(self, handler: Callable[[bytes, str], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """An endpoint: the body read and decoded within the limits, `handler`'s response unless the client leaves
@@ -341,7 +353,7 @@ class Gateway:
         MODELS_FRESH_S old, read by one call at a time however many ask."""
         try:
             with self.admitted():
-                params, serving = await self.model_info.get()
+                params, serving, provenance = await self.model_info.get()
         except Refused as error:
             return self.refuse(error)
         limits = self.settings.limits(params) if params else self.limits
@@ -351,6 +363,7 @@ class Gateway:
             **dataclasses.asdict(limits),  # the request limits in force, the body limit being the decoded one
             "dtype": self.settings.dtype(params),
             "serving": serving,
+            "provenance": provenance,
         }
         cards = [
             {

@@ -76,6 +76,7 @@ from .children import (
     supervisor_prefix,
 )
 from .gpus import Devices, cuda_devices
+from .metrics import ServeState
 from .probe import FAILED, POISONED, UNHEALTHY_STUB, Probe, answered, successes, verdict
 from .progress import Watch, heartbeat_prefix
 from .shm import SHM_DIR
@@ -175,6 +176,7 @@ class Supervisor:
         self.next_statistics = 0.0
         self.failures = 0
         self.successes: deque[tuple[float, int]] = deque(maxlen=256)  # (time, Triton's successful inferences)
+        self.state = ServeState()  # restarts and readiness, for Prometheus (supervisor/metrics.py)
 
     # Processes
 
@@ -215,6 +217,7 @@ class Supervisor:
         # The gateway's bearer key stays out of Triton and its Python stubs, which parse what clients send.
         triton_env = {name: value for name, value in self.env.items() if name != "KEV_API_KEY"}
         triton_env[HEARTBEAT_PREFIX] = prefix
+        self.state.start(prefix)  # before Triton starts: its stubs find it from their first look
         self.triton = Child("tritonserver", self.triton_command(), triton_env)
         now = time.monotonic()
         self.ready = False
@@ -239,6 +242,7 @@ class Supervisor:
         deadline = time.monotonic() + RESTART_GRACE_S
         graceful = stop_children([self.triton], deadline, lambda: self.hurry or self.stop_signal is not None)
         code = self.triton.process.returncode
+        self.state.stop()  # before its regions go: a later write would leave the file behind
         removed = remove_shm(shm_prefix(os.getpid(), self.starts))
         how = describe_exit(code) if graceful else "was killed"
         log(f"tritonserver pid {self.triton.pid} {how}; {len(removed)} shared-memory region(s) removed")
@@ -252,6 +256,13 @@ class Supervisor:
         metrics = f"{c.triton_host}:{c.metrics_port}"
         self.gateway = Child("kev-gateway", [*command, "--triton", c.grpc_target, "--metrics", metrics], self.env)
         log(f"System One gateway pid {self.gateway.pid} on {c.bind_address}:{c.gateway_port}")
+
+    def restart(self, cause: str, reason: str) -> None:
+        """restart_triton, counted by `cause` in kev_serve_restarts_total (stub/metrics.py, RESTART_CAUSES) when it
+        restarts (the first start's failure gives up instead)."""
+        if self.ever_ready:
+            self.state.restarted("triton", cause)
+        self.restart_triton(reason)
 
     def restart_triton(self, reason: str) -> None:
         """Stops tritonserver and schedules its next start: at once, or after the backoff (RestartBudget). Only the
@@ -277,6 +288,7 @@ class Supervisor:
         reason = f"gateway pid {self.gateway.pid} {describe_exit(self.gateway.reap())}"
         recent, wait_s = self.gateway_budget.spend(now)
         self.gateway_restarts += 1
+        self.state.restarted("gateway", "exited")
         budget = self.gateway_budget.describe(recent, wait_s)
         log(f"GATEWAY RESTART {self.gateway_restarts}: {reason}; restarting it ({budget})")
         self.gateway = None
@@ -285,20 +297,26 @@ class Supervisor:
     # Supervision
 
     def step(self, now: float) -> None:
+        try:
+            self.supervise(now)
+        finally:  # ready: Triton is, and its last probe (when probing) did not fail
+            self.state.set_ready(self.triton is not None and self.ready and self.failures == 0)
+
+    def supervise(self, now: float) -> None:
         self.step_gateway(now)
         if self.triton is None:  # stopped by a restart: started again once its backoff has passed
             if now >= self.next_start:
                 self.start_triton()
             return
         if self.triton.exited():
-            self.restart_triton(f"tritonserver pid {self.triton.pid} {describe_exit(self.triton.reap())}")
+            self.restart("exited", f"tritonserver pid {self.triton.pid} {describe_exit(self.triton.reap())}")
             return
         if not self.ready:
             self.step_starting(now)
             return
         if any(self.stub_dead(pid) for pid in self.stubs):
             dead = ", ".join(f"{name} (pid {pid})" for pid, name in self.stubs.items() if self.stub_dead(pid))
-            self.restart_triton(f"Python backend stub {dead} died")
+            self.restart("stub_died", f"Python backend stub {dead} died")
             return
         if self.step_heartbeats(now):
             return
@@ -326,7 +344,7 @@ class Supervisor:
             reason = f"tritonserver not ready within {self.config.start_timeout_s:g} s (KEV_START_TIMEOUT_S)"
             if not self.ever_ready:
                 raise GiveUp(reason)
-            self.restart_triton(reason)
+            self.restart("start_timeout", reason)
             return
         if self.readiness is None and now >= self.next_check:
             self.readiness = self.probe.ready()
@@ -357,11 +375,11 @@ class Supervisor:
         assert self.watch is not None
         self.watch.observe(self.stubs, now)
         if broken := self.watch.broken():
-            self.restart_triton(f"model instance {', '.join(broken)} reports its engine broken")
+            self.restart("engine_broken", f"model instance {', '.join(broken)} reports its engine broken")
             return True
         if hung := self.watch.hung(now):
             limit = f"KEV_PROGRESS_TIMEOUT_S={self.config.progress_timeout_s:g}"
-            self.restart_triton(f"no progress: model instance {'; '.join(hung)} ({limit})")
+            self.restart("hung", f"no progress: model instance {'; '.join(hung)} ({limit})")
             return True
         return False
 
@@ -404,7 +422,7 @@ class Supervisor:
             self.failures = 0
             self.recovered(now)
         elif kind == UNHEALTHY_STUB:
-            self.restart_triton(f"probe: {error}")
+            self.restart("probe_unhealthy", f"probe: {error}")
         elif kind == POISONED:
             pass  # its batch failed for other requests' sake: no evidence about the model either way
         elif self.progressing(sent, now):
@@ -412,9 +430,10 @@ class Supervisor:
         else:
             self.failures += 1
             if self.failures >= self.config.probe_failures:
-                self.restart_triton(
+                self.restart(
+                    "probe_failed",
                     f"{self.failures} probes failed in a row while the model made no progress and Triton completed"
-                    f" no inference, the last: {error}"
+                    f" no inference, the last: {error}",
                 )
 
     def progressing(self, sent: float, now: float) -> bool:

@@ -38,19 +38,26 @@ class TritonPythonModel:
     def initialize(self, args):
         from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline
         from kev_backend.serve.stub.heartbeat import Heartbeat
-        from kev_backend.serve.stub.metrics import KevMetrics
+        from kev_backend.serve.stub.metrics import KevMetrics, SupervisorMetrics
+        from kev_backend.serve.stub.provenance import BuildInfo
         from kev_backend.settings import ModelSettings, parameters, use_cuda_allocator
 
         use_cuda_allocator()  # before the weights take the GPU: a plain tritonserver sets none
         config = json.loads(args["model_config"])
         settings = ModelSettings.read(parameters(config), Path(args["model_repository"]))
         self.engine = load_engine(settings, args)
-        self.metrics = KevMetrics(pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]})
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        self.metrics = KevMetrics(pb_utils, labels)
         warmed = warm_up(self.engine, self.metrics, settings, config)
         self.heartbeat = Heartbeat.for_instance(settings.heartbeat_prefix, args["model_instance_name"])
+        self.supervisor_metrics = SupervisorMetrics(pb_utils, settings.heartbeat_prefix)
         submit_bytes = settings.submit_bytes or SUBMIT_BYTES
         self.pipeline = Pipeline(self.engine, submit_bytes=submit_bytes, progress=self.heartbeat)
-        pb_utils.Logger.log_info(f"kev: {settings.checkpoint}; {warmed} warm-up requests; {self.engine.summary()}")
+        self.build_info = BuildInfo(pb_utils, labels, self.engine, settings.checkpoint)
+        pb_utils.Logger.log_info(
+            f"kev: {settings.checkpoint}; {warmed} warm-up requests; {self.engine.summary()}; {self.build_info.line()}"
+        )
+        self.build_info.hash_in_background(pb_utils.Logger.log_info)
         if self.engine.backend == "reference" and gpu_visible():
             pb_utils.Logger.log_warn(
                 f"kev: WARNING: a GPU is visible but the slow fp32 reference path serves: {self.engine.backend_why}"
@@ -121,6 +128,8 @@ class TritonPythonModel:
                 try:
                     if batch.report.requests:
                         self.metrics.record(self.engine, batch.report)
+                    tokens = [encoded.input_tokens for _, _, encoded in batch.accepted]
+                    self.metrics.record_requests([senders[s].answered_ms for s in mine], tokens)
                     count_state_keys(self.metrics, keys, batch)
                 except Exception as error:  # noqa: BLE001 - counting must never cost an answer
                     pb_utils.Logger.log_error(f"kev: batch metrics not recorded: {error!r}")
@@ -138,6 +147,7 @@ class TritonPythonModel:
     def finalize(self):
         self.pipeline.close()
         self.heartbeat.close()
+        self.supervisor_metrics.close()
 
 
 def load_engine(settings, args):
@@ -206,6 +216,8 @@ class Sender:
         self.key = None  # the request's routing key (read_parameters)
         self.tagged = False  # its own errors' messages tagged for our doors (envelope.TAGGED_ERRORS)
         self.usage_by_question = False
+        self.arrived = time.perf_counter()  # execute() took the request (Triton's queue is behind it)
+        self.answered_ms = None  # its time in the model once answered (kev_request_ms)
 
     def is_cancelled(self):
         """Whether the client left. Never asked once the response is on its way: Triton frees the request's response
@@ -225,6 +237,9 @@ class Sender:
             self.sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as error:  # noqa: BLE001 - e.g. the client is gone; nothing else to tell it
             pb_utils.Logger.log_warn(f"kev: a response could not be sent: {error!r}")
+            return
+        if reason is None:
+            self.answered_ms = (time.perf_counter() - self.arrived) * 1000
 
     def fail(self, message, code, reason="internal", status=None):
         """Fails the request. `status`: the error is about the request itself (the HTTP status Kev would answer),

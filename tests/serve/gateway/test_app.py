@@ -27,6 +27,8 @@ from typesafe_sdk import (
 
 from kev_backend.engine.engine import Engine
 from kev_backend.serve.gateway.service import MODELS_FRESH_S
+from kev_backend.serve.stub import provenance
+from kev_backend.serve.version import version
 from tests.conftest import (
     REPO,
     Gateway,
@@ -97,6 +99,31 @@ def test_models_carry_the_serving_statistics(gateway: Gateway) -> None:
     assert (after["bank_misses"] - before["bank_misses"], after["bank_hits"] - before["bank_hits"]) == (1, 1)
     assert after["inferences"] - before["inferences"] == 2 and after["batches"] > before["batches"]
     assert after["bank_states"] >= 1 and after["oom_retries"] == 0
+
+
+def test_models_name_what_answers(gateway: Gateway, triton: TritonServer, engine: Engine, tiny_dir: Path) -> None:
+    """GET /v1/models names what answers: the checkpoint by the hash of its files' content (computed in the
+    background once the model is up), its base, LoRA rank, device and torch, tritonserver's version and this
+    gateway's; the start-up line says the same, and logs the hash when it is known."""
+    import torch
+
+    want = provenance.content_hash(tiny_dir / "kev", Path(engine.checkpoint.tokenizer_dir)).sha256
+    deadline = time.monotonic() + 60
+    while True:
+        request = urllib.request.Request(gateway.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            said = json.loads(response.read())["models"][0]["provenance"]
+        if any(i["checkpoint_sha256"] != "pending" for i in said["instances"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    meta = engine.checkpoint.meta
+    (instance,) = [i for i in said["instances"] if i["checkpoint_sha256"] != "pending"]
+    assert instance["checkpoint_sha256"] == want
+    assert instance["base"].startswith(meta.base) and instance["lora_rank"] == str(meta.lora)
+    assert instance["device"] == "cpu" and instance["torch"] == torch.__version__ and instance["version"] == version()
+    assert said["tritonserver"] == "2.51.0" and said["gateway"] == version()
+    log = triton.log.read_text(errors="replace")
+    assert f"checkpoint sha256 {want} (" in log and "what answers: version " in log
 
 
 def sdk_response_as_body(result) -> dict:

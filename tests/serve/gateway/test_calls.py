@@ -33,6 +33,7 @@ from tests.conftest import (
     stop_triton,
     wait_until,
 )
+from tests.helpers import error_detail
 from tests.serve.gateway.test_hostile_clients import call_json, gateway_metrics
 
 URGENT = {"type": "noul", "instructions": "is this urgent ?", "criteria": {"true": "reply today"}}
@@ -162,7 +163,7 @@ def test_the_models_own_refusal_keeps_its_status(triton: TritonServer, tmp_path:
     try:
         body = json.dumps({"state": "refund " * 750_000, "questions": {"urgent": URGENT}}).encode()
         status, _, reply = post(wide, "/v1/systemone", body)
-        assert status == 413 and reply == {
+        assert status == 413 and error_detail(reply) == {
             "detail": f"request body is {len(body):,} bytes, over the 4,194,304-byte limit"
         }
         status, _, reply = post(wide, "/v1/systemone", {"questions": {"urgent": URGENT}})  # the gateway's own 422

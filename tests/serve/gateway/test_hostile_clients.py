@@ -31,6 +31,7 @@ from kev_backend.serve.gateway.replies import REASONS, Refused
 from kev_backend.serve.gateway.service import Gateway as GatewayService
 from kev_backend.settings import GatewaySettings
 from tests.conftest import Gateway, TritonServer, settled, start_gateway, stop_gateway, wait_until
+from tests.helpers import error_detail
 
 KEY = "hostile-key"
 LIMIT = 4 << 20  # the default for both byte limits
@@ -188,7 +189,9 @@ def test_zstd_bomb_is_refused_without_decoding_it(gateway: Gateway) -> None:
     assert len(bomb) < 64 << 10  # small enough to be decoded on the event loop: the output cap must hold there too
     *bombs, answered = in_parallel(*[sender(gateway, bomb, {"content-encoding": "zstd"})] * 8, sender(gateway, BODY))
     for status, _, reply in bombs:
-        assert status == 413 and reply == {"detail": f"the zstd body decodes to over the {LIMIT:,}-byte limit"}
+        assert status == 413 and error_detail(reply) == {
+            "detail": f"the zstd body decodes to over the {LIMIT:,}-byte limit"
+        }
     assert_answered(answered)
     assert peak_rss_bytes(gateway) < 512 << 20
 
@@ -199,7 +202,9 @@ def test_gzip_bomb_is_refused_without_decoding_it(gateway: Gateway) -> None:
     assert 64 << 10 < len(bomb) < LIMIT
     *bombs, answered = in_parallel(*[sender(gateway, bomb, {"content-encoding": "gzip"})] * 4, sender(gateway, BODY))
     for status, _, reply in bombs:
-        assert status == 413 and reply == {"detail": f"the gzip body decodes to over the {LIMIT:,}-byte limit"}
+        assert status == 413 and error_detail(reply) == {
+            "detail": f"the gzip body decodes to over the {LIMIT:,}-byte limit"
+        }
     assert_answered(answered)
     assert peak_rss_bytes(gateway) < 512 << 20
 
@@ -236,7 +241,7 @@ def test_corrupt_bodies_are_400_json(gateway: Gateway, encoding: str, body: byte
 
 def test_unsupported_encoding_is_415_json(gateway: Gateway) -> None:
     status, _, reply = call_json(gateway, "/v1/systemone", BODY, {"content-encoding": "br"})
-    assert status == 415 and reply == {"detail": "unsupported content-encoding 'br': use zstd or gzip"}
+    assert status == 415 and error_detail(reply) == {"detail": "unsupported content-encoding 'br': use zstd or gzip"}
 
 
 def test_decompress_matches_the_libraries_and_caps_its_output() -> None:
@@ -264,11 +269,13 @@ def test_decompress_matches_the_libraries_and_caps_its_output() -> None:
 def test_body_over_the_limit_is_413_json(gateway: Gateway) -> None:
     big = b" " * (LIMIT + 1)  # whitespace: the limit must refuse it before anything parses it
     status, _, reply = call_json(gateway, "/v1/systemone", big)  # with Content-Length: refused from the header
-    assert status == 413 and reply == {"detail": f"request body is {LIMIT + 1:,} bytes, over the {LIMIT:,}-byte limit"}
+    assert status == 413 and error_detail(reply) == {
+        "detail": f"request body is {LIMIT + 1:,} bytes, over the {LIMIT:,}-byte limit"
+    }
     n = LIMIT // (64 << 10) + 2
     chunks = (b" " * (64 << 10) for _ in range(n))  # chunked: read to its end (under 4x the limit), then refused
     status, _, reply = call_json(gateway, "/v1/systemone", chunks)
-    assert status == 413 and reply == {
+    assert status == 413 and error_detail(reply) == {
         "detail": f"request body is {n * (64 << 10):,} bytes, over the {LIMIT:,}-byte limit"
     }
     assert_answered(call_json(gateway, "/v1/systemone", b" " * (LIMIT - len(BODY)) + BODY))  # at the limit
@@ -328,7 +335,7 @@ def test_cors_preflight_passes_without_the_key_and_401_carries_cors(gateway: Gat
     assert 200 <= status < 300 and headers["access-control-allow-origin"] in ("*", origin), (status, headers)
     assert "authorization" in headers["access-control-allow-headers"].lower()
     status, headers, reply = call_json(gateway, "/v1/systemone", BODY, {"origin": origin}, key=None)
-    assert status == 401 and reply == {"detail": "invalid or missing API key"}
+    assert status == 401 and error_detail(reply) == {"detail": "invalid or missing API key"}
     assert headers["access-control-allow-origin"] in ("*", origin) and headers["www-authenticate"] == "Bearer"
     assert REQUEST_ID in headers
     status, headers, _ = call_json(gateway, "/v1/systemone", BODY, {"origin": origin})  # the key still opens it
@@ -404,7 +411,7 @@ def test_upstream_failures_are_json_and_counted(triton: TritonServer, tmp_path: 
         status, headers, reply = call_json(limited, "/v1/systemone/separate", separate)
         assert status == 429 and headers["retry-after"] == "1" and reply["detail"].startswith("overloaded: ")
         status, _, reply = ask(limited, f"{uuid.uuid4().hex} " + "the refund is late " * 700)  # ~3,000 tokens
-        assert status == 504 and reply == {"detail": "the model did not answer in time"}
+        assert status == 504 and error_detail(reply) == {"detail": "the model did not answer in time"}
         metrics = gateway_metrics(limited)
         assert (error_count(metrics, "overloaded"), error_count(metrics, "timeout")) == (1, 1)
         assert "Traceback" not in limited.log.read_text()
@@ -424,7 +431,10 @@ def test_internal_errors_are_one_json_500_and_one_log_line(caplog: pytest.LogCap
     with TestClient(app) as client, caplog.at_level(logging.ERROR, logger="kev_backend.serve.gateway"):
         headers = {"authorization": "Bearer x", REQUEST_ID: "req-42", "origin": "https://app.example"}
         response = client.get("/v1/broken", headers=headers)
-        assert response.status_code == 500 and response.json() == {"detail": "internal error (request id req-42)"}
+        assert response.status_code == 500 and response.json() == {
+            "detail": "internal error (request id req-42)",
+            "request_id": "req-42",
+        }
         assert response.headers[REQUEST_ID] == "req-42" and response.headers["access-control-allow-origin"]
         metrics = client.get("/metrics").text
     assert 'kev_gateway_errors_total{reason="internal"} 1' in metrics.splitlines()
