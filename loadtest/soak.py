@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from soak_report import plot, print_table, summarize
+from soak_report import latency_drift, plot, print_table, server_latencies, summarize
 from soak_watch import Watch
 
 from kev_backend.dev.provenance import commit, gpu_name
@@ -407,6 +407,7 @@ async def drive(args: argparse.Namespace) -> Soak:
 
 def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:
     tally, samples = soak.tally, soak.samples
+    server_latencies(samples)  # each period's quantiles from the servers' own histograms
     warmup_s = 60 * args.warmup_minutes
     return {
         "gpu": gpu_name(),
@@ -433,6 +434,7 @@ def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:
             "warmup_minutes": round(args.warmup_minutes, 4),
             "timeout_s": args.timeout,
             **summarize(samples, warmup_s),
+            "latency_after_warmup": latency_drift(samples, warmup_s),
             "outcomes": dict(sorted(tally.outcomes.items())),
             "unexpected_examples": dict(tally.examples.most_common()),
             "samples": samples,

@@ -3,6 +3,7 @@ plot and its table."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,41 @@ from typing import Any
 from soak_watch import GAUGES
 
 GROWTH_METRICS = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", *GAUGES)
+
+
+def period_quantile(before: dict[str, float] | None, after: dict[str, float] | None, q: float) -> float | None:
+    """The q-quantile of a histogram's observations between two samples of its cumulative buckets, interpolated
+    within the bucket that holds it as Prometheus' histogram_quantile does (None without observations; the highest
+    finite bound when it falls in the +Inf bucket)."""
+    if not after:
+        return None
+    bounds = sorted(after, key=lambda le: float(le))
+    counts = [after[le] - (before or {}).get(le, 0.0) for le in bounds]
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, count in zip(bounds, counts):
+        upper = float(le)
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = upper, count
+    return lower
+
+
+def server_latencies(samples: list[dict[str, Any]]) -> None:
+    """Each sample's period quantiles from the servers' histograms (model_p50_ms, model_p99_ms, gateway_p99_ms), in
+    place; the raw bucket counts are dropped from the samples once used."""
+    previous: dict[str, Any] = {}
+    for sample in samples:
+        model, gateway = sample.pop("model_ms_buckets", None), sample.pop("gateway_s_buckets", None)
+        sample["model_p50_ms"] = period_quantile(previous.get("model"), model, 0.5)
+        sample["model_p99_ms"] = period_quantile(previous.get("model"), model, 0.99)
+        p99_s = period_quantile(previous.get("gateway"), gateway, 0.99)
+        sample["gateway_p99_ms"] = None if p99_s is None else round(p99_s * 1000, 2)
+        previous = {"model": model or previous.get("model"), "gateway": gateway or previous.get("gateway")}
 
 
 def summarize(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str, float | None]]:
@@ -23,6 +59,28 @@ def summarize(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[
         out["start"][key], out["end"][key] = start, end
         out["max"][key] = max(values) if values else None
         out["growth"][key] = round(end / start - 1, 4) if start and end is not None else None
+    return out
+
+
+LATENCIES = ("p50_ms", "p99_ms", "model_p50_ms", "model_p99_ms", "gateway_p99_ms")
+
+
+def latency_drift(
+    samples: list[dict[str, Any]], warmup_s: float, window: int = 5
+) -> dict[str, dict[str, float | None]]:
+    """Each latency after the warm-up: the median of its first `window` periods, of its last ones, and its worst
+    period; flat when first and last agree."""
+    after = [s for s in samples if s["t_s"] >= warmup_s] or samples[-1:]
+    out: dict[str, dict[str, float | None]] = {}
+    for key in LATENCIES:
+        values = [s[key] for s in after if s.get(key) is not None]
+        if not values:
+            continue
+        out[key] = {
+            "first": statistics.median(values[:window]),
+            "last": statistics.median(values[-window:]),
+            "max": max(values),
+        }
     return out
 
 
@@ -46,9 +104,10 @@ def plot(samples: list[dict[str, Any]], warmup_s: float, title: str, path: Path)
         ax.plot(minutes, [None if s.get(key) is None else s[key] / scale for s in samples], ".-")
         ax.set_title(f"{key} ({unit})", fontsize=9)
     latency = flat[len(panels)]
-    for key, style in (("p50_ms", ".-"), ("p99_ms", "^:")):
-        latency.plot(minutes, [s.get(key) for s in samples], style, label=key.removesuffix("_ms"))
-    latency.set_title("good requests' latency per period (ms)", fontsize=9)
+    for key, style in (("p50_ms", ".-"), ("p99_ms", "^:"), ("model_p99_ms", "x--"), ("gateway_p99_ms", "s-.")):
+        if any(s.get(key) is not None for s in samples):
+            latency.plot(minutes, [s.get(key) for s in samples], style, label=key.removesuffix("_ms"))
+    latency.set_title("latency per period (ms): the clients', the model's and the gateway's histograms", fontsize=9)
     latency.legend(fontsize=8)
     for ax in flat[len(panels) + 1 :]:
         ax.set_visible(False)

@@ -81,6 +81,21 @@ def fetch_text(url: str) -> str | None:
         return None
 
 
+# The servers' own latency histograms (their buckets, cumulative, summed over labels): the model's time per request
+# (ms) and the gateway's arrival-to-response (s). A sample holds their counts; soak_report takes each period's
+# quantiles from the difference between two samples.
+HISTOGRAMS = {"model_ms": "kev_request_ms_bucket", "gateway_s": "kev_gateway_request_duration_seconds_bucket"}
+
+
+def buckets(samples: list[tuple[str, dict[str, str], float]], name: str) -> dict[str, float]:
+    """A histogram's cumulative count by upper bound ("le", as written), summed over its other labels."""
+    found: dict[str, float] = {}
+    for sample, labels, value in samples:
+        if sample == name:
+            found[labels["le"]] = found.get(labels["le"], 0.0) + value
+    return found
+
+
 @dataclass(frozen=True)
 class Watch:
     """Where the server's figures come from: its process (optional), Triton's metrics and the gateway's."""
@@ -105,8 +120,12 @@ class Watch:
         samples = parse_prometheus(text) if text is not None else []
         figures.update(gauge_sums(samples))
         figures["request_errors"] = sums_by_reason(samples, "kev_request_errors_total") if text is not None else None
+        figures["model_ms_buckets"] = buckets(samples, HISTOGRAMS["model_ms"]) if text is not None else None
+        figures["gateway_s_buckets"] = None
         if self.gateway_metrics_url is not None:  # the gateway's own refusals (client_disconnected, internal, ...)
             text = fetch_text(self.gateway_metrics_url)
-            errors = sums_by_reason(parse_prometheus(text), "kev_gateway_errors_total") if text is not None else None
+            gateway = parse_prometheus(text) if text is not None else []
+            errors = sums_by_reason(gateway, "kev_gateway_errors_total") if text is not None else None
             figures["gateway_errors"] = None if errors is None else {k: v for k, v in errors.items() if v}
+            figures["gateway_s_buckets"] = buckets(gateway, HISTOGRAMS["gateway_s"]) if text is not None else None
         return figures

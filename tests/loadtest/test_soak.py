@@ -28,6 +28,9 @@ SAMPLE_KEYS = {
     *GROWTH,
     "request_errors",
     "gateway_errors",
+    "model_p50_ms",
+    "model_p99_ms",
+    "gateway_p99_ms",
 }
 
 
@@ -94,5 +97,26 @@ def test_soak_briefly(triton: TritonServer, tmp_path: Path) -> None:
     # Triton counted the gRPC refusals the driver saw as expected (the gateway refuses its own before Triton)
     errors = samples[-1]["request_errors"]
     assert errors["invalid"] + errors["too_large"] > 0 and errors["internal"] == errors["engine_error"] == 0
+    # Each period's latency from the servers' own histograms: the model's time per request sits below the clients'
+    # p99, the gateway's p99 is there while traffic goes through it; the raw buckets are not kept.
+    model = [s for s in samples if s["model_p99_ms"] is not None]
+    assert model and all(0 < s["model_p50_ms"] <= s["model_p99_ms"] for s in model)
+    assert any(s["gateway_p99_ms"] is not None for s in samples)
+    assert not any("model_ms_buckets" in s or "gateway_s_buckets" in s for s in samples)
+    assert {"p99_ms", "model_p99_ms", "gateway_p99_ms"} <= set(soak["latency_after_warmup"])
     assert (out / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "unexpected" in result.stdout and "tritonserver_rss_mb" in result.stdout
+
+
+def test_period_quantiles_follow_prometheus_interpolation() -> None:
+    """soak_report.period_quantile on two samples of cumulative buckets: the period's observations alone, linear
+    within the bucket that holds the rank, the last finite bound for the +Inf bucket."""
+    sys.path.insert(0, str(REPO / "loadtest"))
+    from soak_report import period_quantile
+
+    before = {"10": 5.0, "20": 5.0, "+Inf": 5.0}
+    after = {"10": 5.0, "20": 15.0, "+Inf": 15.0}  # the period: 10 observations between 10 and 20
+    assert period_quantile(before, after, 0.5) == 15.0 and period_quantile(before, after, 1.0) == 20.0
+    assert period_quantile(None, {"10": 4.0, "+Inf": 4.0}, 0.5) == 5.0
+    assert period_quantile(None, {"10": 0.0, "+Inf": 2.0}, 0.99) == 10.0
+    assert period_quantile(after, after, 0.5) is None and period_quantile(None, None, 0.5) is None
