@@ -100,10 +100,12 @@ def test_separate_and_permute_are_one_triton_call(triton: TritonServer, gateway:
     ]
     for qid, reply in alone.items():
         assert close(separate["answers"][qid], reply["answers"][qid]), (qid, separate["answers"][qid], reply)
-    assert separate["usage"] == {
-        "input_tokens": sum(r["usage"]["input_tokens"] for r in alone.values()),
-        "output_tokens": sum(r["usage"]["output_tokens"] for r in alone.values()),
-    }
+    # Kev counts output tokens of the answers' text: an answer whose rounded last digit moved (above) may count one
+    # token more or less, so those answers' counts may differ by one each.
+    moved = sum(separate["answers"][qid] != reply["answers"][qid] for qid, reply in alone.items())
+    assert separate["usage"]["input_tokens"] == sum(r["usage"]["input_tokens"] for r in alone.values())
+    output = sum(r["usage"]["output_tokens"] for r in alone.values())
+    assert abs(separate["usage"]["output_tokens"] - output) <= moved, (separate["usage"], output, moved)
     before = triton_calls(triton)
     status, _, permuted = post(gateway, "/v1/systemone/permute", {"request": body, "question": "team", "n_perm": 5})
     assert status == 200 and triton_calls(triton) - before == 1, permuted
