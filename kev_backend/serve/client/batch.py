@@ -183,7 +183,10 @@ def score_file(
                     pending.popleft()
             summary.interrupted = stopping.is_set()
             while pending:
-                write(pending.popleft(), wait=True)
+                entry = pending.popleft()
+                if summary.interrupted and isinstance(entry[1], Future) and entry[1].cancel():
+                    continue  # never sent: left for the next run
+                write(entry, wait=True)
         if summary.interrupted:
             for kept in earlier.rest():
                 out.write(kept)

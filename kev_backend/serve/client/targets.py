@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,11 +40,28 @@ class TritonTarget:
     an untagged failure is Triton's or the network's (a full queue, a restart, a batch-mate's malformed tensor)."""
 
     def __init__(self, url: str, protocol: str, model: str, timeout_s: float) -> None:
-        self.client = KevClient(url, protocol, model, timeout_s)  # type: ignore[arg-type]
+        self.url, self.protocol, self.model, self.timeout_s = url, protocol, model, timeout_s
+        # A gRPC client is shared by every thread; an HTTP one is not thread-safe: one a thread.
+        self.local = threading.local()
+        self.clients: list[KevClient] = []
+        self.lock = threading.Lock()
+
+    def client(self) -> KevClient:
+        if self.protocol == "grpc" and self.clients:
+            return self.clients[0]
+        client = getattr(self.local, "client", None)
+        if client is None:
+            with self.lock:
+                if self.protocol == "grpc" and self.clients:
+                    return self.clients[0]
+                client = KevClient(self.url, self.protocol, self.model, self.timeout_s)  # type: ignore[arg-type]
+                self.clients.append(client)
+            self.local.client = client
+        return client
 
     def score(self, line: str) -> dict[str, Any]:
         try:
-            return self.client.score(line)
+            return self.client().score(line)
         except KevError as error:
             tagged = envelope.read_tagged(error.message)
             if tagged is not None:
@@ -53,7 +71,8 @@ class TritonTarget:
             raise Failed(error.kind, error.message, final=False) from None
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients:
+            client.close()
 
 
 # The gateway's statuses a retry can help: overloaded (429, 529), unavailable (502, 503), a timeout (504).

@@ -122,6 +122,19 @@ def test_kev_score_cli_orders_reports_and_resumes(triton: TritonServer, engine: 
     assert_same_answer({k: v for k, v in fixed[7].items() if k != "line"}, engine.answer([make_request(7)])[0])
 
 
+def test_kev_score_over_http_with_a_client_a_thread(triton: TritonServer, engine: Engine, tmp_path: Path) -> None:
+    """--protocol http: Triton's HTTP client is not thread-safe, so each of the run's threads has its own; every
+    answer is the engine's."""
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(make_request(i)) + "\n" for i in range(32)))
+    command = [KEV, "score", str(source), str(target), "--url", triton.http_url, "--protocol", "http", "--quiet"]
+    run = subprocess.run([*command, "--concurrency", "8"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for i, line in enumerate(numbered(target)):
+        assert line.pop("line") == i + 1
+        assert_same_answer(line, engine.answer([make_request(i)])[0])
+
+
 def wait_for_lines(path: Path, count: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
     """Until `path` (a run's output in progress) holds `count` lines."""
     deadline = time.monotonic() + timeout_s
