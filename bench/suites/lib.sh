@@ -73,7 +73,7 @@ ready = time.time() - started
 with KevClient("127.0.0.1:8001") as kev:
     kev.score(short6(1))
     first = time.time() - started
-line = re.search(r"start-up seconds ([^\"]*)", open(log).read())
+line = re.search(r"start-up seconds ([^\";]*)", open(log).read())  # the phases end at the next ";"
 phases = dict((name, float(value)) for name, value in re.findall(r"(\w+) ([\d.]+)", line[1])) if line else {}
 record = {f"{prefix}ready_s": ready, f"{prefix}first_answer_s": first, f"{prefix}startup_phases": phases}
 print(json.dumps(record))
