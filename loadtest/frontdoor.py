@@ -154,16 +154,35 @@ def closed_loop(
     }
 
 
-def thread_seconds() -> dict[str, float]:
-    """CPU seconds so far of each thread of tritonserver and its Python stubs on this machine, by "COMM PID/THREAD
-    TID" (/proc's names)."""
-    out = {}
+def serving(grpc: str) -> list[int]:
+    """The tritonserver whose gRPC port is `grpc`'s (by its command line) and its Python stubs; every tritonserver
+    and stub on the machine where none says its port (another server on the host is left out when one does)."""
+    port = grpc.rsplit(":", 1)[-1]
+    servers, stubs = [], []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or (stat := procs.proc_stat(int(entry))) is None:
             continue
-        if stat[0] in ("tritonserver", procs.STUB_COMM):
-            for tid, (name, seconds) in procs.thread_cpu_seconds(int(entry)).items():
-                out[f"{stat[0]} {entry}/{name} {tid}"] = seconds
+        if stat[0] == "tritonserver":
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            servers.append((int(entry), f"--grpc-port={port}".encode() in argv))
+        elif stat[0] == procs.STUB_COMM:
+            stubs.append((int(entry), stat[2]))
+    ours = [pid for pid, matches in servers if matches] or [pid for pid, _ in servers]
+    return ours + [pid for pid, parent in stubs if parent in ours]
+
+
+def thread_seconds(grpc: str) -> dict[str, float]:
+    """CPU seconds so far of each thread of the tritonserver behind `grpc` and its Python stubs, by "COMM PID/THREAD
+    TID" (/proc's names)."""
+    out = {}
+    for pid in serving(grpc):
+        if (stat := procs.proc_stat(pid)) is None:
+            continue
+        for tid, (name, seconds) in procs.thread_cpu_seconds(pid).items():
+            out[f"{stat[0]} {pid}/{name} {tid}"] = seconds
     return out
 
 
@@ -200,11 +219,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
             def window_opens(before: dict[str, float] = before, threads: dict[str, float] = threads) -> None:
                 before.update(totals())
-                threads.update(thread_seconds())
+                threads.update(thread_seconds(args.grpc))
 
             level = closed_loop(kind, url, clients, args.seconds, args.procs, next(seeds), args.warm, window_opens)
             level["server"] = server_breakdown(before, totals())
-            level["server"]["busiest_threads"] = busiest(threads, thread_seconds(), args.seconds)
+            level["server"]["busiest_threads"] = busiest(threads, thread_seconds(args.grpc), args.seconds)
             record[kind]["levels"][str(clients)] = level
             print(f"{kind}: {clients} clients {level}", flush=True)
     return record
