@@ -26,7 +26,7 @@ import yaml
 from kev_backend.dev import synthetic
 from kev_backend.serve.fill import cli, s3
 from kev_backend.serve.fill.names import MARKER
-from tests.deploy.test_manifests import IMAGE, find, objects, podman, triton_pods, where
+from tests.deploy.test_manifests import IMAGE, find, objects, podman, triton_pods, wait_ready, where
 from tests.helpers import README_ANSWERS, README_REQUEST, TRITON_HTTP
 from tests.serve.fill.conftest import S3Store, s3_store, sha256sums  # noqa: F401 (s3_store: a fixture)
 
@@ -271,15 +271,7 @@ def triton_answers(tmp_path: Path, tag: str, volume: str) -> dict[str, Any]:
     manifest.write_text(yaml.safe_dump(deployment))
     podman("kube", "play", str(manifest))
     try:
-        names = [n for n in podman("ps", "--format", "{{.Names}}").stdout.split() if n.startswith(name + "-")]
-        (box,) = [n for n in names if n.endswith("-" + container["name"])]
-        probe = container["readinessProbe"]["exec"]["command"]
-        deadline = time.monotonic() + 180
-        while True:
-            result = podman("exec", box, *probe, check=False, timeout=60)
-            if result.returncode == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        box, result = wait_ready(name, container)
         logs = podman("logs", box, check=False)
         assert result.returncode == 0, result.stdout + result.stderr + logs.stdout[-3000:] + logs.stderr[-3000:]
         env = podman("exec", box, "printenv", "KEV_CHECKPOINT").stdout.strip()

@@ -588,6 +588,22 @@ def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.C
     return run(*PODMAN, *args, check=check, timeout=timeout)
 
 
+def wait_ready(name: str, container: dict[str, Any]) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """The played pod `name`'s container (podman names it POD-CONTAINER) and its readiness probe's last result, run
+    until it passes or 180 s go by."""
+    names = podman("ps", "--format", "{{.Names}}").stdout.split()
+    names = [n for n in names if n.startswith(name + "-") and n.endswith("-" + container["name"])]
+    assert len(names) == 1, names
+    (box,) = names
+    probe = container["readinessProbe"]["exec"]["command"]
+    deadline = time.monotonic() + 180
+    while True:
+        result = podman("exec", box, *probe, check=False, timeout=60)
+        if result.returncode == 0 or time.monotonic() > deadline:
+            return box, result
+        time.sleep(1)
+
+
 def test_local_deployment_plays_in_podman(tmp_path: Path) -> None:
     if podman("image", "exists", IMAGE, check=False).returncode != 0:
         pytest.fail(f"{IMAGE} is missing: PODMAN_ROOT=... make image")
@@ -600,17 +616,7 @@ def test_local_deployment_plays_in_podman(tmp_path: Path) -> None:
     manifest.write_text(yaml.safe_dump(deployment))
     podman("kube", "play", str(manifest))
     try:
-        names = podman("ps", "--format", "{{.Names}}").stdout.split()
-        names = [n for n in names if n.startswith(name + "-") and n.endswith("-" + container["name"])]
-        assert len(names) == 1, names
-        (box,) = names
-        probe = container["readinessProbe"]["exec"]["command"]
-        deadline = time.monotonic() + 180
-        while True:
-            result = podman("exec", box, *probe, check=False, timeout=60)
-            if result.returncode == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        box, result = wait_ready(name, container)
         assert result.returncode == 0 and result.stdout.startswith("healthy"), result.stdout + result.stderr
         reply = json.loads(
             podman("exec", box, "/opt/kev/.venv/bin/python", "-c", TRITON_HTTP, json.dumps(README_REQUEST)).stdout

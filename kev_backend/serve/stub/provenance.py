@@ -140,6 +140,7 @@ class BuildInfo:
         self.pending.set(1)
         self.thread: threading.Thread | None = None
         self.result: ContentHash | None = None
+        self.done: Any = None  # the series with the hash, kept alive with the family
 
     def line(self) -> str:
         shown = ", ".join(f"{name} {value}" for name, value in self.fields.items() if value)
@@ -156,7 +157,7 @@ class BuildInfo:
             done = self.family.Metric(labels={**self.labels, **self.fields, "checkpoint_sha256": found.sha256})
             done.set(1)
             self.pending.set(0)
-            self.done = done  # kept alive with the family
+            self.done = done
             log(
                 f"kev: checkpoint sha256 {found.sha256} ({found.files} files, {found.bytes / 2**30:.2f} GiB, "
                 f"{found.from_marker} from kev-fill's verified digests) in {time.monotonic() - started:.1f} s"
