@@ -5,7 +5,9 @@
 # then SIGTERM.
 #   bash bench/gpu.sh serve [OPTIONS] [VARIANT...]                        (OPTIONS: bench/gpu.sh's)
 # VARIANT: after the first run (as shipped), serve again with NAME=VALUE[,NAME=VALUE] in the environment (an empty
-# VALUE unsets it; e.g. MALLOC_ARENA_MAX=), on the kernel cache the first run filled; "shipped" repeats the first.
+# VALUE unsets it; e.g. MALLOC_ARENA_MAX=), on the kernel cache the first run filled; "shipped" repeats the first;
+# "added-pod" starts as a pod the autoscaler adds (deploy/components/kernel-cache): the installed tree, and a kernel
+# cache in a directory of its own that other starts filled (a copy of the first runs' cache, as on the shared claim).
 # KEV_CHECKPOINT: the served checkpoint (default: random Kev-4B weights written here first, as the benchmarks use).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -45,6 +47,11 @@ serve_once shipped
 grep -E "kev-serve|kev: |WARNING|rror" "$out/serve-shipped.log" | cut -c1-300 | tail -8
 for variant in "$@"; do
   [[ $variant == shipped ]] && { serve_once shipped-again; continue; }
+  if [[ $variant == added-pod ]]; then
+    rm -rf /tmp/kev-pod-cache && cp -a build/.triton-cache /tmp/kev-pod-cache || exit 1
+    serve_once added-pod TRITON_CACHE_DIR=/tmp/kev-pod-cache
+    continue
+  fi
   settings=()
   IFS=, read -ra pairs <<<"$variant"
   for pair in "${pairs[@]}"; do
