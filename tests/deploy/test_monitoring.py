@@ -6,10 +6,12 @@ valid and invalid requests go through. Marker `deploy`; promtool and prometheus 
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import shutil
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -106,12 +108,18 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 class Prometheus:
-    def __init__(self, tmp_path: Path, targets: dict[str, str]) -> None:
+    def __init__(self, tmp_path: Path, targets: dict[str, str], paths: dict[str, str] | None = None) -> None:
+        """targets: job name to HOST:PORT; paths: a job's metrics path where it is not /metrics."""
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
             "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [target]}]} for job, target in targets.items()
+                {
+                    "job_name": job,
+                    "metrics_path": (paths or {}).get(job, "/metrics"),
+                    "static_configs": [{"targets": [target]}],
+                }
+                for job, target in targets.items()
             ],
         }
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -190,3 +198,77 @@ def test_every_dashboard_query_answers_from_a_live_server(triton: TritonServer, 
         prometheus.stop()
         gateway.process.terminate()
         gateway.process.wait(timeout=30)
+
+
+# Scrapes of a GPU host's `make serve` (one H200, Kev-4B shapes on random weights, 4 s apart while short6 went over
+# gRPC and valid and invalid requests through the gateway), kept so that the panels only a GPU host feeds (Triton's
+# nv_gpu_* series, kev_build_info's GPU labels) are checked here too. `bash bench/gpu.sh hardening` writes fresh ones
+# (OUT/metrics/).
+GPU_SCRAPES = Path(__file__).with_name("gpu_scrapes")
+
+
+class Replay:
+    """A loopback HTTP server that answers each job's /JOB/metrics with that job's kept scrapes in turn, then the last
+    one again: Prometheus sees the counters move as they moved on the GPU host."""
+
+    def __init__(self, scrapes: dict[str, list[Path]]) -> None:
+        served = {job: 0 for job in scrapes}
+        self.served = served
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                job = self.path.strip("/").split("/")[0]
+                if job not in scrapes:
+                    self.send_error(404)
+                    return
+                body = scrapes[job][min(served[job], len(scrapes[job]) - 1)].read_bytes()
+                served[job] += 1
+                self.send_response(200)
+                self.send_header("content-type", "text/plain; version=0.0.4")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_every_dashboard_query_answers_from_a_gpu_hosts_metrics(tmp_path: Path) -> None:
+    scrapes = {job: sorted(GPU_SCRAPES.glob(f"{job}-*.txt")) for job in ("triton", "gateway")}
+    assert all(len(kept) >= 2 for kept in scrapes.values()), scrapes  # a rate needs two samples
+    replay = Replay(scrapes)
+    prometheus = Prometheus(
+        tmp_path,
+        {f"kev-{job}": replay.address for job in scrapes},
+        {f"kev-{job}": f"/{job}/metrics" for job in scrapes},
+    )
+    try:
+        wait_until(
+            lambda: all(replay.served[job] > len(kept) for job, kept in scrapes.items()),
+            "Prometheus scraping every kept scrape",
+        )
+        time.sleep(1.5)  # the last scrape ingested
+        empty = []
+        for title, expr in dashboard_queries():
+            values = [float(sample["value"][1]) for sample in prometheus.query(expr)]
+            if not any(value == value for value in values):
+                empty.append(f"{title}: {expr}")
+        assert not empty, "dashboard queries without data from the GPU host's metrics:\n" + "\n".join(empty)
+        used = prometheus.query("nv_gpu_memory_used_bytes")
+        assert used and float(used[0]["value"][1]) > 0
+        info = [sample["metric"] for sample in prometheus.query("kev_build_info == 1")]
+        assert len(info) == 1, info  # the "pending" series dropped to 0 once the hash was known
+        assert info[0]["gpu"].startswith("NVIDIA ") and info[0]["device"] == "cuda:0"
+        assert re.fullmatch(r"[0-9a-f]{64}", info[0]["checkpoint_sha256"]), info[0]
+        assert info[0]["torch"] and info[0]["cublaslt"] and info[0]["driver"]
+    finally:
+        prometheus.stop()
+        replay.stop()

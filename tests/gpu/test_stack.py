@@ -1,6 +1,6 @@
 """The measured GPU stack (kev_backend/gpu/stack.py) and the pins GPU installs take (requirements-gpu.txt) name the
-same libraries; setup's requirement lines on a GPU machine take the GPU stack's torch over the CPU build's; the
-start-up line says when a process runs on another stack."""
+same libraries, at the versions a GPU run installed; setup's requirement lines on a GPU machine take the GPU stack's
+torch over the CPU build's; the start-up line says when a process runs on another stack."""
 
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ def test_the_gpu_pins_are_the_measured_stack() -> None:
     # cuBLAS's wheel 13.1.0.3 carries cuBLASLt 13.1.0; the CUDA runtime's 13.0.x is the CUDA torch was built for.
     assert gpu["nvidia-cublas"].rsplit(".", 1)[0] == stack.MEASURED["cublaslt"]
     assert gpu["nvidia-cuda-runtime"].startswith(stack.MEASURED["cuda"] + ".")
+
+
+def test_every_gpu_pin_is_what_the_kept_gpu_run_installed() -> None:
+    """bench/gpu.sh keeps each GPU run's `pip freeze` (packages.txt); the newest one kept under bench/results/ holds
+    every project requirements-gpu.txt pins, at the pinned version."""
+    runs = sorted((REPO / "bench" / "results").glob("*-packages.txt"))
+    assert runs, "no GPU run's packages.txt kept under bench/results/"
+    ran = {name.replace("_", "-"): version.split("+", 1)[0] for name, version in pins(runs[-1].read_text()).items()}
+    gpu = pins((REPO / "requirements-gpu.txt").read_text())
+    assert {name: (pin, ran.get(name)) for name, pin in gpu.items() if ran.get(name) != pin} == {}
 
 
 def torch_lines(*files: str) -> list[str]:
