@@ -23,8 +23,9 @@ from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
 from ..protocol.answers import answers_from_probabilities, answers_json, response_body
 from ..protocol.encoding import Encoded, KevTokenizer, encode
 from ..protocol.request import Limits, Record, RequestError, parse_request
-from ..scoring.bank import BankStats, StateBank
+from ..scoring.bank import BankStats
 from ..scoring.contract import Pending, Scorer
+from ..scoring.growth import PrefixBank
 from ..scoring.reference import ReferenceScorer
 
 if TYPE_CHECKING:
@@ -244,7 +245,7 @@ class Engine:
                 checkpoint.head,
                 checkpoint.temperature,
                 pad,
-                StateBank(self.options.resolved_bank_bytes(self.device)),
+                PrefixBank(self.options.resolved_bank_bytes(self.device)),
                 self.options.row_pass_tokens,
             )
         self.startup["build"] = time.perf_counter() - started

@@ -338,6 +338,7 @@ class FusedScorer:
                 if slot is None:
                     raise RuntimeError("the state bank cannot hold one pass's states: raise bank_bytes")
                 new.append(state)
+                self.bank.stats.tokens_computed += len(state)
             slots[state] = slot
         # Short segments before long ones, within the states and within the rows (stable): each length class is one
         # contiguous kernel group.

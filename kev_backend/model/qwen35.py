@@ -274,6 +274,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.view(B, H, L, -1)
 
 
+def chunk_width(chunk_tokens: int, batch: int = 1) -> int:
+    """The tokens of each sequence that one chunk of `Qwen35TextModel.chunks` runs: about `chunk_tokens` across the
+    batch, a multiple of DELTA_RULE_CHUNK (so the delta rule chunks the sequence as one pass does)."""
+    return max(DELTA_RULE_CHUNK, chunk_tokens // batch // DELTA_RULE_CHUNK * DELTA_RULE_CHUNK)
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -484,7 +490,7 @@ class Qwen35TextModel(nn.Module):
         do other work between chunks (a scheduler serving short requests between a long state's chunks). The chunks
         are the same whoever drives them, so the result is too."""
         B, L = input_ids.shape
-        width = max(DELTA_RULE_CHUNK, chunk_tokens // B // DELTA_RULE_CHUNK * DELTA_RULE_CHUNK)
+        width = chunk_width(chunk_tokens, B)
         hidden: list[torch.Tensor] = []
         for start in range(0, L, width):
             if start:

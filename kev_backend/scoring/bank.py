@@ -27,6 +27,11 @@ class BankStats:
     evictions: int = 0
     bytes: int = 0
     entries: int = 0
+    # Growing states (scoring/growth.py): misses computed from a banked state's point, the state tokens that point
+    # held, and the state tokens computed for misses.
+    prefix_hits: int = 0
+    tokens_reused: int = 0
+    tokens_computed: int = 0
 
 
 class LruIndex(Generic[Entry]):

@@ -17,6 +17,10 @@ where a ≈ 3 · intermediate_size + 4 · hidden_size + 3 · max(2 · H · Dh, c
 activations per token (MLP gate, up and product; residual stream; a mixer's projections). A row pass adds its rows'
 copies of the state's K/V (bounded by the row-pass budget, or one row of at most max_row_tokens). For the tiny model
 (kev_backend.dev.synthetic) at Kev's 65,536-token limit: 32 MiB cache + 32 MiB + 22 MiB + 32 MiB ≈ 118 MiB.
+
+A state that continues a banked one is computed from that state's point (scoring/growth.py: growing states, the same
+bits as computing it whole). A state long enough to keep a point of its own is computed up to it, then on from it, the
+cache at the point held meanwhile: up to cache(point) more at the peak.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from collections.abc import Callable, Generator, Sequence
 
 import torch
 
-from ..model.qwen35 import PASS_CHUNK_TOKENS, Qwen35TextModel, SequenceCache
+from ..model.qwen35 import PASS_CHUNK_TOKENS, Qwen35TextModel, SequenceCache, chunk_width
 from ..protocol.encoding import Encoded, EncodedQuestion
-from .bank import StateBank
 from .contract import ScorerStats
+from .growth import Banked, Point, PrefixBank, point_length
 from .head import PendingProbabilities, Picked, launch_batch_probabilities, pointer_probabilities, warm_pointer_head
 from .units import Units, run_units
 
@@ -40,7 +44,7 @@ class ReferenceScorer:
         head: dict[str, torch.Tensor],
         temperature: float,
         pad_id: int,
-        bank: StateBank[SequenceCache],
+        bank: PrefixBank,
         row_pass_tokens: int,
         chunk_tokens: int = PASS_CHUNK_TOKENS,
     ) -> None:
@@ -63,12 +67,28 @@ class ReferenceScorer:
         self.model.layer_done = beat
 
     def state_cache(self, state: tuple[int, ...]) -> Generator[None, None, SequenceCache]:
-        """The state's cache, from the bank or computed a chunk at a time (yielding between chunks)."""
-        cache = self.bank.get(state)
-        if cache is None:
-            ids = torch.tensor([state], device=self.device)
-            _, cache = yield from self.model.chunks(ids, chunk_tokens=self.chunk_tokens, keep_hidden=False)
-            self.bank.put(state, cache)
+        """The state's cache, from the bank or computed a chunk at a time (yielding between chunks): from the point of
+        the banked state it continues furthest, if any (scoring/growth.py), its own point kept on the way."""
+        banked = self.bank.get(state)
+        if banked is not None:
+            return banked.cache
+        width = chunk_width(self.chunk_tokens)
+        stats = self.bank.stats
+        cache, start, point = None, 0, None
+        found = self.bank.longest_prefix(state, width)
+        if found is not None:
+            entry, point = found
+            cache, start = point.cache(entry.cache), point.length
+            stats.prefix_hits += 1
+            stats.tokens_reused += start
+        stats.tokens_computed += len(state) - start
+        ids = torch.tensor([state], device=self.device)
+        keep = point_length(len(state), width)
+        if keep > start:  # this state's own point, further than the one it continues
+            _, cache = yield from self.model.chunks(ids[:, start:keep], cache, self.chunk_tokens, keep_hidden=False)
+            point, start = Point.of(state, cache, width), keep
+        _, cache = yield from self.model.chunks(ids[:, start:], cache, self.chunk_tokens, keep_hidden=False)
+        self.bank.put(state, Banked(cache, point))
         return cache
 
     def warm_head(self) -> None:

@@ -60,6 +60,13 @@ class KevMetrics:
         self.bank_hits = metric("kev_bank_hits_total", counter, "states found in the state bank")
         self.bank_misses = metric("kev_bank_misses_total", counter, "states computed (not in the bank)")
         self.bank_evictions = metric("kev_bank_evictions_total", counter, "states evicted from the bank")
+        self.prefix_hits = metric(
+            "kev_bank_prefix_hits_total", counter, "states computed from a banked state they continue (growing states)"
+        )
+        self.tokens_reused = metric(
+            "kev_bank_tokens_reused_total", counter, "state tokens not computed: held by the banked state continued"
+        )
+        self.tokens_computed = metric("kev_bank_tokens_computed_total", counter, "state tokens computed")
         self.bank_bytes = metric("kev_bank_bytes", gauge, "bytes held by states in the bank")
         self.bank_entries = metric("kev_bank_entries", gauge, "states held in the bank")
         self.graph_hits = metric("kev_graph_replays_total", counter, "passes replayed from a CUDA graph")
@@ -136,6 +143,9 @@ class KevMetrics:
             "hits": stats.hits,
             "misses": stats.misses,
             "evictions": stats.evictions,
+            "prefix_hits": stats.prefix_hits,
+            "tokens_reused": stats.tokens_reused,
+            "tokens_computed": stats.tokens_computed,
             "graph_replays": scoring.graph_replays,
             "graph_captures": scoring.graph_captures,
             "graph_failures": scoring.graph_capture_failures,
@@ -146,6 +156,9 @@ class KevMetrics:
             "hits": self.bank_hits,
             "misses": self.bank_misses,
             "evictions": self.bank_evictions,
+            "prefix_hits": self.prefix_hits,
+            "tokens_reused": self.tokens_reused,
+            "tokens_computed": self.tokens_computed,
             "graph_replays": self.graph_hits,
             "graph_captures": self.graph_captures,
             "graph_failures": self.graph_failures,

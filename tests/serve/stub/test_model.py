@@ -15,11 +15,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from kev_backend.engine.engine import Engine
+from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.protocol.request import STATE_KEY_HEADER, state_key_of
 from kev_backend.serve.client import prometheus
 from tests.conftest import REPO, TritonServer, metric_values, settled, wait_until
-from tests.helpers import assert_same_answer, grpc_all, http_all, make_request, request_array
+from tests.helpers import assert_same_answer, grpc_all, http_all, make_request, request, request_array
 
 BAD = {
     "missing state": ({"questions": {"q": {"type": "noul"}}}, "state: Field required"),
@@ -142,6 +142,32 @@ def test_prometheus_metrics_from_the_backend(triton: TritonServer) -> None:
     assert "kev_graph_replays_total" in after and "kev_graph_captures_total" in after
     assert after["kev_graph_capture_failures_total"] == 0
     assert after["kev_graphs"] == 0 and after["kev_graph_bytes"] == 0  # no graphs on a CPU
+
+
+def test_a_growing_state_reuses_its_banked_prefix(triton: TritonServer, tiny_dir: Path) -> None:
+    """A state that continues a banked one (past the reference path's first 4,096-token chunk) is computed from that
+    state's point: the backend's growth counters say so, and the answers are those of states computed whole."""
+    first = " ".join(f"message {i} about the late refund" for i in range(900))
+    bodies = [request(state=state) for state in (first, first + " and one more message about the invoice")]
+    before = metric_values(triton)
+    answers = [grpc_all(triton, [body])[0] for body in bodies]
+    after = settled(
+        lambda: metric_values(triton),
+        lambda v: v.get("kev_bank_prefix_hits_total", 0.0) > before.get("kev_bank_prefix_hits_total", 0.0),
+        "the growth counters",
+    )
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    whole = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=0))
+    for answer, body in zip(answers, bodies, strict=True):
+        want = whole.answer([body])[0]
+        assert (answer["answers"], answer["usage"]) == (want["answers"], want["usage"])
+    state_tokens = [answer["usage"]["input_tokens"] for answer in answers]  # the state and the questions' rows
+    assert state_tokens[0] > 4096 + 16
+    assert delta("kev_bank_prefix_hits_total") == 1 and delta("kev_bank_tokens_reused_total") == 4096
+    assert 0 < delta("kev_bank_tokens_computed_total") < sum(state_tokens) - 4096
 
 
 def test_cancelled_while_queued_costs_no_model_work(triton: TritonServer) -> None:
