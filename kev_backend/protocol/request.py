@@ -321,16 +321,26 @@ def with_date_facts(state: JSONContent, limits: Limits = DEFAULT_LIMITS, text: s
 STATE_KEY_HEADER = "x-kev-state-key"
 
 
+STATE_KEY_CHARS = 1024  # the state's beginning that its routing key hashes
+
+
 def state_key(state_text: str) -> str:
-    """The routing key of a state: a hash of the text Kev renders it to, which is what a replica's bank holds. The
-    same state with other whitespace, other questions or other options gets the same key; key order and scalar
-    spellings are part of that text (the model reads them), so they make another state, as they do in the bank.
+    """The routing key of a state: a hash of the beginning of the text Kev renders it to (its first STATE_KEY_CHARS
+    characters, all of it when shorter), the text a replica's bank is keyed by. The same state with other whitespace,
+    other questions or other options gets the same key; key order and scalar spellings are part of that text (the
+    model reads them), so they make another state, as they do in the bank.
+
+    Only the beginning, so that a conversation whose state grows at its end (text appended, a JSON list or object
+    growing at its end) keeps its key once past it, and each turn reaches the replica that banked the turn before and
+    computes only its new tokens there (growing states: kev_backend/scoring/growth.py). States that share their first
+    STATE_KEY_CHARS characters share a key; the router's bounded load (kev_backend/serve/router.py) spreads a key
+    that is too busy for one replica.
 
     The text hashed is the caller's state as rendered, before a server prepares it (date facts added, a long state
     cut): what a server banks is a function of that state alone, so equal states still get one key and meet on one
     replica, and every door (the gateway, KevClient, a router's client) computes the same key without knowing the
-    servers' settings. Two states that differ only past a cut share a bank entry yet may get two keys: a rare miss."""
-    return hashlib.blake2b(state_text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    servers' settings."""
+    return hashlib.blake2b(state_text[:STATE_KEY_CHARS].encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 def state_key_of(body: str | bytes | dict[str, Any]) -> str | None:

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from kev_backend.dev.ports import free_port
-from kev_backend.protocol.request import state_key, state_key_of
+from kev_backend.protocol.request import STATE_KEY_CHARS, state_key, state_key_of
 from kev_backend.serve.client import KevClient, prometheus
 from kev_backend.serve.router import Server, config
 from tests.conftest import REPO, TritonServer, start_triton, stop_triton, wait_ready, wait_until
@@ -48,6 +48,11 @@ def test_the_state_key_follows_the_rendered_state() -> None:
     assert state_key_of({"state": {"plan": "pro", "ticket": "Order 1 arrived broken."}}) != key
     assert state_key_of(request(2)) != key
     assert state_key_of(b"{not json") is None and state_key_of({"questions": {}}) is None
+    # A state that grows at its end keeps its key once past its first STATE_KEY_CHARS characters.
+    opening = " ".join(f"message {i} about the late refund" for i in range(60))
+    assert len(opening) > STATE_KEY_CHARS
+    assert state_key(opening + " and one more") == state_key(opening) != state_key("A reply. " + opening)
+    assert state_key_of({"state": [opening, "more"]}) == state_key_of({"state": [opening]})
     keys = [state_key(f"Ticket {i}") for i in range(4096)]
     assert len(set(keys)) == len(keys)
     first = Counter(int(k[0], 16) for k in keys)  # 16 buckets of 256 expected: a uniform hash stays near
@@ -114,13 +119,15 @@ def wait_healthy(routed: Routed, count: int, timeout_s: float = 20) -> float:
 def bank(server: TritonServer) -> Counter:
     with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as reply:
         samples = prometheus.parse(reply.read().decode())
-    return Counter({name: int(prometheus.total(samples, f"kev_bank_{name}_total")) for name in ("hits", "misses")})
+    return Counter(
+        {name: int(prometheus.total(samples, f"kev_bank_{name}_total")) for name in ("hits", "misses", "prefix_hits")}
+    )
 
 
-def send(routed: Routed, kev: KevClient, i: int) -> int:
-    """Sends request i through Envoy; the index of the server whose bank saw it (a hit or a miss)."""
+def send(routed: Routed, kev: KevClient, i: int | dict) -> int:
+    """Sends request i (or this body) through Envoy; the index of the server whose bank saw it (a hit or a miss)."""
     before = [bank(s) for s in routed.servers]
-    kev.score(request(i))
+    kev.score(request(i) if isinstance(i, int) else i)
     changed: list[int] = []
 
     def counted() -> bool:  # the model counts a batch just after its answer leaves
@@ -145,6 +152,25 @@ def test_a_repeated_state_reaches_the_server_that_banked_it(routed: Routed) -> N
     share = Counter(first.values())
     # 60 keys over 2 servers: each takes a fair share (a server given none is absent from the counter, so ask each).
     assert all(share[server] >= 0.3 * len(states) for server in range(len(routed.servers))), share
+
+
+def test_a_growing_conversation_stays_where_its_prefix_is_banked(routed: Routed) -> None:
+    """Each turn's state is the turn before's plus a message: its key (the state's beginning) stays, so every turn
+    reaches the server that banked the turn before, which computes it from that turn's point (scoring/growth.py)."""
+    text = " ".join(f"message {i} about the late refund" for i in range(900))  # past the first 4,096-token chunk
+    turns = []
+    for turn in range(6):
+        text += f" and message {turn} of the conversation asks again about the invoice"
+        turns.append({"state": text, "questions": {"q": {"type": "noul", "instructions": "Is it urgent?"}}})
+    assert len({state_key_of(body) for body in turns}) == 1
+    before = [bank(s) for s in routed.servers]
+    with KevClient(routed.url) as kev:
+        homes = [send(routed, kev, body) for body in turns]
+    assert len(set(homes)) == 1, homes
+    after = [bank(s) for s in routed.servers]
+    home = homes[0]
+    assert after[home]["prefix_hits"] - before[home]["prefix_hits"] == len(turns) - 1
+    assert after[home]["misses"] - before[home]["misses"] == len(turns)  # each turn a new state, from a point
 
 
 def test_a_dead_server_takes_only_its_own_keys(routed: Routed) -> None:
