@@ -4,8 +4,9 @@ Users (pick one or more by class name):
   TritonGrpcUser   tritonclient.grpc against Triton's gRPC port (--triton-grpc, default 127.0.0.1:8001)
   TritonHttpUser   tritonclient.http against Triton's HTTP port (--triton-http, default 127.0.0.1:8000)
   GatewayUser      POST /v1/systemone through the System One gateway (--host, e.g. http://127.0.0.1:8009)
-Traffic: --shape short6 | long5 | mix (the 240 jevbench-240 cases) and --repeat, the share of requests that reuse a
-state already sent (0: every state new; 1: one state again and again).
+Traffic: --shape short6 | long5 | mix (the 240 jevbench-240 cases) | grow (turns of growing conversations: each state
+the turn before's plus a message) and --repeat, the share of requests that reuse a state already sent (0: every state
+new; 1: one state again and again).
 
 Headless, 64 users over gRPC for 60 s, results as CSV:
   locust -f loadtest/kev.py TritonGrpcUser --headless -u 64 -r 64 -t 60s --shape short6 --csv out/kev

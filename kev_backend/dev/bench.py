@@ -326,6 +326,11 @@ def parse_args() -> argparse.Namespace:
         "--determinism", type=int, default=0, metavar="QUESTIONS",
         help="also answers alone against in batch mixes, bit for bit, on this many questions (dev/determinism.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--grow", type=int, default=0, metavar="TURNS",
+        help="also growing conversations (dev/grow.py): a turn on conversations of 2k-64k tokens, 64 clients, and this "
+        "many turns computed from the turn before against from nothing",
+    )  # fmt: skip
     parser.add_argument("--commit", help="the commit the result names (default: git's HEAD)")
     return parser.parse_args()
 
@@ -509,6 +514,11 @@ def main() -> None:
         encoded = [engine.prepare(body)[1] for body in realistic(args.determinism, seed=5, max_words=2300)]
         result["determinism"] = determinism.check(engine.scorer, encoded)
         print(f"determinism {result['determinism']}", flush=True)
+    if args.grow:
+        from .grow import grow_record  # it measures with this module's loops
+
+        result["grow"] = grow_record(engine, seconds=args.seconds, turns=args.grow)
+        print(f"grow {result['grow']}", flush=True)
     result["complete"] = True
     write()
     print_table(workloads)

@@ -105,6 +105,21 @@ def long5(i: int | None = None, paragraphs: int = 30) -> dict[str, Any]:
     return {"state": text if i is None else f"Ticket {i}. {text}", "questions": FIVE}
 
 
+GROW_OPENING_PARAGRAPHS = 27  # a conversation's first state: ~2,000 tokens (Kev's PARAGRAPH x27)
+GROW_MAX_TOKENS = 65_536  # Kev's state limit: a conversation ends before its state would pass it
+
+
+def grow(conversation: int, turn: int, opening_paragraphs: int = GROW_OPENING_PARAGRAPHS) -> dict[str, Any]:
+    """Turn `turn` of a growing conversation (the `grow` workload): the opening document (~2,000 tokens by default)
+    and `turn` messages of ~200 tokens each appended, with short6's six questions. Each turn's state is the turn
+    before's plus one message; `conversation` makes the opening new."""
+    state = f"Conversation {conversation}. " + PARAGRAPH * opening_paragraphs
+    for t in range(turn):
+        said = " ".join(WORDS[(11 * t + 3 * j) % len(WORDS)] for j in range(40))
+        state += f"\n\nTurn {t + 1}, the customer writes: {PARAGRAPH * 2}{said}."
+    return {"state": state, "questions": SUPPORT_QUESTIONS}
+
+
 def filler(words: int, i: int | None = None) -> str:
     """`words` of WORDS (each one token with the tiny checkpoints' tokenizer), after a "Ticket {i}. " prefix that
     makes the state new."""
@@ -210,11 +225,16 @@ def jevbench_cases() -> list[dict[str, Any]]:
 
 
 class Traffic:
-    """An endless, reproducible stream of requests of one shape: `short6`, `long5` or `mix` (jevbench-240).
-    `repeat` is the share of requests that reuse a state already sent (the rest are new states). A mix's new states
-    are numbered from `numbered_from` + 1: streams given ranges apart never send the same state."""
+    """An endless, reproducible stream of requests of one shape: `short6`, `long5`, `mix` (jevbench-240) or `grow`
+    (the next turn of one of CONVERSATIONS growing conversations, picked at random; a conversation that reaches Kev's
+    state limit starts over as a new one). `repeat` is the share of requests that reuse a state already sent (the
+    rest are new states). A mix's new states are numbered from `numbered_from` + 1: streams given ranges apart never
+    send the same state."""
 
-    SHAPES = ("short6", "long5", "mix")
+    SHAPES = ("short6", "long5", "mix", "grow")
+    CONVERSATIONS = 8
+    # A turn adds ~200 tokens to a ~2,000-token opening: ~300 turns stay under GROW_MAX_TOKENS.
+    GROW_TURNS = (GROW_MAX_TOKENS - 4_000) // 200
 
     def __init__(self, shape: str = "short6", repeat: float = 0.0, seed: int = 0, numbered_from: int = 0) -> None:
         if shape not in self.SHAPES:
@@ -226,12 +246,15 @@ class Traffic:
         self.cases = jevbench_cases() if shape == "mix" else []
         self.sent = numbered_from
         self.history: list[dict[str, Any]] = []
+        self.turns: dict[int, int] = {}  # grow: each open conversation's next turn
 
     def next(self) -> dict[str, Any]:
         if self.history and self.rng.random() < self.repeat:
             return self.rng.choice(self.history)
         self.sent += 1
-        if self.shape == "mix":
+        if self.shape == "grow":
+            request = self.next_turn()
+        elif self.shape == "mix":
             case = self.rng.choice(self.cases)
             # A new state: the same document under a fresh request number.
             state = case["state"]
@@ -243,3 +266,14 @@ class Traffic:
             request = (short6 if self.shape == "short6" else long5)(self.rng.randrange(10**9))
         self.history.append(request)
         return request
+
+    def next_turn(self) -> dict[str, Any]:
+        while len(self.turns) < self.CONVERSATIONS:  # a new conversation: drawn, as short6's and long5's states are
+            self.turns[self.rng.randrange(10**12)] = 0
+        conversation = self.rng.choice(sorted(self.turns))
+        turn = self.turns[conversation]
+        if turn >= self.GROW_TURNS:
+            del self.turns[conversation]
+            return self.next_turn()
+        self.turns[conversation] = turn + 1
+        return grow(conversation, turn)

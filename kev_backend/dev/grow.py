@@ -1,0 +1,125 @@
+"""The bench's `grow` record: conversations that ask for decisions at every turn of a state that keeps growing
+(workloads.grow: a ~2,000-token opening, ~200 tokens and six questions a turn).
+
+    points  for each length, a conversation banked near it and its next turn: the next turn's model time computed from
+            the banked turn (extend_ms), from nothing (scratch_ms, the bank emptied first) and asked again (same_ms)
+    rps_64  turns answered per second by 64 closed-loop clients, each growing its own conversation near 8k tokens
+    differing  answers of turns computed from the turn before that differ in any bit from the same turns computed
+            from nothing (`turns` of them)
+
+with the bank's prefix hits and tokens reused over the record, so a path that computes every state whole (the
+reference path extends them: scoring/growth.py) says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ..engine.engine import Engine
+from .bench import model_time
+from .bench import throughput as closed_loop
+from .workloads import GROW_MAX_TOKENS, grow, state_counter
+
+CONVERSATION = itertools.count(10**9)  # conversations no other part of the run sends
+
+
+def last_turn_within(tokens: int, count: Callable[[dict[str, Any]], int], conversation: int) -> int:
+    """The last turn of a conversation whose state has at most `tokens` tokens (0 when even its opening has more)."""
+    low, high = 0, GROW_MAX_TOKENS // 150
+    while low < high:
+        middle = (low + high + 1) // 2
+        if count(grow(conversation, middle)) <= tokens:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def point(engine: Engine, tokens: int, repeat: int) -> dict[str, Any]:
+    """A conversation banked at its last turn within `tokens` (or the one before, where the next would pass Kev's
+    state limit), then its next turn: median model times over `repeat` conversations, after one untimed."""
+    count = state_counter(engine.tokenizer)
+    times: dict[str, list[float]] = {"extend_ms": [], "scratch_ms": [], "same_ms": []}
+    for run in range(repeat + 1):
+        conversation = next(CONVERSATION)
+        turn = last_turn_within(tokens, count, conversation)
+        if count(grow(conversation, turn + 1)) > GROW_MAX_TOKENS:
+            turn -= 1
+        banked, grown = grow(conversation, turn), grow(conversation, turn + 1)
+        model_time(engine, banked)
+        extend = model_time(engine, grown)
+        same = model_time(engine, grown)
+        engine.bank.clear()
+        scratch = model_time(engine, grown)
+        if run:  # the first: kernels at this length
+            for name, value in zip(times, (extend, scratch, same), strict=True):
+                times[name].append(value)
+    return {
+        "tokens": count(banked),
+        "added_tokens": count(grown) - count(banked),
+        **{name: statistics.median(values) for name, values in times.items()},
+    }
+
+
+def differing(engine: Engine, turns: int, per_conversation: int = 25) -> dict[str, int]:
+    """Turns computed from the turn before against the same turns computed from nothing: answers that differ in
+    any bit (every probability compared as the fp32 value the head returned)."""
+    answers = differ = 0
+    while answers < turns:
+        conversation = next(CONVERSATION)
+        bodies = [grow(conversation, turn) for turn in range(min(per_conversation, turns - answers))]
+        encoded = [engine.prepare(body)[1] for body in bodies]
+        whole = []
+        for request in encoded:
+            engine.bank.clear()
+            whole.append(engine.scorer.probabilities([request]))
+        engine.bank.clear()
+        for request, expected in zip(encoded, whole, strict=True):
+            differ += engine.scorer.probabilities([request]) != expected
+        answers += len(encoded)
+    return {"turns": answers, "differing": differ}
+
+
+def throughput(engine: Engine, clients: int, seconds: float, near: int = 8192) -> dict[str, float]:
+    """`clients` closed-loop clients (bench.throughput), each sending the next turn of a conversation near `near`
+    tokens. The conversations are taken in turn from one queue, so a conversation's next turn is sent about a round of
+    the clients after its last; one that has grown by ~2,000 tokens starts over as a new one."""
+    count = state_counter(engine.tokenizer)
+    first = last_turn_within(near - 1_000, count, next(CONVERSATION))
+    lock = threading.Lock()
+    open_ = deque([next(CONVERSATION), first] for _ in range(clients))
+
+    def make(_: int | None) -> dict[str, Any]:
+        with lock:
+            conversation = open_.popleft()
+            conversation[1] += 1
+            if conversation[1] > first + 10:
+                conversation[:] = [next(CONVERSATION), first]
+            open_.append(conversation)
+            return grow(*conversation)
+
+    closed_loop(engine, make, clients, min(seconds, 2.0))  # every conversation's first turn, computed whole
+    return closed_loop(engine, make, clients, seconds)
+
+
+def grow_record(
+    engine: Engine,
+    lengths: tuple[int, ...] = (2048, 8192, 32768, 65536),
+    repeat: int = 3,
+    clients: int = 64,
+    seconds: float = 6.0,
+    turns: int = 1000,
+) -> dict[str, Any]:
+    """The `grow` record (the module's docstring)."""
+    stats = engine.bank.stats
+    hits, reused = stats.prefix_hits, stats.tokens_reused
+    record: dict[str, Any] = {"points": [point(engine, tokens, repeat) for tokens in lengths]}
+    record[f"rps_{clients}"] = throughput(engine, clients, seconds)["rps"]
+    record.update(differing(engine, turns))
+    record["prefix_hits"], record["tokens_reused"] = stats.prefix_hits - hits, stats.tokens_reused - reused
+    return record

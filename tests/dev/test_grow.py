@@ -1,0 +1,43 @@
+"""The bench's `grow` record (kev_backend/dev/grow.py) and the `grow` traffic shape (dev/workloads.py), run on the
+reference path with the tiny checkpoint: each turn's state is the one before plus a message, every turn computed from
+the turn before answers as computed from nothing, and the record says how much it reused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kev_backend.dev import grow
+from kev_backend.dev.workloads import Traffic, state_counter
+from kev_backend.engine.engine import Engine, EngineOptions
+
+
+def test_each_turn_continues_the_turn_before() -> None:
+    turns = [grow.grow(7, turn)["state"] for turn in range(4)]
+    assert all(later.startswith(earlier) for earlier, later in zip(turns, turns[1:]))
+    assert grow.grow(8, 0)["state"] != turns[0]
+    traffic = Traffic("grow", seed=3)
+    sent: dict[str, list[str]] = {}
+    for _ in range(60):
+        state = traffic.next()["state"]
+        sent.setdefault(state.split(".", 1)[0], []).append(state)
+    assert len(sent) == Traffic.CONVERSATIONS
+    for states in sent.values():  # each conversation's turns in order, each the one before plus a message
+        assert all(later.startswith(earlier) and later != earlier for earlier, later in zip(states, states[1:]))
+
+
+def test_the_grow_record_on_the_reference_path(tiny_dir: Path) -> None:
+    engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(device="cpu", backend="reference"))
+    engine.scorer.chunk_tokens = 256  # points every 256 tokens: the tiny model's turns continue one
+    record = grow.grow_record(engine, lengths=(2048, 3072), repeat=1, clients=4, seconds=0.5, turns=12)
+    count = state_counter(engine.tokenizer)
+    opening = count(grow.grow(0, 0))
+    for point, length in zip(record["points"], (2048, 3072), strict=True):
+        assert point["tokens"] <= max(length, opening + 32)  # the banked turn: the last within the length, or none
+        assert point["tokens"] + point["added_tokens"] > length  # and the next passes it
+    for point in record["points"]:
+        assert 0 < point["added_tokens"] <= 256
+        assert min(point["extend_ms"], point["scratch_ms"], point["same_ms"]) > 0
+    assert record["rps_4"] > 0
+    assert (record["turns"], record["differing"]) == (12, 0)
+    # every timed and untimed point's next turn, and the compared turns but each conversation's first
+    assert record["prefix_hits"] >= 2 * 2 + 11 and record["tokens_reused"] > 0
