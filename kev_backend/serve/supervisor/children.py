@@ -138,17 +138,17 @@ class Child:
         return self.process.wait()
 
 
-def stop_children(children: list[Child], deadline: float, hurry: Callable[[], bool]) -> bool:
-    """SIGTERM to each, SIGKILL to the groups of those still running at `deadline` (or once `hurry()`); True if all
-    exited on their own."""
+def stop_children(children: list[Child], deadline: float, hurry: Callable[[], bool]) -> list[str]:
+    """SIGTERM to each, SIGKILL to the groups of those still running at `deadline` (or once `hurry()`); the names of
+    those killed (none: all exited on their own)."""
     for child in children:
         child.terminate()
     while not all(child.exited() for child in children) and time.monotonic() < deadline and not hurry():
         time.sleep(0.02)
-    graceful = all(child.exited() for child in children)
+    killed = [child.name for child in children if not child.exited()]
     for child in children:
         child.reap()
-    return graceful
+    return killed
 
 
 def child_env(env: dict[str, str], config: ServeSettings) -> dict[str, str]:

@@ -240,11 +240,11 @@ class Supervisor:
     def stop_triton(self) -> None:
         assert self.triton is not None
         deadline = time.monotonic() + RESTART_GRACE_S
-        graceful = stop_children([self.triton], deadline, lambda: self.hurry or self.stop_signal is not None)
+        killed = stop_children([self.triton], deadline, lambda: self.hurry or self.stop_signal is not None)
         code = self.triton.process.returncode
         self.state.stop()  # before its regions go: a later write would leave the file behind
         removed = remove_shm(shm_prefix(os.getpid(), self.starts))
-        how = describe_exit(code) if graceful else "was killed"
+        how = "was killed" if killed else describe_exit(code)
         log(f"tritonserver pid {self.triton.pid} {how}; {len(removed)} shared-memory region(s) removed")
         self.triton, self.ready = None, False
 
@@ -514,12 +514,12 @@ class Supervisor:
         started = time.monotonic()
         children = [child for child in (self.gateway, self.triton) if child is not None]
         # SIGKILL 1 s before the stop timeout: the supervisor's own exit fits in what is left.
-        graceful = stop_children(children, started + self.config.stop_timeout_s - 1.0, lambda: self.hurry)
+        killed = stop_children(children, started + self.config.stop_timeout_s - 1.0, lambda: self.hurry)
         removed = remove_shm(supervisor_prefix(os.getpid()))
         if self.probe is not None:
             self.probe.close()
-        killed = "" if graceful else "; SIGKILL to what had not exited by the deadline"
-        log(f"stopped in {time.monotonic() - started:.1f} s ({len(removed)} shared-memory region(s) removed{killed})")
+        late = f"; SIGKILL to {' and '.join(killed)}, not exited by the deadline" if killed else ""
+        log(f"stopped in {time.monotonic() - started:.1f} s ({len(removed)} shared-memory region(s) removed{late})")
 
 
 def config_name_in(extra_args: tuple[str, ...]) -> str | None:

@@ -33,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 from kev_backend.dev.ports import free_port
 from kev_backend.serve.stub.heartbeat import read as read_heartbeat
 from kev_backend.serve.supervisor import procs, shm
-from kev_backend.serve.supervisor.children import SHM_PREFIX, shm_prefix
+from kev_backend.serve.supervisor.children import SHM_PREFIX, Child, shm_prefix, stop_children
 from kev_backend.serve.supervisor.probe import QUEUE_FULL, Probe, answered
 from kev_backend.serve.supervisor.progress import HEARTBEAT
 from kev_backend.serve.supervisor.shm import SHM_DIR
@@ -497,3 +497,15 @@ def test_probe_request_asks_for_priority_and_tagged_errors() -> None:
         assert parameters["priority"].uint64_param == 1 and parameters["kev_tagged_errors"].bool_param is True
     finally:
         probe.close()
+
+
+def test_a_stop_names_the_children_it_had_to_kill() -> None:
+    """SIGTERM to each child; at the deadline SIGKILL to the groups still running, named for the stop's log line."""
+    env = dict(os.environ)
+    polite = Child("polite", [sys.executable, "-c", "import time; time.sleep(60)"], env)
+    stubborn_code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    stubborn = Child("stubborn", [sys.executable, "-c", stubborn_code], env)
+    time.sleep(1.0)  # both running, the stubborn one ignoring SIGTERM
+    assert stop_children([polite, stubborn], time.monotonic() + 1.5, lambda: False) == ["stubborn"]
+    assert polite.process.returncode == -signal.SIGTERM and stubborn.process.returncode == -signal.SIGKILL
+    assert stop_children([polite], time.monotonic() + 1.0, lambda: False) == []
