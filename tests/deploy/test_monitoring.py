@@ -23,7 +23,7 @@ import yaml
 
 from kev_backend.dev.ports import free_port
 from tests.conftest import TritonServer, wait_ready, wait_until
-from tests.serve.gateway.test_hostile_clients import BODY, call
+from tests.serve.gateway.clients import BODY, call
 from tests.serve.gateway.test_metrics import start_workers_gateway
 
 pytestmark = pytest.mark.deploy

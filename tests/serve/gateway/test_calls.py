@@ -34,7 +34,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.helpers import error_detail
-from tests.serve.gateway.test_hostile_clients import call_json, gateway_metrics
+from tests.serve.gateway.clients import call_json, gateway_metrics
 
 URGENT = {"type": "noul", "instructions": "is this urgent ?", "criteria": {"true": "reply today"}}
 TEAM = {"type": "choice", "instructions": "route it", "criteria": {"billing": "refunds", "tech": None, "sales": "x"}}

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import REPO, Gateway, TritonServer, start_gateway, stop_gateway, wait_until
 from tests.helpers import error_detail
-from tests.serve.gateway.test_hostile_clients import BODY, KEY, REQUEST_ID, call_json, gateway_metrics
+from tests.serve.gateway.clients import BODY, KEY, REQUEST_ID, call_json, gateway_metrics
 
 EVENT = 'kev_gateway_connection_events_total{{event="{}"}}'
 
