@@ -59,9 +59,6 @@ GATEWAY_OVERLOAD = (429, 529)  # the gateway's own in-flight limit, and Triton's
 # A gRPC disconnect cancels its call this long after sending: long enough for the request to reach Triton's queue
 # (or its batch), short enough that most are still unanswered.
 CANCEL_AFTER_S = (0.002, 0.02)
-# Traffic keeps every state it sent so `repeat` can reuse one; a soak of hours would keep hundreds of thousands in
-# the driver. Repeats come from the most recent states only (as a state bank with LRU eviction would see them).
-HISTORY_KEEP = 10_000
 EXAMPLES_KEPT = 20  # distinct unexpected errors described in the JSON, with their counts; others are only counted
 WORDS = "the refund is late please help "
 
@@ -296,8 +293,6 @@ class Soak:
             case = rng.choice(self.cases)
             return Planned(channel, "bad", case.body, case=case)
         request = self.traffic.next()
-        if len(self.traffic.history) > 2 * HISTORY_KEEP:
-            del self.traffic.history[:-HISTORY_KEEP]
         kind = "disconnect" if draw < args.bad_share + args.disconnect_share else "good"
         return Planned(channel, kind, json.dumps(request).encode(), frozenset(request["questions"]))
 

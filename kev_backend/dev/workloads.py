@@ -9,6 +9,7 @@ every type. `sized` puts long5's questions on a state of an exact token count (t
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -228,13 +229,15 @@ class Traffic:
     """An endless, reproducible stream of requests of one shape: `short6`, `long5`, `mix` (jevbench-240) or `grow`
     (the next turn of one of CONVERSATIONS growing conversations, picked at random; a conversation that reaches Kev's
     state limit starts over as a new one). `repeat` is the share of requests that reuse a state already sent (the
-    rest are new states). A mix's new states are numbered from `numbered_from` + 1: streams given ranges apart never
-    send the same state."""
+    rest are new states), drawn from the last HISTORY_KEEP sent (as a state bank with LRU eviction would see them; a
+    stream of hours would otherwise keep every state it sent). A mix's new states are numbered from `numbered_from`
+    + 1: streams given ranges apart never send the same state."""
 
     SHAPES = ("short6", "long5", "mix", "grow")
     CONVERSATIONS = 8
     # A turn adds ~200 tokens to a ~2,000-token opening: ~300 turns stay under GROW_MAX_TOKENS.
     GROW_TURNS = (GROW_MAX_TOKENS - 4_000) // 200
+    HISTORY_KEEP = 10_000
 
     def __init__(self, shape: str = "short6", repeat: float = 0.0, seed: int = 0, numbered_from: int = 0) -> None:
         if shape not in self.SHAPES:
@@ -245,16 +248,22 @@ class Traffic:
         self.rng = random.Random(seed)
         self.cases = jevbench_cases() if shape == "mix" else []
         self.sent = numbered_from
-        self.history: list[dict[str, Any]] = []
+        # What `repeat` draws from (only with repeat > 0): requests, or a grow turn's (conversation, turn), made again
+        # when drawn (a turn's state is up to Kev's 64k tokens).
+        self.history: deque[dict[str, Any] | tuple[int, int]] = deque(maxlen=self.HISTORY_KEEP)
         self.turns: dict[int, int] = {}  # grow: each open conversation's next turn
 
     def next(self) -> dict[str, Any]:
         if self.history and self.rng.random() < self.repeat:
-            return self.rng.choice(self.history)
+            drawn = self.rng.choice(self.history)
+            return grow(*drawn) if isinstance(drawn, tuple) else drawn
         self.sent += 1
         if self.shape == "grow":
-            request = self.next_turn()
-        elif self.shape == "mix":
+            conversation, turn = self.next_turn()
+            if self.repeat:
+                self.history.append((conversation, turn))
+            return grow(conversation, turn)
+        if self.shape == "mix":
             case = self.rng.choice(self.cases)
             # A new state: the same document under a fresh request number.
             state = case["state"]
@@ -264,10 +273,12 @@ class Traffic:
             request = {"state": fresh, "questions": case["questions"]}
         else:
             request = (short6 if self.shape == "short6" else long5)(self.rng.randrange(10**9))
-        self.history.append(request)
+        if self.repeat:
+            self.history.append(request)
         return request
 
-    def next_turn(self) -> dict[str, Any]:
+    def next_turn(self) -> tuple[int, int]:
+        """The conversation and turn to send next."""
         while len(self.turns) < self.CONVERSATIONS:  # a new conversation: drawn, as short6's and long5's states are
             self.turns[self.rng.randrange(10**12)] = 0
         conversation = self.rng.choice(sorted(self.turns))
@@ -276,4 +287,4 @@ class Traffic:
             del self.turns[conversation]
             return self.next_turn()
         self.turns[conversation] = turn + 1
-        return grow(conversation, turn)
+        return conversation, turn

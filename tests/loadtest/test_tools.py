@@ -37,6 +37,28 @@ def test_traffic_shapes_and_repeat_share() -> None:
     assert mix_states(0) == mix_states(0) and not mix_states(0) & mix_states(10**7)
 
 
+def test_traffic_repeats_only_its_recent_states() -> None:
+    """A stream keeps what `repeat` draws from only with repeat > 0, and only its last HISTORY_KEEP new states: a
+    repeat is always one of those (a driver running for hours holds a bounded number)."""
+
+    class Recent(Traffic):
+        HISTORY_KEEP = 5
+
+    for shape in ("grow", "mix"):
+        never = Recent(shape, repeat=0.0, seed=4)
+        [never.next() for _ in range(50)]
+        assert not never.history
+        stream, sent, repeats = Recent(shape, repeat=0.5, seed=4), [], 0
+        for _ in range(300):
+            state = json.dumps(stream.next()["state"])
+            if state in sent:
+                assert state in sent[-Recent.HISTORY_KEEP :]
+                repeats += 1
+            else:
+                sent.append(state)
+        assert len(stream.history) == Recent.HISTORY_KEEP and 100 < repeats < 200
+
+
 def test_locust_users(triton: TritonServer, tmp_path: Path) -> None:
     gateway = start_gateway(triton, tmp_path / "gateway.log")
     try:
