@@ -12,14 +12,19 @@ NVIDIA_SMI_TIMEOUT_S = 10.0
 
 
 def commit(given: str | None = None) -> str:
-    if given:
-        return given
+    """The commit `given` (a name git resolves in this checkout, e.g. HEAD, becomes its hash; otherwise as given), or
+    this checkout's HEAD."""
     try:
         done = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO, timeout=10
+            ["git", "rev-parse", "--verify", "--quiet", f"{given or 'HEAD'}^{{commit}}"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=REPO,
+            timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return given or "unknown"
     return done.stdout.strip()
 
 
