@@ -258,7 +258,7 @@ def main() -> None:
     parser.add_argument("--inprocess", type=Path, help="the bench's JSON for the same model on the same GPU")
     parser.add_argument("--clients", type=lambda text: [int(n) for n in text.split(",")], default=[64, 128])
     parser.add_argument("--procs", type=int, default=4, help="client processes for the closed loops")
-    parser.add_argument("--alone", type=int, default=100, help="requests of the one client")
+    parser.add_argument("--alone", type=int, default=200, help="requests of the one client")
     parser.add_argument("--seconds", type=float, default=5.0, help="each closed-loop level's measured window")
     parser.add_argument(
         "--warm", type=float, default=2.0, help="seconds each level's clients run before its window (default 2)"

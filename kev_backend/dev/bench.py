@@ -176,7 +176,7 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
     }
 
 
-def request_wall(engine: Engine, make, repeat: int = 40) -> float:
+def request_wall(engine: Engine, make, repeat: int = 100) -> float:
     """Median wall milliseconds of one request alone on a new state, its JSON in and its response JSON out, through
     the pipeline Triton's model uses: what a front door's one client is compared with."""
     pipeline = Pipeline(engine)
