@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from soak_report import latency_drift, plot, print_table, server_latencies, summarize
+from soak_report import latency_drift, plot, print_table, server_latencies, summarize, windows
 from soak_watch import Watch
 
 from kev_backend.dev.provenance import commit, gpu_name
@@ -402,8 +402,9 @@ async def drive(args: argparse.Namespace) -> Soak:
 
 def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:
     tally, samples = soak.tally, soak.samples
-    server_latencies(samples)  # each period's quantiles from the servers' own histograms
     warmup_s = 60 * args.warmup_minutes
+    by_window = windows(samples, warmup_s)
+    server_latencies(samples)  # each period's quantiles from the servers' own histograms
     return {
         "gpu": gpu_name(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -430,6 +431,7 @@ def build_record(args: argparse.Namespace, soak: Soak) -> dict[str, Any]:
             "timeout_s": args.timeout,
             **summarize(samples, warmup_s),
             "latency_after_warmup": latency_drift(samples, warmup_s),
+            "windows": by_window,
             "outcomes": dict(sorted(tally.outcomes.items())),
             "unexpected_examples": dict(tally.examples.most_common()),
             "samples": samples,

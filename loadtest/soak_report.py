@@ -84,6 +84,46 @@ def latency_drift(
     return out
 
 
+def _ratio(numerator: float | None, denominator: float | None, scale: float = 1.0) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return round(scale * numerator / denominator, 3)
+
+
+def windows(samples: list[dict[str, Any]], warmup_s: float, minutes: float = 10.0) -> list[dict[str, Any]]:
+    """The run after its warm-up in windows of `minutes` (the last one may be shorter): the model's p50 and p99 from
+    its histogram, and what the work cost, so that latency that moved can be told apart from a server whose work got
+    dearer (stub CPU per computed token, per request) and from a host busier beside it (the host's busy share, the
+    tokens computed per second). Needs the samples' histogram buckets: call it before server_latencies."""
+    after = [s for s in samples if s["t_s"] >= warmup_s]
+    out: list[dict[str, Any]] = []
+    while len(after) > 1:
+        end = next((i for i, s in enumerate(after) if s["t_s"] - after[0]["t_s"] >= 60 * minutes - 1), len(after) - 1)
+        first, last = after[0], after[end]
+
+        def delta(key: str, first: dict[str, Any] = first, last: dict[str, Any] = last) -> float | None:
+            a, b = first.get(key), last.get(key)
+            return None if a is None or b is None else b - a
+
+        seconds = last["t_s"] - first["t_s"]
+        p50, p99 = (
+            period_quantile(first.get("model_ms_buckets"), last.get("model_ms_buckets"), q) for q in (0.5, 0.99)
+        )
+        out.append({
+            "from_min": round(first["t_s"] / 60, 2),
+            "to_min": round(last["t_s"] / 60, 2),
+            "answered": delta("answered"),
+            "model_p50_ms": None if p50 is None else round(p50, 1),
+            "model_p99_ms": None if p99 is None else round(p99, 1),
+            "tokens_per_s": _ratio(delta("tokens_computed"), seconds),
+            "stub_cpu_ms_per_request": _ratio(delta("stub_cpu_s"), delta("requests_scored"), 1000),
+            "stub_cpu_s_per_ktoken": _ratio(delta("stub_cpu_s"), delta("tokens_computed"), 1000),
+            "host_busy_share": _ratio(delta("host_busy_s"), delta("host_cpu_s")),
+        })  # fmt: skip
+        after = after[end:]
+    return out
+
+
 MIB = 1 << 20
 
 
@@ -138,5 +178,11 @@ def print_table(record: dict[str, Any]) -> None:
         text = [f"{c:14,.{digits}f}" if c is not None else f"{'-':>14}" for c in cells]
         change = f"{growth:+8.1%}" if growth is not None else f"{'-':>8}"
         print(f"{key:<22} {' '.join(text)} {change}")
+    if soak.get("windows"):
+        columns = ("model_p50_ms", "model_p99_ms", "tokens_per_s", "stub_cpu_ms_per_request", "host_busy_share")
+        print(f"{'minutes':<12} " + " ".join(f"{c:>23}" for c in columns))
+        for window in soak["windows"]:
+            cells = [f"{window[c]:23,.2f}" if window[c] is not None else f"{'-':>23}" for c in columns]
+            print(f"{window['from_min']:5.1f}-{window['to_min']:<6.1f} " + " ".join(cells))
     for example, count in soak["unexpected_examples"].items():
         print(f"unexpected ({count}x): {example}", file=sys.stderr)

@@ -10,9 +10,13 @@ from typing import Any
 
 from kev_backend.dev.provenance import nvidia_smi
 from kev_backend.serve.client.prometheus import parse as parse_prometheus
-from kev_backend.serve.supervisor.procs import STUB_COMM, children
+from kev_backend.serve.supervisor.procs import CLOCK_TICKS, STUB_COMM, children, stat_fields, used_seconds
 
 METRICS_TIMEOUT_S = 5.0
+# The backend's counters of work done, by the name they get here (summed over model instances): a period's cost per
+# token is the stubs' CPU seconds over the state tokens computed, which tells a server whose work got dearer from a
+# host that got busier.
+COUNTERS = {"tokens_computed": "kev_bank_tokens_computed_total", "requests_scored": "kev_request_ms_count"}
 # The backend's gauges watched, by the name they get here, and Triton's metrics name (summed over model instances).
 GAUGES = {
     "bank_bytes": "kev_bank_bytes",
@@ -41,6 +45,24 @@ def rss_mb(pids: list[int]) -> float | None:
     return round(sum(values) / 1024, 1) if values else None
 
 
+def cpu_seconds(pids: list[int]) -> float | None:
+    """The CPU seconds (user and system) `pids` have used so far, summed; None when none could be read."""
+    values = [used_seconds(fields) for pid in pids if (stat := stat_fields(pid)) is not None for _, fields in [stat]]
+    return round(sum(values), 2) if values else None
+
+
+def host_cpu_seconds() -> tuple[float, float] | None:
+    """The host's CPU seconds so far over all its cores, (busy, all), from /proc/stat: all less idle and iowait. A
+    period's busy share is the difference of busy over that of all: how much of the host the server left to others
+    and what else ran beside it."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    every = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is within user)
+    return (every - fields[3] - fields[4]) / CLOCK_TICKS, every / CLOCK_TICKS
+
+
 def gpu_memory_mb() -> float | None:
     """Memory used on all GPUs together (MiB), or None without a GPU."""
     try:
@@ -50,10 +72,12 @@ def gpu_memory_mb() -> float | None:
     return sum(values) if values else None
 
 
-def gauge_sums(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float | None]:
-    """Each of GAUGES summed over the model's instances; None when Triton does not report it."""
+def gauge_sums(
+    samples: list[tuple[str, dict[str, str], float]], names: dict[str, str] = GAUGES
+) -> dict[str, float | None]:
+    """Each of `names` (GAUGES, or COUNTERS) summed over the model's instances; None when Triton does not report it."""
     sums: dict[str, float | None] = {}
-    for key, name in GAUGES.items():
+    for key, name in names.items():
         values = [value for sample, _, value in samples if sample == name]
         sums[key] = sum(values) if values else None
     return sums
@@ -110,15 +134,22 @@ class Watch:
             "gpu_memory_mb": gpu_memory_mb(),
             "tritonserver_rss_mb": None,
             "stub_rss_mb": None,
+            "stub_cpu_s": None,
+            "host_busy_s": None,
+            "host_cpu_s": None,
             "gateway_errors": None,
         }
-        if self.server_pid is not None:
+        if self.server_pid is not None:  # the server on this host: its processes, and the host beside them
             figures["tritonserver_rss_mb"] = rss_mb([self.server_pid])
             stubs = [pid for pid, comm in children(self.server_pid).items() if comm == STUB_COMM]
             figures["stub_rss_mb"] = rss_mb(stubs)
+            figures["stub_cpu_s"] = cpu_seconds(stubs)
+            if (host := host_cpu_seconds()) is not None:
+                figures["host_busy_s"], figures["host_cpu_s"] = host
         text = fetch_text(self.metrics_url)
         samples = parse_prometheus(text) if text is not None else []
         figures.update(gauge_sums(samples))
+        figures.update(gauge_sums(samples, COUNTERS))
         figures["request_errors"] = sums_by_reason(samples, "kev_request_errors_total") if text is not None else None
         figures["model_ms_buckets"] = buckets(samples, HISTOGRAMS["model_ms"]) if text is not None else None
         figures["gateway_s_buckets"] = None

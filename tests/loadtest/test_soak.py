@@ -31,6 +31,11 @@ SAMPLE_KEYS = {
     "model_p50_ms",
     "model_p99_ms",
     "gateway_p99_ms",
+    "stub_cpu_s",
+    "host_busy_s",
+    "host_cpu_s",
+    "tokens_computed",
+    "requests_scored",
 }
 
 
@@ -104,6 +109,16 @@ def test_soak_briefly(triton: TritonServer, tmp_path: Path) -> None:
     assert any(s["gateway_p99_ms"] is not None for s in samples)
     assert not any("model_ms_buckets" in s or "gateway_s_buckets" in s for s in samples)
     assert {"p99_ms", "model_p99_ms", "gateway_p99_ms"} <= set(soak["latency_after_warmup"])
+    # What the work cost, per window after the warm-up (one here, shorter than 10 minutes): the stub's CPU per request
+    # and per computed token, the host's busy share beside it; the counters behind them only grow.
+    for key in ("stub_cpu_s", "host_busy_s", "tokens_computed", "requests_scored"):
+        values = [s[key] for s in samples]
+        assert None not in values and values == sorted(values) and values[-1] > values[0], key
+    (window,) = soak["windows"]
+    assert window["answered"] > 0 and 0 < window["model_p50_ms"] <= window["model_p99_ms"]
+    assert window["tokens_per_s"] > 0 and window["stub_cpu_ms_per_request"] > 0 and window["stub_cpu_s_per_ktoken"] > 0
+    assert 0 < window["host_busy_share"] <= 1
+    assert "stub_cpu_ms_per_request" in result.stdout
     assert (out / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "unexpected" in result.stdout and "tritonserver_rss_mb" in result.stdout
 
@@ -120,3 +135,33 @@ def test_period_quantiles_follow_prometheus_interpolation() -> None:
     assert period_quantile(None, {"10": 4.0, "+Inf": 4.0}, 0.5) == 5.0
     assert period_quantile(None, {"10": 0.0, "+Inf": 2.0}, 0.99) == 10.0
     assert period_quantile(after, after, 0.5) is None and period_quantile(None, None, 0.5) is None
+
+
+def test_windows_split_the_run_after_its_warm_up() -> None:
+    """soak_report.windows: 10-minute windows from the end of the warm-up (the last one shorter), each from its own
+    samples: the model's p50 from the histogram's difference, the cost per request and token, the host's share."""
+    sys.path.insert(0, str(REPO / "loadtest"))
+    from soak_report import windows
+
+    def sample(minute: int) -> dict:
+        # from minute 15 on, each request costs twice the CPU (done: CPU work in 0.1 s units) and lands in the
+        # higher bucket
+        done = 60 * minute + 60 * max(0, minute - 15)
+        return {
+            "t_s": 60.0 * minute,
+            "answered": 60 * minute,
+            "requests_scored": 60 * minute,
+            "tokens_computed": 6000 * minute,
+            "stub_cpu_s": done / 10,
+            "host_busy_s": 30.0 * minute,
+            "host_cpu_s": 120.0 * minute,
+            "model_ms_buckets": {"10": 60.0 * min(minute, 15), "20": 60.0 * minute, "+Inf": 60.0 * minute},
+        }
+
+    found = windows([sample(m) for m in range(0, 31)], warmup_s=5 * 60)
+    assert [(w["from_min"], w["to_min"]) for w in found] == [(5, 15), (15, 25), (25, 30)]
+    assert [w["answered"] for w in found] == [600, 600, 300]
+    assert [w["stub_cpu_ms_per_request"] for w in found] == [100, 200, 200]
+    assert [w["model_p50_ms"] for w in found] == [5.0, 15.0, 15.0]
+    assert all(w["tokens_per_s"] == 100 and w["host_busy_share"] == 0.25 for w in found)
+    assert windows([sample(0)], warmup_s=0) == []
