@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from soak_watch import GAUGES
+from soak_watch import GAUGES, median_of
 
 GROWTH_METRICS = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", *GAUGES)
 
@@ -94,7 +94,8 @@ def windows(samples: list[dict[str, Any]], warmup_s: float, minutes: float = 10.
     """The run after its warm-up in windows of `minutes` (the last one may be shorter): the model's p50 and p99 from
     its histogram, and what the work cost, so that latency that moved can be told apart from a server whose work got
     dearer (stub CPU per computed token, per request) and from a host busier beside it (the host's busy share, the
-    tokens computed per second). Needs the samples' histogram buckets: call it before server_latencies."""
+    tokens computed per second, the median of the samples' host_probe_ms: a fixed piece of work's CPU time, which
+    rises when the host's cores get slower). Needs the samples' histogram buckets: call it before server_latencies."""
     after = [s for s in samples if s["t_s"] >= warmup_s]
     out: list[dict[str, Any]] = []
     while len(after) > 1:
@@ -119,6 +120,7 @@ def windows(samples: list[dict[str, Any]], warmup_s: float, minutes: float = 10.
             "stub_cpu_ms_per_request": _ratio(delta("stub_cpu_s"), delta("requests_scored"), 1000),
             "stub_cpu_s_per_ktoken": _ratio(delta("stub_cpu_s"), delta("tokens_computed"), 1000),
             "host_busy_share": _ratio(delta("host_busy_s"), delta("host_cpu_s")),
+            "host_probe_ms": median_of([s["host_probe_ms"] for s in after[: end + 1] if s.get("host_probe_ms")]),
         })  # fmt: skip
         after = after[end:]
     return out
@@ -179,7 +181,10 @@ def print_table(record: dict[str, Any]) -> None:
         change = f"{growth:+8.1%}" if growth is not None else f"{'-':>8}"
         print(f"{key:<22} {' '.join(text)} {change}")
     if soak.get("windows"):
-        columns = ("model_p50_ms", "model_p99_ms", "tokens_per_s", "stub_cpu_ms_per_request", "host_busy_share")
+        columns = (
+            "model_p50_ms", "model_p99_ms", "tokens_per_s", "stub_cpu_ms_per_request", "host_busy_share",
+            "host_probe_ms",
+        )  # fmt: skip
         print(f"{'minutes':<12} " + " ".join(f"{c:>23}" for c in columns))
         for window in soak["windows"]:
             cells = [f"{window[c]:23,.2f}" if window[c] is not None else f"{'-':>23}" for c in columns]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,27 @@ def host_cpu_seconds() -> tuple[float, float] | None:
         return None
     every = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is within user)
     return (every - fields[3] - fields[4]) / CLOCK_TICKS, every / CLOCK_TICKS
+
+
+PROBE_STEPS = 300_000  # ~25 ms of one core on a 2-core CPU machine
+
+
+def host_probe_ms() -> float:
+    """The CPU milliseconds this thread takes for a fixed piece of pure-Python work: the same work each sample, so it
+    moves only with the host's cores (their clock, a neighbour sharing them) and tells a slower host from a server
+    whose own work got dearer. Best of three, so the server's preempting it counts less (thread time excludes waits,
+    but not the caches it leaves cold)."""
+    times = []
+    for _ in range(3):
+        started, total = time.thread_time(), 0
+        for i in range(PROBE_STEPS):
+            total += i * i % 7
+        times.append(time.thread_time() - started)
+    return round(1000 * min(times), 3)
+
+
+def median_of(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
 
 
 def gpu_memory_mb() -> float | None:
@@ -137,6 +160,7 @@ class Watch:
             "stub_cpu_s": None,
             "host_busy_s": None,
             "host_cpu_s": None,
+            "host_probe_ms": None,
             "gateway_errors": None,
         }
         if self.server_pid is not None:  # the server on this host: its processes, and the host beside them
@@ -146,6 +170,7 @@ class Watch:
             figures["stub_cpu_s"] = cpu_seconds(stubs)
             if (host := host_cpu_seconds()) is not None:
                 figures["host_busy_s"], figures["host_cpu_s"] = host
+            figures["host_probe_ms"] = host_probe_ms()
         text = fetch_text(self.metrics_url)
         samples = parse_prometheus(text) if text is not None else []
         figures.update(gauge_sums(samples))

@@ -34,6 +34,7 @@ SAMPLE_KEYS = {
     "stub_cpu_s",
     "host_busy_s",
     "host_cpu_s",
+    "host_probe_ms",
     "tokens_computed",
     "requests_scored",
 }
@@ -117,7 +118,7 @@ def test_soak_briefly(triton: TritonServer, tmp_path: Path) -> None:
     (window,) = soak["windows"]
     assert window["answered"] > 0 and 0 < window["model_p50_ms"] <= window["model_p99_ms"]
     assert window["tokens_per_s"] > 0 and window["stub_cpu_ms_per_request"] > 0 and window["stub_cpu_s_per_ktoken"] > 0
-    assert 0 < window["host_busy_share"] <= 1
+    assert 0 < window["host_busy_share"] <= 1 and window["host_probe_ms"] > 0
     assert "stub_cpu_ms_per_request" in result.stdout
     assert (out / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "unexpected" in result.stdout and "tritonserver_rss_mb" in result.stdout
@@ -155,6 +156,7 @@ def test_windows_split_the_run_after_its_warm_up() -> None:
             "stub_cpu_s": done / 10,
             "host_busy_s": 30.0 * minute,
             "host_cpu_s": 120.0 * minute,
+            "host_probe_ms": 20.0 + (minute >= 25),
             "model_ms_buckets": {"10": 60.0 * min(minute, 15), "20": 60.0 * minute, "+Inf": 60.0 * minute},
         }
 
@@ -164,4 +166,5 @@ def test_windows_split_the_run_after_its_warm_up() -> None:
     assert [w["stub_cpu_ms_per_request"] for w in found] == [100, 200, 200]
     assert [w["model_p50_ms"] for w in found] == [5.0, 15.0, 15.0]
     assert all(w["tokens_per_s"] == 100 and w["host_busy_share"] == 0.25 for w in found)
+    assert [w["host_probe_ms"] for w in found] == [20, 20, 21]  # each window's samples, its bounds included
     assert windows([sample(0)], warmup_s=0) == []
