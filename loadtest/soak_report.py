@@ -129,8 +129,30 @@ def windows(samples: list[dict[str, Any]], warmup_s: float, minutes: float = 10.
 MIB = 1 << 20
 
 
+def cost_per_period(samples: list[dict[str, Any]]) -> list[float | None]:
+    """The stub's CPU milliseconds per request scored in each sample's period (None for the first, and where not
+    measured); empty when no sample has them."""
+    if not any(s.get("stub_cpu_s") is not None for s in samples):
+        return []
+    out: list[float | None] = [None]
+    for before, after in zip(samples, samples[1:]):
+        cpu = (
+            None
+            if None in (before.get("stub_cpu_s"), after.get("stub_cpu_s"))
+            else after["stub_cpu_s"] - before["stub_cpu_s"]
+        )
+        scored = (
+            None
+            if None in (before.get("requests_scored"), after.get("requests_scored"))
+            else after["requests_scored"] - before["requests_scored"]
+        )
+        out.append(_ratio(cpu, scored, 1000))
+    return out
+
+
 def plot(samples: list[dict[str, Any]], warmup_s: float, title: str, path: Path) -> None:
-    """One panel per memory figure that was measured (bytes shown in MiB), and one of p50/p99 latency."""
+    """One panel per memory figure that was measured (bytes shown in MiB), one of p50/p99 latency and, where the
+    server ran on this host, one of what the work cost per period (the stub's CPU per request, the host probe)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,7 +160,9 @@ def plot(samples: list[dict[str, Any]], warmup_s: float, title: str, path: Path)
 
     minutes = [s["t_s"] / 60 for s in samples]
     panels = [key for key in GROWTH_METRICS if any(s.get(key) is not None for s in samples)]
-    rows = (len(panels) + 2) // 2
+    costs = cost_per_period(samples)
+    shown = len(panels) + 1 + bool(costs)
+    rows = (shown + 1) // 2
     fig, axes = plt.subplots(rows, 2, figsize=(11, 2.6 * rows), squeeze=False, sharex=True)
     flat = list(axes.flat)
     for ax, key in zip(flat, panels):
@@ -151,13 +175,19 @@ def plot(samples: list[dict[str, Any]], warmup_s: float, title: str, path: Path)
             latency.plot(minutes, [s.get(key) for s in samples], style, label=key.removesuffix("_ms"))
     latency.set_title("latency per period (ms): the clients', the model's and the gateway's histograms", fontsize=9)
     latency.legend(fontsize=8)
-    for ax in flat[len(panels) + 1 :]:
+    if costs:
+        cost = flat[len(panels) + 1]
+        cost.plot(minutes, costs, ".-", label="stub CPU per request")
+        cost.plot(minutes, [s.get("host_probe_ms") for s in samples], "x:", label="host probe")
+        cost.set_title("CPU ms per period: the stub's per request, the host probe", fontsize=9)
+        cost.legend(fontsize=8)
+    for ax in flat[shown:]:
         ax.set_visible(False)
-    for ax in flat[: len(panels) + 1]:
+    for ax in flat[:shown]:
         ax.axvline(warmup_s / 60, color="grey", lw=0.8, ls="--")  # the end of the warm-up: growth is from here
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelbottom=True)  # shared x, but a panel above a hidden one is its column's lowest
-    flat[len(panels)].set_xlabel("minutes")
+    flat[shown - 1].set_xlabel("minutes")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
