@@ -49,14 +49,17 @@ def rss_mb(pids: list[int]) -> float | None:
 
 def cpu_seconds(pids: list[int]) -> float | None:
     """The CPU seconds (user and system) `pids` have used so far, summed; None when none could be read."""
-    values = [used_seconds(fields) for pid in pids if (stat := stat_fields(pid)) is not None for _, fields in [stat]]
+    values = []
+    for pid in pids:
+        if (stat := stat_fields(pid)) is not None:
+            values.append(used_seconds(stat[1]))
     return round(sum(values), 2) if values else None
 
 
 def host_cpu_seconds() -> tuple[float, float] | None:
     """The host's CPU seconds so far over all its cores, (busy, all), from /proc/stat: all less idle and iowait. A
-    period's busy share is the difference of busy over that of all: how much of the host the server left to others
-    and what else ran beside it."""
+    period's busy share (the difference of busy over that of all) counts the server's processes and whatever else
+    ran beside them: set beside the stub's own CPU, it shows what else took the cores."""
     try:
         fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
