@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from soak_watch import GAUGES, median_of
+from soak_watch import GAUGES
 
 GROWTH_METRICS = ("gpu_memory_mb", "stub_rss_mb", "tritonserver_rss_mb", *GAUGES)
 
@@ -84,10 +84,20 @@ def latency_drift(
     return out
 
 
+def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> float | None:
+    """A counter's growth between two samples; None where either lacks it."""
+    a, b = before.get(key), after.get(key)
+    return None if a is None or b is None else b - a
+
+
 def _ratio(numerator: float | None, denominator: float | None, scale: float = 1.0) -> float | None:
     if numerator is None or not denominator:
         return None
     return round(scale * numerator / denominator, 3)
+
+
+# The cumulative figures a window takes the growth of.
+COUNTED = ("answered", "tokens_computed", "requests_scored", "stub_cpu_s", "host_busy_s", "host_cpu_s")
 
 
 def windows(samples: list[dict[str, Any]], warmup_s: float, minutes: float = 10.0) -> list[dict[str, Any]]:
@@ -101,11 +111,8 @@ def windows(samples: list[dict[str, Any]], warmup_s: float, minutes: float = 10.
     while len(after) > 1:
         end = next((i for i, s in enumerate(after) if s["t_s"] - after[0]["t_s"] >= 60 * minutes - 1), len(after) - 1)
         first, last = after[0], after[end]
-
-        def delta(key: str, first: dict[str, Any] = first, last: dict[str, Any] = last) -> float | None:
-            a, b = first.get(key), last.get(key)
-            return None if a is None or b is None else b - a
-
+        probes = [s["host_probe_ms"] for s in after[: end + 1] if s.get("host_probe_ms")]
+        grew = {key: _delta(first, last, key) for key in COUNTED}
         seconds = last["t_s"] - first["t_s"]
         p50, p99 = (
             period_quantile(first.get("model_ms_buckets"), last.get("model_ms_buckets"), q) for q in (0.5, 0.99)
@@ -113,14 +120,14 @@ def windows(samples: list[dict[str, Any]], warmup_s: float, minutes: float = 10.
         out.append({
             "from_min": round(first["t_s"] / 60, 2),
             "to_min": round(last["t_s"] / 60, 2),
-            "answered": delta("answered"),
+            "answered": grew["answered"],
             "model_p50_ms": None if p50 is None else round(p50, 1),
             "model_p99_ms": None if p99 is None else round(p99, 1),
-            "tokens_per_s": _ratio(delta("tokens_computed"), seconds),
-            "stub_cpu_ms_per_request": _ratio(delta("stub_cpu_s"), delta("requests_scored"), 1000),
-            "stub_cpu_s_per_ktoken": _ratio(delta("stub_cpu_s"), delta("tokens_computed"), 1000),
-            "host_busy_share": _ratio(delta("host_busy_s"), delta("host_cpu_s")),
-            "host_probe_ms": median_of([s["host_probe_ms"] for s in after[: end + 1] if s.get("host_probe_ms")]),
+            "tokens_per_s": _ratio(grew["tokens_computed"], seconds),
+            "stub_cpu_ms_per_request": _ratio(grew["stub_cpu_s"], grew["requests_scored"], 1000),
+            "stub_cpu_s_per_ktoken": _ratio(grew["stub_cpu_s"], grew["tokens_computed"], 1000),
+            "host_busy_share": _ratio(grew["host_busy_s"], grew["host_cpu_s"]),
+            "host_probe_ms": round(statistics.median(probes), 3) if probes else None,
         })  # fmt: skip
         after = after[end:]
     return out
@@ -136,16 +143,7 @@ def cost_per_period(samples: list[dict[str, Any]]) -> list[float | None]:
         return []
     out: list[float | None] = [None]
     for before, after in zip(samples, samples[1:]):
-        cpu = (
-            None
-            if None in (before.get("stub_cpu_s"), after.get("stub_cpu_s"))
-            else after["stub_cpu_s"] - before["stub_cpu_s"]
-        )
-        scored = (
-            None
-            if None in (before.get("requests_scored"), after.get("requests_scored"))
-            else after["requests_scored"] - before["requests_scored"]
-        )
+        cpu, scored = _delta(before, after, "stub_cpu_s"), _delta(before, after, "requests_scored")
         out.append(_ratio(cpu, scored, 1000))
     return out
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -83,10 +82,6 @@ def host_probe_ms() -> float:
             total += i * i % 7
         times.append(time.thread_time() - started)
     return round(1000 * min(times), 3)
-
-
-def median_of(values: list[float]) -> float | None:
-    return round(statistics.median(values), 3) if values else None
 
 
 def gpu_memory_mb() -> float | None:
