@@ -49,6 +49,8 @@
 #     ready, each start waits KEV_RESTART_BACKOFF_S (5), doubling up to KEV_RESTART_BACKOFF_MAX_S (300), logged,
 #     until a window passes without a restart. Restarts never end the service.
 #   KEV_START_TIMEOUT_S (600)  the FIRST start not ready by then, or exiting first, exits with code 1 and the reason
+#   A port it would bind already in use (another server still running) ends the start at once: exit code 1, the port
+#   and its setting named, nothing started
 #   KEV_STOP_TIMEOUT_S (5)  SIGTERM/SIGINT: everything stopped by then (SIGKILL at the deadline), exit code 0
 # Shared memory: Triton's Python backend needs up to 832 MiB of /dev/shm per model instance by the default limits
 # (a batch of 64 requests of 4 MiB and their responses; docs/operations.md); kev-serve warns at start with less free.

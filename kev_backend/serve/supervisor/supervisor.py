@@ -77,6 +77,7 @@ from .children import (
 )
 from .gpus import Devices, cuda_devices
 from .metrics import ServeState
+from .ports import taken_ports
 from .probe import FAILED, POISONED, UNHEALTHY_STUB, Probe, answered, successes, verdict
 from .progress import Watch, heartbeat_prefix
 from .shm import SHM_DIR
@@ -494,6 +495,9 @@ class Supervisor:
                 " guarding its restricted APIs is readable by local users in tritonserver's argv"
             )
         self.check_shm()
+        if taken := taken_ports(self.config):
+            log(f"EXITING: {taken}")
+            return 1
         code = 0
         try:
             self.start_triton()

@@ -11,6 +11,7 @@ import queue
 import re
 import secrets
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -352,6 +353,31 @@ def test_start_that_never_becomes_ready_exits_nonzero(
     assert code == 1, text[-3000:]
     assert f"kev-serve: EXITING: {reason}" in text, text[-3000:]
     assert not list(SHM_DIR.glob(f"{SHM_PREFIX}{process.pid}_*"))
+
+
+def test_a_port_in_use_refuses_the_start_at_once(tiny_dir: Path, tmp_path: Path) -> None:
+    """A port held by another process (here a listening socket on the gRPC port) ends the start before anything is
+    started, with a message naming the port and its setting: no bind error in a restart loop, and no readiness read
+    from the other server's port."""
+    ports = {name: free_port() for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
+    holder = socket.create_server(("127.0.0.1", ports["GRPC_PORT"]))
+    environment = {
+        **os.environ,
+        **{name: str(port) for name, port in ports.items()},
+        "KEV_VENV": sys.prefix,
+        "KEV_CHECKPOINT": str(tiny_dir / "kev"),
+        "GATEWAY": "0",
+    }
+    try:
+        done = subprocess.run(
+            [str(REPO / "build" / "serve.sh")], env=environment, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        holder.close()
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"kev-serve: EXITING: cannot bind 127.0.0.1:{ports['GRPC_PORT']} (GRPC_PORT): in use." in done.stderr
+    assert "HTTP_PORT): in use" not in done.stderr  # the free ones are not named
+    assert "tritonserver pid" not in done.stderr, done.stderr[-3000:]  # nothing was started
 
 
 class Reply:
