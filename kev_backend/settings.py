@@ -262,6 +262,9 @@ class ServeSettings:
     # Set by the GPU image: a start that sees no GPU still serves (the CPU path) but says so first, loudly.
     expect_gpu: bool = False
     venv: Path = REPO / ".venv"
+    # tritonserver's and its children's malloc: "jemalloc" where the host has it (serve/supervisor/allocator.py says
+    # why), else glibc's with a warning; "glibc": glibc's
+    host_allocator: str = "jemalloc"
     model: str = "kev"
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 10.0
@@ -297,6 +300,7 @@ class ServeSettings:
             model_config=get("KEV_MODEL_CONFIG", text, d.model_config),
             expect_gpu=get("KEV_EXPECT_GPU", boolean, d.expect_gpu),
             venv=Path(get("KEV_VENV", text, d.venv)).resolve(),
+            host_allocator=get("KEV_HOST_ALLOCATOR", one_of("jemalloc", "glibc"), d.host_allocator),
             model=get("KEV_TRITON_MODEL", text, d.model),
             probe_interval_s=get("KEV_PROBE_INTERVAL_S", seconds, d.probe_interval_s),
             probe_timeout_s=get("KEV_PROBE_TIMEOUT_S", positive_seconds, d.probe_timeout_s),

@@ -10,15 +10,19 @@
 # Needs mmdebstrap and podman (Debian: apt-get install -y podman buildah mmdebstrap runc).
 #
 # What is in it (bookworm, --variant=apt, docs, man pages and locales left out): python3 3.11 and python3-venv (the
-# venv), libpython3.11 (the tritonserver Python stub links it), tini (PID 1: forwards SIGTERM, reaps), unzip and xz-utils
-# (build/install_tritonserver.sh), passwd (useradd for the non-root user), ca-certificates.
+# venv), libpython3.11 (the tritonserver Python stub links it), tini (PID 1: forwards SIGTERM, reaps), libjemalloc2 (the
+# servers' malloc: KEV_HOST_ALLOCATOR), unzip and xz-utils (build/install_tritonserver.sh), passwd (useradd for the
+# non-root user), ca-certificates.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 image=${1:-${BASE_IMAGE:-localhost/debian-base:bookworm}}
 podman=("$here/podman.sh")
+packages=(python3 python3-venv libpython3.11 ca-certificates tini libjemalloc2 unzip xz-utils passwd)
 
-if [[ -z ${FORCE:-} ]] && "${podman[@]}" image exists "$image"; then
-  echo "base image $image exists (FORCE=1 rebuilds it)"
+# An image of that name made from an older list is made again.
+if [[ -z ${FORCE:-} ]] && "${podman[@]}" image exists "$image" \
+  && "${podman[@]}" run --rm --network=none "$image" dpkg-query -W "${packages[@]}" >/dev/null 2>&1; then
+  echo "base image $image exists with every package (FORCE=1 rebuilds it)"
   exit 0
 fi
 command -v mmdebstrap >/dev/null || { echo "error: mmdebstrap not found (apt-get install -y mmdebstrap)" >&2; exit 1; }
@@ -37,7 +41,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 start=$(date +%s)
 mmdebstrap --variant=apt --quiet \
-  --include=python3,python3-venv,libpython3.11,ca-certificates,tini,unzip,xz-utils,passwd \
+  --include="$(IFS=,; echo "${packages[*]}")" \
   --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/doc/*' \
   --dpkgopt='path-include=/usr/share/doc/*/copyright' \

@@ -159,7 +159,8 @@ def child_env(env: dict[str, str], config: ServeSettings) -> dict[str, str]:
     # keeps autotuned kernels' results there too.
     env.setdefault("TRITON_CACHE_DIR", str(REPO / "build" / ".triton-cache"))
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    # Expandable segments (settings.CUDA_ALLOCATOR). glibc's arenas are left at their default: MALLOC_ARENA_MAX=2
-    # flattens the processes' RSS but costs about 30 % of the throughput at 64 clients (docs/operations.md).
+    # Expandable segments (settings.CUDA_ALLOCATOR). The host's malloc is chosen at start (allocator.py); glibc's
+    # arenas are left at their default: MALLOC_ARENA_MAX=2 flattens the processes' RSS but costs about 30 % of the
+    # throughput at 64 clients (docs/operations.md).
     use_cuda_allocator(env)
     return env

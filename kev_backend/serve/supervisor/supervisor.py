@@ -64,6 +64,7 @@ from ...protocol.request import STATE_KEY_HEADER
 from ...settings import HEARTBEAT_PREFIX, REPO, ServeSettings, SettingError, admin_key
 from ..version import version_line
 from . import procs, shm
+from .allocator import use_host_allocator
 from .children import (
     Child,
     child_env,
@@ -487,6 +488,7 @@ class Supervisor:
         # The path chosen is the first line: an operator reading the log's head sees the GPU, or that there is none.
         self.model_config, why = choose_model_config(self.config, self.visible_devices)
         log(why)
+        log(use_host_allocator(self.env, self.config.host_allocator))
         if stale := remove_stale_shm():
             log(f"removed {len(stale)} shared-memory region(s) left by supervisors no longer running")
         if self.config.triton_address not in ("127.0.0.1", "::1", "localhost"):
