@@ -28,8 +28,8 @@
 #   KEV_CHECKPOINT  Kev checkpoint directory (default: the model's `checkpoint` parameter, the embedded tiny one)
 #   KEV_API_KEY     bearer key the gateway requires on /v1/* (none: open)
 #   KEV_VENV        the venv that runs the supervisor, the gateway and the Python stub (<repo>/.venv)
-#   KEV_HOST_ALLOCATOR (jemalloc)  tritonserver's and its children's malloc: jemalloc where the host has it (Debian:
-#     libjemalloc2; preloaded, the second log line says so; a warning where it is missing), or glibc
+#   KEV_HOST_ALLOCATOR (jemalloc)  the malloc of tritonserver, its stubs and the gateway: jemalloc where the host has
+#     it (Debian: libjemalloc2; preloaded, the second log line says so; a warning where it is missing), or glibc
 #   TRITON_CACHE_DIR  compiled GPU kernels and autotuning results, kept across restarts (build/.triton-cache)
 #   PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True)  GPU memory that stays flat under load
 #   TRITON_ADMIN_KEY_FILE  file holding the admin key (letters, digits, ._~+/-); default: random per start

@@ -262,8 +262,8 @@ class ServeSettings:
     # Set by the GPU image: a start that sees no GPU still serves (the CPU path) but says so first, loudly.
     expect_gpu: bool = False
     venv: Path = REPO / ".venv"
-    # tritonserver's and its children's malloc: "jemalloc" where the host has it (serve/supervisor/allocator.py says
-    # why), else glibc's with a warning; "glibc": glibc's
+    # the malloc of tritonserver, its stubs and the gateway: "jemalloc" where the host has it
+    # (serve/supervisor/allocator.py says why), else glibc's with a warning; "glibc": glibc's
     host_allocator: str = "jemalloc"
     model: str = "kev"
     probe_interval_s: float = 1.0

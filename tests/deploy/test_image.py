@@ -186,6 +186,27 @@ def test_the_first_line_names_the_path_and_a_missing_gpu_loudly(container):
         assert said.startswith("CPU path ("), first
 
 
+# Each server process of the container (by its comm) and whether jemalloc is in its memory map.
+ALLOCATORS = """
+import pathlib
+for proc in pathlib.Path("/proc").glob("[0-9]*"):
+    try:
+        comm, maps = (proc / "comm").read_text().strip(), (proc / "maps").read_text()
+    except OSError:
+        continue
+    if comm in ("tritonserver", "triton_python_b"):
+        print(comm, "/libjemalloc.so" in maps)
+"""
+
+
+def test_triton_and_its_stub_run_on_jemalloc(container):
+    """The base image installs libjemalloc2 and kev-serve preloads it (KEV_HOST_ALLOCATOR's default) into
+    tritonserver and its Python stub, and says so."""
+    assert " kev-serve: host allocator: jemalloc (libjemalloc.so.2)" in container.logs()
+    seen = container.python(ALLOCATORS).split("\n")
+    assert sorted(line for line in seen if line) == ["triton_python_b True", "tritonserver True"], seen
+
+
 def test_the_image_installs_its_pins_exactly(container):
     """Every project the image's requirement files pin (build/requirements.py's lines, kept in the image) is installed
     at that version; the GPU image's torch stack is the measured one (kev_backend/gpu/stack.py). A GPU run records

@@ -196,14 +196,14 @@ def test_bearer_key_only_in_the_gateways_environment(served: Served) -> None:
         assert not [entry for entry in environment(pid) if entry.startswith(b"KEV_API_KEY=")], pid
 
 
-def test_triton_and_its_stub_allocate_with_jemalloc(served: Served) -> None:
-    """The default KEV_HOST_ALLOCATOR: where the loader finds jemalloc, tritonserver and its Python stub run on it
-    (preloaded, in their memory maps), the supervisor itself does not, and the log says so."""
+def test_the_servers_allocate_with_jemalloc(served: Served) -> None:
+    """The default KEV_HOST_ALLOCATOR: where the loader finds jemalloc, tritonserver, its Python stub and the gateway
+    run on it (preloaded, in their memory maps), the supervisor itself does not, and the log says so."""
     if find_library("jemalloc") is None:
         pytest.skip("jemalloc is not installed here (apt-get install libjemalloc2; .ci/run installs it)")
     wait_for_log(served.triton, "host allocator: jemalloc (libjemalloc")
     triton = child_named(served.pid, "tritonserver")
-    for pid in (triton, child_named(triton, procs.STUB_COMM)):
+    for pid in (triton, child_named(triton, procs.STUB_COMM), gateway_child(served.pid)):
         assert "/libjemalloc.so" in Path(f"/proc/{pid}/maps").read_text(), pid
     assert "/libjemalloc.so" not in Path(f"/proc/{served.pid}/maps").read_text()
 
