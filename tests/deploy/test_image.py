@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kev_backend.dev.ports import free_port
+from kev_backend.serve.supervisor.procs import STUB_COMM
 from tests.helpers import README_ANSWERS, README_GRPC_REQUEST, README_REQUEST, TRITON_HTTP
 
 pytestmark = pytest.mark.image
@@ -29,7 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("KEV_IMAGE", "localhost/kev-on-triton:latest")
 PODMAN = shlex.split(os.environ.get("PODMAN", "build/image/podman.sh"))
 KEY = "image-test-key"
-STUB_COMM = "triton_python_b"  # the Python backend's stub as /proc spells it
 
 
 TRITON_GRPC = """
@@ -187,14 +187,14 @@ def test_the_first_line_names_the_path_and_a_missing_gpu_loudly(container):
 
 
 # Each server process of the container (by its comm) and whether jemalloc is in its memory map.
-ALLOCATORS = """
+ALLOCATORS = f"""
 import pathlib
 for proc in pathlib.Path("/proc").glob("[0-9]*"):
     try:
         comm, maps = (proc / "comm").read_text().strip(), (proc / "maps").read_text()
     except OSError:
         continue
-    if comm in ("tritonserver", "triton_python_b"):
+    if comm in ("tritonserver", "{STUB_COMM}"):
         print(comm, "/libjemalloc.so" in maps)
 """
 
@@ -204,7 +204,7 @@ def test_triton_and_its_stub_run_on_jemalloc(container):
     tritonserver and its Python stub, and says so."""
     assert " kev-serve: host allocator: jemalloc (libjemalloc.so.2)" in container.logs()
     seen = container.python(ALLOCATORS).split("\n")
-    assert sorted(line for line in seen if line) == ["triton_python_b True", "tritonserver True"], seen
+    assert sorted(line for line in seen if line) == [f"{STUB_COMM} True", "tritonserver True"], seen
 
 
 def test_the_image_installs_its_pins_exactly(container):
