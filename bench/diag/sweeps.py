@@ -340,59 +340,6 @@ def _sdpa_variants(q, k, v, lengths: list[int]) -> dict:
     }
 
 
-def cudnnlengths(args) -> None:
-    """cuDNN's causal attention (torch's SDPA, key/value heads shared) on one new state at each of --tokens in turn
-    (Kev-4B heads, packed [T, heads, D] inputs as the pass holds them): the first call's ms (which builds cuDNN's
-    graph and plan when its cache has none for the call) against the next calls', beside ours; then every length
-    again (a second build would show here). As the engine runs it, torch keys its plans by the lengths rounded up to
-    powers of two (attention.RAGGED_PLANS); --exact-plans: by the exact lengths, torch's default; --prebuilt: each
-    class built first, as the engine's model thread does at start-up (build_cudnn_plans), its seconds printed."""
-    import os
-    import time
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from kev_backend.gpu.kernels import attention as A
-
-    HQ, HKV, D = 16, 4, 256
-    if args.exact_plans:  # before the process's first cuDNN attention call, when torch reads it
-        os.environ[A.RAGGED_PLANS] = "0"
-    mode = "exact" if args.exact_plans else "by class"
-    if args.prebuilt:
-        started = time.perf_counter()
-        A.build_cudnn_plans(torch.device("cuda"), HQ, HKV, D, torch.bfloat16, max(args.tokens))
-        torch.cuda.synchronize()
-        mode += f", prebuilt up to {max(args.tokens)} in {time.perf_counter() - started:.2f} s"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    longest = max(args.tokens)
-    q = torch.randn(longest, HQ, D, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(longest, HKV, D, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(longest, HKV, D, device="cuda", generator=gen).bfloat16()
-
-    def cudnn(n: int) -> torch.Tensor:
-        qq, kk, vv = (x[:n].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-
-    for sweep in ("first", "again"):
-        for n in args.tokens:
-            cu = torch.tensor([0, n], device="cuda")
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            out = cudnn(n)
-            torch.cuda.synchronize()
-            first_ms = (time.perf_counter() - started) * 1000
-            ours = functools.partial(A.rows_attention, q[:n], k[:n], v[:n], k, v, None, None, None, cu, n)
-            diff = (out.float() - ours().float()).abs().max().item()
-            flops = n * (n + 1) / 2 * HQ * D * 4
-            ms, ours_ms = cuda_ms(lambda n=n: cudnn(n), repeat=3), cuda_ms(ours, repeat=3)
-            print(
-                f"cudnnlengths plans {mode} {sweep} {n}: call {first_ms:.1f} ms, then {ms:.3f} ms "
-                f"({flops / ms / 1e9:.0f} TFLOP/s), ours {ours_ms:.3f} ms, max diff {diff:.1e}",
-                flush=True,
-            )
-
-
 # (tokens, channels, warps) a conv program.
 SCAN_CONFIGS = (
     *((8, 256, 2), (16, 256, 2), (32, 256, 2), (64, 256, 2), (128, 256, 2), (32, 128, 1), (32, 512, 4)),
@@ -519,10 +466,6 @@ def register(sub) -> None:
     parser.add_argument("--tokens", type=_ints, default=[2200], help="a state's tokens, comma-separated (2200)")
     parser.add_argument("--states", type=_ints, default=[1, 8], help="states a call, comma-separated (1,8)")
     parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's attention heads (default 4b)")
-    parser = command(sub, "cudnnlengths", cudnnlengths, "cuDNN's attention: plan builds by state length")
-    parser.add_argument("--tokens", type=_ints, default=[5000, 8192, 8300, 12000, 16384, 30000, 65535])
-    parser.add_argument("--exact-plans", action="store_true", help="plans keyed by exact lengths (torch's default)")
-    parser.add_argument("--prebuilt", action="store_true", help="each length class's plan built first")
     command(sub, "convscan", convscan, "the pass's conv by tokens, channels and warps a program")
     parser = command(sub, "overlap", overlap, "a GEMM beside the delta rule or the activation, on two streams")
     parser.add_argument("--size", choices=SIZES, default="27b", help="a Kev size's shapes (default 27b)")

@@ -66,22 +66,33 @@ def point(engine: Engine, tokens: int, repeat: int) -> dict[str, Any]:
     }
 
 
-def differing(engine: Engine, turns: int, per_conversation: int = 25) -> dict[str, int]:
+def differing(engine: Engine, turns: int, per_conversation: int = 25, together: int = 8) -> dict[str, int]:
     """Turns computed from the turn before against the same turns computed from nothing: answers that differ in
-    any bit (every probability compared as the fp32 value the head returned)."""
-    answers = differ = 0
+    any bit (every probability compared as the fp32 value the head returned). Conversations go `together` at a time:
+    every turn alone on an emptied bank, then turn by turn from the turn before, one conversation after another in
+    every other group, and in the others each turn of all of them in one batch."""
+    answers = differ = group = 0
     while answers < turns:
-        conversation = next(CONVERSATION)
-        bodies = [grow(conversation, turn) for turn in range(min(per_conversation, turns - answers))]
-        encoded = [engine.prepare(body)[1] for body in bodies]
+        left = turns - answers
+        length = min(per_conversation, -(-left // together))
+        conversations = [next(CONVERSATION) for _ in range(min(together, -(-left // length)))]
+        encoded = [[engine.prepare(grow(c, turn))[1] for turn in range(length)] for c in conversations]
         whole = []
-        for request in encoded:
-            engine.bank.clear()
-            whole.append(engine.scorer.probabilities([request]))
+        for requests in encoded:
+            whole.append([])
+            for request in requests:
+                engine.bank.clear()
+                whole[-1].append(engine.scorer.probabilities([request])[0])
         engine.bank.clear()
-        for request, expected in zip(encoded, whole, strict=True):
-            differ += engine.scorer.probabilities([request]) != expected
-        answers += len(encoded)
+        if group % 2 == 0:  # alone
+            for requests, expected in zip(encoded, whole, strict=True):
+                differ += sum(engine.scorer.probabilities([r])[0] != e for r, e in zip(requests, expected, strict=True))
+        else:  # each turn of every conversation in one batch
+            for turn in range(length):
+                got = engine.scorer.probabilities([requests[turn] for requests in encoded])
+                differ += sum(g != expected[turn] for g, expected in zip(got, whole, strict=True))
+        answers += len(conversations) * length
+        group += 1
     return {"turns": answers, "differing": differ}
 
 

@@ -307,15 +307,6 @@ class Engine:
         event.record()
         return lambda: not event.query()
 
-    def prepare_thread(self) -> None:
-        """Builds what the scorer keeps per thread (cuDNN's attention plans on the fused path) on the calling thread:
-        the pipeline's model thread calls it before its first batch; start-up seconds as `thread`."""
-        started = time.perf_counter()
-        try:
-            self.scorer.prepare_thread()
-        finally:
-            self.startup["thread"] = time.perf_counter() - started
-
     @classmethod
     def from_checkpoint(cls, path: str | Path, options: EngineOptions | None = None) -> Engine:
         options = options or EngineOptions()

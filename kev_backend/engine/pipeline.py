@@ -225,7 +225,6 @@ class Pipeline:
         self._to_delivery: queue.Queue = queue.Queue(maxsize=DELIVERY_WAITING)
         # Large requests, prepared on their own thread (tokenizing a 65,536-token state is about a second on a CPU).
         self._to_preparer: queue.Queue = queue.Queue(maxsize=LONG_WAITING)
-        self._prepared = threading.Event()
         self._threads = [
             threading.Thread(target=self._model_loop, name="kev-model", daemon=True),
             threading.Thread(target=self._delivery_loop, name="kev-delivery", daemon=True),
@@ -233,7 +232,6 @@ class Pipeline:
         ]
         for thread in self._threads:
             thread.start()
-        self._prepared.wait()  # the model thread's own state built: a server is ready only after it
 
     def submit(
         self,
@@ -358,11 +356,6 @@ class Pipeline:
         delivery.join()
 
     def _model_loop(self) -> None:
-        try:
-            self.engine.prepare_thread()
-        except Exception:  # noqa: BLE001 - what it would have built is built by the first batch that needs it
-            log.exception("kev: preparing the model thread failed")
-        self._prepared.set()
         scheduler: Scheduler[Job] = Scheduler()
         stopping = awaited = False
         while True:

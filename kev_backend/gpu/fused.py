@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from ..model.qwen35 import FULL_ATTENTION
 from . import cublaslt, process
-from .kernels.attention import CUDNN_ABOVE, build_cudnn_plans, cudnn_attention_runs
 from .kernels.streams import beside
 from .pass_kernels import PassKernels
 from .passes import RECURRENT_MAX_LEN, KernelGroup, PassInput, pad_rows
@@ -36,7 +35,7 @@ class FusedQwen35:
         kernels: PassKernels | None = None,
         gemm_algos: str = "auto",
     ) -> None:
-        process.configure(weights.embed.device)  # batch-invariant GEMMs on cuBLASLt, cuDNN's plans bounded
+        process.configure(weights.embed.device)  # batch-invariant GEMMs on cuBLASLt
         k = kernels or PassKernels.gpu()
         self.w = weights
         self.pool = pool
@@ -46,12 +45,7 @@ class FusedQwen35:
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv = k.chunked_rows, k.conv
         self._rows_attention, self._bank_kv = k.rows_attention, k.bank_kv
-        self._long_attention = k.long_attention
         c = weights.config
-        self._attention_heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, weights.embed.dtype)
-        if self._long_attention is not None and weights.embed.is_cuda:
-            if not cudnn_attention_runs(weights.embed.device, *self._attention_heads):
-                self._long_attention = None
         # The projections on cuBLASLt algorithms without split-K, so that a row's output is the same in any batch
         # (kev_backend/gpu/cublaslt.py); `gemm_algos` chooses a pre-tuned table of the fastest. F.linear on a CPU.
         self.gemm_algos = cublaslt.pretuned(weights.embed.device, gemm_algos)
@@ -61,13 +55,6 @@ class FusedQwen35:
         dim = c.rotary_dim
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.inv_freq = inv_freq.to(weights.embed.device)  # no host copy inside a pass (it may be captured)
-
-    def build_long_attention_plans(self, max_state_tokens: int) -> None:
-        """On the calling thread, the plans of long new states' cuDNN attention for states up to `max_state_tokens`
-        (kernels.attention.build_cudnn_plans), where it runs (a GPU whose cuDNN takes the model's heads)."""
-        if self._long_attention is None or not self.w.embed.is_cuda:
-            return
-        build_cudnn_plans(self.w.embed.device, *self._attention_heads, max_state_tokens)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
         """Residual add + RMSNorm in one kernel; the residual stream stays fp32: rounding it to bf16 would make it
@@ -127,14 +114,19 @@ class FusedQwen35:
         # Padding tokens belong to no segment: their rows keep whatever is here, row by row, and are never read.
         out = torch.empty(x.shape[0], c.linear_num_value_heads, c.linear_value_head_dim, device=x.device, dtype=x.dtype)
         conv_pool, state_pool = self.pool.conv[index], self.pool.recurrent[index]
-        # New states start from zero and leave their conv window and DeltaNet state in their (fresh) bank slots;
-        # rows continue theirs, read in place by slot, and write nothing back.
-        for seg, new in ((p.states, True), (p.rows, False)):
+        if p.point_windows is not None:  # the conv inputs before each point this pass saves, into its slot
+            tokens, slots = p.point_windows
+            conv_pool.index_copy_(0, slots, qkv[tokens.flatten()].unflatten(0, tokens.shape).transpose(1, 2))
+        # New states start from zero (extensions from the point copied into their slots) and leave their conv window
+        # and DeltaNet state in their bank slots; rows continue theirs, read in place by slot, and write nothing back.
+        for seg, new, extend in ((p.states, True, False), (p.extends, True, True), (p.rows, False, False)):
             for group in seg.groups if seg is not None else ():
                 span = group.span
                 # Tokens in parallel, each finding its segment; windows read or written in place.
-                mixed = self._conv(qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new)
-                self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span])
+                mixed = self._conv(
+                    qkv[span], layer.conv, conv_pool, group.slots, group.cu, new_states=new, extend=extend
+                )
+                self.delta_rule(layer, group, mixed, a[span], b[span], state_pool, new, out[span], extend)
         normed = self._gated_norm(
             out.view(-1, c.linear_value_head_dim),
             z.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)),  # read in place
@@ -153,10 +145,12 @@ class FusedQwen35:
         state_pool: torch.Tensor,
         new: bool,
         out: torch.Tensor,
+        extend: bool = False,
     ) -> None:
         """The delta rule over a group's conv outputs `mixed` [T, conv_dim] into `out` [T, Hv, Dv]: new states from
-        zero into their slots of `state_pool` [slots, Hv, Dk, Dv], or rows from their states' slots, on our chunked
-        kernel (rows read their states in place, no gathered copy)."""
+        zero (`extend`: from the point in their slot) into their slots of `state_pool` [slots, Hv, Dk, Dv], saving
+        their points on the way, or rows from their states' slots, on our chunked kernel (rows read their states in
+        place, no gathered copy)."""
         c = self.c
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim))
@@ -168,8 +162,16 @@ class FusedQwen35:
         # (kernels.delta_rule.CHUNK_NARROW), and mostly empty padding segments. Its first long chain on a launch of its
         # own (lead_apart) pays only for long new states: rows and short states stay in turn.
         lead_apart = group.padded and new and not group.short  # a captured pass's long new states
+        saves = {} if group.save_at is None else {"save_at": group.save_at, "save_slots": group.save_slots}
         self._chunked_rows(
-            *args, new_states=new, out=out, padded=group.padded, lead_apart=lead_apart, lead=group.short_segments
+            *args,
+            new_states=new,
+            out=out,
+            padded=group.padded,
+            lead_apart=lead_apart,
+            lead=group.short_segments,
+            extend=extend,
+            **saves,
         )
 
     # -- gated attention -----------------------------------------------------------------------------------------
@@ -224,47 +226,37 @@ class FusedQwen35:
         values: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """The new states' causal attention over their own tokens, into `out`'s state rows."""
+        """The new states' causal attention over their own tokens (an extension's: over its point's tokens' K/V, then
+        its own), into `out`'s state rows."""
+        if (e := p.extends) is not None:
+            # Unsplit whatever the prefix (max_prefix 0): a token attends to every key in key blocks of 64 from the
+            # state's first, as the state computed whole does, so its output is the same bit for bit.
+            span = slice(e.start, e.end)
+            self._rows_attention(
+                q[span],
+                k[span],
+                v[span],
+                keys,
+                values,
+                p.extend_prefix,
+                p.extend_prefix_start,
+                p.extend_prefix_len,
+                e.cu,
+                e.max_len,
+                out[span],
+            )
         if (s := p.states) is not None:
             for group in s.groups:
                 span = group.span
-                if self._long_attention is not None and not group.padded and group.max_len > CUDNN_ABOVE:
-                    self._long_states_attention(group, q, k, v, keys, values, out)
-                else:  # ours: causal, own tokens
-                    # A captured pass's short and long new states in one group: by class, as in two groups.
-                    n = group.short_segments
-                    classes = [(group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)]
-                    for cu, max_len in classes if n else [(group.cu, group.max_len)]:
-                        self._rows_attention(
-                            q[span], k[span], v[span], keys, values, None, None, None, cu, max_len, out[span]
-                        )
-
-    def _long_states_attention(
-        self,
-        group: KernelGroup,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """An eager pass's long new states with one over CUDNN_ABOVE tokens: each such state on a call of its own
-        (long_attention), each run of the others between them on ours (a state's output does not depend on the
-        states launched with it)."""
-        cu, span = group.cu_host, group.span  # cu: offsets from the group's first token
-        first = 0  # the current run of states at most CUDNN_ABOVE tokens long: [first, n)
-        for n in range(len(cu)):
-            if n < len(cu) - 1 and cu[n + 1] - cu[n] <= CUDNN_ABOVE:
-                continue
-            if n > first:  # the run before state n (or before the end)
-                run_max = max(b - a for a, b in zip(cu[first:n], cu[first + 1 : n + 1]))
-                run = (q[span], k[span], v[span], keys, values, None, None, None, group.cu[first : n + 1], run_max)
-                self._rows_attention(*run, out[span])
-            if n < len(cu) - 1:
-                own = slice(group.start + cu[n], group.start + cu[n + 1])
-                self._long_attention(q[own], k[own], v[own], out[own])
-            first = n + 1
+                # Causal, own tokens, on our kernel at any length: a state grown from a point must be what the state
+                # computed whole is, bit for bit (cuDNN's kernel, faster on single states of 8k-64k tokens, is not
+                # ours: docs/kernels.md). A captured pass's short and long new states in one group: by class.
+                n = group.short_segments
+                classes = [(group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)]
+                for cu, max_len in classes if n else [(group.cu, group.max_len)]:
+                    self._rows_attention(
+                        q[span], k[span], v[span], keys, values, None, None, None, cu, max_len, out[span]
+                    )
 
     def _bank_states_kv(
         self, p: PassInput, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -272,6 +264,8 @@ class FusedQwen35:
         """The new states' K and V (of the pass's tokens) into their pages of the layer's bank pool."""
         if (s := p.states) is not None:
             self._bank_kv(keys, values, p.state_kv_dst, k[s.start : s.end], v[s.start : s.end])
+        if (e := p.extends) is not None:
+            self._bank_kv(keys, values, p.extend_kv_dst, k[e.start : e.end], v[e.start : e.end])
 
     def _attend_rows(
         self,

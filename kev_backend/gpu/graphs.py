@@ -30,6 +30,7 @@ from ..scoring.transfer import aligned_size
 from .fused import FusedQwen35
 from .kernels import attention
 from .passes import (
+    CONV_WINDOW,
     MIN_GEMM_ROWS,
     RECURRENT_MAX_LEN,
     KernelGroup,
@@ -162,10 +163,10 @@ def all_buckets(max_tokens: int) -> list[Bucket]:
 
 def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: int) -> Bucket | None:
     """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a prefix index over
-    `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX tokens, or too large for any (the pass runs
-    eagerly). Rows over a state of more than SPLIT_ABOVE tokens take a
-    long-prefix bucket."""
-    if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
+    `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX tokens, a new state continuing a point, or too
+    large for any (the pass runs eagerly). Rows over a state of more than SPLIT_ABOVE tokens take a long-prefix
+    bucket."""
+    if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens or layout.ext_lengths:
         return None
     longest = max(layout.prefix_len, default=0)
     if longest > LONG_PREFIX_MAX:
@@ -187,6 +188,11 @@ class StaticInputs:
             "state_cu": largest.states + largest.long_states + 1,
             "state_slots": largest.states + largest.long_states,
             "state_kv_dst": largest.state_tokens,
+            # the points the long new states save (passes.PassInput.point_windows; short ones keep none)
+            "state_save_at": largest.states + largest.long_states,
+            "state_save_slots": largest.states + largest.long_states,
+            "point_tokens": CONV_WINDOW * largest.long_states,
+            "point_slots": largest.long_states,
             "row_cu": largest.rows + 1,
             "row_slots": largest.rows,
             "prefix_start": largest.rows,
@@ -241,10 +247,16 @@ class StaticInputs:
             )
 
         states = None
+        windows = None
         if s:
             n_short, n_long = bucket.states, bucket.long_states
             if n_long:  # the long states' segments follow the short ones' in the same buffers
                 region = group(0, s, "state_cu", "state_slots", n_short + n_long, short=False, short_segments=n_short)
+                # the points long states save (short ones keep none: their entries say 0)
+                region.save_at = self.view("state_save_at", n_short + n_long)
+                region.save_slots = self.view("state_save_slots", n_short + n_long)
+                tokens = self.view("point_tokens", CONV_WINDOW * n_long).view(n_long, CONV_WINDOW)
+                windows = (tokens, self.view("point_slots", n_long))
             else:
                 region = group(0, s, "state_cu", "state_slots", n_short, short=True)
             states = Segments(0, s, s, region.cu, [region])  # `cu` of a region is read for rows only
@@ -263,6 +275,7 @@ class StaticInputs:
             row_prefix_len=self.view("prefix_len", bucket.rows),
             picks=self.view("picks", bucket.picks),
             row_prefix_max=LONG_PREFIX_MAX if bucket.long_prefix else 0,
+            point_windows=windows,
         )
 
     def fill(self, bucket: Bucket, layout: PassLayout, pool: StatePool, pad_id: int) -> None:
@@ -305,6 +318,18 @@ class StaticInputs:
         put("state_cu", cu[1:], capacity + 1, cu[-1], at=bucket.states + 1)
         put("state_slots", layout.state_slots[n_short:], capacity, pool.scratch_slot, at=bucket.states)
         put("state_kv_dst", layout.state_kv_dst, s, pool.scratch_token)
+        if bucket.long_states:  # the points long states save; every other entry saves none, on the scratch slot
+            saves = layout.state_saves[n_short:]
+            put("state_save_at", [], bucket.states, 0)
+            put("state_save_at", [save for save, _ in saves], capacity, 0, at=bucket.states)
+            put("state_save_slots", [], bucket.states, pool.scratch_slot)
+            put("state_save_slots", [slot for _, slot in saves], capacity, pool.scratch_slot, at=bucket.states)
+            tokens, slots = [], []
+            for start, (save, slot) in zip(offsets(long, start=sum(short)), saves):  # offsets has one more
+                tokens.extend(range(start + save - CONV_WINDOW, start + save) if save else [0] * CONV_WINDOW)
+                slots.append(slot if save else pool.scratch_slot)
+            put("point_tokens", tokens, CONV_WINDOW * bucket.long_states, 0)
+            put("point_slots", slots, bucket.long_states, pool.scratch_slot)
         cu = offsets(layout.row_lengths, start=at - bucket.row_start)  # from the rows' region's start
         put("row_cu", cu, bucket.rows + 1, cu[-1])
         put("row_slots", layout.row_slots, bucket.rows, pool.scratch_slot)

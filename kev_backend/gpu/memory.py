@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .pool import slots_for
+
 GIB = 1 << 30
 # Beyond the two measured passes: cuBLAS's and cuDNN's workspaces, the caching allocator's rounding and the head.
 MARGIN_BYTES = GIB
@@ -73,8 +75,9 @@ def gib(n: int) -> str:
 
 
 def states_held(slots: int, pages: int, page_size: int, length: int) -> int:
-    """How many states of `length` tokens a pool of `slots` slots and `pages` pages holds at once."""
-    return min(slots, pages // max(1, math.ceil(length / page_size)))
+    """How many states of `length` tokens a pool of `slots` slots and `pages` pages holds at once, each with the
+    point it keeps (gpu/pool.py: a slot more from POINT_MIN_TOKENS)."""
+    return min(slots // slots_for(length, page_size), pages // max(1, math.ceil(length / page_size)))
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """The kernel table of a fused pass: which function runs each of its kernels. On a GPU this project's Triton kernels
-(kev_backend.gpu.kernels) and cuDNN's attention for long new states; on a CPU (the tests) each kernel's plain torch
+(kev_backend.gpu.kernels); on a CPU (the tests) each kernel's plain torch
 reference, kept beside it in kernels/ with the same signature.
 """
 
@@ -25,9 +25,6 @@ class PassKernels:
     conv: Callable
     rows_attention: Callable
     bank_kv: Callable
-    # One new state's attention over its own tokens when it is over CUDNN_ABOVE tokens in an eager pass (cuDNN's,
-    # where it runs the model's heads); None: rows_attention's.
-    long_attention: Callable | None = None
 
     @classmethod
     def gpu(cls) -> PassKernels:
@@ -43,7 +40,6 @@ class PassKernels:
             kernels.conv_tokens,
             kernels.rows_attention,
             kernels.bank_kv,
-            kernels.cudnn_attention,
         )
 
     @classmethod
@@ -55,9 +51,6 @@ class PassKernels:
         def chunked_rows(*args: Any, padded: bool = False, lead_apart: bool = False, lead: int = 0, **kw: Any) -> Any:
             return delta_rule.reference_rows(*args, **kw)  # the launch options change no result
 
-        def long_attention(q: Any, k: Any, v: Any, out: Any) -> None:
-            out.copy_(attention.reference_segment_attention(q, k, v))
-
         return cls(
             norms.reference_rms_norm,
             norms.reference_rms_norm_rope,
@@ -68,5 +61,4 @@ class PassKernels:
             conv.reference_conv_rows,  # conv_tokens' job, segment by segment
             attention.reference_rows_attention,
             bank.reference_bank_kv,
-            long_attention,
         )

@@ -1,8 +1,9 @@
 """What one fused pass works on, and how it is built: described on the host (PassLayout, from the scorer's rows:
-lay_out) and on the device (PassInput): new states' tokens first, then question rows' tokens, each kind split into
-kernel groups by segment length (short segments, then long ones), plus the bank pool indices the mixers read and
-write. Eager passes size it exactly (exact_input); captured passes (graphs.py) fill the same layout into a bucket's
-padded buffers.
+lay_out) and on the device (PassInput): new states' tokens first, then the tokens of new states that continue a
+banked point (extensions: from the point on), then question rows' tokens, each kind split into kernel groups by
+segment length (short segments, then long ones), plus the bank pool indices the mixers read and write. Eager passes
+size it exactly (exact_input); captured passes (graphs.py) fill the same layout into a bucket's padded buffers, for
+passes without extensions.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from ..protocol.encoding import EncodedQuestion, token_ids
 from ..scoring.transfer import device_int_fields, device_ints
-from .pool import Slot
+from .pool import Extension, Slot
 
 # A segment this short is "short", a longer one "long": each class is a kernel group of its own (its kernels'
 # configurations differ). The class depends on the segment alone, never on what shares its pass,
@@ -56,6 +57,10 @@ class KernelGroup:
     # A captured pass's new states in one group (graphs.StaticInputs.pass_input): its first `short_segments`
     # segments are the short states' slots, the rest the long ones'. 0: one length class, as `short` says.
     short_segments: int = 0
+    # New states keeping a point: after each segment's first save_at[n] tokens (0: none) the DeltaNet state goes into
+    # pool slot save_slots[n] (kernels.delta_rule.chunked_rows); None: no segment of the group keeps one.
+    save_at: torch.Tensor | None = None
+    save_slots: torch.Tensor | None = None
 
     @property
     def span(self) -> slice:
@@ -131,6 +136,15 @@ class PassLayout:
     prefix_start: list[int] = field(default_factory=list)
     prefix_len: list[int] = field(default_factory=list)
     row_picks: list[int] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)  # (save_at, point slot) per new state
+    # New states continuing a point (their tokens from `ext_starts` on), as the new states' fields.
+    ext_ids: list[int] | np.ndarray = field(default_factory=list)
+    ext_lengths: list[int] = field(default_factory=list)
+    ext_starts: list[int] = field(default_factory=list)
+    ext_slots: list[int] = field(default_factory=list)
+    ext_kv_dst: list[int] | np.ndarray = field(default_factory=list)
+    ext_prefix: list[int] | np.ndarray = field(default_factory=list)
+    ext_saves: list[tuple[int, int]] = field(default_factory=list)
 
     def state_positions(self) -> np.ndarray:
         """Each new state's token positions, 0 … n − 1, one state after another (int64)."""
@@ -157,6 +171,17 @@ class PassInput:
     # The longest row prefix, on the host (a long-prefix graph's: graphs.LONG_PREFIX_MAX): over
     # kernels.attention.SPLIT_ABOVE the rows' attention is a split launch
     row_prefix_max: int = 0
+    # New states continuing a banked point (long segments, one group): their tokens from the point on, each
+    # attending to its point's tokens' K/V through `extend_prefix` (the state's own first pages, shared with the
+    # state keeping the point), one run a state.
+    extends: Segments | None = None
+    extend_kv_dst: torch.Tensor | None = None
+    extend_prefix: torch.Tensor | None = None
+    extend_prefix_start: torch.Tensor | None = None
+    extend_prefix_len: torch.Tensor | None = None
+    # Points saved in this pass: the pass token indices of each one's last W conv inputs [points, W], and the point
+    # slots their windows go to (the DeltaNet state is saved by the chain: KernelGroup.save_at).
+    point_windows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -172,17 +197,41 @@ class Row:
     state: tuple[int, ...]
 
 
-def lay_out(rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, ...], Slot], page: int) -> PassLayout:
-    """The pass on the host: the `new` states' tokens (computed into their bank `slots`), then the `rows`' (each
-    continuing its state from the bank), in the given orders; K/V indices by pages of `page` tokens."""
+def lay_out(
+    rows: list[Row],
+    new: list[tuple[int, ...]],
+    slots: dict[tuple[int, ...], Slot],
+    page: int,
+    how: dict[tuple[int, ...], Extension] | None = None,
+) -> PassLayout:
+    """The pass on the host: the `new` states' tokens (computed into their bank `slots`; those `how` says continue a
+    point, from it on, after the others), then the `rows`' (each continuing its state from the bank), in the given
+    orders; K/V indices by pages of `page` tokens."""
     out = PassLayout()
+    how = how or {}
     kv_dst: list[np.ndarray] = []
     state_ids: list[np.ndarray] = []
+    ext_ids: list[np.ndarray] = []
+    ext_kv: list[np.ndarray] = []
+    ext_prefix: list[np.ndarray] = []
     for state in new:
+        slot, extension = slots[state], how.get(state, Extension())
+        point = slot.point.slot if extension.save else 0
+        if extension.start:
+            index = slot.kv_index(page)
+            ext_ids.append(token_ids(state)[extension.start :])
+            out.ext_lengths.append(len(state) - extension.start)
+            out.ext_starts.append(extension.start)
+            out.ext_slots.append(slot.slot)
+            ext_kv.append(index[extension.start :])
+            ext_prefix.append(index[: extension.start])
+            out.ext_saves.append((extension.save, point))
+            continue
         state_ids.append(token_ids(state))
         out.state_lengths.append(len(state))
-        out.state_slots.append(slots[state].slot)
-        kv_dst.append(slots[state].kv_index(page))
+        out.state_slots.append(slot.slot)
+        kv_dst.append(slot.kv_index(page))
+        out.state_saves.append((extension.save, point))
     # Each state's pool K/V index once; every row points at its state's run. A request's rows share its state's
     # tuple, so the run and slot are found by the tuple's identity first: hashing a long state's tuple on every
     # lookup would cost host time for each row.
@@ -211,9 +260,13 @@ def lay_out(rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, 
         out.row_picks.extend(start + i for i in row.tokens.option_ends)
     # The new states' ids and K/V indices stay numpy arrays (a long state's are thousands, and an array is written
     # into the pinned buffer far faster than a list).
-    if new:
+    if state_ids:
         out.state_ids = np.concatenate(state_ids)
         out.state_kv_dst = np.concatenate(kv_dst)
+    if ext_ids:
+        out.ext_ids = np.concatenate(ext_ids)
+        out.ext_kv_dst = np.concatenate(ext_kv)
+        out.ext_prefix = np.concatenate(ext_prefix)
     if prefix:
         out.prefix = np.concatenate(prefix)
     return out
@@ -221,37 +274,101 @@ def lay_out(rows: list[Row], new: list[tuple[int, ...]], slots: dict[tuple[int, 
 
 def exact_input(layout: PassLayout, pad_id: int, device: torch.device) -> PassInput:
     """The pass on the device, exactly sized (padded only to MIN_GEMM_ROWS tokens)."""
-    n_state = len(layout.state_ids)
-    padding = max(0, MIN_GEMM_ROWS - n_state - len(layout.row_ids))
-    ids, positions, state_kv_dst, prefix, prefix_start, prefix_len, picks = device_int_fields(
+    n_state, n_ext = len(layout.state_ids), len(layout.ext_ids)
+    rows_at = n_state + n_ext
+    padding = max(0, MIN_GEMM_ROWS - rows_at - len(layout.row_ids))
+    ext_positions = [np.arange(a, a + n, dtype=np.int64) for a, n in zip(layout.ext_starts, layout.ext_lengths)]
+    windows, window_slots = point_windows(layout)
+    ext_runs = offsets(layout.ext_starts)
+    fields = device_int_fields(
         [
             np.concatenate(
                 [
                     np.asarray(layout.state_ids, np.int64),
+                    np.asarray(layout.ext_ids, np.int64),
                     np.asarray(layout.row_ids, np.int64),
                     np.full(padding, pad_id, np.int64),
                 ]
             ),
             np.concatenate(
-                [layout.state_positions(), np.asarray(layout.row_positions, np.int64), np.zeros(padding, np.int64)]
+                [
+                    layout.state_positions(),
+                    *ext_positions,
+                    np.asarray(layout.row_positions, np.int64),
+                    np.zeros(padding, np.int64),
+                ]
             ),
             layout.state_kv_dst,
             layout.prefix,
             layout.prefix_start,
             layout.prefix_len,
-            [n_state + i for i in layout.row_picks],
+            [rows_at + i for i in layout.row_picks],
+            layout.ext_kv_dst,
+            layout.ext_prefix,
+            ext_runs[:-1],
+            layout.ext_starts,
+            windows,
+            window_slots,
         ],
         device,
     )
+    ids, positions, state_kv_dst, prefix, prefix_start, prefix_len, picks = fields[:7]
+    ext_kv_dst, ext_prefix, ext_prefix_start, ext_prefix_len, windows_t, window_slots_t = fields[7:]
+    states = None
+    if n_state:
+        states = Segments.build(0, layout.state_lengths, layout.state_slots, device)
+        with_saves(states, layout.state_saves, device)
+    extends = None
+    if n_ext:
+        extends = Segments.build(n_state, layout.ext_lengths, layout.ext_slots, device)
+        assert len(extends.groups) == 1 and not extends.groups[0].short  # EXTEND_MIN_TOKENS
+        with_saves(extends, layout.ext_saves, device)
     return PassInput(
         ids=ids,
         positions=positions,
-        states=Segments.build(0, layout.state_lengths, layout.state_slots, device) if n_state else None,
+        states=states,
         state_kv_dst=state_kv_dst if n_state else None,
-        rows=Segments.build(n_state, layout.row_lengths, layout.row_slots, device) if layout.row_ids else None,
+        rows=Segments.build(rows_at, layout.row_lengths, layout.row_slots, device) if layout.row_ids else None,
         row_prefix=prefix,
         row_prefix_start=prefix_start,
         row_prefix_len=prefix_len,
         picks=picks,
         row_prefix_max=max(layout.prefix_len, default=0),
+        extends=extends,
+        extend_kv_dst=ext_kv_dst if n_ext else None,
+        extend_prefix=ext_prefix if n_ext else None,
+        extend_prefix_start=ext_prefix_start if n_ext else None,
+        extend_prefix_len=ext_prefix_len if n_ext else None,
+        point_windows=(windows_t.view(-1, CONV_WINDOW), window_slots_t) if len(window_slots) else None,
     )
+
+
+# The conv's window (Qwen3.5's conv kernel size): a point keeps the last CONV_WINDOW inputs before it.
+CONV_WINDOW = 4
+
+
+def point_windows(layout: PassLayout) -> tuple[list[int], list[int]]:
+    """For every point the pass saves: the pass token indices of its last CONV_WINDOW conv inputs (flat, a point's
+    in order), and its slot."""
+    tokens: list[int] = []
+    slots: list[int] = []
+    at = 0
+    for lengths, saves in ((layout.state_lengths, layout.state_saves), (layout.ext_lengths, layout.ext_saves)):
+        for n, (save, slot) in zip(lengths, saves, strict=True):
+            if save:
+                tokens.extend(range(at + save - CONV_WINDOW, at + save))
+                slots.append(slot)
+            at += n
+    return tokens, slots
+
+
+def with_saves(segments: Segments, saves: list[tuple[int, int]], device: torch.device) -> None:
+    """The points its segments save (save_at, slot), on each kernel group that has any."""
+    first = 0
+    for group in segments.groups:
+        n = group.slots.shape[0]
+        mine = saves[first : first + n]
+        first += n
+        if any(at for at, _ in mine):
+            group.save_at = device_ints([at for at, _ in mine], device)
+            group.save_slots = device_ints([slot for _, slot in mine], device)

@@ -1,5 +1,13 @@
 """The fused path's state bank: a preallocated pool on the GPU (DeltaNet slots, paged attention K/V) behind an LRU
-keyed by exact state tokens. Fixed addresses, so passes (and their CUDA graphs) read states by index."""
+keyed by exact state tokens. Fixed addresses, so passes (and their CUDA graphs) read states by index.
+
+Growing states (scoring/growth.py has the idea and the reference path's form): a banked state of POINT_MIN_TOKENS or
+more keeps a point, the DeltaNet conv and recurrent state after its last page boundary at least TAIL_TOKENS before
+its end, in a slot of its own. A new state that continues a point shares the pages of the point's tokens with the
+state keeping it (pages are counted by reference, freed with their last state) and starts from a copy of the point
+in its own slot: only its tokens after the point are computed. Cost: a point is one more slot (slot_bytes: Kev-4B
+48 MiB); a grown state adds its own pages only.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,25 @@ import numpy as np
 import torch
 
 from ..model.qwen35 import FULL_ATTENTION, Qwen35Config
-from ..scoring.bank import LruIndex
+from ..scoring.growth import PointIndex, boundary_keys, point_length
+
+# The shortest state that keeps a point: a shorter one is computed again whole in about the time a turn takes.
+POINT_MIN_TOKENS = 1024
+# The fewest tokens a state computes after the point it continues: more than a short segment (passes.is_short), so
+# that an extension is one long kernel group, and at least the conv's window.
+EXTEND_MIN_TOKENS = 65
+
+
+@dataclass(frozen=True)
+class GpuPoint:
+    """A state's DeltaNet conv and recurrent state after its first `length` tokens (a page boundary), in pool slot
+    `slot`; `key` is boundary_keys(state, width, length)[-1]. The attention K/V of those tokens are the state's first
+    pages."""
+
+    length: int
+    width: int
+    key: int
+    slot: int
 
 
 @dataclass
@@ -20,7 +46,8 @@ class Slot:
     slot: int
     pages: list[int]
     length: int
-    nbytes: int
+    nbytes: int  # what it holds alone: its slot, its point's and the pages no other state shares
+    point: GpuPoint | None = None
 
     def kv_index(self, page_size: int) -> np.ndarray:
         """The pool K/V index of each of the state's tokens (int64; numpy: a long state's is thousands)."""
@@ -62,6 +89,7 @@ class StatePool:
         self.pages = n_pages - 1  # to give: all but the scratch page (and `scratch_slot` slots)
         self.free_slots = list(range(n_slots - 1))
         self.free_pages = list(range(n_pages - 1))
+        self.page_refs = np.zeros(n_pages, dtype=np.int64)  # the states holding each page
 
     @property
     def nbytes(self) -> int:
@@ -85,19 +113,53 @@ class StatePool:
         pages = max(math.ceil(min_tokens / page_size), capacity_bytes // 2 // max(probe.page_bytes, 1)) + 1
         return cls(config, int(slots), int(pages), page_size, device, dtype)
 
-    def allocate(self, length: int) -> Slot | None:
-        n_pages = math.ceil(length / self.page_size)
-        if not self.free_slots or len(self.free_pages) < n_pages:
+    @property
+    def used_bytes(self) -> int:
+        """What the states hold: their slots and points, and each page once however many states share it."""
+        slots = self.scratch_slot - len(self.free_slots)
+        return slots * self.slot_bytes + (self.pages - len(self.free_pages)) * self.page_bytes
+
+    def allocate(self, length: int, shared: list[int] | None = None, points: int = 0) -> tuple[Slot, list[int]] | None:
+        """A slot and pages for a state of `length` tokens whose first pages are `shared` (another state's, held by
+        reference), and `points` more slots; None where the pool lacks room."""
+        shared = shared or []
+        n_pages = math.ceil(length / self.page_size) - len(shared)
+        if len(self.free_slots) < 1 + points or len(self.free_pages) < n_pages:
             return None
         pages = [self.free_pages.pop() for _ in range(n_pages)]
-        return Slot(self.free_slots.pop(), pages, length, self.slot_bytes + n_pages * self.page_bytes)
+        self.page_refs[shared + pages] += 1
+        extra = [self.free_slots.pop() for _ in range(points)]
+        nbytes = (1 + points) * self.slot_bytes + n_pages * self.page_bytes
+        return Slot(self.free_slots.pop(), shared + pages, length, nbytes), extra
 
     def release(self, slot: Slot) -> None:
         self.free_slots.append(slot.slot)
-        self.free_pages.extend(slot.pages)
+        if slot.point is not None:
+            self.free_slots.append(slot.point.slot)
+        self.page_refs[slot.pages] -= 1
+        self.free_pages.extend(page for page in slot.pages if not self.page_refs[page])
+
+    def copy_point(self, point: GpuPoint, slot: int) -> None:
+        """The point's conv and recurrent state into `slot` (enqueued on the current stream)."""
+        self.recurrent[:, slot] = self.recurrent[:, point.slot]
+        self.conv[:, slot] = self.conv[:, point.slot]
 
 
-class GpuBank(LruIndex[Slot]):
+def slots_for(length: int, page: int) -> int:
+    """The pool slots a new state of `length` tokens takes: its own, and its point's where it keeps one."""
+    return 2 if point_length(length, page) >= POINT_MIN_TOKENS else 1
+
+
+@dataclass(frozen=True)
+class Extension:
+    """How a new state is computed: from its token `start` on (0: whole; else the end of the point it continues,
+    copied into its slot), its own point saved after its first `save` tokens (0: none)."""
+
+    start: int = 0
+    save: int = 0
+
+
+class GpuBank(PointIndex[Slot]):
     """The fused path's bank: states in a StatePool, evicted when the pool has no room for a new one. States of
     the batch in flight are pinned."""
 
@@ -106,22 +168,70 @@ class GpuBank(LruIndex[Slot]):
         self.pool = pool
 
     def allocate(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> Slot | None:
-        """A slot for a new state, evicting least recently used unpinned states; None if the pinned ones fill it."""
-        while (slot := self.pool.allocate(len(key))) is None:
+        """A slot for a new state computed whole, without a point, evicting least recently used unpinned states;
+        None if the pinned ones fill it."""
+        found = self._allocate(key, pinned, [], 0)
+        return None if found is None else found[0]
+
+    def allocate_growing(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> tuple[Slot, Extension] | None:
+        """A slot for a new state, and how to compute it: from the furthest banked point it continues (its pages
+        shared, the point copied into the new slot), keeping a point of its own when it is long enough
+        (POINT_MIN_TOKENS) and that point is further (found by later states once `publish`ed: after the pass computing
+        it is enqueued). Evicts as `allocate` does (never the state whose point it continues)."""
+        page = self.pool.page_size
+        start, shared, source = 0, [], None
+        found = self.longest_prefix(key, page, after=EXTEND_MIN_TOKENS)
+        if found is not None:
+            owner, entry, source = found
+            start, shared = source.length, entry.pages[: source.length // page]
+            pinned = pinned | {owner}
+        keep = point_length(len(key), page)
+        keep = keep if keep >= POINT_MIN_TOKENS and keep > start else 0
+        made = self._allocate(key, pinned, shared, 1 if keep else 0)
+        if made is None and keep:  # no slot for a point beside the pinned states: the state without one
+            keep, made = 0, self._allocate(key, pinned, shared, 0)
+        if made is None:
+            return None
+        slot, extra = made
+        if keep:
+            slot.point = GpuPoint(keep, page, boundary_keys(key, page, keep)[-1], extra[0])
+        if source is not None:
+            self.pool.copy_point(source, slot.slot)  # type: ignore[arg-type]
+            self.stats.prefix_hits += 1
+            self.stats.tokens_reused += start
+        self.stats.tokens_computed += len(key) - start
+        return slot, Extension(start, keep - start if keep else 0)
+
+    def _allocate(
+        self, key: tuple[int, ...], pinned: set[tuple[int, ...]], shared: list[int], points: int
+    ) -> tuple[Slot, list[int]] | None:
+        while (made := self.pool.allocate(len(key), shared, points)) is None:
             victim = next((k for k in self._entries if k not in pinned), None)
             if victim is None:
                 return None
             self._remove(victim)
             self.stats.evictions += 1
-        self._add(key, slot)
-        return slot
+        self._add(key, made[0])
+        return made
 
     def forget(self, key: tuple[int, ...]) -> None:
         """Drops a state whose pass failed (its slot holds garbage)."""
         if key in self._entries:
             self._remove(key)
 
+    def publish(self, key: tuple[int, ...]) -> None:
+        """The banked state's point, if it keeps one, found by later states: its pass is enqueued, and anything that
+        reads the point is enqueued after it."""
+        slot = self._entries.get(key)
+        if slot is not None and slot.point is not None:
+            self._owners.setdefault(slot.point.key, {})[key] = None
+
+    def _add(self, key: tuple[int, ...], entry: Slot) -> None:
+        super()._add(key, entry)
+        self.stats.bytes = self.pool.used_bytes
+
     def _remove(self, key: tuple[int, ...]) -> Slot:
         slot = super()._remove(key)
         self.pool.release(slot)
+        self.stats.bytes = self.pool.used_bytes
         return slot

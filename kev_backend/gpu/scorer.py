@@ -20,7 +20,7 @@ from .head import PointerHead
 from .memory import BANK_SHARE, GpuMemoryError, MemoryPlan, gib, states_held
 from .pass_kernels import PassKernels
 from .passes import MIN_GEMM_ROWS, PassLayout, Row, exact_input, is_short, lay_out
-from .pool import GpuBank, Slot, StatePool
+from .pool import Extension, GpuBank, Slot, StatePool, slots_for
 from .weights import FusedWeights
 
 # The bank where none is given and the device is not a GPU (the fused pass's stand-ins on a CPU, in tests).
@@ -82,13 +82,14 @@ class FusedScorer:
         self.on_progress: Callable[[], None] | None = None
 
     def _new_bank(self, capacity_bytes: int | None = None) -> GpuBank:
-        """The bank: `bank_bytes`, or `capacity_bytes` (0: one state of max_state_tokens and the scratch slot)."""
+        """The bank: `bank_bytes`, or `capacity_bytes` (0: one state of max_state_tokens with its point, and the
+        scratch slot)."""
         pool = StatePool.sized(
             self.weights.config,
             self.bank_bytes if capacity_bytes is None else capacity_bytes,
             self.device,
             self.dtype,
-            min_slots=1,
+            min_slots=2,
             min_tokens=self.max_state_tokens + 64,
         )
         return GpuBank(pool)
@@ -226,11 +227,6 @@ class FusedScorer:
     def warm_head(self) -> None:
         self.pointer.warm()
 
-    def prepare_thread(self) -> None:
-        """What the thread that will run the passes builds before its first: cuDNN's attention plans for long new
-        states, which torch keeps per thread."""
-        self.model.build_long_attention_plans(self.max_state_tokens)
-
     def probabilities(self, batch: Sequence[Encoded]) -> list[list[list[float]]]:
         return self.launch(batch).result()
 
@@ -295,18 +291,20 @@ class FusedScorer:
         groups: list[list[Row]] = []
         current: list[Row] = []
         cost = 0
-        states = 0
+        states = 0  # the pool slots the pass's states take (slots_for: a state keeping a point takes two)
         # The slots the bank can give (all but its scratch slot); a model without DeltaNet layers has none to lack.
         max_states = self.bank.pool.scratch_slot if len(self.bank.pool.recurrent) else 1 << 30
+        page = self.bank.pool.page_size
         for state, members in by_state.items():
             need = len(state) + sum(len(m.tokens.tokens) for m in members)
-            if current and (cost + need > self.pass_tokens or states + 1 > max_states):
+            slots = slots_for(len(state), page)
+            if current and (cost + need > self.pass_tokens or states + slots > max_states):
                 groups.append(current)
                 current, cost, states = [], 0, 0
             if need <= max(self.pass_tokens, self.max_row_tokens) or len(members) == 1:
                 current.extend(members)
                 cost += need
-                states += 1
+                states += slots
                 continue
             # More work on one state than the largest pass: its first pass takes the state and the rows that fit in
             # Kev's row limit (at least one); the next passes hold rows only, the state being banked by then.
@@ -330,15 +328,17 @@ class FusedScorer:
         states = list(OrderedDict.fromkeys(row.state for row in rows))
         pinned = set(states)
         slots: dict[tuple[int, ...], Slot] = {}
+        how: dict[tuple[int, ...], Extension] = {}
         new: list[tuple[int, ...]] = []
         for state in states:
             slot = self.bank.get(state)
             if slot is None:
-                slot = self.bank.allocate(state, pinned)
-                if slot is None:
+                # From the furthest banked point it continues, if any, keeping its own (gpu/pool.py).
+                made = self.bank.allocate_growing(state, pinned)
+                if made is None:
                     raise RuntimeError("the state bank cannot hold one pass's states: raise bank_bytes")
+                slot, how[state] = made
                 new.append(state)
-                self.bank.stats.tokens_computed += len(state)
             slots[state] = slot
         # Short segments before long ones, within the states and within the rows (stable): each length class is one
         # contiguous kernel group.
@@ -346,11 +346,13 @@ class FusedScorer:
         rows = sorted(rows, key=lambda row: not is_short(len(row.tokens.tokens)))
         try:
             # One pass: the new states' tokens and the rows' share every GEMM.
-            picked = self.forward(lay_out(rows, new, slots, self.bank.pool.page_size))
+            picked = self.forward(lay_out(rows, new, slots, self.bank.pool.page_size, how))
         except BaseException:
             for state in new:
                 self.bank.forget(state)
             raise
+        for state in new:
+            self.bank.publish(state)
         decides = {}
         offset = 0
         for row in rows:  # in the layout's order: each row's <decide>, then its options' </opt> (PassLayout.row_picks)

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from ..model.qwen35 import SequenceCache
-from .bank import StateBank
+from .bank import LruIndex, StateBank
 
 TAIL_TOKENS = 16  # a state's last tokens that a grown state may not share
 
@@ -93,19 +94,46 @@ class Banked:
         return self.cache.nbytes + (self.point.nbytes if self.point is not None else 0)
 
 
-class PrefixBank(StateBank[Banked]):
-    """The reference path's bank, its states' points indexed by key. A point goes with its state when the state is
-    evicted; using a state's point counts as using the state, so a conversation's latest state stays banked while it
-    grows."""
+class Keyed(Protocol):
+    """A point as PointIndex finds it: where it is (`length` tokens in chunks of `width`) and its boundary key."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(capacity_bytes)
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def key(self) -> int: ...
+
+
+class WithPoint(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def point(self) -> Keyed | None: ...
+
+
+Entry = TypeVar("Entry", bound=WithPoint)
+
+
+class PointIndex(LruIndex[Entry], Generic[Entry]):
+    """A bank whose states may keep a point, indexed by the point's key. A point goes with its state when the state
+    is evicted; using a state's point counts as using the state, so a conversation's latest state stays banked while
+    it grows."""
+
+    def __init__(self, *args: int) -> None:
+        super().__init__(*args)  # the bank's own arguments (cooperative: PrefixBank's StateBank)
         self._owners: dict[int, dict[tuple[int, ...], None]] = {}  # a point's key: the banked states keeping it
 
-    def longest_prefix(self, state: Sequence[int], width: int) -> tuple[Banked, Point] | None:
+    def longest_prefix(
+        self, state: Sequence[int], width: int, after: int = 1
+    ) -> tuple[tuple[int, ...], Entry, Keyed] | None:
         """The banked point furthest into `state` that `state` continues (its tokens up to the point are the banked
-        state's), with at least one token of `state` after it; None when there is none."""
-        keys = boundary_keys(state, width, len(state) - 1)
+        state's), with at least `after` tokens of `state` after it: the state keeping it, its entry and the point;
+        None when there is none."""
+        keys = boundary_keys(state, width, len(state) - after)
         for length, key in zip(range(len(keys) * width, 0, -width), reversed(keys), strict=True):
             for owner in reversed(self._owners.get(key, {})):
                 entry = self._entries[owner]
@@ -114,15 +142,15 @@ class PrefixBank(StateBank[Banked]):
                     continue
                 if tuple(state[:length]) == owner[:length]:
                     self._entries.move_to_end(owner)
-                    return entry, point
+                    return owner, entry, point
         return None
 
-    def _add(self, key: tuple[int, ...], entry: Banked) -> None:
+    def _add(self, key: tuple[int, ...], entry: Entry) -> None:
         super()._add(key, entry)
         if entry.point is not None:
             self._owners.setdefault(entry.point.key, {})[key] = None
 
-    def _remove(self, key: tuple[int, ...]) -> Banked:
+    def _remove(self, key: tuple[int, ...]) -> Entry:
         entry = super()._remove(key)
         if entry.point is not None:
             owners = self._owners.get(entry.point.key, {})
@@ -130,3 +158,7 @@ class PrefixBank(StateBank[Banked]):
             if not owners:
                 self._owners.pop(entry.point.key, None)
         return entry
+
+
+class PrefixBank(PointIndex[Banked], StateBank[Banked]):
+    """The reference path's bank: an LRU of `capacity_bytes` whose states' points are indexed by key."""

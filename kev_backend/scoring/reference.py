@@ -77,7 +77,7 @@ class ReferenceScorer:
         cache, start, point = None, 0, None
         found = self.bank.longest_prefix(state, width)
         if found is not None:
-            entry, point = found
+            _, entry, point = found
             cache, start = point.cache(entry.cache), point.length
             stats.prefix_hits += 1
             stats.tokens_reused += start
@@ -93,9 +93,6 @@ class ReferenceScorer:
 
     def warm_head(self) -> None:
         warm_pointer_head(self.head)
-
-    def prepare_thread(self) -> None:
-        """Nothing: the reference path keeps no state per thread."""
 
     def bank_summary(self) -> str:
         """Nothing for the start-up line: the reference path's bank is an LRU of `bank_bytes`, preallocating nothing."""

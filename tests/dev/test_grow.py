@@ -39,5 +39,10 @@ def test_the_grow_record_on_the_reference_path(tiny_dir: Path) -> None:
         assert min(point["extend_ms"], point["scratch_ms"], point["same_ms"]) > 0
     assert record["rps_4"] > 0
     assert (record["turns"], record["differing"]) == (12, 0)
-    # every timed and untimed point's next turn, and the compared turns but each conversation's first
-    assert record["prefix_hits"] >= 2 * 2 + 11 and record["tokens_reused"] > 0
+    # every timed and untimed point's next turn, and the compared turns but each conversation's first (6 of 2)
+    assert record["prefix_hits"] >= 2 * 2 + 6 and record["tokens_reused"] > 0
+    # Conversations together, two at a time, each turn continuing the one before (the reference path's batches are
+    # not bit for bit its requests alone, so the batched groups are the GPU test's: tests/gpu/test_determinism.py).
+    hits = engine.bank.stats.prefix_hits
+    assert grow.differing(engine, 8, per_conversation=4, together=2) == {"turns": 8, "differing": 0}
+    assert engine.bank.stats.prefix_hits - hits == 2 * 3

@@ -93,28 +93,6 @@ def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytes
     assert isinstance(second, list) and "answers" in second[0]
 
 
-def test_the_model_thread_prepares_before_the_pipeline_is_ready(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The scorer's per-thread state (cuDNN's attention plans on a GPU) is built on the thread that runs the passes,
-    before Pipeline() returns (a server reports ready after it); a failure there is logged and the pipeline serves."""
-    prepared = []
-
-    def prepare() -> None:
-        prepared.append(threading.current_thread().name)
-        raise RuntimeError("no plans today")
-
-    monkeypatch.setattr(engine.scorer, "prepare_thread", prepare)
-    pipeline = Pipeline(engine)
-    try:
-        assert prepared == ["kev-model"]
-        ((results, _, _),) = run(pipeline, [[request("after a failed preparation")]])
-    finally:
-        pipeline.close()
-    assert "answers" in results[0]
-    assert engine.startup["thread"] >= 0
-
-
 @pytest.mark.parametrize(
     ("sizes", "budget", "lengths"),
     [

@@ -2,8 +2,8 @@
 
 They let the fused pass (pool writes, rows reading the bank by slot, picks, norms) run on a CPU against the
 reference engine: the kernels' own plain torch references (PassKernels.references, kept beside each kernel in
-kev_backend/gpu/kernels/*.py and checked against them in tests/gpu/kernels/test_*.py), with the delta-rule and
-long-attention launches counted.
+kev_backend/gpu/kernels/*.py and checked against them in tests/gpu/kernels/test_*.py), with the delta-rule
+launches counted.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kev_backend.gpu.kernels.delta_rule import reference_rows
 from kev_backend.gpu.pass_kernels import PassKernels
 from kev_backend.gpu.scorer import FusedScorer
 from kev_backend.model.checkpoint import KevCheckpoint
-from kev_backend.model.qwen35 import causal_attention, gated_delta_rule, l2_normalize
+from kev_backend.model.qwen35 import gated_delta_rule, l2_normalize
 
 
 def segment_delta_rule(q, k, v, g, beta, h0):
@@ -34,21 +34,32 @@ def segment_delta_rule(q, k, v, g, beta, h0):
     return o[0].transpose(0, 1), state[0]
 
 
-def segment_attention(q, keys, values):
-    """Causal attention of one segment's queries [L, Hq, D] over keys and values [S, Hkv, D], bottom-right aligned."""
-    qq, kk, vv = (t.transpose(0, 1)[None] for t in (q, keys, values))
-    return causal_attention(qq, kk, vv, q.shape[-1] ** -0.5)[0].transpose(0, 1)
-
-
 # Our kernels' stand-ins take padded passes too (a captured pass's layout): the region may hold tokens after the last
 # segment (outputs left as zeros here) and empty segments (a new one writes an empty state into its slot).
 
 
-CALLS: Counter[str] = Counter()  # delta-rule and long-state attention launches, for routing checks
+CALLS: Counter[str] = Counter()  # delta-rule launches, for routing checks
 
 
 def chunked_rows(
-    q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states=False, out=None, padded=False, lead_apart=False, lead=0
+    q,
+    k,
+    v,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    pool,
+    slots,
+    cu,
+    new_states=False,
+    out=None,
+    padded=False,
+    lead_apart=False,
+    lead=0,
+    extend=False,
+    save_at=None,
+    save_slots=None,
 ):
     """The gated delta rule segment by segment (`padded`, `lead_apart` and `lead`, how the GPU kernel launches,
     change nothing here)."""
@@ -56,19 +67,15 @@ def chunked_rows(
     CALLS[f"chunked_rows padded={padded}"] += 1  # True: a captured pass's group
     CALLS[f"chunked_rows lead_apart={lead_apart}"] += 1  # True: a captured pass's long new states
     CALLS[f"chunked_rows lead={lead > 0}"] += 1  # True: a captured pass's short and long new states in one group
-    return reference_rows(q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, segment_delta_rule)
+    CALLS[f"chunked_rows extend={extend}"] += 1  # True: new states continuing a point
+    CALLS[f"chunked_rows save={save_at is not None}"] += 1  # True: new states keeping a point
+    args = (q, k, v, a, b, a_log, dt_bias, pool, slots, cu, new_states, out, segment_delta_rule)
+    return reference_rows(*args, extend=extend, save_at=save_at, save_slots=save_slots)
 
 
-def long_attention(q, k, v, out):
-    """cudnn_attention's job: one new state's causal attention over its own tokens, into `out`."""
-    CALLS["long_attention"] += 1
-    CALLS[f"long_attention {q.shape[0]}"] += 1
-    out.copy_(segment_attention(q, k, v))
-
-
-# The kernels' references, with the two launches these tests count and the delta rule in the reference engine's own
+# The kernels' references, with the launches these tests count and the delta rule in the reference engine's own
 # chunked fp32 form (its answers are what the fused pass is compared with).
-TORCH_KERNELS = replace(PassKernels.references(), chunked_rows=chunked_rows, long_attention=long_attention)
+TORCH_KERNELS = replace(PassKernels.references(), chunked_rows=chunked_rows)
 
 
 def engines(

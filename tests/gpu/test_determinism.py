@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev_backend.dev import determinism, sizes, synthetic
+from kev_backend.dev import determinism, grow, sizes, synthetic
 from kev_backend.dev.workloads import realistic
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.gpu import cublaslt
@@ -38,6 +38,21 @@ def test_every_answer_has_the_same_bits_in_any_batch(tiny_dir: Path, parity_ques
     alone = [body(engine.answer([request])[0]) for request in some]
     engine.bank.clear()
     assert [body(result) for result in engine.answer(some)] == alone
+    del engine, checkpoint
+    torch.cuda.empty_cache()
+
+
+def test_growing_conversations_answer_as_computed_whole(tiny_dir: Path, parity_questions: int) -> None:
+    """Kev-4B shapes: >= 1,000 turns of growing conversations (the `grow` workload, ~2,000 to ~7,000 tokens), each
+    computed from the turn before's point, alone and with the same turn of seven other conversations in one batch,
+    give the same bits as the same turn computed from nothing (kev_backend/dev/grow.py's `differing`)."""
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base4b", "cuda", seed=0)
+    engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30))
+    hits = engine.bank.stats.prefix_hits
+    report = grow.differing(engine, parity_questions)
+    print("growing", json.dumps(report), "prefix hits", engine.bank.stats.prefix_hits - hits)
+    assert report["turns"] >= parity_questions and report["differing"] == 0, report
+    assert engine.bank.stats.prefix_hits - hits >= report["turns"] * 0.9
     del engine, checkpoint
     torch.cuda.empty_cache()
 

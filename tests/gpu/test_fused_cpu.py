@@ -3,17 +3,17 @@ reference engine. Catches wrong indices, slots, picks, pool writes and pass spli
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from kev_backend.dev import sizes, synthetic
 from kev_backend.dev.parity import compare
-from kev_backend.dev.workloads import realistic, short6, sized, state_counter
+from kev_backend.dev.workloads import filler, realistic, short6, sized, state_counter
+from kev_backend.gpu import pool as pool_module
 from kev_backend.gpu.pass_kernels import PassKernels
 from kev_backend.gpu.passes import Row
-from kev_backend.model.qwen35 import FULL_ATTENTION, LINEAR_ATTENTION
+from kev_backend.scoring import growth
 from tests.gpu.fused_cpu_ops import CALLS, engines
 
 
@@ -162,36 +162,6 @@ def test_a_trimmed_bucket_answers_like_the_reference(tiny_dir: Path, state_words
     assert fused.graphs.seen == {Bucket(1024, 128, 128)}, fused.graphs.seen
 
 
-def test_new_states_over_cudnn_above_attend_on_calls_of_their_own(tiny_dir: Path, monkeypatch) -> None:
-    """In an eager pass each new state over CUDNN_ABOVE tokens attends on long_attention (cuDNN's on a GPU), a call
-    of its own; the long states between them run on ours, a run at a time. Answers as the reference's, alone and
-    batched."""
-    from kev_backend.gpu import fused as fused_pass
-
-    monkeypatch.setattr(fused_pass, "CUDNN_ABOVE", 100)
-    # The tiny model's one attention layer is its last, which computes no new state's attention: two more first.
-    config = {**sizes.TINY_CONFIG, "layer_types": [FULL_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, FULL_ATTENTION]}
-    config["vocab_size"] = json.loads((tiny_dir / "base" / "config.json").read_text())["vocab_size"]
-    checkpoint = synthetic.synthetic_checkpoint(config, tiny_dir / "base", "cpu", seed=3)
-    reference, fused = engines(tiny_dir, checkpoint=checkpoint, pass_tokens=2000, graphs=False)
-    count = state_counter(reference.tokenizer)
-    lengths = [90, 150, 80, 70, 120, 30]  # runs: [90] ours, 150 alone, [80, 70] ours, 120 alone; 30 is short
-    encoded = [reference.prepare(sized(n, count, i))[1] for i, n in enumerate(lengths)]
-    assert [len(e.state) for e in encoded] == lengths
-    expected = reference.scorer.probabilities(encoded)
-    CALLS.clear()
-    batched = fused.probabilities(encoded)  # one pass: every state new
-    attends = [kind == FULL_ATTENTION for kind in fused.model.c.layer_types]
-    layers = sum(attends) - attends[-1]  # a last attention layer computes no new state's attention
-    assert layers > 0 and CALLS["long_attention 150"] == CALLS["long_attention 120"] == layers, CALLS
-    assert CALLS["long_attention"] == 2 * layers, CALLS
-    fresh = engines(tiny_dir, checkpoint=checkpoint, pass_tokens=2000, graphs=False)[1]
-    alone = [fresh.probabilities([e])[0] for e in encoded]
-    for result in (batched, alone):
-        report = compare(expected, result)
-        assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
-
-
 def test_buckets_over_eager_above_flops_are_left_to_eager_passes(tiny_dir: Path, monkeypatch) -> None:
     """Buckets whose projections come to more than EAGER_ABOVE_FLOPS are not kept: a pass that would take one runs
     eagerly (not through the graphs' buffers) and answers as from a bucket."""
@@ -210,3 +180,65 @@ def test_buckets_over_eager_above_flops_are_left_to_eager_passes(tiny_dir: Path,
     for fused in (graphed, limited):
         assert compare(expected, fused.probabilities([small]) + fused.probabilities([large]))["max_abs"] < 2e-5
     assert graphed.graphs.stats.runs == 2 and limited.graphs.stats.runs == 1  # the 400-token state's pass: eager
+
+
+def test_a_growing_conversation_continues_its_points_and_answers_as_computed_whole(tiny_dir: Path, monkeypatch) -> None:
+    """Each turn's state is the turn before's and a message: it shares the turn before's pages up to that state's
+    point, starts from a copy of the point and computes only its tokens after it, keeping a point of its own (the
+    points here from 128 tokens: POINT_MIN_TOKENS lowered). Its answers are the reference engine's, and the same as the
+    state computed whole on an empty bank and inside a batch; two turns in one pass do not read a point the pass has
+    yet to compute; evicting the turn before frees only the pages no later turn holds."""
+    monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 128)
+    reference, fused = engines(tiny_dir, pass_tokens=4096)
+    _, whole = engines(tiny_dir, pass_tokens=4096)
+    turns = [{"state": filler(260 + 90 * t, 5), "questions": short6()["questions"]} for t in range(5)]
+    encoded = [reference.prepare(turn)[1] for turn in turns]
+    assert all(b.state[: len(a.state) - 8] == a.state[: len(a.state) - 8] for a, b in zip(encoded, encoded[1:]))
+    CALLS.clear()
+    grown = [fused.probabilities([e])[0] for e in encoded]
+    stats = fused.bank.stats
+    assert stats.prefix_hits == len(turns) - 1, stats
+    reused = sum(growth.point_length(len(e.state), 64) for e in encoded[:-1])
+    assert stats.tokens_reused == reused and stats.tokens_computed == sum(len(e.state) for e in encoded) - reused
+    assert CALLS["chunked_rows extend=True"] > 0 and CALLS["chunked_rows save=True"] > 0, CALLS
+    report = compare(reference.scorer.probabilities(encoded), grown)
+    assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
+    for e, answer in zip(encoded, grown, strict=True):
+        whole.bank.clear()
+        assert compare([whole.probabilities([e])[0]], [answer])["max_abs"] < 1e-6
+    # Two turns of one conversation in one pass: the later one is computed whole (its point is not computed yet).
+    whole.bank.clear()
+    hits = whole.bank.stats.prefix_hits
+    assert compare(whole.probabilities(encoded[:2]), grown[:2])["max_abs"] < 1e-6
+    assert whole.bank.stats.prefix_hits == hits
+    # Pages are shared by reference: the pool's bytes count each page once, and evicting every earlier turn leaves
+    # the last one answering the same.
+    pool = fused.bank.pool
+    assert fused.bank.stats.bytes == pool.used_bytes
+    for e in encoded[:-1]:
+        fused.bank.forget(e.state)
+    assert compare([fused.probabilities([encoded[-1]])[0]], grown[-1:])["max_abs"] == 0.0
+    held = {page for slot in fused.bank._entries.values() for page in slot.pages}
+    assert set(np.flatnonzero(pool.page_refs)) == held and len(pool.free_pages) == pool.pages - len(held)
+
+
+def test_our_kernels_grow_a_state_bit_for_bit(tiny_dir: Path, monkeypatch, kernel_run) -> None:
+    """The pass on this project's Triton kernels (interpreted here; tests/gpu/test_determinism.py compiles them on a
+    GPU at Kev-4B's shapes): turns continuing the turn before's point answer, bit for bit, as the same states computed
+    whole. Holds because an extension's chunks of the delta rule and key blocks of attention start where the whole
+    state's do (points sit on 64-token boundaries), and the point carries the chain's fp32 state."""
+    if not kernel_run.interpreted:
+        pytest.skip("compiled on a GPU: tests/gpu/test_determinism.py")
+    monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 64)
+    kernels = PassKernels.gpu()
+    _, fused = engines(tiny_dir, kernels=kernels, graphs=False)
+    reference, whole = engines(tiny_dir, kernels=kernels, graphs=False)
+    turns = [
+        {"state": filler(150 + 90 * t, 6), "questions": dict(list(short6()["questions"].items())[:1])} for t in range(3)
+    ]
+    encoded = [reference.prepare(turn)[1] for turn in turns]
+    grown = [fused.probabilities([e])[0] for e in encoded]
+    assert fused.bank.stats.prefix_hits == len(turns) - 1
+    for e, answer in zip(encoded, grown, strict=True):
+        whole.bank.clear()
+        assert whole.probabilities([e])[0] == answer

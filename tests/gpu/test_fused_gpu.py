@@ -144,38 +144,6 @@ def test_rows_over_a_long_state_replay_a_long_prefix_graph(tiny_dir: Path) -> No
     torch.cuda.empty_cache()
 
 
-def test_a_state_over_cudnn_above_answers_alike_alone_and_batched(tiny_dir: Path) -> None:
-    """New states of more than CUDNN_ABOVE tokens attend on cuDNN (kernels.attention.cudnn_attention), a call each:
-    answers within the parity bar of the fp32 reference's, and the same bits alone as beside other long states."""
-    from kev_backend.dev.parity import compare
-    from kev_backend.dev.workloads import sized, state_counter
-    from kev_backend.gpu.kernels.attention import CUDNN_ABOVE
-
-    tokenizer = tiny_dir / "small-tokenizer"
-    tokenizer.mkdir(exist_ok=True)
-    layers = 8  # two attention layers: the last computes no new state's attention
-    config = {**sizes.SMALL_CONFIG, "vocab_size": synthetic.write_tokenizer(tokenizer), "num_hidden_layers": layers}
-    checkpoint = synthetic.synthetic_checkpoint(
-        {**config, "layer_types": sizes.hybrid_layers(layers)}, tokenizer, "cuda"
-    )
-    reference, fused = engines(checkpoint, 4 << 30)
-    alone_engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=4 << 30))
-    assert fused.scorer.model._long_attention is not None  # cuDNN runs these heads here
-    count = state_counter(fused.tokenizer)
-    lengths = (CUDNN_ABOVE + 1900, CUDNN_ABOVE + 40, 3000)
-    encoded = [fused.prepare(sized(n, count, i))[1] for i, n in enumerate(lengths)]
-    assert [len(e.state) for e in encoded] == list(lengths)
-    fused.prepare_thread()  # the plans of 4,097-8,192 tokens' class, here: the pass below finds it built
-    batched = fused.scorer.probabilities(encoded)  # one eager pass
-    alone = [alone_engine.scorer.probabilities([e])[0] for e in encoded]
-    assert batched == alone
-    report = compare(reference.scorer.probabilities(encoded), batched)
-    print("cudnn long states", json.dumps(report))
-    assert report["max_abs"] <= 0.03
-    del reference, fused, alone_engine, checkpoint
-    torch.cuda.empty_cache()
-
-
 def test_the_bank_takes_what_the_largest_pass_leaves(tiny_dir: Path) -> None:
     """Kev-4B's shapes with the bank left to the engine (gpu/memory.py): the plan measured its largest pass, the bank
     is what the GPU's memory allows, and the largest request the limits allow (a 65,536-token state and questions up

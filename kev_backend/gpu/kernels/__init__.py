@@ -1,9 +1,8 @@
 """Our Triton kernels for the fused path, with fixed launch configurations (no autotuning on the request path):
 norms and the MLP activation, the gated delta rule, the causal conv and row attention, the last three reading or
-writing their segments' states in the bank pool in place, and the new states' K/V into the bank; and, for new
-states over CUDNN_ABOVE tokens, cuDNN's attention (cudnn_attention)."""
+writing their segments' states in the bank pool in place, and the new states' K/V into the bank."""
 
-from .attention import cudnn_attention, rows_attention
+from .attention import rows_attention
 from .bank import bank_kv
 from .conv import conv_rows, conv_tokens
 from .delta_rule import chunked_rows
@@ -14,7 +13,6 @@ __all__ = [
     "chunked_rows",
     "conv_rows",
     "conv_tokens",
-    "cudnn_attention",
     "gated_rms_norm",
     "rms_norm",
     "rms_norm_rope",

@@ -1,13 +1,10 @@
 """Attention of question rows over their state's K/V in the bank (by index) and their own, bottom-right causal;
-without a prefix, causal attention of new states over their own tokens; for the longest new states, cuDNN's
-(cudnn_attention, CUDNN_ABOVE)."""
+without a prefix, causal attention of new states over their own tokens, at any length: a state grown from a point
+attends over the point's tokens as a prefix, in the same key blocks as the state whole (gpu/pool.py)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -40,19 +37,6 @@ LOG2_E = 1.4426950408889634
 # keep the unsplit launch, which graphs capture for every other bucket.
 SPLIT_ABOVE = 32_768
 SPLIT_KEYS = 4096
-# A new state of more than CUDNN_ABOVE tokens in an eager pass attends over its own tokens on cuDNN (torch's SDPA,
-# cudnn_attention), a call of its own: with Kev's 256-wide heads cuDNN's kernel runs at ~617 TFLOP/s on 8k-64k-token
-# states against ~535 for ours (64k tokens: 57 against 66 ms a layer), while up to a few thousand tokens ours is
-# faster (docs/kernels.md). The choice depends on the state's own length alone, so its answer does not depend on its
-# batch; every state bucket of a captured pass is at most CUDNN_ABOVE tokens, so graphs never hold the call.
-CUDNN_ABOVE = 4096
-# torch builds a cuDNN graph and plan for each attention shape it has not seen and keeps them per thread without bound.
-# Its key holds the sequence lengths, so each new state length would pay a build and grow that cache with what clients
-# send. With RAGGED_PLANS set, calls whose q, k and v are [batch, tokens, heads, D] contiguous (cudnn_attention's) are
-# keyed by their lengths rounded up to powers of two and run on their own lengths: one plan a class, four from 4,097
-# to 65,536 tokens (docs/kernels.md). torch reads the variable once, at the process's first cuDNN attention call: the
-# fused path's start-up step sets it (gpu/process.py), before any.
-RAGGED_PLANS = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 
 
 @triton.jit
@@ -349,58 +333,6 @@ def rows_attention(
                 num_warps=warps,
             )
     return o
-
-
-def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-    """One new state's causal attention over its own tokens on cuDNN (CUDNN_ABOVE), GQA, written into `out`.
-    q, out: [L, Hq, D]; k, v: [L, Hkv, D], any token stride (copied to [L, heads, D] where needed: the layout in
-    which torch keys cuDNN's plans by length class, RAGGED_PLANS)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        o = F.scaled_dot_product_attention(
-            *(x.contiguous().transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True, enable_gqa=True
-        )
-    out.copy_(o[0].transpose(0, 1))
-
-
-@functools.cache
-def cudnn_attention_runs(device: torch.device, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether cudnn_attention runs these heads on this device (cuDNN's SDPA needs a recent GPU, cuDNN 9 and a
-    supported head width): one small call, against our kernel's output."""
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(256, heads, head_dim, device=device, dtype=dtype, generator=g)
-    k, v = (torch.randn(256, kv_heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(2))
-    out = torch.empty_like(q)
-    try:
-        cudnn_attention(q, k, v, out)
-    except RuntimeError:  # no cuDNN kernel for these shapes here
-        return False
-    cu = torch.tensor([0, 256], device=device)
-    ours = rows_attention(q, k, v, k, v, None, None, None, cu, 256)
-    return bool(((out.float() - ours.float()).abs().max() < 0.05).item())
-
-
-def cudnn_plan_lengths(max_tokens: int) -> list[int]:
-    """A state length in each of the classes that RAGGED_PLANS keys cuDNN's plans by, for new states over CUDNN_ABOVE
-    (a power of two) up to `max_tokens` tokens: the smallest of each class, whose call needs the least memory."""
-    lengths = []
-    length = CUDNN_ABOVE + 1
-    while length <= max_tokens:
-        lengths.append(length)
-        length = 2 * length - 1
-    return lengths
-
-
-def build_cudnn_plans(
-    device: torch.device, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_tokens: int
-) -> None:
-    """Builds cuDNN's attention plan of each length class up to `max_tokens` on the calling thread (torch keeps them
-    per thread): a call each on zeros, so that no request pays a build."""
-    for length in cudnn_plan_lengths(max_tokens):
-        q = torch.zeros(length, heads, head_dim, device=device, dtype=dtype)
-        k = torch.zeros(length, kv_heads, head_dim, device=device, dtype=dtype)
-        cudnn_attention(q, k, k, q)
 
 
 def reference_segment_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,7 @@ def _conv_scan_kernel(
     BT: tl.constexpr,
     BC: tl.constexpr,
     CONTINUE: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """conv_tokens in BT-token slices of the input, each scanned token by token by one program per BC channels: the
     window lives in registers, so each input is loaded once, and a program holds a few [BC] vectors (no [BT, BC]
@@ -187,8 +188,8 @@ def _conv_scan_kernel(
             _store_silu(y, t + 2, stride_yt, o_c, m_c & (t + 2 < hi), w0 * x1 + w1 * a0 + w2 * a1 + w3 * a2)
             _store_silu(y, t + 3, stride_yt, o_c, m_c & (t + 3 < hi), w0 * a0 + w1 * a1 + w2 * a2 + w3 * a3)
             x3, x2, x1 = a1, a2, a3
-        if not CONTINUE:  # the program with a new state's last token writes its window: its last W inputs, read
-            # again (zeros before the segment's start)
+        if STORE:  # the program with a new state's last token writes its window: its last W inputs, read again
+            # (zeros before the segment's start; an extended state's are W or more tokens: scorer.EXTEND_MIN_TOKENS)
             end = hi == eos
             if end & (hi > lo):
                 for d in tl.static_range(W):
@@ -206,12 +207,14 @@ def conv_tokens(
     slots: torch.Tensor,
     cu: torch.Tensor,
     new_states: bool = False,
+    extend: bool = False,
 ) -> torch.Tensor:
     """conv_rows' job (same arguments) for segments of any length and number: slices of SCAN_TOKENS tokens of the
     whole input scanned in parallel, each finding its first segment by binary search in `cu`. The grid depends
     only on x's size, so it can be captured; tokens outside the segments are not written. A new state's window is
     written by the program holding its last token, so an empty new segment writes none (the engine has none; a
-    graph's padding segments are empty)."""
+    graph's padding segments are empty). With `new_states` and `extend`, each new state (at least W tokens)
+    continues the window its slot holds (the point it extends, copied there) instead of zeros."""
     T, C = x.shape
     W = weight.shape[1]
     n = slots.shape[0]
@@ -234,7 +237,8 @@ def conv_tokens(
             W=W,
             BT=block_t,
             BC=block_c,
-            CONTINUE=not new_states,
+            CONTINUE=extend or not new_states,
+            STORE=new_states,
             num_warps=warps,
         )
     return y
@@ -247,14 +251,15 @@ def reference_conv_rows(
     slots: torch.Tensor,
     cu: torch.Tensor,
     new_states: bool = False,
+    extend: bool = False,
 ) -> torch.Tensor:
     """conv_rows' and conv_tokens' job in torch (tests/gpu/kernels/test_conv.py, tests/gpu/fused_cpu_ops.py), segment by
-    segment: silu(depthwise conv1d) over [the window | the segment's inputs]; with `new_states` from a zero window,
-    writing the last W inputs into pool[slot] (an empty segment writes its zero window). Tokens outside the segments
-    are zeros."""
+    segment: silu(depthwise conv1d) over [the window | the segment's inputs]; with `new_states` from a zero window
+    (`extend`: the slot's), writing the last W inputs into pool[slot] (an empty segment writes its start window).
+    Tokens outside the segments are zeros."""
     y = torch.zeros_like(x)
     for (lo, hi), slot in zip(segment_bounds(cu), slots.tolist()):
-        window = torch.zeros_like(pool[slot]) if new_states else pool[slot]
+        window = torch.zeros_like(pool[slot]) if new_states and not extend else pool[slot].clone()
         seq = torch.cat([window, x[lo:hi].T], dim=1)
         if hi > lo:
             y[lo:hi] = F.silu(F.conv1d(seq[None, :, 1:], weight[:, None, :], groups=weight.shape[0]))[0].T

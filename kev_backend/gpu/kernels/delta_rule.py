@@ -348,6 +348,8 @@ def _chain_item(
     kd,
     qk,
     dend,
+    save_at,
+    save_slots,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -355,6 +357,8 @@ def _chain_item(
     BV: tl.constexpr,
     BT: tl.constexpr,
     CONTINUE: tl.constexpr,
+    STORE: tl.constexpr,
+    SAVE: tl.constexpr,
     BF16: tl.constexpr,
 ):
     """One item of _chunked_delta_rule_kernel; returns its segment's start."""
@@ -362,6 +366,15 @@ def _chain_item(
         item, a_log, dt_bias, pool, slots, cu, H, HV, K, V, BV, CONTINUE
     )
     written = eos > bos  # empty segments (a captured pass's padding, on the scratch slot) store no end state
+    # SAVE: the state after the segment's first save_at[n] tokens (a whole number of chunks; 0: none) also goes into
+    # pool[save_slots[n]]: a point a longer state can continue from (gpu/growth.py).
+    # Only scalars stay live across the chain: the point's address is made where it is stored.
+    save_end = bos
+    save_base = bos * 0
+    if SAVE:
+        n = item // (V // BV) // HV
+        save_end = bos + tl.load(save_at + n).to(tl.int64)
+        save_base = (tl.load(save_slots + n).to(tl.int64) * HV + hv) * K * V + (item % (V // BV)) * BV
     o_t = tl.arange(0, BT)
     # Offsets within a chunk (the same for every chunk) and the chunk's base: only a segment's last chunk can be
     # partial, so the others (a first pass over the whole chunks) load and store without per-element masks.
@@ -397,7 +410,10 @@ def _chain_item(
                 o_t < eos - c0,
                 partial == 1,
             )
-    if not CONTINUE:
+            if SAVE:
+                if (c0 + BT == save_end) & (save_end > bos):
+                    tl.store(pool + save_base + tl.arange(0, K)[:, None] * V + tl.arange(0, BV)[None, :], S)
+    if STORE:
         tl.store(state, S, mask=written)
     return bos
 
@@ -425,6 +441,8 @@ def _chunked_delta_rule_kernel(
     kd,
     qk,
     dend,
+    save_at,
+    save_slots,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -432,6 +450,8 @@ def _chunked_delta_rule_kernel(
     BV: tl.constexpr,
     BT: tl.constexpr,
     CONTINUE: tl.constexpr,
+    STORE: tl.constexpr,
+    SAVE: tl.constexpr,
     BF16: tl.constexpr,
     LOOP: tl.constexpr,
     N,
@@ -461,6 +481,8 @@ def _chunked_delta_rule_kernel(
                 kd,
                 qk,
                 dend,
+                save_at,
+                save_slots,
                 H,
                 HV,
                 K,
@@ -468,6 +490,8 @@ def _chunked_delta_rule_kernel(
                 BV,
                 BT,
                 CONTINUE,
+                STORE,
+                SAVE,
                 BF16,
             )
             item = _next_item(item, bos, end, N * HV * (V // BV))
@@ -488,6 +512,8 @@ def _chunked_delta_rule_kernel(
             kd,
             qk,
             dend,
+            save_at,
+            save_slots,
             H,
             HV,
             K,
@@ -495,6 +521,8 @@ def _chunked_delta_rule_kernel(
             BV,
             BT,
             CONTINUE,
+            STORE,
+            SAVE,
             BF16,
         )
 
@@ -522,12 +550,15 @@ def _launch_chain(
     slots,
     cu,
     new_states,
+    extend,
+    save_at,
+    save_slots,
     out,
     **extra,
 ) -> torch.Tensor:
     """Checks the layouts the chain assumes and launches it: a program per item (segment, value head, value block),
     or with `per_sm` that many programs an SM taking items in turn (CHUNK_PER_SM). `extra`: the prep's terms and
-    the launch options, by name (per token, never per segment)."""
+    the launch options, by name (per token, never per segment); the segments' own arrays are arguments."""
     T, H, K = q.shape
     HV, V = u.shape[1], u.shape[2]
     assert k.stride() == q.stride() and q.stride(2) == 1 and u.stride(2) == 1
@@ -559,12 +590,16 @@ def _launch_chain(
             u.stride(0),
             a.stride(0),
             out.stride(0),
+            save_at=slots if save_at is None else save_at,  # not read without SAVE
+            save_slots=slots if save_slots is None else save_slots,
             H=H,
             HV=HV,
             K=K,
             V=V,
             BV=BV,
-            CONTINUE=not new_states,
+            CONTINUE=extend or not new_states,
+            STORE=new_states,
+            SAVE=save_at is not None,
             LOOP=per_sm is not None,
             N=n,
             num_warps=warps,
@@ -589,10 +624,18 @@ def chunked_rows(
     padded: bool = False,
     lead_apart: bool = False,
     lead: int = 0,
+    extend: bool = False,
+    save_at: torch.Tensor | None = None,
+    save_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule for question rows, each continuing the state in `pool[slots[n]]` without copying it;
     or, with `new_states`, for new states starting from zero, each writing its end state into `pool[slots[n]]` (an
-    empty segment writes nothing).
+    empty segment writes nothing). With `new_states` and `extend`, each new state continues the state its slot holds
+    already (the point it extends, copied there) instead of zero. `save_at` [N] (with `new_states`): the state after
+    each segment's first save_at[n] tokens, a multiple of CHUNK (0: none), is also written into
+    pool[save_slots[n]]. A segment continued from the state after its first m·CHUNK tokens gives the same outputs
+    and end state, bit for bit, as the segment whole: chunks start every CHUNK tokens from a segment's start, and
+    the chain's state is carried and saved in fp32.
 
     q, k: [T, H, K] and v: [T, HV, V], contiguous per token (e.g. slices of the conv output); a, b: [T, HV] raw
     gate inputs (same token stride), with A_log and dt_bias [HV]; pool: [slots, HV, K, V] fp32; slots: [N]; cu:
@@ -652,7 +695,8 @@ def chunked_rows(
             num_warps=PREP_WARPS,
             **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}),
         )
-    wide = not padded and n >= segments_for_wide(q.device, HV, V)
+    # A launch saving points runs narrow: at 64 value columns the store inside the chain spills registers.
+    wide = not padded and save_at is None and n >= segments_for_wide(q.device, HV, V)
     block_v, warps, maxnreg = CHUNK_WIDE if wide else CHUNK_NARROW
     extra = dict(w=w, qs=qs, kd=kd, qk=qk, dend=dend, BT=CHUNK, BF16=bf16)
     if maxnreg is not None:
@@ -661,7 +705,8 @@ def chunked_rows(
     def chain(first: int, last: int, per_sm: int | None, into: torch.Tensor | None) -> torch.Tensor:
         """The sequential pass over segments [first, last) (cu's offsets are the pass's, so any run of them)."""
         run_slots, run_cu = slots[first:last], cu[first : last + 1]
-        args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, into)
+        saves = (None, None) if save_at is None else (save_at[first:last], save_slots[first:last])
+        args = (q, k, u, a, b, a_log, dt_bias, pool, run_slots, run_cu, new_states, extend, *saves, into)
         return _launch_chain(block_v, warps, per_sm, *args, **extra)
 
     if not (padded and lead_apart and n > lead + 1):
@@ -732,25 +777,36 @@ def reference_rows(
     new_states: bool = False,
     out: torch.Tensor | None = None,
     segment_rule=reference_segment_delta_rule,
+    extend: bool = False,
+    save_at: torch.Tensor | None = None,
+    save_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """chunked_rows' job in torch (same arguments, less its launch options): rows from
-    pool[slots[n]] (read, never written), or new states from zero writing their final state into it (an empty new
-    segment writes a zero state). Tokens outside the segments are zeros (or `out`'s). `segment_rule`: one segment's
-    rule, reference_segment_delta_rule's arguments and results (tests/gpu/fused_cpu_ops.py passes the engine's)."""
+    pool[slots[n]] (read, never written), or new states from zero (`extend`: from pool[slots[n]]) writing their final
+    state into it (an empty new segment writes its start state), and with `save_at` the state after a segment's
+    first save_at[n] tokens into pool[save_slots[n]]. Tokens outside the segments are zeros (or `out`'s).
+    `segment_rule`: one segment's rule, reference_segment_delta_rule's arguments and results
+    (tests/gpu/fused_cpu_ops.py passes the engine's)."""
     T, HV, V = v.shape
     o = torch.zeros(T, HV, V, device=v.device, dtype=v.dtype) if out is None else out
-    for (lo, hi), slot in zip(segment_bounds(cu), slots.tolist()):
+    saves = [0] * len(slots) if save_at is None else save_at.tolist()
+    for n, ((lo, hi), slot) in enumerate(zip(segment_bounds(cu), slots.tolist(), strict=True)):
+        h0 = None if new_states and not extend else pool[slot].clone()
         if hi == lo:
             if new_states:
-                pool[slot] = 0.0
+                pool[slot] = 0.0 if h0 is None else h0
             continue
-        h0 = None if new_states else pool[slot]
         # Segment by segment, the gates too: a CPU's vector math rounds a tensor's tail elements apart from the rest,
         # so a gate computed over the whole group would change with the segments beside it.
         g = -a_log.exp() * F.softplus(a[lo:hi].float() + dt_bias)
         beta = torch.sigmoid(b[lo:hi].float())
-        y, final = segment_rule(q[lo:hi], k[lo:hi], v[lo:hi], g, beta, h0)
-        o[lo:hi] = y.to(o.dtype)
+        # A saved point splits the segment there: the rule carries its state across the split as it does whole.
+        for start, end in ((0, saves[n]), (saves[n], hi - lo)) if saves[n] else ((0, hi - lo),):
+            span = slice(start, end)
+            y, h0 = segment_rule(q[lo:hi][span], k[lo:hi][span], v[lo:hi][span], g[span], beta[span], h0)
+            o[lo + start : lo + end] = y.to(o.dtype)
+            if end == saves[n]:
+                pool[int(save_slots[n])] = h0
         if new_states:
-            pool[slot] = final
+            pool[slot] = h0
     return o

@@ -1,24 +1,13 @@
 """kernels.attention.rows_attention against its torch reference (model.qwen35's causal attention, segment by
-segment): in Triton's interpreter on a CPU, compiled on a GPU (tests/conftest.py); cudnn_attention against the fp32
-formula and ours, on a GPU, and the layout and length classes it gives torch, anywhere."""
+segment): in Triton's interpreter on a CPU, compiled on a GPU (tests/conftest.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 from kev_backend.gpu.kernels import grid
-from kev_backend.gpu.kernels.attention import (
-    CUDNN_ABOVE,
-    cudnn_attention,
-    cudnn_attention_runs,
-    cudnn_plan_lengths,
-    reference_rows_attention,
-    reference_segment_attention,
-    rows_attention,
-)
+from kev_backend.gpu.kernels.attention import reference_rows_attention, rows_attention
 from kev_backend.model.qwen35 import causal_attention
 
 D, T, POOL = 32, 28, 200
@@ -97,6 +86,23 @@ def test_long_new_state(kernel_run) -> None:
     assert (o - ref).abs().max() < kernel_run.tol
 
 
+@GROUPS
+def test_a_state_continued_from_a_point_attends_as_the_state_whole(kernel_run, HQ: int, HKV: int) -> None:
+    """A new state's tokens after a point (128: a multiple of the key blocks) attending over the point's tokens' K/V
+    in the pool, then their own, give the same bits as the state attending over its own tokens whole: the same key
+    blocks in the same order, whatever the query tile (new states' long tiles against rows')."""
+    L, point = 200, 128
+    q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
+    kp, vp = torch.zeros(POOL + L, HKV, D), torch.zeros(POOL + L, HKV, D)
+    kp[POOL - point : POOL], vp[POOL - point : POOL] = k[:point], v[:point]  # where the bank keeps them
+    whole = rows_attention(q, k, v, kp, vp, None, None, None, torch.tensor([0, L]), max_len=L)
+    prefix = torch.arange(POOL - point, POOL)
+    tail = slice(point, L)
+    start, length, cu = torch.tensor([0]), torch.tensor([point]), torch.tensor([0, L - point])
+    grown = rows_attention(q[tail], k[tail], v[tail], kp, vp, prefix, start, length, cu, max_len=L - point)
+    assert torch.equal(grown, whole[tail])
+
+
 @pytest.fixture
 def split_16(monkeypatch) -> None:
     """Prefixes over 16 keys split in parts of 16: the rows above (6 and 37 keys) take one part and three."""
@@ -142,70 +148,3 @@ def test_a_rows_bits_do_not_depend_on_the_launch(kernel_run, split_16, HQ: int, 
         max_prefix=37,
     )
     assert torch.equal(alone, split[a:b])
-
-
-@pytest.mark.gpu
-def test_cudnn_attention_is_as_near_the_fp32_formula_as_ours() -> None:
-    """A new state over CUDNN_ABOVE tokens with Kev's heads (16 query and 4 key/value heads of 256; v read in place
-    from a wider projection): cuDNN's output is as near the fp32 formula as our kernel's (both round to bf16), and a
-    state's output is the same bits alone as inside a longer pass."""
-    torch.manual_seed(0)
-    L, HQ, HKV, HD = CUDNN_ABOVE + 904, 16, 4, 256
-    assert cudnn_attention_runs(torch.device("cuda"), HQ, HKV, HD, torch.bfloat16)
-    q = torch.randn(L + 300, HQ, HD, device="cuda").bfloat16()
-    k = torch.randn(L + 300, HKV, HD, device="cuda").bfloat16()
-    v = torch.randn(L + 300, 3 * HKV * HD, device="cuda").bfloat16()[:, : HKV * HD].view(L + 300, HKV, HD)
-    exact = reference_segment_attention(q[:L].float(), k[:L].float(), v[:L].float())
-    out = torch.full((L + 300, HQ, HD), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cudnn_attention(q[:L], k[:L], v[:L], out[:L])
-    ours = rows_attention(q[:L], k[:L], v[:L], k, k, None, None, None, torch.tensor([0, L], device="cuda"), L)
-    error, ours_error = ((x.float() - exact).abs().max().item() for x in (out[:L], ours))
-    print(f"cudnn_attention: max |error| {error:.2e}, ours {ours_error:.2e}")
-    assert error <= max(1.5 * ours_error, 4e-3)
-    assert not out[L:].isfinite().any()  # nothing written past the state
-    again = torch.empty_like(q)
-    cudnn_attention(q[100 : L + 100], k[100 : L + 100], v[100 : L + 100], again[100 : L + 100])
-    cudnn_attention(q[:L], k[:L], v[:L], again[:L])
-    assert torch.equal(again[:L], out[:L])
-
-
-def test_cudnn_plan_lengths_take_the_smallest_state_of_each_class() -> None:
-    """torch keys cuDNN's plans by lengths rounded up to powers of two (RAGGED_PLANS): one state length a class, from
-    just over CUDNN_ABOVE to the limit, each the class's smallest."""
-    assert CUDNN_ABOVE == 4096
-    assert cudnn_plan_lengths(65_536) == [4097, 8193, 16385, 32769]
-    assert cudnn_plan_lengths(8193) == [4097, 8193]
-    assert cudnn_plan_lengths(4096) == []
-
-
-def test_cudnn_attention_hands_torch_the_layout_keyed_by_length_class(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch keys cuDNN's plans by length class (RAGGED_PLANS, set by the fused path's start-up step on a GPU) only
-    for q, k and v laid out [batch, tokens, heads, D] contiguous: cudnn_attention gives it that layout whatever the
-    strides it gets (v read in place from a wider projection here), and writes the result into `out`."""
-    import torch.nn.functional as F
-
-    from kev_backend.gpu import process
-    from kev_backend.gpu.kernels import attention
-
-    monkeypatch.delenv(attention.RAGGED_PLANS, raising=False)
-    process.configure(torch.device("cpu"))
-    assert attention.RAGGED_PLANS not in os.environ  # a CPU pass makes none of CUDA's settings
-    with monkeypatch.context() as patch:
-        patch.setattr(torch.backends.cuda, "preferred_blas_library", lambda library: None)
-        process.configure(torch.device("cuda"))
-    assert os.environ[attention.RAGGED_PLANS] == "1"
-    seen = []
-
-    def sdpa(q, k, v, is_causal, enable_gqa):
-        seen.extend(x.transpose(1, 2).is_contiguous() for x in (q, k, v))
-        assert is_causal and enable_gqa and q.shape == (1, 4, 9, 8) and k.shape == v.shape == (1, 2, 9, 8)
-        return q * 2
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    q, k = torch.randn(9, 4, 8), torch.randn(9, 2, 8)
-    v = torch.randn(9, 3 * 2 * 8)[:, : 2 * 8].view(9, 2, 8)
-    assert not v.is_contiguous()
-    out = torch.zeros(9, 4, 8)
-    attention.cudnn_attention(q, k, v, out)
-    assert seen == [True, True, True]
-    assert torch.equal(out, q * 2)

@@ -67,6 +67,9 @@ def compile_for_hopper(tmp: str) -> None:
     delta_rule |= {"slots": i64, "cu": i64, "o": bf, "scale": "fp32"}
     # On a GPU the chain multiplies bf16 operands, and W, Qs, Kd, QK and U₀ are stored so (delta_rule._bf16_chain).
     chunk_terms = delta_rule | {"dend": f32} | {name: bf for name in ("w", "qs", "kd", "qk", "u")}
+    chain = chunk_terms | {"save_at": i64, "save_slots": i64}
+    # (CONTINUE, STORE): rows, new states, new states continuing a point
+    conv_modes = ((True, False), (False, True), (True, True))
     deltanet_heads = dict(H=16, HV=32, K=128, V=128)  # Kev-4B's DeltaNet heads
     attention = {"q": bf, "k": bf, "v": bf, "k_pool": bf, "v_pool": bf, "o": bf, "scale": "fp32"}
     attention |= {"prefix": i64, "prefix_start": i64, "prefix_len": i64, "cu": i64, "part_acc": f32, "part_ml": f32}
@@ -114,16 +117,16 @@ def compile_for_hopper(tmp: str) -> None:
                 dict(W=4, BC=256, CONTINUE=continues),
                 4,
             )
-            for continues in (True, False)
+            for continues in (True, False)  # the tests' reference: rows and new states
         ],
         *[
             (
                 C._conv_scan_kernel,
                 {"x": bf, "weight": bf, "pool": bf, "slots": i64, "cu": i64, "y": bf},
-                dict(W=4, BT=tokens, BC=channels, CONTINUE=continues),
+                dict(W=4, BT=tokens, BC=channels, CONTINUE=continues, STORE=store),
                 warps,
             )
-            for continues in (True, False)
+            for continues, store in conv_modes
             for tokens, channels, warps in ((C.SCAN_TOKENS, C.SCAN_CHANNELS, C.SCAN_WARPS), C.SCAN_SMALL)
         ],
         (
@@ -136,18 +139,28 @@ def compile_for_hopper(tmp: str) -> None:
         *[
             (
                 R._chunked_delta_rule_kernel,
-                chunk_terms,
-                deltanet_heads | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, BF16=True, LOOP=loop),
+                chain,
+                deltanet_heads
+                | dict(BV=block_v, BT=R.CHUNK, CONTINUE=continues, STORE=store, SAVE=save, BF16=True, LOOP=loop),
                 warps,
                 maxnreg,
             )
-            for continues in (True, False)
-            # padded groups (LOOP: programs taking items in turn) run narrow
+            # rows, new states (saving a point or not), new states continuing a point (saving one or not); padded
+            # groups (LOOP: programs taking items in turn, a captured pass's) run narrow and continue no point
+            for continues, store, save in (
+                (True, False, False),
+                (False, True, False),
+                (False, True, True),
+                (True, True, False),
+                (True, True, True),
+            )
             for (block_v, warps, maxnreg), loop in (
                 (R.CHUNK_NARROW, False),
                 (R.CHUNK_NARROW, True),
                 (R.CHUNK_WIDE, False),
             )
+            # (launches saving points run narrow: chunked_rows)
+            if not (loop and continues and store) and not (save and block_v == R.CHUNK_WIDE[0])
         ],
         *[
             (

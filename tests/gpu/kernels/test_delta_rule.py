@@ -157,3 +157,25 @@ def test_lead_apart_as_one_launch(kernel_run, lead: int) -> None:
     x = inputs(LONG_CU, pool_scale=0.3)
     apart = padded_new_states(x, padded=True, lead_apart=True, lead=lead)
     assert torch.equal(apart, padded_new_states(x, padded=True, lead_apart=False))
+
+
+def test_a_state_continued_from_its_saved_point_is_the_state_whole(kernel_run) -> None:
+    """New states saving their state after 32 and 64 tokens (save_at; 0: none), then states continuing those points
+    (`extend`: from the copy in their slot) over their tokens after them: the same outputs and end states, bit for
+    bit, as the states whole; the saved points are the reference's."""
+    x = inputs([0, 80, 176], pool_scale=0.3)
+    cu, slots = torch.tensor([0, 80, 176]), torch.tensor([0, 1])
+    states = torch.full((6, HV, K, V), NAN)
+    save_at, save_slots = torch.tensor([32, 64]), torch.tensor([2, 3])
+    whole = chunked_rows(*args(x, states), slots, cu, new_states=True, save_at=save_at, save_slots=save_slots)
+    ref_states = torch.full((6, HV, K, V), NAN)
+    reference_rows(*args(x, ref_states), slots, cu, new_states=True, save_at=save_at, save_slots=save_slots)
+    close(states[[2, 3]], ref_states[[2, 3]], 10 * kernel_run.tol, "points")
+    states[[4, 5]] = states[[2, 3]]  # the points copied into the continuing states' slots
+    after = [(32, 80), (144, 176)]  # each state's tokens after its point
+    per_token = {name: torch.cat([getattr(x, name)[a:b] for a, b in after]) for name in ("q", "k", "v", "a", "b")}
+    part = SimpleNamespace(**{**vars(x), **per_token})
+    part_cu = torch.tensor([0, 48, 80])
+    extended = chunked_rows(*args(part, states), torch.tensor([4, 5]), part_cu, new_states=True, extend=True)
+    assert torch.equal(extended, torch.cat([whole[a:b] for a, b in after]))
+    assert torch.equal(states[[4, 5]], states[[0, 1]])
