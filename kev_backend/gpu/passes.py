@@ -171,7 +171,7 @@ class PassInput:
     # The longest row prefix, on the host (a long-prefix graph's: graphs.LONG_PREFIX_MAX): over
     # kernels.attention.SPLIT_ABOVE the rows' attention is a split launch
     row_prefix_max: int = 0
-    # New states continuing a banked point (long segments, one group): their tokens from the point on, each
+    # New states continuing a banked point: their tokens from the point on, each
     # attending to its point's tokens' K/V through `extend_prefix` (the state's own first pages, shared with the
     # state keeping the point), one run a state.
     extends: Segments | None = None
@@ -214,7 +214,9 @@ def lay_out(
     ext_ids: list[np.ndarray] = []
     ext_kv: list[np.ndarray] = []
     ext_prefix: list[np.ndarray] = []
-    for state in new:
+    # Extensions' segments short first, as every region's (Segments.build): their class is their tokens after the point.
+    order = sorted(new, key=lambda state: not is_short(len(state) - how.get(state, Extension()).start))
+    for state in order:
         slot, extension = slots[state], how.get(state, Extension())
         point = slot.point.slot if extension.save else 0
         if extension.start:
@@ -321,7 +323,6 @@ def exact_input(layout: PassLayout, pad_id: int, device: torch.device) -> PassIn
     extends = None
     if n_ext:
         extends = Segments.build(n_state, layout.ext_lengths, layout.ext_slots, device)
-        assert len(extends.groups) == 1 and not extends.groups[0].short  # EXTEND_MIN_TOKENS
         with_saves(extends, layout.ext_saves, device)
     return PassInput(
         ids=ids,

@@ -22,9 +22,9 @@ from ..scoring.growth import PointIndex, boundary_keys, point_length
 
 # The shortest state that keeps a point: a shorter one is computed again whole in about the time a turn takes.
 POINT_MIN_TOKENS = 1024
-# The fewest tokens a state computes after the point it continues: more than a short segment (passes.is_short), so
-# that an extension is one long kernel group, and at least the conv's window.
-EXTEND_MIN_TOKENS = 65
+# The fewest tokens a state computes after the point it continues: the conv's window, which a state's end window is
+# read from (a state that continues a point is at least TAIL_TOKENS + 1 longer than it when it grew from its state).
+EXTEND_MIN_TOKENS = 4
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,9 @@ def test_a_growing_conversation_continues_its_points_and_answers_as_computed_who
     monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 128)
     reference, fused = engines(tiny_dir, pass_tokens=4096)
     _, whole = engines(tiny_dir, pass_tokens=4096)
-    turns = [{"state": filler(260 + 90 * t, 5), "questions": short6()["questions"]} for t in range(5)]
+    # Four turns of 90 words, then one of 3: its tokens after the point are a short segment (passes.is_short).
+    words = [260 + 90 * t for t in range(5)] + [260 + 90 * 4 + 3]
+    turns = [{"state": filler(n, 5), "questions": short6()["questions"]} for n in words]
     encoded = [reference.prepare(turn)[1] for turn in turns]
     assert all(b.state[: len(a.state) - 8] == a.state[: len(a.state) - 8] for a, b in zip(encoded, encoded[1:]))
     CALLS.clear()
@@ -233,9 +235,8 @@ def test_our_kernels_grow_a_state_bit_for_bit(tiny_dir: Path, monkeypatch, kerne
     kernels = PassKernels.gpu()
     _, fused = engines(tiny_dir, kernels=kernels, graphs=False)
     reference, whole = engines(tiny_dir, kernels=kernels, graphs=False)
-    turns = [
-        {"state": filler(150 + 90 * t, 6), "questions": dict(list(short6()["questions"].items())[:1])} for t in range(3)
-    ]
+    words = [150, 240, 243]  # the last turn's tokens after the point: a short segment
+    turns = [{"state": filler(n, 6), "questions": dict(list(short6()["questions"].items())[:1])} for n in words]
     encoded = [reference.prepare(turn)[1] for turn in turns]
     grown = [fused.probabilities([e])[0] for e in encoded]
     assert fused.bank.stats.prefix_hits == len(turns) - 1

@@ -189,7 +189,7 @@ def _conv_scan_kernel(
             _store_silu(y, t + 3, stride_yt, o_c, m_c & (t + 3 < hi), w0 * a0 + w1 * a1 + w2 * a2 + w3 * a3)
             x3, x2, x1 = a1, a2, a3
         if STORE:  # the program with a new state's last token writes its window: its last W inputs, read again
-            # (zeros before the segment's start; an extended state's are W or more tokens: scorer.EXTEND_MIN_TOKENS)
+            # (zeros before the segment's start; an extended state's are W or more tokens: pool.EXTEND_MIN_TOKENS)
             end = hi == eos
             if end & (hi > lo):
                 for d in tl.static_range(W):
