@@ -229,8 +229,9 @@ class FusedQwen35:
         """The new states' causal attention over their own tokens (an extension's: over its point's tokens' K/V, then
         its own), into `out`'s state rows."""
         if (e := p.extends) is not None:
-            # Unsplit whatever the prefix (max_prefix 0): a token attends to every key in key blocks of 64 from the
-            # state's first, as the state computed whole does, so its output is the same bit for bit.
+            # Unsplit whatever the prefix (max_prefix 0) and in a long new state's tiles: a token attends to every key
+            # in key blocks of 64 from the state's first, in tiles of the rows a state computed whole has (points are
+            # on states of over a thousand tokens), so its output is the same bit for bit.
             span = slice(e.start, e.end)
             self._rows_attention(
                 q[span],
@@ -244,6 +245,7 @@ class FusedQwen35:
                 e.cu,
                 e.max_len,
                 out[span],
+                state_tiles=True,
             )
         if (s := p.states) is not None:
             for group in s.groups:

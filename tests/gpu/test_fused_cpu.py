@@ -188,6 +188,7 @@ def test_a_growing_conversation_continues_its_points_and_answers_as_computed_who
     points here from 128 tokens: POINT_MIN_TOKENS lowered). Its answers are the reference engine's, and the same as the
     state computed whole on an empty bank and inside a batch; two turns in one pass do not read a point the pass has
     yet to compute; evicting the turn before frees only the pages no later turn holds."""
+    monkeypatch.setattr(pool_module, "GROWING", True)
     monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 128)
     reference, fused = engines(tiny_dir, pass_tokens=4096)
     _, whole = engines(tiny_dir, pass_tokens=4096)
@@ -231,6 +232,7 @@ def test_our_kernels_grow_a_state_bit_for_bit(tiny_dir: Path, monkeypatch, kerne
     state's do (points sit on 64-token boundaries), and the point carries the chain's fp32 state."""
     if not kernel_run.interpreted:
         pytest.skip("compiled on a GPU: tests/gpu/test_determinism.py")
+    monkeypatch.setattr(pool_module, "GROWING", True)
     monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 64)
     kernels = PassKernels.gpu()
     _, fused = engines(tiny_dir, kernels=kernels, graphs=False)
