@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..scoring.transfer import aligned_size
+from . import pool as pool_module
 from .fused import FusedQwen35
 from .kernels import attention
 from .passes import (
@@ -252,11 +253,11 @@ class StaticInputs:
             n_short, n_long = bucket.states, bucket.long_states
             if n_long:  # the long states' segments follow the short ones' in the same buffers
                 region = group(0, s, "state_cu", "state_slots", n_short + n_long, short=False, short_segments=n_short)
-                # the points long states save (short ones keep none: their entries say 0)
-                region.save_at = self.view("state_save_at", n_short + n_long)
-                region.save_slots = self.view("state_save_slots", n_short + n_long)
-                tokens = self.view("point_tokens", CONV_WINDOW * n_long).view(n_long, CONV_WINDOW)
-                windows = (tokens, self.view("point_slots", n_long))
+                if pool_module.GROWING:  # the points long states save (short ones keep none: their entries say 0)
+                    region.save_at = self.view("state_save_at", n_short + n_long)
+                    region.save_slots = self.view("state_save_slots", n_short + n_long)
+                    tokens = self.view("point_tokens", CONV_WINDOW * n_long).view(n_long, CONV_WINDOW)
+                    windows = (tokens, self.view("point_slots", n_long))
             else:
                 region = group(0, s, "state_cu", "state_slots", n_short, short=True)
             states = Segments(0, s, s, region.cu, [region])  # `cu` of a region is read for rows only
@@ -318,7 +319,7 @@ class StaticInputs:
         put("state_cu", cu[1:], capacity + 1, cu[-1], at=bucket.states + 1)
         put("state_slots", layout.state_slots[n_short:], capacity, pool.scratch_slot, at=bucket.states)
         put("state_kv_dst", layout.state_kv_dst, s, pool.scratch_token)
-        if bucket.long_states:  # the points long states save; every other entry saves none, on the scratch slot
+        if bucket.long_states and pool_module.GROWING:  # the points long states save; every other entry saves none
             saves = layout.state_saves[n_short:]
             put("state_save_at", [], bucket.states, 0)
             put("state_save_at", [save for save, _ in saves], capacity, 0, at=bucket.states)
