@@ -367,7 +367,7 @@ def _chain_item(
     )
     written = eos > bos  # empty segments (a captured pass's padding, on the scratch slot) store no end state
     # SAVE: the state after the segment's first save_at[n] tokens (a whole number of chunks; 0: none) also goes into
-    # pool[save_slots[n]]: a point a longer state can continue from (gpu/growth.py).
+    # pool[save_slots[n]]: a point a longer state can continue from (gpu/pool.py).
     # Only scalars stay live across the chain: the point's address is made where it is stored.
     save_end = bos
     save_base = bos * 0
