@@ -259,7 +259,7 @@ def reference_conv_rows(
     Tokens outside the segments are zeros."""
     y = torch.zeros_like(x)
     for (lo, hi), slot in zip(segment_bounds(cu), slots.tolist()):
-        window = torch.zeros_like(pool[slot]) if new_states and not extend else pool[slot].clone()
+        window = torch.zeros_like(pool[slot]) if new_states and not extend else pool[slot]
         seq = torch.cat([window, x[lo:hi].T], dim=1)
         if hi > lo:
             y[lo:hi] = F.silu(F.conv1d(seq[None, :, 1:], weight[:, None, :], groups=weight.shape[0]))[0].T

@@ -791,7 +791,7 @@ def reference_rows(
     o = torch.zeros(T, HV, V, device=v.device, dtype=v.dtype) if out is None else out
     saves = [0] * len(slots) if save_at is None else save_at.tolist()
     for n, ((lo, hi), slot) in enumerate(zip(segment_bounds(cu), slots.tolist(), strict=True)):
-        h0 = None if new_states and not extend else pool[slot].clone()
+        h0 = None if new_states and not extend else pool[slot]  # read, not changed, by the rule
         if hi == lo:
             if new_states:
                 pool[slot] = 0.0 if h0 is None else h0
