@@ -229,9 +229,9 @@ class FusedQwen35:
         """The new states' causal attention over their own tokens (an extension's: over its point's tokens' K/V, then
         its own), into `out`'s state rows."""
         if (e := p.extends) is not None:
-            # Unsplit whatever the prefix (max_prefix 0) and in a long new state's tiles: a token attends to every key
-            # in key blocks of 64 from the state's first, in tiles of the rows a state computed whole has (points are
-            # on states of over a thousand tokens), so its output is the same bit for bit.
+            # Unsplit whatever the prefix (max_prefix 0): a token attends to every key in key blocks of 64 from the
+            # state's first (points are on 64-token pages), as in the state computed whole, so its output is the same
+            # bit for bit (its tile's rows change no row's arithmetic; rows' tiles give twice a long state's programs).
             span = slice(e.start, e.end)
             self._rows_attention(
                 q[span],
@@ -245,7 +245,6 @@ class FusedQwen35:
                 e.cu,
                 e.max_len,
                 out[span],
-                state_tiles=True,
             )
         if (s := p.states) is not None:
             for group in s.groups:

@@ -24,10 +24,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..scoring.transfer import aligned_size
-from . import pool as pool_module
 from .fused import FusedQwen35
 from .kernels import attention
 from .passes import (
@@ -82,8 +82,17 @@ TRIMMED_FROM_STATES = 1024
 # eagerly.
 LONG_PREFIX_ROWS = (64, 128, 192, 256, 384, 512)
 LONG_PREFIX_MAX = 65_536  # Kev's state limit
-# The prefix index a graph's pass holds: the K/V pages of the states its rows continue (1 MB of int64).
+# The prefix index a graph's pass holds: the K/V pages of the states its rows continue (1 MB of int64); the same again
+# for the points its extensions continue.
 PREFIX_TOKENS = 2 * LONG_PREFIX_MAX
+# Passes of new states continuing a point (extensions: a conversation's next turn) with their rows: extension tokens
+# by EXT_BUCKETS, rows by EXT_ROW_BUCKETS, no new state computed whole beside them. A turn adding up to ~250 tokens
+# computes 16-80 more after its point and asks a few questions (six: ~190 row tokens), so one turn takes e384r192;
+# a few together the larger ones. Their rows' attention is the split launch (the long-prefix buckets'), whose rows of
+# one part end as the unsplit kernel does: one set of buckets for conversations of any length. Extensions of
+# RECURRENT_MAX_LEN tokens or fewer (a turn adding a few words) and larger passes run eagerly.
+EXT_BUCKETS = (128, 256, 384, 512, 1024)
+EXT_ROW_BUCKETS = (64, 128, 192, 256, 512)
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +105,11 @@ class Bucket:
     # states' [0, state_tokens), and the rows sit at its end, after the new states' tokens (`fits` checks the total).
     trim: int = 0
     long_prefix: bool = False  # rows over states of more than SPLIT_ABOVE tokens (LONG_PREFIX_ROWS)
+    ext_tokens: int = 0  # extensions' tokens (EXT_BUCKETS), after the new states' region; 0: none
 
     @property
     def tokens(self) -> int:
-        return self.state_tokens + self.row_tokens - self.trim
+        return self.state_tokens + self.ext_tokens + self.row_tokens - self.trim
 
     @property
     def row_start(self) -> int:
@@ -113,6 +123,16 @@ class Bucket:
     @property
     def long_states(self) -> int:
         return self.state_tokens // MIN_LONG_STATE_TOKENS
+
+    @property
+    def extends(self) -> int:
+        """Extension capacity: each is longer than RECURRENT_MAX_LEN."""
+        return self.ext_tokens // RECURRENT_MAX_LEN
+
+    @property
+    def split_rows(self) -> bool:
+        """Whether the rows' attention is the split launch (passes.PassInput.row_prefix_max)."""
+        return self.long_prefix or self.ext_tokens > 0
 
     @property
     def rows(self) -> int:
@@ -131,26 +151,30 @@ class Bucket:
             and len(layout.row_ids) <= self.row_tokens
             and len(layout.row_lengths) <= self.rows
             and len(layout.row_picks) <= self.picks
-            and len(layout.state_ids) + len(layout.row_ids) <= self.tokens
+            and len(layout.ext_ids) <= self.ext_tokens
+            and len(layout.ext_lengths) <= self.extends
+            and len(layout.state_ids) + len(layout.ext_ids) + len(layout.row_ids) <= self.tokens
         )
 
     def rows_at(self, row_tokens: int) -> int:
         """Where a pass's rows (row_tokens of them) start: the rows' region's start, or in a trimmed bucket at the
         pass's end (the region then starts inside the states' padding)."""
-        return self.tokens - row_tokens if self.trim else self.state_tokens
+        return self.tokens - row_tokens if self.trim else self.state_tokens + self.ext_tokens
 
     @property
     def name(self) -> str:
         return (
-            f"s{self.state_tokens}r{self.row_tokens}"
+            (f"e{self.ext_tokens}" if self.ext_tokens else f"s{self.state_tokens}")
+            + f"r{self.row_tokens}"
             + (f"t{self.tokens}" if self.trim else "")
             + ("p" if self.long_prefix else "")
         )
 
 
 def all_buckets(max_tokens: int) -> list[Bucket]:
-    """Every bucket up to `max_tokens` tokens, smallest first (111 up to 4,096, 154 up to 8,192), a trimmed one
-    (TRIM) before its untrimmed twin, then the long-prefix ones (6). Each has at least MIN_GEMM_ROWS tokens."""
+    """Every bucket up to `max_tokens` tokens, smallest first (136 up to 4,096, 179 up to 8,192): a trimmed one (TRIM)
+    before its untrimmed twin, then the long-prefix ones (6), then the extensions' (25), smallest first. Each has at
+    least MIN_GEMM_ROWS tokens."""
     shapes = [(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS)]
     shapes += [(s, r) for s in (0, *STATE_BUCKETS) for r in ROW_STEPS if s <= r]
     buckets = [Bucket(s, r) for s, r in shapes if 0 < s + r <= max_tokens]
@@ -158,23 +182,33 @@ def all_buckets(max_tokens: int) -> list[Bucket]:
     buckets += [b for b in trimmed if b.tokens <= max_tokens]  # (at the top, without its twin)
     buckets.sort(key=lambda b: (b.state_tokens, b.row_tokens, -b.trim))
     buckets += [Bucket(0, r, long_prefix=True) for r in LONG_PREFIX_ROWS if r <= max_tokens]
+    grown = [Bucket(0, r, ext_tokens=e) for e in EXT_BUCKETS for r in EXT_ROW_BUCKETS if e + r <= max_tokens]
+    buckets += sorted(grown, key=lambda b: (b.tokens, b.ext_tokens))
     assert all(b.tokens >= MIN_GEMM_ROWS for b in buckets)
     return buckets
 
 
 def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: int) -> Bucket | None:
     """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a prefix index over
-    `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX tokens, a new state continuing a point, or too
-    large for any (the pass runs eagerly). Rows over a state of more than SPLIT_ABOVE tokens take a long-prefix
-    bucket."""
-    if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens or layout.ext_lengths:
+    `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX tokens, extensions with new states computed
+    whole or of RECURRENT_MAX_LEN tokens or fewer, or too large for any (the pass runs eagerly). Rows over a state of
+    more than SPLIT_ABOVE tokens take a long-prefix bucket; extensions an extensions' bucket."""
+    if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
         return None
     longest = max(layout.prefix_len, default=0)
     if longest > LONG_PREFIX_MAX:
         return None
+    if layout.ext_lengths:
+        if (
+            layout.state_lengths
+            or any(is_short(n) for n in layout.ext_lengths)
+            or len(layout.ext_prefix) > prefix_tokens
+        ):
+            return None
+        return next((b for b in buckets if b.ext_tokens and b.fits(layout, 0)), None)
     long = sum(not is_short(n) for n in layout.state_lengths)
     split = longest > attention.SPLIT_ABOVE
-    return next((b for b in buckets if b.long_prefix == split and b.fits(layout, long)), None)
+    return next((b for b in buckets if not b.ext_tokens and b.long_prefix == split and b.fits(layout, long)), None)
 
 
 class StaticInputs:
@@ -200,6 +234,17 @@ class StaticInputs:
             "prefix_len": largest.rows,
             "picks": largest.picks,
             "prefix": prefix_tokens,
+            # the extensions' (a bucket's capacity: Bucket.extends), as the new states' and rows' fields
+            "ext_cu": largest.extends + 1,
+            "ext_slots": largest.extends,
+            "ext_kv_dst": largest.ext_tokens,
+            "ext_prefix": prefix_tokens,
+            "ext_prefix_start": largest.extends,
+            "ext_prefix_len": largest.extends,
+            "ext_save_at": largest.extends,
+            "ext_save_slots": largest.extends,
+            "ext_point_tokens": CONV_WINDOW * largest.extends,
+            "ext_point_slots": largest.extends,
         }
         self.offsets: dict[str, tuple[int, int]] = {}
         total = 0
@@ -253,14 +298,22 @@ class StaticInputs:
             n_short, n_long = bucket.states, bucket.long_states
             if n_long:  # the long states' segments follow the short ones' in the same buffers
                 region = group(0, s, "state_cu", "state_slots", n_short + n_long, short=False, short_segments=n_short)
-                if pool_module.GROWING:  # the points long states save (short ones keep none: their entries say 0)
-                    region.save_at = self.view("state_save_at", n_short + n_long)
-                    region.save_slots = self.view("state_save_slots", n_short + n_long)
-                    tokens = self.view("point_tokens", CONV_WINDOW * n_long).view(n_long, CONV_WINDOW)
-                    windows = (tokens, self.view("point_slots", n_long))
+                # the points long states save (short ones keep none: their entries say 0)
+                region.save_at = self.view("state_save_at", n_short + n_long)
+                region.save_slots = self.view("state_save_slots", n_short + n_long)
+                tokens = self.view("point_tokens", CONV_WINDOW * n_long).view(n_long, CONV_WINDOW)
+                windows = (tokens, self.view("point_slots", n_long))
             else:
                 region = group(0, s, "state_cu", "state_slots", n_short, short=True)
             states = Segments(0, s, s, region.cu, [region])  # `cu` of a region is read for rows only
+        extends = None
+        if e := bucket.ext_tokens:  # one group of long extensions (smallest_bucket), after any new states
+            n = bucket.extends
+            ext = group(s, e, "ext_cu", "ext_slots", n, short=False)
+            ext.save_at, ext.save_slots = self.view("ext_save_at", n), self.view("ext_save_slots", n)
+            extends = Segments(s, s + e, e, ext.cu, [ext])
+            tokens = self.view("ext_point_tokens", CONV_WINDOW * n).view(n, CONV_WINDOW)
+            windows = (tokens, self.view("ext_point_slots", n))
         rows = None
         if r:
             row_group = group(bucket.row_start, r, "row_cu", "row_slots", bucket.rows, short=True)
@@ -275,8 +328,13 @@ class StaticInputs:
             row_prefix_start=self.view("prefix_start", bucket.rows),
             row_prefix_len=self.view("prefix_len", bucket.rows),
             picks=self.view("picks", bucket.picks),
-            row_prefix_max=LONG_PREFIX_MAX if bucket.long_prefix else 0,
+            row_prefix_max=LONG_PREFIX_MAX if bucket.split_rows else 0,
             point_windows=windows,
+            extends=extends,
+            extend_kv_dst=self.view("ext_kv_dst", e) if e else None,
+            extend_prefix=self.view("ext_prefix", self.prefix_tokens) if e else None,
+            extend_prefix_start=self.view("ext_prefix_start", bucket.extends) if e else None,
+            extend_prefix_len=self.view("ext_prefix_len", bucket.extends) if e else None,
         )
 
     def fill(self, bucket: Bucket, layout: PassLayout, pool: StatePool, pad_id: int) -> None:
@@ -302,9 +360,14 @@ class StaticInputs:
 
         s = bucket.state_tokens
         at = bucket.rows_at(len(layout.row_ids))  # the rows' first token in the pass
-        put("ids", layout.state_ids, at, pad_id)
+        if bucket.ext_tokens:  # extensions and rows only (smallest_bucket): the extensions' tokens first
+            positions = [np.arange(a, a + n, dtype=np.int64) for a, n in zip(layout.ext_starts, layout.ext_lengths)]
+            put("ids", layout.ext_ids, at, pad_id)
+            put("positions", np.concatenate(positions) if positions else [], at, 0)
+        else:
+            put("ids", layout.state_ids, at, pad_id)
+            put("positions", layout.state_positions(), at, 0)
         put("ids", layout.row_ids, bucket.tokens, pad_id, at=at)
-        put("positions", layout.state_positions(), at, 0)
         put("positions", layout.row_positions, bucket.tokens, 0, at=at)
         # Short new states first, then long ones (as the scorer orders them); both groups count from the region's start.
         n_short = sum(is_short(n) for n in layout.state_lengths)
@@ -319,7 +382,7 @@ class StaticInputs:
         put("state_cu", cu[1:], capacity + 1, cu[-1], at=bucket.states + 1)
         put("state_slots", layout.state_slots[n_short:], capacity, pool.scratch_slot, at=bucket.states)
         put("state_kv_dst", layout.state_kv_dst, s, pool.scratch_token)
-        if bucket.long_states and pool_module.GROWING:  # the points long states save; every other entry saves none
+        if bucket.long_states:  # the points long states save; every other entry saves none
             saves = layout.state_saves[n_short:]
             put("state_save_at", [], bucket.states, 0)
             put("state_save_at", [save for save, _ in saves], capacity, 0, at=bucket.states)
@@ -331,6 +394,23 @@ class StaticInputs:
                 slots.append(slot if save else pool.scratch_slot)
             put("point_tokens", tokens, CONV_WINDOW * bucket.long_states, 0)
             put("point_slots", slots, bucket.long_states, pool.scratch_slot)
+        if n := bucket.extends:  # their segments padded with empty ones on the scratch slot, their points' runs
+            cu = offsets(layout.ext_lengths)
+            put("ext_cu", cu, n + 1, cu[-1])
+            put("ext_slots", layout.ext_slots, n, pool.scratch_slot)
+            put("ext_kv_dst", layout.ext_kv_dst, bucket.ext_tokens, pool.scratch_token)
+            put("ext_prefix", layout.ext_prefix, len(layout.ext_prefix), 0)
+            put("ext_prefix_start", offsets(layout.ext_starts)[:-1], n, 0)
+            put("ext_prefix_len", layout.ext_starts, n, 0)
+            # the points they save: after save_at tokens, the DeltaNet state by the chain and the conv's last inputs
+            saves = [(save, slot if save else pool.scratch_slot) for save, slot in layout.ext_saves]
+            put("ext_save_at", [save for save, _ in saves], n, 0)
+            put("ext_save_slots", [slot for _, slot in saves], n, pool.scratch_slot)
+            tokens = []
+            for first, (save, _) in zip(cu, saves):
+                tokens.extend(range(first + save - CONV_WINDOW, first + save) if save else [0] * CONV_WINDOW)
+            put("ext_point_tokens", tokens, CONV_WINDOW * n, 0)
+            put("ext_point_slots", [slot for _, slot in saves], n, pool.scratch_slot)
         cu = offsets(layout.row_lengths, start=at - bucket.row_start)  # from the rows' region's start
         put("row_cu", cu, bucket.rows + 1, cu[-1])
         put("row_slots", layout.row_slots, bucket.rows, pool.scratch_slot)
@@ -383,7 +463,8 @@ class PassGraphs:
         self.device = device
         largest_rows = max(b.row_tokens for b in self.buckets)
         largest_states = max(b.state_tokens for b in self.buckets)
-        self.inputs = StaticInputs(Bucket(largest_states, largest_rows), prefix_tokens, device)
+        largest_ext = max(b.ext_tokens for b in self.buckets)
+        self.inputs = StaticInputs(Bucket(largest_states, largest_rows, ext_tokens=largest_ext), prefix_tokens, device)
         self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor]] = OrderedDict()
         self.seen: set[Bucket] = set()  # buckets passes have used (what a warm-up list could name)
         self.failed: dict[Bucket, str] = {}  # buckets whose capture failed, and why

@@ -6,7 +6,7 @@ more keeps a point, the DeltaNet conv and recurrent state after its last page bo
 its end, in a slot of its own. A new state that continues a point shares the pages of the point's tokens with the
 state keeping it (pages are counted by reference, freed with their last state) and starts from a copy of the point
 in its own slot: only its tokens after the point are computed. Cost: a point is one more slot (slot_bytes: Kev-4B
-48 MiB); a grown state adds its own pages only. Off (GROWING) until a GPU shows it bit for bit.
+48 MiB); a grown state adds its own pages only.
 """
 
 from __future__ import annotations
@@ -20,12 +20,6 @@ import torch
 from ..model.qwen35 import FULL_ATTENTION, Qwen35Config
 from ..scoring.growth import PointIndex, boundary_keys, point_length
 
-# Off until a GPU shows grown states the bits of whole ones: on an H100, 322 of 1,000 turns of the grow workload
-# differed from the same turns computed whole while their tokens after the point attended in rows' 16-row tiles, where
-# the whole state's come in 32-row ones (a tile's rows can change how a GPU's MMAs round; the interpreter's are exact,
-# and there every turn matched). Extensions now take the whole state's tiles (attention.rows_attention's
-# state_tiles), not yet measured on a GPU. Off, no state keeps a point and every new state is computed whole.
-GROWING = False
 # The shortest state that keeps a point: a shorter one is computed again whole in about the time a turn takes.
 POINT_MIN_TOKENS = 1024
 # The fewest tokens a state computes after the point it continues: the conv's window, which a state's end window is
@@ -153,7 +147,7 @@ class StatePool:
 
 def slots_for(length: int, page: int) -> int:
     """The pool slots a new state of `length` tokens takes: its own, and its point's where it keeps one."""
-    return 2 if GROWING and point_length(length, page) >= POINT_MIN_TOKENS else 1
+    return 2 if point_length(length, page) >= POINT_MIN_TOKENS else 1
 
 
 @dataclass(frozen=True)
@@ -184,11 +178,6 @@ class GpuBank(PointIndex[Slot]):
         shared, the point copied into the new slot), keeping a point of its own when it is long enough
         (POINT_MIN_TOKENS) and that point is further (found by later states once `publish`ed: after the pass computing
         it is enqueued). Evicts as `allocate` does (never the state whose point it continues)."""
-        if not GROWING:
-            slot = self.allocate(key, pinned)
-            if slot is not None:
-                self.stats.tokens_computed += len(key)
-            return None if slot is None else (slot, Extension())
         page = self.pool.page_size
         start, shared, source = 0, [], None
         found = self.longest_prefix(key, page, after=EXTEND_MIN_TOKENS)

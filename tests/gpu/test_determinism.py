@@ -15,7 +15,7 @@ import torch
 from kev_backend.dev import determinism, grow, sizes, synthetic
 from kev_backend.dev.workloads import realistic
 from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.gpu import cublaslt, pool
+from kev_backend.gpu import cublaslt
 
 pytestmark = pytest.mark.gpu
 
@@ -42,13 +42,12 @@ def test_every_answer_has_the_same_bits_in_any_batch(tiny_dir: Path, parity_ques
     torch.cuda.empty_cache()
 
 
-def test_growing_conversations_answer_as_computed_whole(tiny_dir: Path, parity_questions: int, monkeypatch) -> None:
+def test_growing_conversations_answer_as_computed_whole(tiny_dir: Path, parity_questions: int) -> None:
     """Kev-4B shapes: >= 1,000 turns of growing conversations (the `grow` workload, ~2,000 to ~7,000 tokens), each
-    computed from the turn before's point, alone and with the same turn of seven other conversations in one batch,
-    give the same bits as the same turn computed from nothing (kev_backend/dev/grow.py's `differing`). Growing is on
-    here whatever gpu/pool.py's GROWING says: this is the test that decides it."""
-    monkeypatch.setattr(pool, "GROWING", True)
-    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base4b", "cuda", seed=0)
+    computed from the turn before's point, alone (a turn and its rows: an extensions' graph) and with the same turn of
+    seven other conversations in one batch (eagerly), give the same bits as the same turn computed from nothing
+    (kev_backend/dev/grow.py's `differing`)."""
+    checkpoint = synthetic.synthetic_checkpoint({**sizes.KEV4B_CONFIG}, tiny_dir / "base", "cuda", seed=0)
     engine = Engine(checkpoint, EngineOptions(backend="fused", bank_bytes=16 << 30))
     hits = engine.bank.stats.prefix_hits
     report = grow.differing(engine, parity_questions)

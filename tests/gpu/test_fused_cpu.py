@@ -11,6 +11,7 @@ import pytest
 from kev_backend.dev.parity import compare
 from kev_backend.dev.workloads import filler, realistic, short6, sized, state_counter
 from kev_backend.gpu import pool as pool_module
+from kev_backend.gpu.graphs import Bucket
 from kev_backend.gpu.pass_kernels import PassKernels
 from kev_backend.gpu.passes import Row
 from kev_backend.scoring import growth
@@ -188,7 +189,6 @@ def test_a_growing_conversation_continues_its_points_and_answers_as_computed_who
     points here from 128 tokens: POINT_MIN_TOKENS lowered). Its answers are the reference engine's, and the same as the
     state computed whole on an empty bank and inside a batch; two turns in one pass do not read a point the pass has
     yet to compute; evicting the turn before frees only the pages no later turn holds."""
-    monkeypatch.setattr(pool_module, "GROWING", True)
     monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 128)
     reference, fused = engines(tiny_dir, pass_tokens=4096)
     _, whole = engines(tiny_dir, pass_tokens=4096)
@@ -204,6 +204,12 @@ def test_a_growing_conversation_continues_its_points_and_answers_as_computed_who
     reused = sum(growth.point_length(len(e.state), 64) for e in encoded[:-1])
     assert stats.tokens_reused == reused and stats.tokens_computed == sum(len(e.state) for e in encoded) - reused
     assert CALLS["chunked_rows extend=True"] > 0 and CALLS["chunked_rows save=True"] > 0, CALLS
+    # Turns of a few hundred tokens after the point take an extensions' bucket; the 3-word one runs eagerly.
+    # The first turn from its bucket, the next four from extensions' buckets (their padded passes, eagerly on a CPU);
+    # the 3-word turn, whose tokens after the point are short, eagerly.
+    extended = {b for b in fused.graphs.seen if b.ext_tokens}
+    assert extended == {Bucket(0, 192, ext_tokens=128), Bucket(0, 192, ext_tokens=256)}, fused.graphs.seen
+    assert fused.graphs.stats.runs == len(turns) - 1
     report = compare(reference.scorer.probabilities(encoded), grown)
     assert report["max_abs"] < 2e-5 and report["flips"] == 0, report
     for e, answer in zip(encoded, grown, strict=True):
@@ -232,7 +238,6 @@ def test_our_kernels_grow_a_state_bit_for_bit(tiny_dir: Path, monkeypatch, kerne
     state's do (points sit on 64-token boundaries), and the point carries the chain's fp32 state."""
     if not kernel_run.interpreted:
         pytest.skip("compiled on a GPU: tests/gpu/test_determinism.py")
-    monkeypatch.setattr(pool_module, "GROWING", True)
     monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 64)
     kernels = PassKernels.gpu()
     _, fused = engines(tiny_dir, kernels=kernels, graphs=False)

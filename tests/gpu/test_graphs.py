@@ -46,10 +46,13 @@ def layout(state_lengths: list[int], row_lengths: list[int], picks_per_row: int 
 
 def test_buckets_cover_every_size_with_enough_gemm_rows() -> None:
     buckets = all_buckets(4096)
-    assert len(buckets) == len(set(buckets)) == 111
+    assert len(buckets) == len(set(buckets)) == 136
     assert all(MIN_GEMM_ROWS <= b.tokens <= 4096 for b in buckets)
-    long_prefix = [b for b in buckets if b.long_prefix]  # rows only, after the others
-    assert buckets[-len(long_prefix) :] == long_prefix and [b.row_tokens for b in long_prefix] == [*LONG_PREFIX_ROWS]
+    grown = buckets[111:]  # extensions with rows, smallest first, after the others
+    assert all(b.ext_tokens and b.row_tokens and not b.state_tokens for b in grown) and grown[0].name == "e128r64"
+    assert [b.tokens for b in grown] == sorted(b.tokens for b in grown) and Bucket(0, 192, ext_tokens=384) in grown
+    long_prefix = [b for b in buckets if b.long_prefix]  # rows only, after the others but the extensions'
+    assert buckets[105:111] == long_prefix and [b.row_tokens for b in long_prefix] == [*LONG_PREFIX_ROWS]
     assert all(b.state_tokens == 0 for b in long_prefix) and long_prefix[0].name == "s0r64p"
     assert Bucket(0, 64) in buckets and Bucket(64, 0) in buckets and Bucket(4096, 0) in buckets
     assert Bucket(64, 192) in buckets and Bucket(1024, 192) not in buckets
@@ -100,6 +103,65 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
     too_long_prefix = layout([], [10])
     too_long_prefix.prefix.extend(range(1000))
     assert bucket_for(too_long_prefix) is None
+
+
+def extension_layout(lengths: list[int], starts: list[int], row_lengths: list[int]) -> PassLayout:
+    """Extensions (each continuing a point at `starts`, saving its own 64 tokens after it) and rows."""
+    out = layout([], row_lengths)
+    for i, (n, start) in enumerate(zip(lengths, starts)):
+        out.ext_ids.extend([30 + i] * n)
+        out.ext_lengths.append(n)
+        out.ext_starts.append(start)
+        out.ext_slots.append(4 + i)
+        out.ext_kv_dst.extend(range(1000 * (i + 1) + start, 1000 * (i + 1) + start + n))
+        out.ext_prefix.extend(range(1000 * (i + 1), 1000 * (i + 1) + start))
+        out.ext_saves.append((64, 6 + i))
+    return out
+
+
+def test_extensions_take_the_extensions_buckets() -> None:
+    """A turn (an extension of a few hundred tokens and its rows) takes an extensions' bucket, whatever its state's
+    length; extensions beside a new state computed whole, of RECURRENT_MAX_LEN tokens or fewer, or whose points' runs
+    pass the prefix index run eagerly."""
+    buckets = all_buckets(4096)
+    turn = extension_layout([300], [2048], [31, 30, 33, 30, 31, 30])
+    assert smallest_bucket(buckets, turn, 1 << 20) == Bucket(0, 192, ext_tokens=384)
+    turn.prefix_len = [attention.SPLIT_ABOVE + 1] * 6  # rows on a long conversation: the same bucket
+    assert smallest_bucket(buckets, turn, 1 << 20) == Bucket(0, 192, ext_tokens=384)
+    three = extension_layout([300, 200, 90], [1024, 2048, 4096], [31] * 6)
+    assert smallest_bucket(buckets, three, 1 << 20) == Bucket(0, 192, ext_tokens=1024)
+    assert smallest_bucket(buckets, three, 7000) is None  # 7,168 prefix entries
+    assert smallest_bucket(buckets, extension_layout([64], [1024], [31]), 1 << 20) is None
+    beside = extension_layout([300], [2048], [31])
+    beside.state_ids, beside.state_lengths, beside.state_slots, beside.state_kv_dst = [1] * 40, [40], [3], range(40)
+    assert smallest_bucket(buckets, beside, 1 << 20) is None
+
+
+def test_an_extensions_pass_pads_to_its_bucket() -> None:
+    """The extensions' tokens from the pass's start at their positions after their points, their segments then empty
+    ones on the scratch slot, each one's run of its point's K/V, the points they save (the last conv inputs before
+    them), and the rows after the extensions' region, their attention split-capable."""
+    bucket = Bucket(0, 128, ext_tokens=384)
+    inputs = StaticInputs(Bucket(4096, 4096, ext_tokens=1024), prefix_tokens=1 << 14, device=torch.device("cpu"))
+    inputs.fill(bucket, extension_layout([100, 150], [1024, 2048], [39, 12]), ScratchPool(), pad_id=1)
+    p = inputs.pass_input(bucket)
+    assert p.states is None and p.ids.shape == (512,) and p.rows.start == 384 and p.row_prefix_max == LONG_PREFIX_MAX
+    assert p.ids[:100].eq(30).all() and p.ids[100:250].eq(31).all() and p.ids[250:384].eq(1).all()
+    assert p.positions[:250].tolist() == list(range(1024, 1124)) + list(range(2048, 2198))
+    assert p.ids[384:423].eq(20).all() and p.positions[384:423].tolist() == list(range(50, 89))
+    (group,) = p.extends.groups
+    assert (group.start, group.end, group.padded, group.short) == (0, 384, True, False) and bucket.extends == 6
+    assert group.cu.tolist() == [0, 100, 250, 250, 250, 250, 250] and group.slots.tolist() == [4, 5, 9, 9, 9, 9]
+    assert group.save_at.tolist() == [64, 64, 0, 0, 0, 0] and group.save_slots.tolist() == [6, 7, 9, 9, 9, 9]
+    assert p.extend_kv_dst.tolist() == [*range(2024, 2124), *range(4048, 4198)] + [640] * 134
+    assert p.extend_prefix_start.tolist() == [0, 1024, 0, 0, 0, 0] and p.extend_prefix_len.tolist()[:3] == [
+        1024,
+        2048,
+        0,
+    ]
+    assert p.extend_prefix[:1024].tolist() == list(range(1000, 2024)) and p.extend_prefix[3071] == 2000 + 2047
+    tokens, slots = p.point_windows
+    assert tokens.tolist()[:2] == [[60, 61, 62, 63], [160, 161, 162, 163]] and slots.tolist() == [6, 7, 9, 9, 9, 9]
 
 
 def test_padding_writes_only_scratch() -> None:

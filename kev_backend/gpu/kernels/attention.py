@@ -250,7 +250,6 @@ def rows_attention(
     max_len: int,
     out: torch.Tensor | None = None,
     max_prefix: int = 0,
-    state_tiles: bool = False,
 ) -> torch.Tensor:
     """Attention of question rows over [their state's K/V | their own K/V], bottom-right causal, GQA.
 
@@ -261,9 +260,6 @@ def rows_attention(
     (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Without a
     prefix (None), plain causal attention over each segment's own tokens (new states). Writes `out` when given.
     max_prefix: the longest row prefix (a host count); over SPLIT_ABOVE the launch is split (SPLIT_ABOVE says why).
-    state_tiles: a long new state's tiles (LONG_TILE_ROWS) with a prefix too: new states continuing a point, whose
-    tokens must get the bits the state whole gets from those tiles (on a GPU a tile's row count can change how its
-    MMAs round).
     """
     T, HQ, D = q.shape
     HKV = k.shape[1]
@@ -275,7 +271,7 @@ def rows_attention(
     # TILE_ROWS rows a program: BM tokens × the query heads of one key/value head.
     GP = triton.next_power_of_2(HQ // HKV)
     has_prefix = prefix is not None
-    long_tiles = state_tiles or (not has_prefix and max_len > LONG_ABOVE)
+    long_tiles = not has_prefix and max_len > LONG_ABOVE
     BM = max(1, (LONG_TILE_ROWS if long_tiles else TILE_ROWS) // GP)
     BN, stages = (64, ATTENTION_STAGES) if D <= 128 else (WIDE_HEAD_KEYS, WIDE_HEAD_STAGES)
     warps = 4 if D <= 128 else WIDE_HEAD_WARPS
@@ -365,7 +361,6 @@ def reference_rows_attention(
     max_len: int,
     out: torch.Tensor | None = None,
     max_prefix: int = 0,
-    state_tiles: bool = False,
 ) -> torch.Tensor:
     """rows_attention in torch (tests/gpu/kernels/test_attention.py, tests/gpu/fused_cpu_ops.py), segment by segment:
     over [k_pool/v_pool at the row's prefix run | its own K/V]. Tokens outside the segments are zeros (or `out`'s)."""

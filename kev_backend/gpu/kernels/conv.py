@@ -99,6 +99,8 @@ SCAN_WARPS = 2
 # programs (docs/kernels.md). Outputs identical.
 SCAN_SMALL_TOKENS = 256
 SCAN_SMALL = (8, 128, 1)
+# Channels per program of the extensions' window store (a few programs per state: W loads and stores each).
+STORE_CHANNELS = 1024
 
 
 def scan_config(tokens: int) -> tuple[int, int, int]:
@@ -189,7 +191,7 @@ def _conv_scan_kernel(
             _store_silu(y, t + 3, stride_yt, o_c, m_c & (t + 3 < hi), w0 * a0 + w1 * a1 + w2 * a2 + w3 * a3)
             x3, x2, x1 = a1, a2, a3
         if STORE:  # the program with a new state's last token writes its window: its last W inputs, read again
-            # (zeros before the segment's start; an extended state's are W or more tokens: pool.EXTEND_MIN_TOKENS)
+            # (zeros before the segment's start). Not an extension's: conv_tokens stores those after the scan.
             end = hi == eos
             if end & (hi > lo):
                 for d in tl.static_range(W):
@@ -198,6 +200,21 @@ def _conv_scan_kernel(
                     tl.store(base + d, x_d.to(pool.dtype.element_ty), mask=m_c)
         n += 1
         bos = tl.load(cu + n, mask=n < N, other=0).to(tl.int64)
+
+
+@triton.jit
+def _store_windows_kernel(x, pool, slots, cu, C, stride_xt, W: tl.constexpr, BC: tl.constexpr):
+    """Each segment's last W inputs into its slot's window (an empty segment writes none): extensions, which are W
+    tokens or more (gpu/pool.py EXTEND_MIN_TOKENS)."""
+    i_c, n = tl.program_id(0), tl.program_id(1)
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    base = pool + (tl.load(slots + n).to(tl.int64) * C + o_c) * W
+    if eos > bos:
+        for d in tl.static_range(W):
+            x_d = tl.load(x + (eos - W + d) * stride_xt + o_c, mask=m_c, other=0.0)
+            tl.store(base + d, x_d.to(pool.dtype.element_ty), mask=m_c)
 
 
 def conv_tokens(
@@ -214,7 +231,9 @@ def conv_tokens(
     only on x's size, so it can be captured; tokens outside the segments are not written. A new state's window is
     written by the program holding its last token, so an empty new segment writes none (the engine has none; a
     graph's padding segments are empty). With `new_states` and `extend`, each new state (at least W tokens)
-    continues the window its slot holds (the point it extends, copied there) instead of zeros."""
+    continues the window its slot holds (the point it extends, copied there) instead of zeros; its end window is
+    written by a second launch, after every slice has read the window it continues (within one launch the program
+    holding a state's last token may store before the program holding its first has loaded)."""
     T, C = x.shape
     W = weight.shape[1]
     n = slots.shape[0]
@@ -238,9 +257,14 @@ def conv_tokens(
             BT=block_t,
             BC=block_c,
             CONTINUE=extend or not new_states,
-            STORE=new_states,
+            STORE=new_states and not extend,
             num_warps=warps,
         )
+        if new_states and extend:
+            for first, last in grid.segment_spans(n, 1):
+                _store_windows_kernel[(triton.cdiv(C, STORE_CHANNELS), last - first)](
+                    x, pool, slots[first:last], cu[first : last + 1], C, x.stride(0), W=W, BC=STORE_CHANNELS
+                )
     return y
 
 

@@ -16,14 +16,11 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 # Spills allowed, by (kernel, CONTINUE, register cap, BM): the prep capped at 168 registers (six programs an SM, not
-# four: kernels.delta_rule.PREP_MAXNREG), measured to pay; rows' attention in a long state's 32-row tiles with a
-# prefix (a new state continuing a point: attention.rows_attention's state_tiles), 8 bytes, the price of its tiles
-# being the whole state's (its bits). Compiled as a launch specialises them (aligned pointers and strides), no other
-# kernel spills; compiled without that specialisation, rows' attention would spill and no loop would load by async
-# copies.
+# four: kernels.delta_rule.PREP_MAXNREG), measured to pay. Compiled as a launch specialises them (aligned pointers and
+# strides), no other kernel spills; compiled without that specialisation, rows' attention would spill and no loop
+# would load by async copies.
 SPILL_ALLOWED: dict[tuple[str, bool | None, int | None, int | None], int] = {
     ("_chunk_prep_kernel", None, 168, None): 60,
-    ("_rows_attention_kernel", None, None, 32): 8,
 }
 
 
@@ -176,7 +173,6 @@ def compile_for_hopper(tmp: str) -> None:
             for has_prefix, rows, parts in (
                 (True, A.TILE_ROWS, 1),
                 (True, A.TILE_ROWS, 16),  # a split launch: rows over a 64k-token state
-                (True, A.LONG_TILE_ROWS, 1),  # new states continuing a point (state_tiles)
                 (False, A.TILE_ROWS, 1),
                 (False, A.LONG_TILE_ROWS, 1),
             )

@@ -106,3 +106,24 @@ def test_conv_tokens_segments_inside_a_wider_input(kernel_run, scan) -> None:
     yb = conv_rows(x[5:], w, pool, slots, inner - 5)
     assert (ya[5:100] - yb[:95]).abs().max() < kernel_run.tol
     assert (ya[5:100] - reference_conv_rows(x, w, pool, slots, inner)[5:100]).abs().max() < kernel_run.tol
+
+
+def test_conv_tokens_extensions_continue_their_point(kernel_run, scan) -> None:
+    """New states continuing a point (`extend`: the window copied into their slot) over their tokens after it: the
+    outputs and end windows of the states whole, bit for bit (the same sums of the same inputs). An extension's end
+    window goes into the slot its first tokens read the point from: compiled, launched again and again (programs run
+    in any order), the first tokens never see the end window."""
+    lengths, points = [300, 37, 520], [128, 32, 256]
+    x, w = strided_input(sum(lengths)), torch.randn(C, 4)
+    cu = torch.tensor([0, 300, 337, 857])
+    windows = torch.full((6, C, 4), float("nan"))
+    whole = conv_tokens(x, w, windows, torch.tensor([0, 1, 2]), cu, new_states=True)
+    starts = [int(cu[n]) + points[n] for n in range(3)]
+    tail = torch.cat([x[a : int(cu[n + 1])] for n, a in enumerate(starts)])
+    tail_cu = torch.tensor([0, *torch.tensor([n - p for n, p in zip(lengths, points)]).cumsum(0).tolist()])
+    at_points = torch.stack([x[a - 4 : a].T for a in starts])  # each point's window: its last 4 inputs
+    for _ in range(1 if kernel_run.interpreted else 200):
+        windows[3:6] = at_points
+        grown = conv_tokens(tail, w, windows, torch.tensor([3, 4, 5]), tail_cu, new_states=True, extend=True)
+        assert torch.equal(grown, torch.cat([whole[a : int(cu[n + 1])] for n, a in enumerate(starts)]))
+        assert torch.equal(windows[3:6], windows[0:3])
