@@ -98,23 +98,29 @@ def differing(engine: Engine, turns: int, per_conversation: int = 25, together: 
 
 def throughput(engine: Engine, clients: int, seconds: float, near: int = 8192) -> dict[str, float]:
     """`clients` closed-loop clients (bench.throughput), each sending the next turn of a conversation near `near`
-    tokens. The conversations are taken in turn from one queue, so a conversation's next turn is sent about a round of
-    the clients after its last; one that has grown by ~2,000 tokens starts over as a new one."""
+    tokens, of `clients` conversations. As a user does, a conversation's next turn is sent only once its last one is
+    answered: a client hands its conversation back when it sends its next request (its last one answered by then) and
+    takes the longest-waiting one. One that has grown by ~2,000 tokens starts over as a new one."""
     count = state_counter(engine.tokenizer)
     first = last_turn_within(near - 1_000, count, next(CONVERSATION))
     lock = threading.Lock()
-    open_ = deque([next(CONVERSATION), first] for _ in range(clients))
+    conversations = [[next(CONVERSATION), first] for _ in range(clients)]
+    waiting = deque(conversations)
+    held = threading.local()  # the conversation this client thread sent its last turn of
 
     def make(_: int | None) -> dict[str, Any]:
         with lock:
-            conversation = open_.popleft()
+            if (last := getattr(held, "conversation", None)) is not None:
+                waiting.append(last)
+            conversation = held.conversation = waiting.popleft()
             conversation[1] += 1
             if conversation[1] > first + 10:
                 conversation[:] = [next(CONVERSATION), first]
-            open_.append(conversation)
             return grow(*conversation)
 
     closed_loop(engine, make, clients, min(seconds, 2.0))  # every conversation's first turn, computed whole
+    waiting.clear()
+    waiting.extend(conversations)  # every turn answered: the next run's clients take them afresh
     return closed_loop(engine, make, clients, seconds)
 
 

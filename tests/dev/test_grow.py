@@ -46,3 +46,14 @@ def test_the_grow_record_on_the_reference_path(tiny_dir: Path) -> None:
     hits = engine.bank.stats.prefix_hits
     assert grow.differing(engine, 8, per_conversation=4, together=2) == {"turns": 8, "differing": 0}
     assert engine.bank.stats.prefix_hits - hits == 2 * 3
+
+
+def test_a_conversations_next_turn_waits_for_its_last(tiny_dir: Path) -> None:
+    """The record's clients send a conversation's next turn only once its last one is answered, so every turn but a
+    conversation's first (and its first after starting over, every 10 turns) continues the turn before."""
+    engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(device="cpu", backend="reference"))
+    engine.scorer.chunk_tokens = 256
+    stats = engine.bank.stats
+    assert grow.throughput(engine, 3, 1.0, near=2048)["rps"] > 0
+    whole = stats.misses - stats.prefix_hits
+    assert stats.prefix_hits > 0 and whole <= 3 * (1 + stats.misses // 10), stats
