@@ -1,9 +1,10 @@
 """CUDA graphs of the fused pass: one per bucket of pass shapes, replayed with the pass's indices in fixed buffers.
 
-A pass is padded to a bucket: its new states' tokens to one size of STATE_BUCKETS (or none), its rows' tokens to one
-of ROW_BUCKETS. Segment, pick and prefix capacities follow from the bucket, so the bucket alone fixes every shape and
-grid. Rows must all be short (at most RECURRENT_MAX_LEN tokens). New states may be long too: the conv and the chunked
-delta rule find segments by binary search on the device (kernels/segments.py), with no host-built chunk maps.
+A pass is padded to a bucket: its new states' tokens to one size of STATE_BUCKETS (or none), or its extensions' (new
+states continuing a point) to one of EXT_BUCKETS, its rows' tokens to one of ROW_BUCKETS. Segment, pick and prefix
+capacities follow from the bucket, so the bucket alone fixes every shape and grid. Rows must all be short (at most
+RECURRENT_MAX_LEN tokens). New states may be long too: the conv and the chunked delta rule find segments by binary
+search on the device (kernels/segments.py), with no host-built chunk maps.
 
 In a graph the short and the long new states form one kernel group over the whole state region, short segments
 first (Bucket.states of them), then long, with offsets counted from the region's start (as in an eager pass): two

@@ -2,8 +2,7 @@
 lay_out) and on the device (PassInput): new states' tokens first, then the tokens of new states that continue a
 banked point (extensions: from the point on), then question rows' tokens, each kind split into kernel groups by
 segment length (short segments, then long ones), plus the bank pool indices the mixers read and write. Eager passes
-size it exactly (exact_input); captured passes (graphs.py) fill the same layout into a bucket's padded buffers, for
-passes without extensions.
+size it exactly (exact_input); captured passes (graphs.py) fill the same layout into a bucket's padded buffers.
 """
 
 from __future__ import annotations
