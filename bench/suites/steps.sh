@@ -40,10 +40,12 @@
 #   coldstart  diag coldstart: imports by package, then an engine from a Kev-4B checkpoint on disk on an empty and a
 #              kept kernel cache, the second profiled (~3 min)
 #   bench      python -m kev_backend.dev.bench; BENCH_ARGS adds arguments (e.g. "--seconds 4") (~4-5 min)
+#   grow       the bench's growing conversations (--quick --grow 1000) on a 48 GiB bank, 64 conversations near 8k
+#              fitting it; GROW_ARGS adds arguments (e.g. "--size 27b --bank-gib 8") (~5 min)
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
 # Environment: PARITY_SELECT (pytest -k for parity), TIMELINE_SHAPES (timeline: e.g. short6,long5), GAPS_WORKLOAD
-# (gaps: short6 or long5), BENCH_ARGS (bench), LONGATTN_ARGS (longattn), PROFILE_ARGS (profile: e.g.
+# (gaps: short6 or long5), BENCH_ARGS (bench), GROW_ARGS (grow), LONGATTN_ARGS (longattn), PROFILE_ARGS (profile: e.g.
 # "--state-tokens 65535" or "--size 27b"), GEMMPAD_ARGS (gemmpad).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -100,6 +102,11 @@ Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc 
     bench)
       # shellcheck disable=SC2086
       "$PY" -m kev_backend.dev.bench --out "$out" --commit "$COMMIT" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -12 || status=1
+      ;;
+    grow)
+      # shellcheck disable=SC2086
+      "$PY" -m kev_backend.dev.bench --quick --grow 1000 --bank-gib 48 --out "$out" --commit "$COMMIT" ${GROW_ARGS:-} \
+        2>&1 | tee -a "$out/grow.log" | grep -E "^grow|written|Error" | cut -c1-2000 || status=1
       ;;
     startup)
       diag 200 "^startup|Error" startup

@@ -2,7 +2,9 @@
 (workloads.grow: a ~2,000-token opening, ~200 tokens and six questions a turn).
 
     points  for each length, a conversation banked near it and its next turn: the next turn's model time computed from
-            the banked turn (extend_ms), from nothing (scratch_ms, the bank emptied first) and asked again (same_ms)
+            the banked turn (extend_ms), from nothing (scratch_ms, the bank emptied first) and asked again (same_ms);
+            the state tokens the turn computed from the banked turn (computed_tokens), and the floor under extend_ms:
+            a new state of that many tokens with the turn's questions (floor_ms)
     rps_64  turns answered per second by 64 closed-loop clients, each growing its own conversation near 8k tokens
     differing  answers of turns computed from the turn before that differ in any bit from the same turns computed
             from nothing (`turns` of them)
@@ -23,7 +25,7 @@ from typing import Any
 from ..engine.engine import Engine
 from .bench import model_time
 from .bench import throughput as closed_loop
-from .workloads import GROW_MAX_TOKENS, grow, state_counter
+from .workloads import GROW_MAX_TOKENS, grow, sized, state_counter
 
 CONVERSATION = itertools.count(10**9)  # conversations no other part of the run sends
 
@@ -44,7 +46,8 @@ def point(engine: Engine, tokens: int, repeat: int) -> dict[str, Any]:
     """A conversation banked at its last turn within `tokens` (or the one before, where the next would pass Kev's
     state limit), then its next turn: median model times over `repeat` conversations, after one untimed."""
     count = state_counter(engine.tokenizer)
-    times: dict[str, list[float]] = {"extend_ms": [], "scratch_ms": [], "same_ms": []}
+    times: dict[str, list[float]] = {"extend_ms": [], "scratch_ms": [], "same_ms": [], "floor_ms": []}
+    stats = engine.bank.stats
     for run in range(repeat + 1):
         conversation = next(CONVERSATION)
         turn = last_turn_within(tokens, count, conversation)
@@ -52,16 +55,20 @@ def point(engine: Engine, tokens: int, repeat: int) -> dict[str, Any]:
             turn -= 1
         banked, grown = grow(conversation, turn), grow(conversation, turn + 1)
         model_time(engine, banked)
+        before = stats.tokens_computed
         extend = model_time(engine, grown)
+        computed = stats.tokens_computed - before
         same = model_time(engine, grown)
         engine.bank.clear()
         scratch = model_time(engine, grown)
+        floor = model_time(engine, sized(computed, count, next(CONVERSATION), grown["questions"]))
         if run:  # the first: kernels at this length
-            for name, value in zip(times, (extend, scratch, same), strict=True):
+            for name, value in zip(times, (extend, scratch, same, floor), strict=True):
                 times[name].append(value)
     return {
         "tokens": count(banked),
         "added_tokens": count(grown) - count(banked),
+        "computed_tokens": computed,
         **{name: statistics.median(values) for name, values in times.items()},
     }
 

@@ -36,7 +36,10 @@ def test_the_grow_record_on_the_reference_path(tiny_dir: Path) -> None:
         assert point["tokens"] + point["added_tokens"] > length  # and the next passes it
     for point in record["points"]:
         assert 0 < point["added_tokens"] <= 256
-        assert min(point["extend_ms"], point["scratch_ms"], point["same_ms"]) > 0
+        # from the banked turn's point (a 256-token boundary at least 16 tokens before its end): its new tokens and
+        # the banked turn's after that point
+        assert point["added_tokens"] + 16 <= point["computed_tokens"] < point["added_tokens"] + 256 + 16
+        assert min(point["extend_ms"], point["scratch_ms"], point["same_ms"], point["floor_ms"]) > 0
     assert record["rps_4"] > 0
     assert (record["turns"], record["differing"]) == (12, 0)
     # every timed and untimed point's next turn, and the compared turns but each conversation's first (6 of 2)
