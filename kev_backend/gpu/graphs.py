@@ -389,10 +389,7 @@ class StaticInputs:
             put("state_save_at", [save for save, _ in saves], capacity, 0, at=bucket.states)
             put("state_save_slots", [], bucket.states, pool.scratch_slot)
             put("state_save_slots", [slot for _, slot in saves], capacity, pool.scratch_slot, at=bucket.states)
-            tokens, slots = [], []
-            for start, (save, slot) in zip(offsets(long, start=sum(short)), saves):  # offsets has one more
-                tokens.extend(range(start + save - CONV_WINDOW, start + save) if save else [0] * CONV_WINDOW)
-                slots.append(slot if save else pool.scratch_slot)
+            tokens, slots = padded_windows(offsets(long, start=sum(short)), saves, pool.scratch_slot)
             put("point_tokens", tokens, CONV_WINDOW * bucket.long_states, 0)
             put("point_slots", slots, bucket.long_states, pool.scratch_slot)
         if n := bucket.extends:  # their segments padded with empty ones on the scratch slot, their points' runs
@@ -404,14 +401,11 @@ class StaticInputs:
             put("ext_prefix_start", offsets(layout.ext_starts)[:-1], n, 0)
             put("ext_prefix_len", layout.ext_starts, n, 0)
             # the points they save: after save_at tokens, the DeltaNet state by the chain and the conv's last inputs
-            saves = [(save, slot if save else pool.scratch_slot) for save, slot in layout.ext_saves]
-            put("ext_save_at", [save for save, _ in saves], n, 0)
-            put("ext_save_slots", [slot for _, slot in saves], n, pool.scratch_slot)
-            tokens = []
-            for first, (save, _) in zip(cu, saves):
-                tokens.extend(range(first + save - CONV_WINDOW, first + save) if save else [0] * CONV_WINDOW)
+            tokens, slots = padded_windows(cu, layout.ext_saves, pool.scratch_slot)
+            put("ext_save_at", [save for save, _ in layout.ext_saves], n, 0)
+            put("ext_save_slots", slots, n, pool.scratch_slot)
             put("ext_point_tokens", tokens, CONV_WINDOW * n, 0)
-            put("ext_point_slots", [slot for _, slot in saves], n, pool.scratch_slot)
+            put("ext_point_slots", slots, n, pool.scratch_slot)
         cu = offsets(layout.row_lengths, start=at - bucket.row_start)  # from the rows' region's start
         put("row_cu", cu, bucket.rows + 1, cu[-1])
         put("row_slots", layout.row_slots, bucket.rows, pool.scratch_slot)
@@ -423,6 +417,18 @@ class StaticInputs:
         self.flat[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
         if copied is not None:
             copied.record()
+
+
+def padded_windows(starts: list[int], saves: list[tuple[int, int]], scratch_slot: int) -> tuple[list[int], list[int]]:
+    """Each segment's point window, one entry a segment (a captured pass's fixed shape; passes.point_windows lists
+    only the points saved): the pass token indices of the CONV_WINDOW conv inputs before its point and the point's
+    slot, or zeros and the scratch slot where it saves none. `starts`: each segment's first token in the pass."""
+    tokens: list[int] = []
+    slots: list[int] = []
+    for start, (save, slot) in zip(starts, saves):  # `starts` may have one more (offsets)
+        tokens.extend(range(start + save - CONV_WINDOW, start + save) if save else [0] * CONV_WINDOW)
+        slots.append(slot if save else scratch_slot)
+    return tokens, slots
 
 
 @dataclass

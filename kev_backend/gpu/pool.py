@@ -167,17 +167,12 @@ class GpuBank(PointIndex[Slot]):
         super().__init__()
         self.pool = pool
 
-    def allocate(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> Slot | None:
-        """A slot for a new state computed whole, without a point, evicting least recently used unpinned states;
-        None if the pinned ones fill it."""
-        found = self._allocate(key, pinned, [], 0)
-        return None if found is None else found[0]
-
-    def allocate_growing(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> tuple[Slot, Extension] | None:
+    def allocate(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> tuple[Slot, Extension] | None:
         """A slot for a new state, and how to compute it: from the furthest banked point it continues (its pages
         shared, the point copied into the new slot), keeping a point of its own when it is long enough
         (POINT_MIN_TOKENS) and that point is further (found by later states once `publish`ed: after the pass computing
-        it is enqueued). Evicts as `allocate` does (never the state whose point it continues)."""
+        it is enqueued). Evicts least recently used unpinned states (never the state whose point it continues); None
+        if the pinned ones fill the pool."""
         page = self.pool.page_size
         start, shared, source = 0, [], None
         found = self.longest_prefix(key, page, after=EXTEND_MIN_TOKENS)

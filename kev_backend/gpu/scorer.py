@@ -334,7 +334,7 @@ class FusedScorer:
             slot = self.bank.get(state)
             if slot is None:
                 # From the furthest banked point it continues, if any, keeping its own (gpu/pool.py).
-                made = self.bank.allocate_growing(state, pinned)
+                made = self.bank.allocate(state, pinned)
                 if made is None:
                     raise RuntimeError("the state bank cannot hold one pass's states: raise bank_bytes")
                 slot, how[state] = made

@@ -193,7 +193,7 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     assert pool.scratch_slot == 3 and pool.scratch_token == 16
     bank = GpuBank(pool)
     a, b, c = (1,) * 5, (2,) * 3, (3,) * 4  # 2, 1 and 1 pages
-    slot_a = bank.allocate(a, pinned={a})
+    slot_a, _ = bank.allocate(a, pinned={a})
     assert slot_a.kv_index(4).tolist() == [slot_a.pages[0] * 4 + i for i in range(4)] + [slot_a.pages[1] * 4]
     bank.allocate(b, pinned={b})
     bank.allocate(c, pinned={c})
