@@ -9,6 +9,13 @@ change (see `safe_cuts`), and refused as soon as the count passes its budget, so
 much as tokenizing the limit's worth of it, never the whole text. Tokenized texts are kept in a cache bounded in
 bytes, and only once their request's limits have passed.
 
+Pieces: a text longer than PIECE_CHARS is tokenized in pieces of about that many characters, cut where every
+pre-tokenizer Kev's bases use starts a new pre-token (`safe_cuts`), so the pieces' tokens, in order, are the whole
+text's; each piece's tokens are cached on their own. A conversation's state, growing turn by turn, tokenizes its new
+text and the last piece or two before it, not the whole conversation again; a long new text's pieces go through the
+tokenizer's threads at once. A tokenizer for which a cut might not be a pre-token boundary (`pieces_are_exact`) has
+its texts tokenized whole.
+
 Truncating (`Limits.truncate_states`): a state over the limit keeps <state> and its first max_state_tokens - 1
 tokens, and the rest is only counted, piece by piece (`KevTokenizer.encode_prefix`): the response reports the whole
 state's count, and memory stays bounded by the limit whatever the state's length.
@@ -16,7 +23,9 @@ state's count, and memory stays bounded by the limit whatever the state's length
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import sys
 import threading
 from collections import OrderedDict
@@ -45,10 +54,18 @@ LAZY_CHARS = 1 << 16
 GIL_FREE_CHARS = 4096
 CACHE_BYTES = 64 << 20  # the tokenizer cache's budget (texts and their token tuples, as Python holds them)
 CACHE_MAX_CHARS = 1 << 16  # longer texts are never cached: their bank entry is what saves work on a repeat
+# Longer texts are tokenized in pieces of about this many characters (between half and all of it, but where a long
+# run without a lone space makes a larger one), each cached: a growing state's turn tokenizes ~1-2 pieces and its new
+# text. 4,096 characters are ~1,000 tokens of ordinary text, under a millisecond to tokenize.
+PIECE_CHARS = 4096
 BATCH_ENCODE_FROM = 4  # count_tokens_batch: fewer texts are encoded one by one (a lone request's answers, mostly)
 # A cut inside a word may change BPE's count near the cut by a token or two: the count is trusted only past this
 # much slack per such cut.
 UNSAFE_CUT_TOKENS = 4
+
+Learned = list[tuple[str, tuple[int, ...]]]  # texts and their tokens, to be cached once their request passed
+
+log = logging.getLogger(__name__)
 
 # Kev reuses rarely used Qwen special tokens as its delimiters; ids are looked up by string.
 DELIMITER_TOKENS = {
@@ -146,6 +163,9 @@ class KevTokenizer:
         self.delimiters = Delimiters(**ids, pad=self._pad_id(directory))
         self.cache = TextCache(CACHE_BYTES)
         self.tokenized_chars = 0  # characters of caller text run through the tokenizer (a running total)
+        self.in_pieces = pieces_are_exact(self.tokenizer)
+        if not self.in_pieces:
+            log.info("kev: %s/tokenizer.json may join text across spaces: long texts are tokenized whole", directory)
 
     def _pad_id(self, directory: Path) -> int:
         config_path = directory / "tokenizer_config.json"
@@ -165,17 +185,36 @@ class KevTokenizer:
             return self.tokenizer.encode_batch([escaped], add_special_tokens=False)[0]
         return self.tokenizer.encode(escaped, add_special_tokens=False)
 
-    def _encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tokenize(text).ids) if text else ()
+    def _encode(self, text: str, learned: Learned | None = None) -> tuple[int, ...]:
+        """Caller text's tokens: a text of PIECE_CHARS or fewer (or any, for a tokenizer not `in_pieces`) whole; a
+        longer one as its pieces' (`pieces`), each from the cache or, those missing, through one `encode_batch` (the
+        tokenizer's threads, the GIL let go). The pieces tokenized here join `learned`, to be cached once their
+        request passed."""
+        if len(text) <= PIECE_CHARS or not self.in_pieces:
+            return tuple(self._tokenize(text).ids) if text else ()
+        pieces = [text[start:stop] for start, stop in safe_pieces(text, PIECE_CHARS)]
+        found: list[tuple[int, ...] | None] = [self.cache.get(piece) for piece in pieces]
+        missing = [i for i, tokens in enumerate(found) if tokens is None]
+        if missing:
+            self.tokenized_chars += sum(len(pieces[i]) for i in missing)
+            encodings = self.tokenizer.encode_batch(
+                [escape_user_text(pieces[i]) for i in missing], add_special_tokens=False
+            )
+            for i, encoding in zip(missing, encodings, strict=True):
+                found[i] = tokens = tuple(encoding.ids)
+                if learned is not None:
+                    learned.append((pieces[i], tokens))
+        return tuple(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
 
     def _count(self, text: str) -> int:
         return len(self._tokenize(text))
 
-    def encode_user_text(self, text: str, budget: int | None = None) -> tuple[int, ...]:
+    def encode_user_text(self, text: str, budget: int | None = None, learned: Learned | None = None) -> tuple[int, ...]:
         """Caller text, escaped and tokenized without special tokens (Qwen adds no BOS). With a budget, a text longer
         than LAZY_CHARS is counted piece by piece first, and OverBudget raised once it is known to need more tokens
         than that, having tokenized not much more than the budget's worth of it; a shorter one is tokenized whole and
-        left to the caller's exact check. The result is not cached: `remember` does that once the request passed."""
+        left to the caller's exact check. The result is not cached: `remember` does that once the request passed
+        (a long text's pieces tokenized here join `learned` for that)."""
         cached = self.cache.get(text)
         if cached is not None:
             return cached
@@ -186,18 +225,19 @@ class KevTokenizer:
                 unsafe += not safe
                 if counted > budget + UNSAFE_CUT_TOKENS * unsafe:
                     raise OverBudget(counted - UNSAFE_CUT_TOKENS * unsafe, stop)
-        return self._encode(text)
+        return self._encode(text, learned)
 
-    def encode_prefix(self, text: str, keep: int) -> tuple[tuple[int, ...], int]:
+    def encode_prefix(self, text: str, keep: int, learned: Learned | None = None) -> tuple[tuple[int, ...], int]:
         """The first `keep` tokens of caller text, as the whole text tokenizes, and how many tokens it has in all, in
         memory bounded by `keep` whatever the text's length. A text up to LAZY_CHARS is tokenized whole; a longer one
         is counted piece by piece (`safe_cuts`), its head (up to one whole piece past the `keep`-th token) tokenized
         whole and the rest only counted. At a safe cut the pieces' tokens are the whole text's; a cut inside a word
         (no lone space in half a piece) may move a token or two beside it, a piece away from the head's first `keep`,
-        and the count by as much, as the limit check without truncation accepts too."""
+        and the count by as much, as the limit check without truncation accepts too. Pieces tokenized here join
+        `learned` (`_encode`)."""
         whole = self.cache.get(text)
         if whole is None and len(text) <= LAZY_CHARS:
-            whole = self._encode(text)
+            whole = self._encode(text, learned)
         if whole is not None:
             return whole[:keep], len(whole)
         pieces = safe_cuts(text, LAZY_CHARS)
@@ -208,7 +248,7 @@ class KevTokenizer:
             if past:
                 break
             past = counted > keep
-        tokens = self._encode(text[:head])
+        tokens = self._encode(text[:head], learned)
         rest = sum(self._count(text[start:stop]) for start, stop, _ in pieces)  # the pieces after the head
         return tokens[:keep], len(tokens) + rest
 
@@ -262,6 +302,55 @@ def safe_cuts(text: str, size: int) -> Iterator[tuple[int, int, bool]]:
         start = stop
 
 
+def safe_pieces(text: str, size: int) -> Iterator[tuple[int, int]]:
+    """`safe_cuts`' spans, those ending at an unsafe cut joined with the next: every piece ends at a safe cut (or the
+    text's end), so the pieces' tokens, in order, are the whole text's. A conversation's text, grown at its end,
+    is cut where it was up to its last piece or two: the cuts look no further than a piece ahead."""
+    start = 0
+    for _, stop, safe in safe_cuts(text, size):
+        if safe:
+            yield start, stop
+            start = stop
+
+
+# The pre-tokenizers and normalizers after which a lone space between two non-space characters always starts a new
+# pre-token, whatever comes before it (byte-level BPE with Qwen's or GPT's split, whitespace and digit splitting) and
+# nothing joins across it: the pieces `safe_pieces` cuts tokenize as the whole text does. Metaspace (SentencePiece's
+# "▁") is not among them: it marks a piece's start as a word's.
+PIECEWISE_PRE_TOKENIZERS = {"Sequence", "Split", "ByteLevel", "Whitespace", "WhitespaceSplit", "Digits", "Punctuation"}
+PIECEWISE_NORMALIZERS = {"Sequence", "NFC", "NFD", "Lowercase", "StripAccents"}
+# Text that tries the cuts: words, digits, punctuation, contractions, runs of spaces and newlines, accents, CJK.
+PIECES_PROBE = (
+    "It's 12:45 on 2026-12-07; the user's 3rd reply said:  \"no!\" \n\nThen  we'll\tsee... café naïve "
+    'résumé 你好 世界 (x+y)=42 --flag a,b,c [1, 2, 3] {"k": "v"} e\u0301 ok?!  \n  done. '
+)
+
+
+def pieces_are_exact(tokenizer: Tokenizer) -> bool:
+    """Whether texts may be tokenized in `safe_pieces`: a pre-tokenizer and normalizer made of PIECEWISE ones, no
+    added token that holds whitespace or strips it beside itself, and a probe text's tokens in pieces as its tokens
+    whole, cut at every lone space."""
+    spec = json.loads(tokenizer.to_str())
+
+    def kinds(part: dict | None, key: str) -> set[str]:
+        if not part:
+            return set()
+        return {part["type"]}.union(*(kinds(p, key) for p in part.get(key) or []))
+
+    if not kinds(spec.get("pre_tokenizer"), "pretokenizers") <= PIECEWISE_PRE_TOKENIZERS:
+        return False
+    if not kinds(spec.get("normalizer"), "normalizers") <= PIECEWISE_NORMALIZERS:
+        return False
+    for added in spec.get("added_tokens") or []:
+        if added.get("lstrip") or added.get("rstrip") or any(c.isspace() for c in added["content"]):
+            return False
+    text = PIECES_PROBE * 3
+    pieces = [text[start:stop] for start, stop in safe_pieces(text, 8)]
+    whole = tokenizer.encode(text, add_special_tokens=False).ids
+    parts = [tokenizer.encode(piece, add_special_tokens=False).ids for piece in pieces]
+    return len(pieces) > 20 and [t for part in parts for t in part] == whole
+
+
 class TextCache:
     """Least recently used texts' token tuples, bounded by an estimate of the bytes Python holds for them. Shared
     by the threads that prepare batches and the one that finishes them."""
@@ -306,10 +395,10 @@ def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = DEFAULT_LIM
     truncate states (then it is cut, and the row limit holds after the cut). Each text is tokenized only as far as its
     budget needs to tell; the texts enter the tokenizer's cache once all passed."""
     d = tokenizer.delimiters
-    texts: list[tuple[str, tuple[int, ...]]] = []
+    texts: Learned = []
 
     def tokens_of(text: str, budget: int) -> tuple[int, ...]:
-        tokens = tokenizer.encode_user_text(text, budget)
+        tokens = tokenizer.encode_user_text(text, budget, texts)
         texts.append((text, tokens))
         return tokens
 
@@ -343,21 +432,19 @@ def encode(record: Record, tokenizer: KevTokenizer, limits: Limits = DEFAULT_LIM
     return Encoded(state=state, questions=tuple(questions), dropped=dropped)
 
 
-def encode_state(
-    text: str, tokenizer: KevTokenizer, limits: Limits, texts: list[tuple[str, tuple[int, ...]]]
-) -> tuple[StateTokens, int]:
+def encode_state(text: str, tokenizer: KevTokenizer, limits: Limits, texts: Learned) -> tuple[StateTokens, int]:
     """[<state>] + the state's tokens, and how many were cut off past the limit (only when the limits truncate
     states; else a state over the limit is refused with Kev's 422). A text read whole joins `texts`, to be cached once
     its request passed; a cut one never does: its tokens are not the text's, and the bank keys a state by its tokens,
     so a cut state is banked as what the model read."""
     keep = limits.max_state_tokens - 1
     if limits.truncate_states:
-        tokens, total = tokenizer.encode_prefix(text, keep)
+        tokens, total = tokenizer.encode_prefix(text, keep, texts)
         if total == len(tokens):
             texts.append((text, tokens))
         return StateTokens((tokenizer.delimiters.state, *tokens)), total - len(tokens)
     try:
-        tokens = tokenizer.encode_user_text(text, keep)
+        tokens = tokenizer.encode_user_text(text, keep, texts)
     except OverBudget as over:
         raise RequestError(state_too_long_message(1 + over.counted, limits.max_state_tokens, over.chars)) from None
     if len(tokens) > keep:

@@ -120,10 +120,10 @@ def test_a_fault_in_one_request_fails_it_alone(tiny_dir: Path, monkeypatch: pyte
     engine = Engine.from_checkpoint(tiny_dir / "kev")
     original = engine.tokenizer.encode_user_text
 
-    def flaky(text: str, budget: int | None = None) -> tuple[int, ...]:
+    def flaky(text: str, budget: int | None = None, learned: encoding.Learned | None = None) -> tuple[int, ...]:
         if text == "poison":
             raise RuntimeError("tokenizer broke")
-        return original(text, budget)
+        return original(text, budget, learned)
 
     monkeypatch.setattr(engine.tokenizer, "encode_user_text", flaky)
     noul = {"type": "noul", "instructions": "urgent ?"}
