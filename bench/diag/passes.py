@@ -194,7 +194,7 @@ def gaps(args) -> None:
 
     # This engine's own objects (the fused scorer's phases) and, for this process only, the pass layout the scorer
     # module calls: the wrappers go with them.
-    scorer.plan = timed("plan", scorer.plan)
+    scorer.next_pass = timed("plan", scorer.next_pass)
     scorer.run_group = timed("run_group", scorer.run_group)
     scorer.forward = timed("forward", scorer.forward)
     scorer_module.lay_out = timed("layout", scorer_module.lay_out)
@@ -297,8 +297,9 @@ def invariance(args) -> None:
     captured: list = []
     original = FusedScorer.run_group
 
-    def capturing(self, rows):  # each pass's picked hidden states, by (request, question): (<decide>, options)
-        picked, decides = original(self, rows)
+    # Each pass's picked hidden states, by (request, question): (<decide>, options).
+    def capturing(self, rows, found=None):
+        picked, decides = original(self, rows, found)
         widths = {(row.request, row.question): len(row.tokens.option_ends) for row in rows}
         host = picked.float().cpu()
         captured.append({key: (host[at], host[at + 1 : at + 1 + widths[key]]) for key, at in decides.items()})

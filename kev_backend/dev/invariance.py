@@ -146,8 +146,8 @@ class Tracer:
         return run
 
     def _run_group(self, original: Callable) -> Callable:
-        def run_group(rows: list) -> Any:
-            picked, decides = original(rows)
+        def run_group(rows: list, found: Any = None) -> Any:
+            picked, decides = original(rows, found)
             trace, self.current = self.current, None
             if trace is not None:
                 widths = {(row.request, row.question): 1 + len(row.tokens.option_ends) for row in rows}

@@ -150,6 +150,9 @@ def slots_for(length: int, page: int) -> int:
     return 2 if point_length(length, page) >= POINT_MIN_TOKENS else 1
 
 
+Continued = tuple[tuple[int, ...], Slot, GpuPoint]  # GpuBank.continued: the state keeping a point, its slot, the point
+
+
 @dataclass(frozen=True)
 class Extension:
     """How a new state is computed: from its token `start` on (0: whole; else the end of the point it continues,
@@ -167,15 +170,21 @@ class GpuBank(PointIndex[Slot]):
         super().__init__()
         self.pool = pool
 
-    def allocate(self, key: tuple[int, ...], pinned: set[tuple[int, ...]]) -> tuple[Slot, Extension] | None:
-        """A slot for a new state, and how to compute it: from the furthest banked point it continues (its pages
-        shared, the point copied into the new slot), keeping a point of its own when it is long enough
-        (POINT_MIN_TOKENS) and that point is further (found by later states once `publish`ed: after the pass computing
-        it is enqueued). Evicts least recently used unpinned states (never the state whose point it continues); None
-        if the pinned ones fill the pool."""
+    def continued(self, key: tuple[int, ...]) -> Continued | None:
+        """The furthest banked point a new state continues (with at least EXTEND_MIN_TOKENS of its own after it): the
+        state keeping it, that state's slot and the point; None where it continues none."""
+        return self.longest_prefix(key, self.pool.page_size, after=EXTEND_MIN_TOKENS)  # type: ignore[return-value]
+
+    def allocate(
+        self, key: tuple[int, ...], pinned: set[tuple[int, ...]], found: Continued | None
+    ) -> tuple[Slot, Extension] | None:
+        """A slot for a new state, and how to compute it: from `found`, the point it continues (`continued`, since
+        when the bank changed only by allocations pinning its owner), its pages shared and the point copied into the
+        new slot; keeping a point of its own when it is long enough (POINT_MIN_TOKENS) and that point is further
+        (found by later states once `publish`ed: after the pass computing it is enqueued). Evicts least recently used
+        unpinned states (never the state whose point it continues); None if the pinned ones fill the pool."""
         page = self.pool.page_size
         start, shared, source = 0, [], None
-        found = self.longest_prefix(key, page, after=EXTEND_MIN_TOKENS)
         if found is not None:
             owner, entry, source = found
             start, shared = source.length, entry.pages[: source.length // page]

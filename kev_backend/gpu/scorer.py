@@ -5,7 +5,7 @@ reads the pointer head. Same interface as the reference scorer."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +20,20 @@ from .head import PointerHead
 from .memory import BANK_SHARE, GpuMemoryError, MemoryPlan, gib, states_held
 from .pass_kernels import PassKernels
 from .passes import MIN_GEMM_ROWS, PassLayout, Row, exact_input, is_short, lay_out
-from .pool import Extension, GpuBank, Slot, StatePool, slots_for
+from .pool import Continued, Extension, GpuBank, Slot, StatePool, slots_for
 from .weights import FusedWeights
 
 # The bank where none is given and the device is not a GPU (the fused pass's stand-ins on a CPU, in tests).
 DEFAULT_CPU_BANK_BYTES = 1 << 30
+# A state continuing a point costs a pass its tokens after the point and its rows' (what the pass computes and holds,
+# within its memory plan), and as much again per this many tokens before the point, which every one of them attends
+# to: a pass of continued states takes about as long as a pass of new states of the same budget. Kev-4B on an H100,
+# a turn of ~470 tokens and rows: 11.3 ms computed as a new state, 17.2 ms continuing a point after 8k tokens (x1.5),
+# 41.5 ms after 64k (x3.7; counted x5).
+PREFIX_TOKENS_PER_COST = 16_384
+
+Found = dict[tuple[int, ...], Continued | None]  # FusedScorer.next_pass: the point each new state of a pass continues
+Picked = tuple[torch.Tensor, dict[tuple[int, int], int]]  # FusedScorer.run_group: a pass's picks, each <decide>'s row
 
 
 @dataclass(frozen=True)
@@ -238,33 +247,37 @@ class FusedScorer:
     def units(self, batch: Sequence[Encoded]) -> Units:
         """`launch` a pass at a time: each step enqueues one pass (whole states with their rows, scoring/units.py).
         A pass reads and writes only its own states' slots and leaves its picks projected, so passes of other batches
-        may be enqueued between two of this one's."""
+        may be enqueued between two of this one's. Each pass is planned when it is enqueued (`next_pass`): what the
+        bank holds then decides what its states compute."""
         rows = [Row(r, q, tokens, e.state) for r, e in enumerate(batch) for q, tokens in enumerate(e.questions)]
         if not rows:
             return PendingProbabilities(len(batch))
         projected: list[torch.Tensor] = []
         decide_at: dict[tuple[int, int], int] = {}  # each question's <decide> row in the projections
         base = 0
-        for i, group in enumerate(self.plan(rows)):
-            if i:
+        while rows:
+            if projected:
                 yield
-            picked, decides = self.run_group_retrying(group)
-            # Projected now: a replayed pass's picks live in its graph's output until the next replay.
-            projected.append(self.pointer.project(picked))
-            decide_at.update((key, base + row) for key, row in decides.items())
-            base += picked.shape[0]
+            group, found = self.next_pass(rows)
+            for picked, decides in self.run_group_retrying(group, found):
+                # Projected now: a replayed pass's picks live in its graph's output until the next replay.
+                projected.append(self.pointer.project(picked))
+                decide_at.update((key, base + row) for key, row in decides.items())
+                base += picked.shape[0]
+                rows = [row for row in rows if (row.request, row.question) not in decides]  # a pass may leave some
         order, widths = batch_questions(batch)
         probs = self.pointer.softmax(
             projected[0] if len(projected) == 1 else torch.cat(projected), [decide_at[key] for key in order], widths
         )
         return PendingProbabilities.copying(len(batch), order, widths, probs)
 
-    def run_group_retrying(self, rows: list[Row]) -> tuple[torch.Tensor, dict[tuple[int, int], int]]:
-        """`run_group`, retried once on a fresh bank (and its pool and graphs) when the GPU runs out of memory; a
-        second failure fails the batch. Passes already enqueued keep the tensors they read alive, and every other
-        batch's state is in the bank only as a cache: it is computed again when asked for."""
+    def run_group_retrying(self, rows: list[Row], found: Found) -> list[Picked]:
+        """`run_group`, retried on a fresh bank (and its pool and graphs) when the GPU runs out of memory, in the
+        passes `plan` makes of the rows then (states that continued a point are computed whole: they take more
+        passes); a second failure fails the batch. Passes already enqueued keep the tensors they read alive, and
+        every other batch's state is in the bank only as a cache: it is computed again when asked for."""
         try:
-            return self.run_group(rows)
+            return [self.run_group(rows, found)]
         except torch.cuda.OutOfMemoryError:
             self.oom_retries += 1
             self.bank.clear()
@@ -275,56 +288,80 @@ class FusedScorer:
             self.bank = self._new_bank()
             self.model = self._new_model()
             self.graphs = self._new_graphs()
-            return self.run_group(rows)
+            return [self.run_group(group) for group in self.plan(rows)]
 
     def plan(self, rows: list[Row]) -> list[list[Row]]:
-        """Groups of rows per pass: whole states at a time, split by the token budget (a state's tokens, counted
-        whether it is new or banked, plus its rows' tokens) and by the bank's capacity (states pinned in one pass).
-        One state's rows stay with it up to Kev's row limit (a state near max_state_tokens with a few questions is one
-        pass); past that, the state goes with the rows that fit it (at least one) and the rest follow in passes of
-        rows only, up to the budget in their tokens, reading the state from the bank (computed again there only if
-        another batch's pass evicted it in between). Those two passes are the largest there are, which bounds a
-        pass's memory (plan_memory measures both)."""
+        """The passes `next_pass` makes of the rows, one after another, on the bank as it is (each pass's states
+        banked for the passes after it)."""
+        groups: list[list[Row]] = []
+        planned: set[tuple[int, ...]] = set()
+        while rows:
+            group, _ = self.next_pass(rows, planned)
+            groups.append(group)
+            planned.update(row.state for row in group)
+            taken = {(row.request, row.question) for row in group}
+            rows = [row for row in rows if (row.request, row.question) not in taken]
+        return groups
+
+    def next_pass(self, rows: list[Row], planned: Collection[tuple[int, ...]] = ()) -> tuple[list[Row], Found]:
+        """The rows of the next pass, whole states at a time in order, and the banked point each new state among them
+        continues (GpuBank.continued, or None). Split by the token budget and by the bank's capacity (states pinned in
+        one pass). A state's cost: its tokens, counted whether it is new or banked (or in `planned`: banked by then),
+        plus its rows' tokens; a state continuing a point costs the tokens it computes after the point and its rows'
+        tokens, and as much again per PREFIX_TOKENS_PER_COST tokens before the point (every one of them attends to
+        all of those). One state's rows stay with it up to Kev's row limit (a state near max_state_tokens with a few
+        questions is one pass); past that, a new state goes with the rows that fit it (at least one) and the rest
+        follow in passes of rows only, up to the budget in their tokens, reading the state from the bank (computed
+        again there only if another batch's pass evicted it in between). Those two passes are the largest there are,
+        which bounds a pass's memory (plan_memory measures both)."""
         by_state: OrderedDict[tuple[int, ...], list[Row]] = OrderedDict()
         for row in rows:
             by_state.setdefault(row.state, []).append(row)
-        groups: list[list[Row]] = []
         current: list[Row] = []
+        found: Found = {}
         cost = 0
         states = 0  # the pool slots the pass's states take (slots_for: a state keeping a point takes two)
         # The slots the bank can give (all but its scratch slot); a model without DeltaNet layers has none to lack.
         max_states = self.bank.pool.scratch_slot if len(self.bank.pool.recurrent) else 1 << 30
         page = self.bank.pool.page_size
         for state, members in by_state.items():
-            need = len(state) + sum(len(m.tokens.tokens) for m in members)
+            rows_tokens = sum(len(m.tokens.tokens) for m in members)
+            banked = state in planned or state in self.bank
+            continued = None if banked else self.bank.continued(state)
+            if continued is None:
+                need = len(state) + rows_tokens
+            else:
+                start = continued[2].length
+                need = (len(state) - start + rows_tokens) * (PREFIX_TOKENS_PER_COST + start) // PREFIX_TOKENS_PER_COST
             slots = slots_for(len(state), page)
             if current and (cost + need > self.pass_tokens or states + slots > max_states):
-                groups.append(current)
-                current, cost, states = [], 0, 0
+                break
+            if not banked:
+                found[state] = continued
             if need <= max(self.pass_tokens, self.max_row_tokens) or len(members) == 1:
                 current.extend(members)
                 cost += need
                 states += slots
                 continue
-            # More work on one state than the largest pass: its first pass takes the state and the rows that fit in
-            # Kev's row limit (at least one); the next passes hold rows only, the state being banked by then.
-            current, cost, limit = [], len(state), max(self.pass_tokens, self.max_row_tokens)
+            # More work on one state than the largest pass, alone in this one: a new state with the rows that fit in
+            # Kev's row limit (at least one); a banked one with the rows that fit the budget in their own tokens.
+            cost, limit = (0, self.pass_tokens) if banked else (len(state), max(self.pass_tokens, self.max_row_tokens))
             for member in members:
                 tokens = len(member.tokens.tokens)
                 if current and cost + tokens > limit:
-                    groups.append(current)
-                    current, cost, limit = [], 0, self.pass_tokens
+                    break
                 current.append(member)
                 cost += tokens
-            groups.append(current)
-            current, cost, states = [], 0, 0
-        if current:
-            groups.append(current)
-        return groups
+            break
+        return current, found
 
-    def run_group(self, rows: list[Row]) -> tuple[torch.Tensor, dict[tuple[int, int], int]]:
+    def run_group(self, rows: list[Row], found: Found | None = None) -> Picked:
         """One pass: the hidden states it picked [picks, d] (a replayed pass's: its graph's output, read before the
-        next pass), and where each (request, question)'s <decide> is among them (its options follow it)."""
+        next pass), and where each (request, question)'s <decide> is among them (its options follow it). `found`: the
+        point each new state continues, as `next_pass` found them just before; without it each is looked up when its
+        slot is allocated. A state whose point left the bank since (the state keeping it evicted to make room for one
+        of this pass's) is left out with the states after it: computed whole it would pass the budget the pass was
+        planned to. Their rows are not among the <decide>s; the caller plans them again."""
         states = list(OrderedDict.fromkeys(row.state for row in rows))
         pinned = set(states)
         slots: dict[tuple[int, ...], Slot] = {}
@@ -333,13 +370,19 @@ class FusedScorer:
         for state in states:
             slot = self.bank.get(state)
             if slot is None:
+                continued = self.bank.continued(state) if found is None else found[state]
+                if continued is not None and continued[0] not in self.bank:
+                    if slots:
+                        break
+                    continued = self.bank.continued(state)  # (not after next_pass: nothing was allocated before it)
                 # From the furthest banked point it continues, if any, keeping its own (gpu/pool.py).
-                made = self.bank.allocate(state, pinned)
+                made = self.bank.allocate(state, pinned, continued)
                 if made is None:
                     raise RuntimeError("the state bank cannot hold one pass's states: raise bank_bytes")
                 slot, how[state] = made
                 new.append(state)
             slots[state] = slot
+        rows = [row for row in rows if row.state in slots]
         # Short segments before long ones, within the states and within the rows (stable): each length class is one
         # contiguous kernel group.
         new.sort(key=lambda state: not is_short(len(state)))

@@ -193,18 +193,18 @@ def test_gpu_bank_pool_bookkeeping(tiny_dir: Path) -> None:
     assert pool.scratch_slot == 3 and pool.scratch_token == 16
     bank = GpuBank(pool)
     a, b, c = (1,) * 5, (2,) * 3, (3,) * 4  # 2, 1 and 1 pages
-    slot_a, _ = bank.allocate(a, pinned={a})
+    slot_a, _ = bank.allocate(a, {a}, None)
     assert slot_a.kv_index(4).tolist() == [slot_a.pages[0] * 4 + i for i in range(4)] + [slot_a.pages[1] * 4]
-    bank.allocate(b, pinned={b})
-    bank.allocate(c, pinned={c})
+    bank.allocate(b, {b}, None)
+    bank.allocate(c, {c}, None)
     assert len(bank) == 3 and not pool.free_slots and not pool.free_pages
     held = [bank.get(key) for key in (a, b, c)]
     assert pool.scratch_slot not in {s.slot for s in held} and 4 not in {page for s in held for page in s.pages}
     assert bank.get(a) is slot_a  # a is now the most recent: a new state evicts b
     d = (4,) * 2
-    bank.allocate(d, pinned={d})
+    bank.allocate(d, {d}, None)
     assert b not in bank and a in bank and bank.stats.evictions == 1
-    assert bank.allocate((5,) * 16, pinned={a, c, d, (5,) * 16}) is None  # everything pinned: no room
+    assert bank.allocate((5,) * 16, {a, c, d, (5,) * 16}, None) is None  # everything pinned: no room
     bank.forget(d)
     assert d not in bank and len(pool.free_slots) == 1
     assert bank.stats.bytes == sum(slot.nbytes for slot in (slot_a, bank.get(c)))

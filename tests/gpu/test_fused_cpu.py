@@ -250,3 +250,66 @@ def test_our_kernels_grow_a_state_bit_for_bit(tiny_dir: Path, monkeypatch, kerne
     for e, answer in zip(encoded, grown, strict=True):
         whole.bank.clear()
         assert whole.probabilities([e])[0] == answer
+
+
+def conversation_turns(reference, conversations: int, words: tuple[int, ...]) -> list[list]:
+    """Each conversation's turns of `words` words (a growing state: each turn's the one before's and a message)."""
+    return [
+        [reference.prepare({"state": filler(n, 40 + c), "questions": short6()["questions"]})[1] for n in words]
+        for c in range(conversations)
+    ]
+
+
+def rows_of(encoded: list) -> list[Row]:
+    return [Row(r, q, t, e.state) for r, e in enumerate(encoded) for q, t in enumerate(e.questions)]
+
+
+def test_continued_turns_are_planned_by_the_tokens_they_compute(tiny_dir: Path, monkeypatch) -> None:
+    """Six conversations banked near 700 tokens, then each one's next turn in one batch: a pass's budget counts what a
+    continued turn computes (its tokens after the point and its rows, weighted by its prefix:
+    PREFIX_TOKENS_PER_COST), not its whole state, so the six turns go in one pass where computed whole they take
+    three. The answers are the reference's and the same as the turns computed whole."""
+    monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 128)
+    budget = 2_400  # a turn: ~980 tokens whole, ~350 continued
+    reference, fused = engines(tiny_dir, pass_tokens=budget, graphs=False)
+    turns = conversation_turns(reference, 6, (700, 790))
+    banked, following = [t[0] for t in turns], [t[1] for t in turns]
+    fused.probabilities(banked)
+    assert all(e.state in fused.bank for e in banked)
+    whole = sum(len(e.state) + sum(len(q.tokens) for q in e.questions) for e in following)
+    assert len(fused.plan(rows_of(following))) == 1 and whole > 2 * budget  # whole: three passes at least
+    passes = []
+    forward = fused.forward
+    monkeypatch.setattr(fused, "forward", lambda layout: passes.append(layout) or forward(layout))
+    hits = fused.bank.stats.prefix_hits
+    grown = fused.probabilities(following)
+    assert len(passes) == 1 and fused.bank.stats.prefix_hits - hits == 6
+    assert compare(reference.scorer.probabilities(following), grown)["max_abs"] < 2e-5
+    fused.bank.clear()
+    assert compare(fused.probabilities(following), grown)["max_abs"] < 1e-6
+
+
+def test_a_turn_whose_point_left_the_bank_is_planned_again(tiny_dir: Path, monkeypatch) -> None:
+    """A pass planned with a turn continuing a point, whose state was evicted before the turn's slot was allocated
+    (to make room for a state before it in the pass): the turn is left out of that pass, then planned again and
+    computed whole in the next, and every answer is the reference's."""
+    monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 128)
+    reference, fused = engines(tiny_dir, pass_tokens=4_000, graphs=False)
+    turns = conversation_turns(reference, 2, (700, 790))
+    fused.probabilities([t[0] for t in turns])
+    following = [t[1] for t in turns]
+    next_pass = fused.next_pass
+    planned = []
+
+    def evicting(rows, planned_states=()):  # next_pass, then the second turn's point evicted
+        group, found = next_pass(rows, planned_states)
+        planned.append(len({row.state for row in group}))
+        if len(planned) == 1:
+            fused.bank.forget(turns[1][0].state)
+        return group, found
+
+    monkeypatch.setattr(fused, "next_pass", evicting)
+    hits = fused.bank.stats.prefix_hits
+    grown = fused.probabilities(following)
+    assert planned == [2, 1] and fused.bank.stats.prefix_hits - hits == 1
+    assert compare(reference.scorer.probabilities(following), grown)["max_abs"] < 2e-5
