@@ -6,6 +6,9 @@
             the state tokens the turn computed from the banked turn (computed_tokens), and the floor under extend_ms:
             a new state of that many tokens with the turn's questions (floor_ms)
     rps_64  turns answered per second by 64 closed-loop clients, each growing its own conversation near 8k tokens
+    batched for k conversations near 8k tokens, their next turns in one batch: model time per turn (turn_ms), and the
+            floor under it, the same tokens and questions as k new states (floor_ms, per turn): what bounds rps_64 on
+            the GPU, the prefix's attention being the difference
     differing  answers of turns computed from the turn before that differ in any bit from the same turns computed
             from nothing (`turns` of them)
 
@@ -131,6 +134,35 @@ def throughput(engine: Engine, clients: int, seconds: float, near: int = 8192) -
     return closed_loop(engine, make, clients, seconds)
 
 
+def batched(engine: Engine, sizes: tuple[int, ...], near: int = 8192, repeat: int = 2) -> list[dict[str, Any]]:
+    """For each k of `sizes`, k conversations banked at their last turn within `near` tokens, then their next turns
+    in one batch: its model time per turn, and per turn that of k new states of the tokens each turn computed with its
+    questions (the floor); medians over `repeat` batches, each after a batch of the next turns untimed."""
+    count = state_counter(engine.tokenizer)
+    stats = engine.bank.stats
+    out = []
+    for k in sizes:
+        times: dict[str, list[float]] = {"turn_ms": [], "floor_ms": []}
+        computed = 0
+        conversations = [next(CONVERSATION) for _ in range(k)]
+        turn = last_turn_within(near - 500, count, conversations[0])
+        engine.answer([grow(c, turn) for c in conversations])
+        for run in range(repeat + 1):
+            turn += 1
+            before = stats.tokens_computed
+            engine.answer([grow(c, turn) for c in conversations])
+            extend = engine.last_batch.model_ms
+            computed = (stats.tokens_computed - before) // k
+            questions = grow(0, 0)["questions"]
+            engine.answer([sized(computed, count, next(CONVERSATION), questions) for _ in range(k)])
+            floor = engine.last_batch.model_ms
+            if run:  # the first: kernels at these sizes
+                times["turn_ms"].append(extend / k)
+                times["floor_ms"].append(floor / k)
+        out.append({"turns": k, "computed_tokens": computed, **{n: statistics.median(v) for n, v in times.items()}})
+    return out
+
+
 def grow_record(
     engine: Engine,
     lengths: tuple[int, ...] = (2048, 8192, 32768, 65536),
@@ -138,12 +170,15 @@ def grow_record(
     clients: int = 64,
     seconds: float = 6.0,
     turns: int = 1000,
+    batch_sizes: tuple[int, ...] = (6, 16, 32),
+    near: int = 8192,
 ) -> dict[str, Any]:
-    """The `grow` record (the module's docstring)."""
+    """The `grow` record (the module's docstring); `near`: the conversations' length for rps and batched."""
     stats = engine.bank.stats
     hits, reused = stats.prefix_hits, stats.tokens_reused
     record: dict[str, Any] = {"points": [point(engine, tokens, repeat) for tokens in lengths]}
-    record[f"rps_{clients}"] = throughput(engine, clients, seconds)["rps"]
+    record[f"rps_{clients}"] = throughput(engine, clients, seconds, near)["rps"]
+    record["batched"] = batched(engine, batch_sizes, near)
     record.update(differing(engine, turns))
     record["prefix_hits"], record["tokens_reused"] = stats.prefix_hits - hits, stats.tokens_reused - reused
     return record

@@ -28,7 +28,9 @@ def test_each_turn_continues_the_turn_before() -> None:
 def test_the_grow_record_on_the_reference_path(tiny_dir: Path) -> None:
     engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(device="cpu", backend="reference"))
     engine.scorer.chunk_tokens = 256  # points every 256 tokens: the tiny model's turns continue one
-    record = grow.grow_record(engine, lengths=(2048, 3072), repeat=1, clients=4, seconds=0.5, turns=12)
+    record = grow.grow_record(
+        engine, lengths=(2048, 3072), repeat=1, clients=4, seconds=0.5, turns=12, batch_sizes=(2,), near=2048
+    )
     count = state_counter(engine.tokenizer)
     opening = count(grow.grow(0, 0))
     for point, length in zip(record["points"], (2048, 3072), strict=True):
@@ -41,6 +43,9 @@ def test_the_grow_record_on_the_reference_path(tiny_dir: Path) -> None:
         assert point["added_tokens"] + 16 <= point["computed_tokens"] < point["added_tokens"] + 256 + 16
         assert min(point["extend_ms"], point["scratch_ms"], point["same_ms"], point["floor_ms"]) > 0
     assert record["rps_4"] > 0
+    (batch,) = record["batched"]  # two conversations' next turns together, and as two new states
+    assert batch["turns"] == 2 and 0 < batch["computed_tokens"] < 2048
+    assert batch["turn_ms"] > 0 and batch["floor_ms"] > 0
     assert (record["turns"], record["differing"]) == (12, 0)
     # every timed and untimed point's next turn, and the compared turns but each conversation's first (6 of 2)
     assert record["prefix_hits"] >= 2 * 2 + 6 and record["tokens_reused"] > 0
