@@ -4,17 +4,19 @@ State S = [<state>] + tokens(state text). Question branch = [<q>] + tokens(instr
 [<opt>] + tokens(option text) + [</opt>], then [<decide>]. Every caller text is escaped first so it cannot produce
 a delimiter, and each segment is tokenized on its own. The head reads each option's </opt> and the <decide> token.
 
-Limits before work: a text longer than `LAZY_CHARS` is first counted piece by piece, cut where the count cannot
-change (see `safe_cuts`), and refused as soon as the count passes its budget, so an oversized state costs about as
+Limits before work: a text longer than `LAZY_CHARS` is counted piece by piece as it is tokenized (below; or first,
+for a tokenizer not cut in pieces), cut where the count cannot change (see `safe_cuts`), and refused as soon as the
+count passes its budget, so an oversized state costs about as
 much as tokenizing the limit's worth of it, never the whole text. Tokenized texts are kept in a cache bounded in
 bytes, and only once their request's limits have passed.
 
 Pieces: a text longer than PIECE_CHARS is tokenized in pieces of about that many characters, cut where every
 pre-tokenizer Kev's bases use starts a new pre-token (`safe_cuts`), so the pieces' tokens, in order, are the whole
-text's; each piece's tokens are cached on their own. A conversation's state, growing turn by turn, tokenizes its new
-text and the last piece or two before it, not the whole conversation again; a long new text's pieces go through the
-tokenizer's threads at once. A tokenizer for which a cut might not be a pre-token boundary (`pieces_are_exact`) has
-its texts tokenized whole.
+text's (where a piece could not be cut so, the text is tokenized again whole); each piece's tokens are cached on
+their own, and a text over its budget is refused as its pieces are counted. A conversation's state, growing turn by
+turn, tokenizes its new text and the last piece or two before it, not the whole conversation again; a long new
+text's pieces go through the tokenizer's threads at once. A tokenizer for which a cut might not be a pre-token
+boundary (`pieces_are_exact`) has its texts tokenized whole.
 
 Truncating (`Limits.truncate_states`): a state over the limit keeps <state> and its first max_state_tokens - 1
 tokens, and the rest is only counted, piece by piece (`KevTokenizer.encode_prefix`): the response reports the whole
@@ -26,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -58,6 +61,7 @@ CACHE_MAX_CHARS = 1 << 16  # longer texts are never cached: their bank entry is 
 # run without a lone space makes a larger one), each cached: a growing state's turn tokenizes ~1-2 pieces and its new
 # text. 4,096 characters are ~1,000 tokens of ordinary text, under a millisecond to tokenize.
 PIECE_CHARS = 4096
+PIECES_A_CALL = LAZY_CHARS // PIECE_CHARS  # pieces tokenized (or counted against a budget) together
 BATCH_ENCODE_FROM = 4  # count_tokens_batch: fewer texts are encoded one by one (a lone request's answers, mostly)
 # A cut inside a word may change BPE's count near the cut by a token or two: the count is trusted only past this
 # much slack per such cut.
@@ -185,26 +189,38 @@ class KevTokenizer:
             return self.tokenizer.encode_batch([escaped], add_special_tokens=False)[0]
         return self.tokenizer.encode(escaped, add_special_tokens=False)
 
-    def _encode(self, text: str, learned: Learned | None = None) -> tuple[int, ...]:
-        """Caller text's tokens: a text of PIECE_CHARS or fewer (or any, for a tokenizer not `in_pieces`) whole; a
-        longer one as its pieces' (`pieces`), each from the cache or, those missing, through one `encode_batch` (the
-        tokenizer's threads, the GIL let go). The pieces tokenized here join `learned`, to be cached once their
+    def _encode(self, text: str, learned: Learned | None = None, budget: int | None = None) -> tuple[int, ...]:
+        """Caller text's tokens. A text of PIECE_CHARS or fewer (or any, for a tokenizer not `in_pieces`) whole. A
+        longer one in the spans of `safe_cuts(text, PIECE_CHARS)`, PIECES_A_CALL at a time, each from the cache or,
+        those missing, through one `encode_batch` (the tokenizer's threads, the GIL let go): the spans' tokens, in
+        order, where every cut is safe; else (a run of over half a piece without a lone space) the text again, whole.
+        With a budget, OverBudget once the spans so far hold more tokens than it (UNSAFE_CUT_TOKENS more for each
+        unsafe cut, as `encode_user_text`'s count). The spans tokenized here join `learned`, to be cached once their
         request passed."""
         if len(text) <= PIECE_CHARS or not self.in_pieces:
             return tuple(self._tokenize(text).ids) if text else ()
-        pieces = [text[start:stop] for start, stop in safe_pieces(text, PIECE_CHARS)]
-        found: list[tuple[int, ...] | None] = [self.cache.get(piece) for piece in pieces]
-        missing = [i for i, tokens in enumerate(found) if tokens is None]
-        if missing:
-            self.tokenized_chars += sum(len(pieces[i]) for i in missing)
-            encodings = self.tokenizer.encode_batch(
-                [escape_user_text(pieces[i]) for i in missing], add_special_tokens=False
-            )
-            for i, encoding in zip(missing, encodings, strict=True):
-                found[i] = tokens = tuple(encoding.ids)
-                if learned is not None:
-                    learned.append((pieces[i], tokens))
-        return tuple(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
+        parts: list[tuple[int, ...]] = []
+        counted = unsafe = 0
+        spans = safe_cuts(text, PIECE_CHARS)
+        while group := list(itertools.islice(spans, PIECES_A_CALL)):
+            pieces = [text[start:stop] for start, stop, _ in group]
+            found = [self.cache.get(piece) for piece in pieces]
+            missing = [i for i, tokens in enumerate(found) if tokens is None]
+            if missing:
+                self.tokenized_chars += sum(len(pieces[i]) for i in missing)
+                escaped = [escape_user_text(pieces[i]) for i in missing]
+                for i, encoding in zip(missing, self.tokenizer.encode_batch(escaped, add_special_tokens=False)):
+                    found[i] = tokens = tuple(encoding.ids)
+                    if learned is not None:
+                        learned.append((pieces[i], tokens))
+            parts.extend(found)  # type: ignore[arg-type]
+            counted += sum(len(tokens) for tokens in found)  # type: ignore[arg-type]
+            unsafe += sum(not safe for *_, safe in group)
+            if budget is not None and counted > budget + UNSAFE_CUT_TOKENS * unsafe:
+                raise OverBudget(counted - UNSAFE_CUT_TOKENS * unsafe, group[-1][1])
+        if unsafe:
+            return tuple(self._tokenize(text).ids)
+        return tuple(itertools.chain.from_iterable(parts))
 
     def _count(self, text: str) -> int:
         return len(self._tokenize(text))
@@ -213,12 +229,15 @@ class KevTokenizer:
         """Caller text, escaped and tokenized without special tokens (Qwen adds no BOS). With a budget, a text longer
         than LAZY_CHARS is counted piece by piece first, and OverBudget raised once it is known to need more tokens
         than that, having tokenized not much more than the budget's worth of it; a shorter one is tokenized whole and
-        left to the caller's exact check. The result is not cached: `remember` does that once the request passed
-        (a long text's pieces tokenized here join `learned` for that)."""
+        left to the caller's exact check; a tokenizer `in_pieces` counts as it tokenizes, in pieces (`_encode`).
+        The result is not cached: `remember` does that once the request passed (a long text's pieces tokenized here
+        join `learned` for that)."""
         cached = self.cache.get(text)
         if cached is not None:
             return cached
         if budget is not None and len(text) > LAZY_CHARS:
+            if self.in_pieces:
+                return self._encode(text, learned, budget)
             counted = unsafe = 0
             for start, stop, safe in safe_cuts(text, LAZY_CHARS):
                 counted += self._count(text[start:stop])
@@ -302,20 +321,9 @@ def safe_cuts(text: str, size: int) -> Iterator[tuple[int, int, bool]]:
         start = stop
 
 
-def safe_pieces(text: str, size: int) -> Iterator[tuple[int, int]]:
-    """`safe_cuts`' spans, those ending at an unsafe cut joined with the next: every piece ends at a safe cut (or the
-    text's end), so the pieces' tokens, in order, are the whole text's. A conversation's text, grown at its end,
-    is cut where it was up to its last piece or two: the cuts look no further than a piece ahead."""
-    start = 0
-    for _, stop, safe in safe_cuts(text, size):
-        if safe:
-            yield start, stop
-            start = stop
-
-
 # The pre-tokenizers and normalizers after which a lone space between two non-space characters always starts a new
 # pre-token, whatever comes before it (byte-level BPE with Qwen's or GPT's split, whitespace and digit splitting) and
-# nothing joins across it: the pieces `safe_pieces` cuts tokenize as the whole text does. Metaspace (SentencePiece's
+# nothing joins across it: pieces cut there (`safe_cuts`) tokenize as the whole text does. Metaspace (SentencePiece's
 # "▁") is not among them: it marks a piece's start as a word's.
 PIECEWISE_PRE_TOKENIZERS = {"Sequence", "Split", "ByteLevel", "Whitespace", "WhitespaceSplit", "Digits", "Punctuation"}
 PIECEWISE_NORMALIZERS = {"Sequence", "NFC", "NFD", "Lowercase", "StripAccents"}
@@ -327,9 +335,9 @@ PIECES_PROBE = (
 
 
 def pieces_are_exact(tokenizer: Tokenizer) -> bool:
-    """Whether texts may be tokenized in `safe_pieces`: a pre-tokenizer and normalizer made of PIECEWISE ones, no
-    added token that holds whitespace or strips it beside itself, and a probe text's tokens in pieces as its tokens
-    whole, cut at every lone space."""
+    """Whether texts may be tokenized in pieces (`KevTokenizer._encode`): a pre-tokenizer and normalizer made of
+    PIECEWISE ones, no added token that holds whitespace or strips it beside itself, and a probe text's tokens in
+    pieces as its tokens whole, cut at every lone space."""
     spec = json.loads(tokenizer.to_str())
 
     def kinds(part: dict | None, key: str) -> set[str]:
@@ -345,7 +353,7 @@ def pieces_are_exact(tokenizer: Tokenizer) -> bool:
         if added.get("lstrip") or added.get("rstrip") or any(c.isspace() for c in added["content"]):
             return False
     text = PIECES_PROBE * 3
-    pieces = [text[start:stop] for start, stop in safe_pieces(text, 8)]
+    pieces = re.split(r"(?<=\S)(?= \S)", text)  # cut before every lone space
     whole = tokenizer.encode(text, add_special_tokens=False).ids
     parts = [tokenizer.encode(piece, add_special_tokens=False).ids for piece in pieces]
     return len(pieces) > 20 and [t for part in parts for t in part] == whole

@@ -11,7 +11,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from kev_backend.protocol import encoding
-from kev_backend.protocol.encoding import PIECE_CHARS, KevTokenizer, pieces_are_exact, safe_pieces
+from kev_backend.protocol.encoding import PIECE_CHARS, KevTokenizer, pieces_are_exact, safe_cuts
 from kev_backend.protocol.request import Limits, parse_request
 from kev_backend.protocol.text import escape_user_text
 from tests.helpers import CORPUS, kev_tokenizer, random_text
@@ -34,36 +34,36 @@ def test_a_long_text_in_pieces_has_the_whole_texts_tokens(qwen_bpe: Tokenizer, t
     for n in (1_000, 3_000, 9_000):
         for _ in range(6):
             text = random_text(rng, n).replace("42", "<|fim_prefix|>", 1)
-            spans = list(safe_pieces(text, PIECE_CHARS))
-            assert len(spans) > 1 and "".join(text[a:b] for a, b in spans) == text
-            assert all(text[b] == " " and not text[b - 1].isspace() for _, b in spans[:-1])
+            spans = list(safe_cuts(text, PIECE_CHARS))
+            assert len(spans) > 1 and all(safe for *_, safe in spans)
+            assert all(text[b] == " " and not text[b - 1].isspace() for _, b, _ in spans[:-1])
             whole = qwen_bpe.encode(escape_user_text(text), add_special_tokens=False).ids
             assert list(tokenizer.encode_user_text(text)) == whole
 
 
-def test_a_huge_word_stays_in_one_piece(qwen_bpe: Tokenizer, tmp_path: Path) -> None:
-    """A run of 3 pieces' length without a lone space is never cut: its piece is as long as it."""
+def test_a_text_with_a_run_no_cut_is_safe_in_is_tokenized_whole(qwen_bpe: Tokenizer, tmp_path: Path) -> None:
+    """A run of 3 pieces' length without a lone space cannot be cut safely: the text's tokens are its own, whole."""
     tokenizer = kev_tokenizer(qwen_bpe, tmp_path)
     text = " ".join(CORPUS) + " " + "y" * (3 * PIECE_CHARS) + " " + " ".join(CORPUS) * 40
-    assert any(b - a > 3 * PIECE_CHARS for a, b in safe_pieces(text, PIECE_CHARS))
+    assert not all(safe for *_, safe in safe_cuts(text, PIECE_CHARS))
     assert list(tokenizer.encode_user_text(text)) == qwen_bpe.encode(text, add_special_tokens=False).ids
 
 
 def test_a_growing_state_tokenizes_its_new_text(qwen_bpe: Tokenizer, tmp_path: Path) -> None:
-    """A conversation growing by ~1,000 characters a turn to ~60,000: each turn's state tokens are the whole text's,
-    and the tokenizer reads the new text and at most two pieces before it (a conversation's first turn: all of it).
-    A text cached whole is not read again."""
+    """A conversation growing by ~1,400 characters a turn past LAZY_CHARS (where a state is counted against its limit
+    as it is tokenized): each turn's state tokens are the whole text's, and the tokenizer reads the new text and at
+    most two pieces before it (a conversation's first turn: all of it). A text read again reads nothing."""
     tokenizer = kev_tokenizer(qwen_bpe, tmp_path)
     rng = random.Random(5)
     state = random_text(rng, 2_000)  # ~9,000 characters
-    for turn in range(40):
+    for turn in range(70):
         added = random_text(rng, 300)
         state += added
         before = tokenizer.tokenized_chars
         assert state_tokens(tokenizer, state) == qwen_bpe.encode(escape_user_text(state), add_special_tokens=False).ids
         read = tokenizer.tokenized_chars - before
         assert read <= (len(added) + 2 * PIECE_CHARS + 100 if turn else len(state) + 100), (len(state), read)
-    assert len(state) > 50_000
+    assert len(state) > 1.5 * encoding.LAZY_CHARS
     before = tokenizer.tokenized_chars
     state_tokens(tokenizer, state)
     assert tokenizer.tokenized_chars == before
