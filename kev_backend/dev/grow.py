@@ -140,6 +140,7 @@ def batched(engine: Engine, sizes: tuple[int, ...], near: int = 8192, repeat: in
     questions (the floor); medians over `repeat` batches, each after a batch of the next turns untimed."""
     count = state_counter(engine.tokenizer)
     stats = engine.bank.stats
+    questions = grow(0, 0)["questions"]
     out = []
     for k in sizes:
         times: dict[str, list[float]] = {"turn_ms": [], "floor_ms": []}
@@ -153,7 +154,6 @@ def batched(engine: Engine, sizes: tuple[int, ...], near: int = 8192, repeat: in
             engine.answer([grow(c, turn) for c in conversations])
             extend = engine.last_batch.model_ms
             computed = (stats.tokens_computed - before) // k
-            questions = grow(0, 0)["questions"]
             engine.answer([sized(computed, count, next(CONVERSATION), questions) for _ in range(k)])
             floor = engine.last_batch.model_ms
             if run:  # the first: kernels at these sizes

@@ -178,11 +178,11 @@ class GpuBank(PointIndex[Slot]):
     def allocate(
         self, key: tuple[int, ...], pinned: set[tuple[int, ...]], found: Continued | None
     ) -> tuple[Slot, Extension] | None:
-        """A slot for a new state, and how to compute it: from `found`, the point it continues (`continued`, since
-        when the bank changed only by allocations pinning its owner), its pages shared and the point copied into the
-        new slot; keeping a point of its own when it is long enough (POINT_MIN_TOKENS) and that point is further
-        (found by later states once `publish`ed: after the pass computing it is enqueued). Evicts least recently used
-        unpinned states (never the state whose point it continues); None if the pinned ones fill the pool."""
+        """A slot for a new state, and how to compute it: from `found`, the point it continues (`continued`; the state
+        keeping it still banked), its pages shared and the point copied into the new slot; keeping a point of its own
+        when it is long enough (POINT_MIN_TOKENS) and that point is further (found by later states once `publish`ed:
+        after the pass computing it is enqueued). Evicts least recently used unpinned states (never the state whose
+        point it continues); None if the pinned ones fill the pool."""
         page = self.pool.page_size
         start, shared, source = 0, [], None
         if found is not None:
