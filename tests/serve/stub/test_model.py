@@ -16,6 +16,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from kev_backend.engine.engine import Engine, EngineOptions
+from kev_backend.protocol.encoding import PIECE_CHARS
 from kev_backend.protocol.request import STATE_KEY_HEADER, state_key_of
 from kev_backend.serve.client import prometheus
 from tests.conftest import REPO, TritonServer, metric_values, settled, wait_until
@@ -146,16 +147,27 @@ def test_prometheus_metrics_from_the_backend(triton: TritonServer) -> None:
 
 def test_a_growing_state_reuses_its_banked_prefix(triton: TritonServer, tiny_dir: Path) -> None:
     """A state that continues a banked one (past the reference path's first 4,096-token chunk) is computed from that
-    state's point: the backend's growth counters say so, and the answers are those of states computed whole."""
+    state's point: the backend's growth counters say so, and the answers are those of states computed whole. Its
+    text is tokenized in pieces, cached: the second turn reads its new text and at most two pieces before it."""
     first = " ".join(f"message {i} about the late refund" for i in range(900))
-    bodies = [request(state=state) for state in (first, first + " and one more message about the invoice")]
+    added = " and one more message about the invoice"
+    bodies = [request(state=state) for state in (first, first + added)]
     before = metric_values(triton)
-    answers = [grpc_all(triton, [body])[0] for body in bodies]
+    answers = [grpc_all(triton, bodies[:1])[0]]
+    middle = settled(
+        lambda: metric_values(triton),
+        lambda v: v["kev_tokenized_chars_total"] >= before["kev_tokenized_chars_total"] + len(first),
+        "the first turn's tokenizing",
+    )
+    answers += grpc_all(triton, bodies[1:])
     after = settled(
         lambda: metric_values(triton),
         lambda v: v.get("kev_bank_prefix_hits_total", 0.0) > before.get("kev_bank_prefix_hits_total", 0.0),
         "the growth counters",
     )
+    questions = sum(len(json.dumps(q)) for q in bodies[1]["questions"].values())  # (more than their texts)
+    read = after["kev_tokenized_chars_total"] - middle["kev_tokenized_chars_total"]
+    assert len(first) > 6 * PIECE_CHARS and 0 < read <= len(added) + 2 * PIECE_CHARS + questions
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
