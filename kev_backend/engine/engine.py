@@ -72,11 +72,11 @@ class EngineOptions:
     bank_bytes: int | None = None
     row_pass_tokens: int = 16_384
     # fused path: CUDA graphs (kev_backend/gpu/graphs.py) for passes of short rows, new states and extensions, buckets
-    # up to graph_max_tokens tokens (167 up to 4,096), at most max_graphs kept. Nothing is captured without CUDA; the
+    # up to graph_max_tokens tokens (136 up to 4,096), at most max_graphs kept. Nothing is captured without CUDA; the
     # reference path never uses them.
     graphs: bool = True
     graph_max_tokens: int = 4096
-    max_graphs: int = 167
+    max_graphs: int = 136
     # fused path: at start, capture every graph bucket and run each kernel family once (Triton compiles and
     # autotunes), so no request pays for them
     warm: bool = True

@@ -89,12 +89,11 @@ PREFIX_TOKENS = 2 * LONG_PREFIX_MAX
 # Passes of new states continuing a point (extensions: a conversation's next turn) with their rows: extension tokens
 # by EXT_BUCKETS, rows by EXT_ROW_BUCKETS, no new state computed whole beside them. A turn adding up to ~250 tokens
 # computes 16-80 more after its point and asks a few questions (six: ~190 row tokens), so one turn takes e384r192;
-# the five or six turns of a served part of conversations near 8k tokens (pipeline.SUBMIT_BYTES) e2048r1024, up to
-# ten e3072r1024. Their rows' attention is the split launch (the long-prefix buckets'), whose rows of one part end as
-# the unsplit kernel does: one set of buckets for conversations of any length. Extensions of RECURRENT_MAX_LEN tokens
-# or fewer (a turn adding a few words) and larger passes run eagerly.
-EXT_BUCKETS = (128, 256, 384, 512, 1024, 1536, 2048, 3072)
-EXT_ROW_BUCKETS = (64, 128, 192, 256, 512, 768, 1024)
+# a few together the larger ones. Their rows' attention is the split launch (the long-prefix buckets'), whose rows of
+# one part end as the unsplit kernel does: one set of buckets for conversations of any length. Extensions of
+# RECURRENT_MAX_LEN tokens or fewer (a turn adding a few words) and larger passes run eagerly.
+EXT_BUCKETS = (128, 256, 384, 512, 1024)
+EXT_ROW_BUCKETS = (64, 128, 192, 256, 512)
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +173,8 @@ class Bucket:
 
 
 def all_buckets(max_tokens: int) -> list[Bucket]:
-    """Every bucket up to `max_tokens` tokens, smallest first (167 up to 4,096): a trimmed one (TRIM) before its
-    untrimmed twin, then the long-prefix ones (6), then the extensions' (56), smallest first. Each has at
+    """Every bucket up to `max_tokens` tokens, smallest first (136 up to 4,096, 179 up to 8,192): a trimmed one (TRIM)
+    before its untrimmed twin, then the long-prefix ones (6), then the extensions' (25), smallest first. Each has at
     least MIN_GEMM_ROWS tokens."""
     shapes = [(s, r) for s in (0, *STATE_BUCKETS) for r in (0, *ROW_BUCKETS)]
     shapes += [(s, r) for s in (0, *STATE_BUCKETS) for r in ROW_STEPS if s <= r]
