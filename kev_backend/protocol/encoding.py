@@ -338,19 +338,21 @@ def pieces_are_exact(tokenizer: Tokenizer) -> bool:
     """Whether texts may be tokenized in pieces (`KevTokenizer._encode`): a pre-tokenizer and normalizer made of
     PIECEWISE ones, no added token that holds whitespace or strips it beside itself, and a probe text's tokens in
     pieces as its tokens whole, cut at every lone space."""
-    spec = json.loads(tokenizer.to_str())
 
     def kinds(part: dict | None, key: str) -> set[str]:
         if not part:
             return set()
         return {part["type"]}.union(*(kinds(p, key) for p in part.get(key) or []))
 
-    if not kinds(spec.get("pre_tokenizer"), "pretokenizers") <= PIECEWISE_PRE_TOKENIZERS:
+    def spec(component: object | None) -> dict | None:  # the component's own JSON, not the whole tokenizer's
+        return json.loads(component.__getstate__()) if component is not None else None  # type: ignore[attr-defined]
+
+    if not kinds(spec(tokenizer.pre_tokenizer), "pretokenizers") <= PIECEWISE_PRE_TOKENIZERS:
         return False
-    if not kinds(spec.get("normalizer"), "normalizers") <= PIECEWISE_NORMALIZERS:
+    if not kinds(spec(tokenizer.normalizer), "normalizers") <= PIECEWISE_NORMALIZERS:
         return False
-    for added in spec.get("added_tokens") or []:
-        if added.get("lstrip") or added.get("rstrip") or any(c.isspace() for c in added["content"]):
+    for added in tokenizer.get_added_tokens_decoder().values():
+        if added.lstrip or added.rstrip or any(c.isspace() for c in added.content):
             return False
     text = PIECES_PROBE * 3
     pieces = re.split(r"(?<=\S)(?= \S)", text)  # cut before every lone space
