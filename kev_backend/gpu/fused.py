@@ -44,7 +44,11 @@ class FusedQwen35:
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv = k.chunked_rows, k.conv
-        self._rows_attention, self._bank_kv = k.rows_attention, k.bank_kv
+        self._rows_attention, self._states_attention, self._bank_kv = (
+            k.rows_attention,
+            k.states_attention,
+            k.bank_kv,
+        )
         c = weights.config
         # The projections on cuBLASLt algorithms without split-K, so that a row's output is the same in any batch
         # (kev_backend/gpu/cublaslt.py); `gemm_algos` chooses a pre-tuned table of the fastest. F.linear on a CPU.
@@ -190,7 +194,7 @@ class FusedQwen35:
         keys, values = self.pool.keys[index], self.pool.values[index]
         self._bank_states_kv(p, keys, values, k, v)  # first: the rows read the new states' K/V from the bank
         if (r := p.rows) is None:
-            self._states_attention(p, q, k, v, keys, values, out)
+            self._attend_states(p, q, k, v, keys, values, out)
         else:
             rows = slice(r.start, r.end)
 
@@ -200,9 +204,9 @@ class FusedQwen35:
             if self._rows_beside_states(p):  # the same kernels and arithmetic at once: the same answers
                 with beside(x.device) as lead:
                     lead(attend_rows)
-                    self._states_attention(p, q, k, v, keys, values, out)
+                    self._attend_states(p, q, k, v, keys, values, out)
             else:
-                self._states_attention(p, q, k, v, keys, values, out)
+                self._attend_states(p, q, k, v, keys, values, out)
                 attend_rows()
         return self._linear(self._sigmoid_gate(out, gate), layer.out_proj)  # the gate read in place
 
@@ -216,7 +220,7 @@ class FusedQwen35:
             return False
         return any(not group.short for group in p.states.groups)
 
-    def _states_attention(
+    def _attend_states(
         self,
         p: PassInput,
         q: torch.Tensor,
@@ -229,11 +233,11 @@ class FusedQwen35:
         """The new states' causal attention over their own tokens (an extension's: over its point's tokens' K/V, then
         its own), into `out`'s state rows."""
         if (e := p.extends) is not None:
-            # Unsplit whatever the prefix (max_prefix 0): a token attends to every key in key blocks of 64 from the
-            # state's first (points are on 64-token pages), as in the state computed whole, so its output is the same
-            # bit for bit (its tile's rows change no row's arithmetic; rows' tiles give twice a long state's programs).
+            # A token attends to every key in key blocks of 64 from the state's first (points are on 64-token pages),
+            # in parts of kernels.attention.FOLD_KEYS folded in order, as in the state computed whole: its output is
+            # the same bit for bit. A turn's parts run in parallel (max_keys sizes them).
             span = slice(e.start, e.end)
-            self._rows_attention(
+            self._states_attention(
                 q[span],
                 k[span],
                 v[span],
@@ -245,6 +249,7 @@ class FusedQwen35:
                 e.cu,
                 e.max_len,
                 out[span],
+                max_keys=p.extend_keys_max,
             )
         if (s := p.states) is not None:
             for group in s.groups:
@@ -255,7 +260,7 @@ class FusedQwen35:
                 n = group.short_segments
                 classes = [(group.cu[: n + 1], RECURRENT_MAX_LEN), (group.cu[n:], group.max_len)]
                 for cu, max_len in classes if n else [(group.cu, group.max_len)]:
-                    self._rows_attention(
+                    self._states_attention(
                         q[span], k[span], v[span], keys, values, None, None, None, cu, max_len, out[span]
                     )
 

@@ -192,7 +192,8 @@ def all_buckets(max_tokens: int) -> list[Bucket]:
 def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: int) -> Bucket | None:
     """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a prefix index over
     `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX tokens, extensions with new states computed
-    whole or of RECURRENT_MAX_LEN tokens or fewer, or too large for any (the pass runs eagerly). Rows over a state of
+    whole, of RECURRENT_MAX_LEN tokens or fewer or making a state of more than LONG_PREFIX_MAX, or too large for any
+    (the pass runs eagerly). Rows over a state of
     more than SPLIT_ABOVE tokens take a long-prefix bucket; extensions an extensions' bucket."""
     if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
         return None
@@ -203,6 +204,7 @@ def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: in
         if (
             layout.state_lengths
             or any(is_short(n) for n in layout.ext_lengths)
+            or max(map(sum, zip(layout.ext_starts, layout.ext_lengths))) > LONG_PREFIX_MAX
             or len(layout.ext_prefix) > prefix_tokens
         ):
             return None
@@ -336,6 +338,7 @@ class StaticInputs:
             extend_prefix=self.view("ext_prefix", self.prefix_tokens) if e else None,
             extend_prefix_start=self.view("ext_prefix_start", bucket.extends) if e else None,
             extend_prefix_len=self.view("ext_prefix_len", bucket.extends) if e else None,
+            extend_keys_max=LONG_PREFIX_MAX if e else 0,
         )
 
     def fill(self, bucket: Bucket, layout: PassLayout, pool: StatePool, pad_id: int) -> None:

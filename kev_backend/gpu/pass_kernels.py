@@ -24,6 +24,7 @@ class PassKernels:
     chunked_rows: Callable
     conv: Callable
     rows_attention: Callable
+    states_attention: Callable
     bank_kv: Callable
 
     @classmethod
@@ -39,6 +40,7 @@ class PassKernels:
             kernels.chunked_rows,
             kernels.conv_tokens,
             kernels.rows_attention,
+            kernels.states_attention,
             kernels.bank_kv,
         )
 
@@ -60,5 +62,6 @@ class PassKernels:
             chunked_rows,
             conv.reference_conv_rows,  # conv_tokens' job, segment by segment
             attention.reference_rows_attention,
+            attention.reference_states_attention,
             bank.reference_bank_kv,
         )

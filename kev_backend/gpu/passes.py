@@ -51,7 +51,6 @@ class KernelGroup:
     max_len: int  # longest segment (for a captured pass, the bound its grids are sized for)
     cu: torch.Tensor  # int64 offsets from `start`, [segments + 1]
     slots: torch.Tensor  # the pool slot of each segment (its own, or the state a row continues)
-    cu_host: list[int] | None = None  # long groups: the same offsets on the host (FusedQwen35._long_states_attention)
     padded: bool = False  # a captured pass's group: `slots` and `cu` are its capacity, mostly empty segments
     # A captured pass's new states in one group (graphs.StaticInputs.pass_input): its first `short_segments`
     # segments are the short states' slots, the rest the long ones'. 0: one length class, as `short` says.
@@ -78,7 +77,6 @@ class KernelGroup:
             max_len=max(lengths),
             cu=cu,
             slots=device_ints(slots, device),
-            cu_host=None if short else cu_host,
         )
 
 
@@ -178,6 +176,9 @@ class PassInput:
     extend_prefix: torch.Tensor | None = None
     extend_prefix_start: torch.Tensor | None = None
     extend_prefix_len: torch.Tensor | None = None
+    # The longest state they make (a point's tokens and its own), on the host (an extensions' graph's: the longest it
+    # takes, graphs.LONG_PREFIX_MAX): it sizes their attention's parts (kernels.attention.FOLD_KEYS).
+    extend_keys_max: int = 0
     # Points saved in this pass: the pass token indices of each one's last W conv inputs [points, W], and the point
     # slots their windows go to (the DeltaNet state is saved by the chain: KernelGroup.save_at).
     point_windows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -339,6 +340,7 @@ def exact_input(layout: PassLayout, pad_id: int, device: torch.device) -> PassIn
         extend_prefix=ext_prefix if n_ext else None,
         extend_prefix_start=ext_prefix_start if n_ext else None,
         extend_prefix_len=ext_prefix_len if n_ext else None,
+        extend_keys_max=max(map(sum, zip(layout.ext_starts, layout.ext_lengths)), default=0),
         point_windows=(windows_t.view(-1, CONV_WINDOW), window_slots_t) if len(window_slots) else None,
     )
 

@@ -12,6 +12,7 @@ from kev_backend.dev.parity import compare
 from kev_backend.dev.workloads import filler, realistic, short6, sized, state_counter
 from kev_backend.gpu import pool as pool_module
 from kev_backend.gpu.graphs import Bucket
+from kev_backend.gpu.kernels import attention
 from kev_backend.gpu.pass_kernels import PassKernels
 from kev_backend.gpu.passes import Row
 from kev_backend.scoring import growth
@@ -235,10 +236,12 @@ def test_our_kernels_grow_a_state_bit_for_bit(tiny_dir: Path, monkeypatch, kerne
     """The pass on this project's Triton kernels (interpreted here; tests/gpu/test_determinism.py compiles them on a
     GPU at Kev-4B's shapes): turns continuing the turn before's point answer, bit for bit, as the same states computed
     whole. Holds because an extension's chunks of the delta rule and key blocks of attention start where the whole
-    state's do (points sit on 64-token boundaries), and the point carries the chain's fp32 state."""
+    state's do (points sit on 64-token boundaries), and the point carries the chain's fp32 state. Attention's keys in
+    parts of 128 here: the states whole fold theirs in turn, the turns read theirs in parallel."""
     if not kernel_run.interpreted:
         pytest.skip("compiled on a GPU: tests/gpu/test_determinism.py")
     monkeypatch.setattr(pool_module, "POINT_MIN_TOKENS", 64)
+    monkeypatch.setattr(attention, "FOLD_KEYS", 128)
     kernels = PassKernels.gpu()
     _, fused = engines(tiny_dir, kernels=kernels, graphs=False)
     reference, whole = engines(tiny_dir, kernels=kernels, graphs=False)

@@ -121,8 +121,9 @@ def extension_layout(lengths: list[int], starts: list[int], row_lengths: list[in
 
 def test_extensions_take_the_extensions_buckets() -> None:
     """A turn (an extension of a few hundred tokens and its rows) takes an extensions' bucket, whatever its state's
-    length; extensions beside a new state computed whole, of RECURRENT_MAX_LEN tokens or fewer, or whose points' runs
-    pass the prefix index run eagerly."""
+    length; extensions beside a new state computed whole, of RECURRENT_MAX_LEN tokens or fewer, making a state of more
+    than LONG_PREFIX_MAX tokens (a graph launches the parts of that many keys), or whose points' runs pass the prefix
+    index run eagerly."""
     buckets = all_buckets(4096)
     turn = extension_layout([300], [2048], [31, 30, 33, 30, 31, 30])
     assert smallest_bucket(buckets, turn, 1 << 20) == Bucket(0, 192, ext_tokens=384)
@@ -132,6 +133,10 @@ def test_extensions_take_the_extensions_buckets() -> None:
     assert smallest_bucket(buckets, three, 1 << 20) == Bucket(0, 192, ext_tokens=1024)
     assert smallest_bucket(buckets, three, 7000) is None  # 7,168 prefix entries
     assert smallest_bucket(buckets, extension_layout([64], [1024], [31]), 1 << 20) is None
+    longest = extension_layout([300], [LONG_PREFIX_MAX - 300], [31])
+    assert smallest_bucket(buckets, longest, 1 << 20) == Bucket(0, 64, ext_tokens=384)
+    longer = extension_layout([300], [LONG_PREFIX_MAX - 256], [31])
+    assert smallest_bucket(buckets, longer, 1 << 20) is None
     beside = extension_layout([300], [2048], [31])
     beside.state_ids, beside.state_lengths, beside.state_slots, beside.state_kv_dst = [1] * 40, [40], [3], range(40)
     assert smallest_bucket(buckets, beside, 1 << 20) is None
@@ -146,6 +151,7 @@ def test_an_extensions_pass_pads_to_its_bucket() -> None:
     inputs.fill(bucket, extension_layout([100, 150], [1024, 2048], [39, 12]), ScratchPool(), pad_id=1)
     p = inputs.pass_input(bucket)
     assert p.states is None and p.ids.shape == (512,) and p.rows.start == 384 and p.row_prefix_max == LONG_PREFIX_MAX
+    assert p.extend_keys_max == LONG_PREFIX_MAX  # its states' attention: the parts of the longest state it takes
     assert p.ids[:100].eq(30).all() and p.ids[100:250].eq(31).all() and p.ids[250:384].eq(1).all()
     assert p.positions[:250].tolist() == list(range(1024, 1124)) + list(range(2048, 2198))
     assert p.ids[384:423].eq(20).all() and p.positions[384:423].tolist() == list(range(50, 89))

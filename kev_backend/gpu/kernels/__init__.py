@@ -2,7 +2,7 @@
 norms and the MLP activation, the gated delta rule, the causal conv and row attention, the last three reading or
 writing their segments' states in the bank pool in place, and the new states' K/V into the bank."""
 
-from .attention import rows_attention
+from .attention import rows_attention, states_attention
 from .bank import bank_kv
 from .conv import conv_rows, conv_tokens
 from .delta_rule import chunked_rows
@@ -18,5 +18,6 @@ __all__ = [
     "rms_norm_rope",
     "rows_attention",
     "sigmoid_gate",
+    "states_attention",
     "silu_mul",
 ]

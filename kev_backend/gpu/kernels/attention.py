@@ -1,6 +1,6 @@
-"""Attention of question rows over their state's K/V in the bank (by index) and their own, bottom-right causal;
-without a prefix, causal attention of new states over their own tokens, at any length: a state grown from a point
-attends over the point's tokens as a prefix, in the same key blocks as the state whole (gpu/pool.py)."""
+"""Attention of question rows over their state's K/V in the bank (by index) and their own, bottom-right causal
+(rows_attention); and states' causal attention over their own tokens, at any length, a state grown from a banked
+point over the point's tokens first, with the same arithmetic as the state computed whole (states_attention)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,18 @@ LOG2_E = 1.4426950408889634
 # keep the unsplit launch, which graphs capture for every other bucket.
 SPLIT_ABOVE = 32_768
 SPLIT_KEYS = 4096
+# A state's keys in parts of FOLD_KEYS (from the state's first token): each part's online softmax starts afresh and
+# the parts' running max, sum and output are combined in part order by _fold. A state computed whole folds them in
+# turn inside its tile's program; a state continuing a banked point (a conversation's next turn) reads its parts in
+# parallel, a program each, and _merge_parts_kernel folds them with the same _fold in the same order: the same bits,
+# and a lone turn over a 64k-token conversation runs ~16 programs where one walked all its keys (the GPU mostly idle).
+# A tile whose keys lie in the first part (every state of FOLD_KEYS tokens or fewer) never folds and computes what it
+# always did. A tile never straddles a part: its rows (BM tokens) and a point (64-token pages) divide FOLD_KEYS.
+FOLD_KEYS = 4096
+# States continuing a point read their parts in parallel in launches of up to this many tokens (a turn, or the few of
+# a graph's extension bucket: graphs.EXT_BUCKETS), whose parts' partial outputs take [tokens, Hq, parts, D] fp32; a
+# longer launch has programs enough and folds in turn, as a state computed whole does.
+PARALLEL_PARTS_TOKENS = 1024
 
 
 @triton.jit
@@ -51,6 +63,19 @@ def _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, MASKED: tl.constexpr
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+
+
+@triton.jit
+def _fold(m_i, l_i, acc, m_j, l_j, acc_j):
+    """The running max, sum and output accumulator (m_i, l_i, acc) followed by a part's own (m_j, l_j, acc_j), in
+    explicit fused multiply-adds: every fold compiles to the same arithmetic, in a tile's program and in
+    _merge_parts_kernel alike. Folded into (-inf, 0, 0), a part is itself, bit for bit (the scales are 0 and 1)."""
+    m_new = tl.maximum(m_i, m_j)
+    alpha = tl.math.exp2(m_i - m_new)
+    beta = tl.math.exp2(m_j - m_new)
+    l_new = tl.fma(l_j, beta, l_i * alpha)
+    acc_new = tl.fma(acc_j, tl.broadcast_to(beta[:, None], acc_j.shape), acc * alpha[:, None])
+    return m_new, l_new, acc_new
 
 
 @triton.jit
@@ -79,12 +104,11 @@ def _rows_attention_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     GP: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
     PARTS: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_ABOVE: tl.constexpr,
 ):
-    """A program per (BM query tokens, segment, key/value head): its tile's rows are those tokens for each of the
+    """A program per (BM query tokens, row, key/value head): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
     rows masked), so each key tile is read once for all of them: with Kev-4B's 4 query heads per key/value head, a
     row's prefix is read by one program of 64 rows, not by 4 programs of 16. With PARTS > 1 (a split launch), the
@@ -110,10 +134,7 @@ def _rows_attention_kernel(
         active = i_m * BM < L
     if active:
         if PARTS == 1:
-            if HAS_PREFIX:
-                p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
-            else:  # new states: their own tokens only
-                p_bos, P = 0, 0
+            p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
             lo, hi = 0, P
         o_r = tl.arange(0, GP * BM)
         g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
@@ -182,6 +203,147 @@ def _rows_attention_kernel(
 
 
 @triton.jit
+def _states_attention_kernel(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    o,
+    part_acc,
+    part_ml,
+    prefix,
+    prefix_start,
+    prefix_len,
+    cu,
+    scale,
+    stride_qt,
+    stride_kt,
+    stride_vt,
+    stride_pt,
+    stride_ot,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    GP: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    PARTS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FOLD: tl.constexpr,
+    FOLD_KEYS: tl.constexpr,
+):
+    """A program per (BM query tokens, state, key/value head[, part]), its tile's rows as _rows_attention_kernel's:
+    causal attention of a state's tokens over its keys. A new state's are its own; a state continuing a banked point
+    (HAS_PREFIX) has its point's P tokens first, their K/V read from the bank through `prefix`, then its own (its
+    segment holds its tokens from P on). Keys come in blocks of BN from the state's first, those every row of the
+    tile sees unmasked, then the rest masked, and their online softmax starts afresh at every FOLD_KEYS-th key
+    (FOLD_KEYS): FOLD folds the parts in turn in this program, what is folded so far kept in part_acc / part_ml
+    ([T, HQ] entries, written and read by this program alone); SPLIT runs a program per part (the grid's third axis),
+    each writing its own into part_acc / part_ml ([T, HQ, PARTS] entries) for _merge_parts_kernel. Neither: no tile
+    reaches a second part (the launch's states are FOLD_KEYS tokens or fewer)."""
+    G: tl.constexpr = HQ // HKV
+    # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
+    i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
+    n, hk = i_nh // HKV, i_nh % HKV
+    bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+    L = eos - bos
+    if HAS_PREFIX:
+        p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
+    else:
+        p_bos, P = 0, 0
+    t0 = P + i_m * BM  # the tile's first token, from the state's first
+    diagonal = t0 // BN * BN  # keys before its key block: every row of the tile sees them
+    if SPLIT or FOLD:
+        last = t0 // FOLD_KEYS  # the tile's last part: the tile lies in one (BM divides FOLD_KEYS and P)
+    else:
+        last = 0
+    if SPLIT:
+        first = tl.program_id(2)
+        stop = first + 1
+        active = (i_m * BM < L) & (first <= last)
+    else:
+        first = 0
+        stop = last + 1
+        active = i_m * BM < L
+    if active:
+        o_r = tl.arange(0, GP * BM)
+        g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
+        o_m = i_m * BM + o_r % BM
+        m_r = (o_m < L) & (g < G)
+        head = hk * G + g
+        o_d = tl.arange(0, D)
+        q_rows = (bos + o_m)[:, None] * stride_qt + head[:, None] * D + o_d[None, :]
+        b_q = tl.load(q + q_rows, mask=m_r[:, None], other=0.0)
+        at = ((bos + o_m) * HQ + head) * PARTS  # the rows' entries in part_acc / part_ml
+        m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP * BM], dtype=tl.float32)
+        acc = tl.zeros([GP * BM, D], dtype=tl.float32)
+        for part in range(first, stop):
+            m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([GP * BM], dtype=tl.float32)
+            acc = tl.zeros([GP * BM, D], dtype=tl.float32)
+            if SPLIT or FOLD:
+                lo = part * FOLD_KEYS
+                hi = tl.minimum(lo + FOLD_KEYS, diagonal)
+            else:
+                lo, hi = 0, diagonal
+            # The point's keys, read in place from the bank pool through its token index (whole key blocks: a
+            # point is on a page boundary).
+            if HAS_PREFIX:
+                for start in range(lo, tl.minimum(hi, P), BN):
+                    idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
+                    b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+                    b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+                    m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
+                own = tl.maximum(lo, P)
+            else:
+                own = lo
+            # Its own keys before the tile's key block, then (in its last part) that block and the next, masked.
+            for start in range(own, hi, BN):
+                o_n = start - P + tl.arange(0, BN)
+                b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
+                b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
+                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
+            if part == last:
+                for start in range(diagonal, t0 + BM, BN):
+                    o_n = start - P + tl.arange(0, BN)
+                    m_n = o_n < L
+                    b_k = tl.load(
+                        k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0
+                    )
+                    b_v = tl.load(
+                        v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0
+                    )
+                    keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
+                    m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True)
+            if SPLIT:
+                tl.store(part_ml + (at + part) * 2, m_i, mask=m_r)
+                tl.store(part_ml + (at + part) * 2 + 1, l_i, mask=m_r)
+                tl.store(part_acc + (at + part)[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
+            elif FOLD:
+                if part > 0:  # what is folded so far, then this part
+                    tl.debug_barrier()  # this program's stores before are visible to all its threads
+                    m_s = tl.load(part_ml + at * 2, mask=m_r, other=0.0)
+                    l_s = tl.load(part_ml + at * 2 + 1, mask=m_r, other=1.0)
+                    acc_s = tl.load(part_acc + at[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+                    m_i, l_i, acc = _fold(m_s, l_s, acc_s, m_i, l_i, acc)
+                if part < last:
+                    tl.debug_barrier()  # every thread has read the entries before any overwrites them
+                    tl.store(part_ml + at * 2, m_i, mask=m_r)
+                    tl.store(part_ml + at * 2 + 1, l_i, mask=m_r)
+                    tl.store(part_acc + at[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
+        if not SPLIT:
+            out = acc / l_i[:, None]
+            tl.store(
+                o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
+                out.to(o.dtype.element_ty),
+                mask=m_r[:, None],
+            )
+
+
+@triton.jit
 def _merge_parts_kernel(
     o,
     part_acc,
@@ -197,10 +359,12 @@ def _merge_parts_kernel(
     PARTS: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_ABOVE: tl.constexpr,
+    BY_POSITION: tl.constexpr,
 ):
-    """A split launch's outputs: for the rows of _rows_attention_kernel's tile, their parts' running max, sum and
-    accumulator combined in part order, then divided. One part: its accumulator divided by its sum, exactly as the
-    unsplit kernel ends."""
+    """A split launch's outputs: for the rows of the attention kernel's tile, their parts' running max, sum and
+    accumulator folded in part order (_fold), then divided. Rows' parts (_rows_attention_kernel) follow their
+    prefix's length: one part ends exactly as the unsplit kernel does. A state's (BY_POSITION:
+    _states_attention_kernel's) follow the tile's first token, from the state's first: as the state folds them whole."""
     G: tl.constexpr = HQ // HKV
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     n, hk = i_nh // HKV, i_nh % HKV
@@ -208,7 +372,10 @@ def _merge_parts_kernel(
     L = eos - bos
     if i_m * BM < L:
         P = tl.load(prefix_len + n).to(tl.int64)
-        parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
+        if BY_POSITION:
+            parts = (P + i_m * BM) // SPLIT + 1
+        else:
+            parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
         o_r = tl.arange(0, GP * BM)
         g = o_r // BM
         o_m = i_m * BM + o_r % BM
@@ -223,12 +390,7 @@ def _merge_parts_kernel(
             m_j = tl.load(part_ml + (base + j) * 2, mask=m_r, other=0.0)
             l_j = tl.load(part_ml + (base + j) * 2 + 1, mask=m_r, other=1.0)
             acc_j = tl.load(part_acc + (base + j)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-            m_new = tl.maximum(m_i, m_j)
-            alpha = tl.math.exp2(m_i - m_new)
-            beta = tl.math.exp2(m_j - m_new)
-            l_i = l_i * alpha + l_j * beta
-            acc = acc * alpha[:, None] + acc_j * beta[:, None]
-            m_i = m_new
+            m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j)
         out = acc / l_i[:, None]
         tl.store(
             o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
@@ -243,9 +405,9 @@ def rows_attention(
     v: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    prefix: torch.Tensor | None,
-    prefix_start: torch.Tensor | None,
-    prefix_len: torch.Tensor | None,
+    prefix: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
     cu: torch.Tensor,
     max_len: int,
     out: torch.Tensor | None = None,
@@ -257,33 +419,100 @@ def rows_attention(
     projection, read in place); k_pool, v_pool: [tokens, Hkv, D] bank pool;
     prefix: pool token indices of the states' tokens, one run per state; row n's state is the run of
     prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets; max_len bounds a row's length
-    (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Without a
-    prefix (None), plain causal attention over each segment's own tokens (new states). Writes `out` when given.
-    max_prefix: the longest row prefix (a host count); over SPLIT_ABOVE the launch is split (SPLIT_ABOVE says why).
+    (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Writes `out` when
+    given. max_prefix: the longest row prefix (a host count); over SPLIT_ABOVE the launch is split (SPLIT_ABOVE says
+    why).
     """
     T, HQ, D = q.shape
     HKV = k.shape[1]
-    assert q.is_contiguous() and k.is_contiguous() and k_pool.is_contiguous()
-    assert v.stride(1) == D and v.stride(2) == 1 and v_pool.stride() == k_pool.stride()
-    o = torch.empty_like(q) if out is None else out
-    assert o.shape == q.shape and o.is_contiguous()
+    o = _checked(q, k, v, k_pool, v_pool, out)
     n = cu.shape[0] - 1
-    # TILE_ROWS rows a program: BM tokens × the query heads of one key/value head.
-    GP = triton.next_power_of_2(HQ // HKV)
-    has_prefix = prefix is not None
-    long_tiles = not has_prefix and max_len > LONG_ABOVE
-    BM = max(1, (LONG_TILE_ROWS if long_tiles else TILE_ROWS) // GP)
-    BN, stages = (64, ATTENTION_STAGES) if D <= 128 else (WIDE_HEAD_KEYS, WIDE_HEAD_STAGES)
-    warps = 4 if D <= 128 else WIDE_HEAD_WARPS
-    if not has_prefix:
-        prefix = prefix_start = prefix_len = cu  # not read
-    parts = triton.cdiv(max_prefix, SPLIT_KEYS) if has_prefix and max_prefix > SPLIT_ABOVE else 1
+    GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, TILE_ROWS)
+    parts = triton.cdiv(max_prefix, SPLIT_KEYS) if max_prefix > SPLIT_ABOVE else 1
     part_acc = part_ml = o  # not read unless split
     if parts > 1:
         part_acc = torch.empty(T, HQ, parts, D, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(T, HQ, parts, 2, device=q.device, dtype=torch.float32)
-    for first, last in grid.segment_spans(n, HKV):  # a program per (query block, segment, key/value head[, part])
+    for first, last in grid.segment_spans(n, HKV):  # a program per (query block, row, key/value head[, part])
         _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV, parts)](
+            q,
+            k,
+            v,
+            k_pool,
+            v_pool,
+            o,
+            part_acc,
+            part_ml,
+            prefix,
+            prefix_start[first:last],
+            prefix_len[first:last],
+            cu[first : last + 1],
+            D**-0.5 * LOG2_E,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            k_pool.stride(0),
+            o.stride(0),
+            HQ=HQ,
+            HKV=HKV,
+            D=D,
+            BM=BM,
+            BN=BN,
+            GP=GP,
+            PARTS=parts,
+            SPLIT=SPLIT_KEYS,
+            SPLIT_ABOVE=SPLIT_ABOVE,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        if parts > 1:
+            spans = (prefix_len[first:last], cu[first : last + 1])
+            _merge_parts(o, part_acc, part_ml, *spans, max_len, HKV, BM, GP, warps)
+    return o
+
+
+def states_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    prefix: torch.Tensor | None,
+    prefix_start: torch.Tensor | None,
+    prefix_len: torch.Tensor | None,
+    cu: torch.Tensor,
+    max_len: int,
+    out: torch.Tensor | None = None,
+    max_keys: int = 0,
+) -> torch.Tensor:
+    """Causal attention of states over their tokens, GQA: new states over their own (prefix None), or states
+    continuing a banked point, over the point's K/V in the pool (a run of prefix_len[n] entries of `prefix` at
+    prefix_start[n], a multiple of 64 tokens: pages) and then their own, their tokens being the state's from the
+    point on. The arguments as rows_attention's; max_keys: the longest state's tokens, its point's and its own (a
+    host count; at least each state's, which it parts by: FOLD_KEYS), or 0 for max_len (new states). A state's
+    tokens get the same bits whether it was computed whole or from any of its points, in any batch."""
+    T, HQ, D = q.shape
+    HKV = k.shape[1]
+    o = _checked(q, k, v, k_pool, v_pool, out)
+    n = cu.shape[0] - 1
+    has_prefix = prefix is not None
+    if not has_prefix:
+        prefix = prefix_start = prefix_len = cu  # not read
+    keys = max(max_keys, max_len)
+    # New states' tiles are long (LONG_TILE_ROWS) where their rows attend to many keys; states continuing a point
+    # take rows' tiles (twice the programs for a turn's few tokens, and a tile's rows change no row's arithmetic).
+    long_tiles = not has_prefix and max_len > LONG_ABOVE
+    GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, LONG_TILE_ROWS if long_tiles else TILE_ROWS)
+    assert FOLD_KEYS % BM == 0 and FOLD_KEYS % BN == 0 and (not has_prefix or 64 % BM == 0)
+    folds = keys > FOLD_KEYS
+    split = folds and has_prefix and T <= PARALLEL_PARTS_TOKENS
+    parts = triton.cdiv(keys, FOLD_KEYS) if split else 1
+    part_acc = part_ml = o  # not read unless the launch folds
+    if folds:  # a part's entries for each (token, query head): split, every part's; folding in turn, the fold's
+        part_acc = torch.empty(T, HQ, parts, D, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(T, HQ, parts, 2, device=q.device, dtype=torch.float32)
+    for first, last in grid.segment_spans(n, HKV):  # a program per (query block, state, key/value head[, part])
+        _states_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV, parts)](
             q,
             k,
             v,
@@ -310,30 +539,78 @@ def rows_attention(
             GP=GP,
             HAS_PREFIX=has_prefix,
             PARTS=parts,
-            SPLIT=SPLIT_KEYS,
-            SPLIT_ABOVE=SPLIT_ABOVE,
+            SPLIT=split,
+            FOLD=folds and not split,
+            FOLD_KEYS=FOLD_KEYS,
             num_warps=warps,
             num_stages=stages,
         )
-        if parts > 1:
-            _merge_parts_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV)](
-                o,
-                part_acc,
-                part_ml,
-                prefix_len[first:last],
-                cu[first : last + 1],
-                o.stride(0),
-                HQ=HQ,
-                HKV=HKV,
-                D=D,
-                BM=BM,
-                GP=GP,
-                PARTS=parts,
-                SPLIT=SPLIT_KEYS,
-                SPLIT_ABOVE=SPLIT_ABOVE,
-                num_warps=warps,
-            )
+        if split:
+            spans = (prefix_len[first:last], cu[first : last + 1])
+            _merge_parts(o, part_acc, part_ml, *spans, max_len, HKV, BM, GP, warps, by_position=True)
     return o
+
+
+def _checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The output tensor (`out`, or a new one), once the inputs' layouts are those the kernels read."""
+    D = q.shape[2]
+    assert q.is_contiguous() and k.is_contiguous() and k_pool.is_contiguous()
+    assert v.stride(1) == D and v.stride(2) == 1 and v_pool.stride() == k_pool.stride()
+    o = torch.empty_like(q) if out is None else out
+    assert o.shape == q.shape and o.is_contiguous()
+    return o
+
+
+def _tiles(HQ: int, HKV: int, D: int, rows: int) -> tuple[int, int, int, int, int]:
+    """A launch's tile: (GP, BM, BN, stages, warps) for tiles of `rows` rows, BM tokens × the query heads of one
+    key/value head (GP: their count rounded up to a power of two)."""
+    GP = triton.next_power_of_2(HQ // HKV)
+    BM = max(1, rows // GP)
+    BN, stages = (64, ATTENTION_STAGES) if D <= 128 else (WIDE_HEAD_KEYS, WIDE_HEAD_STAGES)
+    warps = 4 if D <= 128 else WIDE_HEAD_WARPS
+    return GP, BM, BN, stages, warps
+
+
+def _merge_parts(
+    o: torch.Tensor,
+    part_acc: torch.Tensor,
+    part_ml: torch.Tensor,
+    prefix_len: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    HKV: int,
+    BM: int,
+    GP: int,
+    warps: int,
+    by_position: bool = False,
+) -> None:
+    """_merge_parts_kernel over a split launch's segments (rows', or by_position states')."""
+    _, HQ, parts, D = part_acc.shape
+    _merge_parts_kernel[(triton.cdiv(max_len, BM), (cu.shape[0] - 1) * HKV)](
+        o,
+        part_acc,
+        part_ml,
+        prefix_len,
+        cu,
+        o.stride(0),
+        HQ=HQ,
+        HKV=HKV,
+        D=D,
+        BM=BM,
+        GP=GP,
+        PARTS=parts,
+        SPLIT=FOLD_KEYS if by_position else SPLIT_KEYS,
+        SPLIT_ABOVE=SPLIT_ABOVE,
+        BY_POSITION=by_position,
+        num_warps=warps,
+    )
 
 
 def reference_segment_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -362,8 +639,10 @@ def reference_rows_attention(
     out: torch.Tensor | None = None,
     max_prefix: int = 0,
 ) -> torch.Tensor:
-    """rows_attention in torch (tests/gpu/kernels/test_attention.py, tests/gpu/fused_cpu_ops.py), segment by segment:
-    over [k_pool/v_pool at the row's prefix run | its own K/V]. Tokens outside the segments are zeros (or `out`'s)."""
+    """rows_attention and states_attention in torch (tests/gpu/kernels/test_attention.py, tests/gpu/fused_cpu_ops.py),
+    segment by segment: over [k_pool/v_pool at the segment's prefix run, if any | its own K/V], bottom-right causal (a
+    state continuing a point: its tokens are the last of the state's). Tokens outside the segments are zeros (or
+    `out`'s)."""
     o = torch.zeros_like(q) if out is None else out
     for n, (lo, hi) in enumerate(segment_bounds(cu)):
         assert hi - lo <= max_len
@@ -373,3 +652,6 @@ def reference_rows_attention(
         keys, values = torch.cat([k_pool[idx], k[lo:hi]]), torch.cat([v_pool[idx], v[lo:hi]])
         o[lo:hi] = reference_segment_attention(q[lo:hi], keys, values)
     return o
+
+
+reference_states_attention = reference_rows_attention  # the same formula: bottom-right causal over [prefix | own]

@@ -1,13 +1,13 @@
-"""kernels.attention.rows_attention against its torch reference (model.qwen35's causal attention, segment by
-segment): in Triton's interpreter on a CPU, compiled on a GPU (tests/conftest.py)."""
+"""kernels.attention.rows_attention and states_attention against their torch reference (model.qwen35's causal
+attention, segment by segment): in Triton's interpreter on a CPU, compiled on a GPU (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kev_backend.gpu.kernels import grid
-from kev_backend.gpu.kernels.attention import reference_rows_attention, rows_attention
+from kev_backend.gpu.kernels import attention, grid
+from kev_backend.gpu.kernels.attention import reference_rows_attention, rows_attention, states_attention
 from kev_backend.model.qwen35 import causal_attention
 
 D, T, POOL = 32, 28, 200
@@ -52,7 +52,7 @@ def test_new_states_over_their_own_tokens_into_out(kernel_run, HQ: int, HKV: int
     q, k, v, kp, vp, *_ = rows(HQ, HKV)
     cu = torch.tensor(CU)
     dst = torch.empty_like(q)
-    o = rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20, out=dst)
+    o = states_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20, out=dst)
     assert o is dst
     ref = reference_rows_attention(q, k, v, kp, vp, None, None, None, cu, max_len=20)
     for n in range(3):
@@ -69,9 +69,10 @@ def test_rows_attention_in_one_segment_launches(kernel_run, monkeypatch, HQ: int
     if not has_prefix:
         prefix = start = length = None
     cu = torch.tensor(CU)
-    whole = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    attend = rows_attention if has_prefix else states_attention
+    whole = attend(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
     monkeypatch.setattr(grid, "MAX_GRID_Y", 1)
-    assert torch.equal(whole, rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
+    assert torch.equal(whole, attend(q, k, v, kp, vp, prefix, start, length, cu, max_len=20))
 
 
 def test_long_new_state(kernel_run) -> None:
@@ -80,7 +81,7 @@ def test_long_new_state(kernel_run) -> None:
     HQ, HKV, L = 4, 2, 150
     q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
     cu = torch.tensor([0, L])
-    o = rows_attention(q, k, v, k, v, None, None, None, cu, max_len=L)
+    o = states_attention(q, k, v, k, v, None, None, None, cu, max_len=L)
     ref = reference_rows_attention(q, k, v, k, v, None, None, None, cu, max_len=L)
     assert torch.allclose(ref, formula(q, k, v), atol=1e-6)
     assert (o - ref).abs().max() < kernel_run.tol
@@ -96,19 +97,17 @@ def test_a_state_continued_from_a_point_attends_as_the_state_whole(kernel_run, H
     q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
     kp, vp = torch.zeros(POOL + L, HKV, D), torch.zeros(POOL + L, HKV, D)
     kp[POOL - point : POOL], vp[POOL - point : POOL] = k[:point], v[:point]  # where the bank keeps them
-    whole = rows_attention(q, k, v, kp, vp, None, None, None, torch.tensor([0, L]), max_len=L)
+    whole = states_attention(q, k, v, kp, vp, None, None, None, torch.tensor([0, L]), max_len=L)
     prefix = torch.arange(POOL - point, POOL)
     tail = slice(point, L)
     start, length, cu = torch.tensor([0]), torch.tensor([point]), torch.tensor([0, L - point])
-    grown = rows_attention(q[tail], k[tail], v[tail], kp, vp, prefix, start, length, cu, L - point)
+    grown = states_attention(q[tail], k[tail], v[tail], kp, vp, prefix, start, length, cu, L - point, max_keys=L)
     assert torch.equal(grown, whole[tail])
 
 
 @pytest.fixture
 def split_16(monkeypatch) -> None:
     """Prefixes over 16 keys split in parts of 16: the rows above (6 and 37 keys) take one part and three."""
-    from kev_backend.gpu.kernels import attention
-
     monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
     monkeypatch.setattr(attention, "SPLIT_ABOVE", 16)
 
@@ -149,3 +148,70 @@ def test_a_rows_bits_do_not_depend_on_the_launch(kernel_run, split_16, HQ: int, 
         max_prefix=37,
     )
     assert torch.equal(alone, split[a:b])
+
+
+@pytest.fixture(params=[64, 128], ids=["fold64", "fold128"])
+def fold_keys(request, monkeypatch) -> None:
+    """States' keys in parts of 64 (one key block: a 300-token state has five) or 128 (a point at 64 tokens then
+    ends inside a part)."""
+    monkeypatch.setattr(attention, "FOLD_KEYS", request.param)
+
+
+def grown_state(HQ: int, HKV: int, L: int, points: list[int]):
+    """A state of L tokens, its K/V also where the bank keeps them, and its tokens' runs after each of `points`
+    (multiples of 64, as pages are) as one launch of states continuing them: (q, k, v, pool K, pool V, prefix,
+    starts, lengths, cu of the continuations, their tokens' index in the state)."""
+    q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
+    kp, vp = torch.zeros(POOL + L, HKV, D), torch.zeros(POOL + L, HKV, D)
+    kp[POOL : POOL + L], vp[POOL : POOL + L] = k, v
+    index = torch.cat([torch.arange(POOL, POOL + p) for p in points])
+    starts = torch.tensor([0, *points[:-1]]).cumsum(0)
+    tokens = torch.cat([torch.arange(p, L) for p in points])
+    cu = torch.tensor([0, *[L - p for p in points]]).cumsum(0)
+    return q, k, v, kp, vp, index, starts, torch.tensor(points), cu, tokens
+
+
+@GROUPS
+def test_a_long_state_folds_its_parts_and_answers_as_the_reference(kernel_run, fold_keys, HQ: int, HKV: int) -> None:
+    """A new state over FOLD_KEYS keys: its rows past the first part fold their parts in turn (five here)."""
+    L = 300
+    q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
+    cu = torch.tensor([0, L])
+    o = states_attention(q, k, v, k, v, None, None, None, cu, max_len=L)
+    assert (o - formula(q, k, v)).abs().max() < kernel_run.tol
+
+
+@GROUPS
+@pytest.mark.parametrize("parallel", [True, False], ids=["parts-in-parallel", "parts-in-turn"])
+def test_a_state_continued_from_any_point_gets_the_whole_states_bits(
+    kernel_run, fold_keys, monkeypatch, HQ: int, HKV: int, parallel: bool
+) -> None:
+    """A 300-token state continued from points at 64, 128 and 256 tokens (one launch): each continuation's tokens
+    get the bits of the state computed whole, which folds its five parts in turn, whether the continuations read
+    their parts a program each and merge them (a turn) or fold them in turn (a launch over PARALLEL_PARTS_TOKENS),
+    and with the parts of a longer point than any of theirs (a graph's)."""
+    if not parallel:
+        monkeypatch.setattr(attention, "PARALLEL_PARTS_TOKENS", 0)
+    L, points = 300, [64, 128, 256]
+    q, k, v, kp, vp, index, starts, lengths, cu, tokens = grown_state(HQ, HKV, L, points)
+    whole = states_attention(q, k, v, kp, vp, None, None, None, torch.tensor([0, L]), max_len=L)
+    grown = states_attention(
+        q[tokens], k[tokens], v[tokens], kp, vp, index, starts, lengths, cu, max_len=L - 64, max_keys=L
+    )
+    assert torch.equal(grown, whole[tokens])
+    graph = states_attention(
+        q[tokens], k[tokens], v[tokens], kp, vp, index, starts, lengths, cu, max_len=L - 64, max_keys=4096
+    )
+    assert torch.equal(graph, whole[tokens])
+
+
+@GROUPS
+def test_a_short_states_bits_do_not_depend_on_a_long_one_beside_it(kernel_run, fold_keys, HQ: int, HKV: int) -> None:
+    """A state of FOLD_KEYS tokens or fewer never folds: the same bits alone as in a launch that folds a long one."""
+    short, long = 60, 200
+    q, k, v = torch.randn(short + long, HQ, D), torch.randn(short + long, HKV, D), torch.randn(short + long, HKV, D)
+    both = states_attention(q, k, v, k, v, None, None, None, torch.tensor([0, short, short + long]), max_len=long)
+    alone = states_attention(
+        q[:short].contiguous(), k[:short].contiguous(), v[:short], k, v, None, None, None, torch.tensor([0, short]), 60
+    )
+    assert torch.equal(both[:short], alone)
