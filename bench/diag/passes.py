@@ -21,6 +21,7 @@ LAYER_KERNELS = {
     "_chunk_prep_kernel": 24,
     "_chunked_delta_rule_kernel": 24,
     "_rows_attention_kernel": 8,
+    "_states_attention_kernel": 7,  # the last layer computes no new state's queries
 }
 
 

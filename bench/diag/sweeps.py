@@ -284,7 +284,7 @@ def longattn(args) -> None:
         print(f"longattn {case} varlen: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
         for name, run in _sdpa_variants(q, k, v, lengths).items():
             print(f"longattn {case} sdpa {name}: {_attention_result(run, reference, flops)}", flush=True)
-        ours = functools.partial(A.rows_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
+        ours = functools.partial(A.states_attention, q, k, v, k, v, None, None, None, cu, max(lengths))
         for rows, keys, warps, stages in tiles:
             with patched(A, LONG_TILE_ROWS=rows, WIDE_HEAD_KEYS=keys, WIDE_HEAD_WARPS=warps, WIDE_HEAD_STAGES=stages):
                 result = _attention_result(ours, reference, flops)
@@ -292,6 +292,60 @@ def longattn(args) -> None:
                 f"longattn {case} ours rows {rows} keys {keys} warps {warps} stages {stages}: {result}",
                 flush=True,
             )
+
+
+def turnattn(args) -> None:
+    """A conversation's next turn's attention (Kev-4B heads; --size: another Kev size's), ms a layer: --tokens tokens
+    (default 256) after a point of each of --points tokens, as the engine launches them (their parts in parallel),
+    with a graph's parts (LONG_PREFIX_MAX keys) and folded in turn; --batch such turns at once (default 6, on
+    8,192-token points); and the state computed whole, which folds its parts in turn. Each turn's output is compared
+    bit for bit with the whole state's ("same bits")."""
+    from kev_backend.gpu.graphs import LONG_PREFIX_MAX
+    from kev_backend.gpu.kernels import attention as A
+
+    c = SIZES[args.size].config
+    HQ, HKV, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = args.tokens
+    for point in args.points:
+        L = point + n
+        q = torch.randn(L, HQ, D, device="cuda", generator=gen).bfloat16()
+        k = torch.randn(L, HKV, D, device="cuda", generator=gen).bfloat16()
+        v = torch.randn(L, HKV, D, device="cuda", generator=gen).bfloat16()
+        whole_run = functools.partial(
+            A.states_attention, q, k, v, k, v, None, None, None, torch.tensor([0, L]).cuda(), L
+        )
+        whole = whole_run()
+        # The turn's tokens after the point; the point's K/V where the bank would keep them (here: k, v themselves).
+        tq, tk, tv = (t[point:].contiguous() for t in (q, k, v))
+        index, start, length = torch.arange(point).cuda(), torch.tensor([0]).cuda(), torch.tensor([point]).cuda()
+        cu = torch.tensor([0, n]).cuda()
+        turn = functools.partial(A.states_attention, tq, tk, tv, k, v, index, start, length, cu, n)
+        cases = {"turn": dict(max_keys=L), "graph": dict(max_keys=LONG_PREFIX_MAX), "in turn": dict(max_keys=L)}
+        line = [f"whole {cuda_ms(whole_run):.3f}"]
+        for name, kw in cases.items():
+            entries = 0 if name == "in turn" else A.PARALLEL_PARTS_ENTRIES
+            with patched(A, PARALLEL_PARTS_ENTRIES=entries):
+                out = turn(**kw)
+                ms = cuda_ms(functools.partial(turn, **kw))
+            line.append(f"{name} {ms:.3f} same bits {torch.equal(out, whole[point:])}")
+        print(f"turnattn point {point} +{n}: " + "; ".join(line), flush=True)
+        del q, k, v, whole
+    point, b = 8192, args.batch
+    L = point + n
+    q = torch.randn(L, HQ, D, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(L, HKV, D, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(L, HKV, D, device="cuda", generator=gen).bfloat16()
+    tq, tk, tv = (t[point:].repeat(b, 1, 1).contiguous() for t in (q, k, v))
+    index = torch.arange(point).cuda().repeat(b)
+    start, length = torch.arange(b).cuda() * point, torch.full((b,), point).cuda()
+    cu = torch.arange(b + 1).cuda() * n
+    batch = functools.partial(A.states_attention, tq, tk, tv, k, v, index, start, length, cu, n, max_keys=L)
+    line = [f"as launched {cuda_ms(batch):.3f}"]
+    for name, entries in (("in parallel", 1 << 30), ("in turn", 0)):
+        with patched(A, PARALLEL_PARTS_ENTRIES=entries):
+            line.append(f"{name} {cuda_ms(batch):.3f}")
+    print(f"turnattn {b} turns at {point} +{n}: " + "; ".join(line), flush=True)
 
 
 def _ints(text: str) -> list[int]:
@@ -465,6 +519,13 @@ def register(sub) -> None:
     parser = command(sub, "longattn", longattn, "new long states' attention: varlen, SDPA and our tiles")
     parser.add_argument("--tokens", type=_ints, default=[2200], help="a state's tokens, comma-separated (2200)")
     parser.add_argument("--states", type=_ints, default=[1, 8], help="states a call, comma-separated (1,8)")
+    parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's attention heads (default 4b)")
+    parser = command(sub, "turnattn", turnattn, "a conversation's turn's attention: in parallel, in turn, whole")
+    parser.add_argument(
+        "--points", type=_ints, default=[2048, 8192, 32768, 65024], help="points' tokens (comma-separated)"
+    )
+    parser.add_argument("--tokens", type=int, default=256, help="a turn's tokens after its point (256)")
+    parser.add_argument("--batch", type=int, default=6, help="turns at once on 8,192-token points (6)")
     parser.add_argument("--size", choices=SIZES, default="4b", help="a Kev size's attention heads (default 4b)")
     command(sub, "convscan", convscan, "the pass's conv by tokens, channels and warps a program")
     parser = command(sub, "overlap", overlap, "a GEMM beside the delta rule or the activation, on two streams")

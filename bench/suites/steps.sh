@@ -25,6 +25,8 @@
 #   rowsattn   diag rowsattn: rows' attention by query rows per program, keys per step and stages (~30 s)
 #   longattn   diag longattn: new long states' attention, varlen and SDPA against our kernel's tiles (~1 min;
 #              LONGATTN_ARGS, e.g. "--tokens 8192,65535 --states 1": other state lengths)
+#   turnattn   diag turnattn: a conversation's turn's attention after points of 2k-64k tokens, its parts in parallel
+#              and in turn, against the state whole, bit for bit (~1 min; TURNATTN_ARGS, e.g. "--size 27b")
 #   convscan   diag convscan: the pass's conv by tokens, channels and warps a program (~1 min)
 #   ncu        Nsight Compute (--set full, if the image has ncu) on the chunked delta rule's prep and chain for 8 new
 #              2,200-token states and for 6 rows of 40 tokens: diag ncuprobe (~2 min)
@@ -45,7 +47,7 @@
 #   first      tests diag: what to run first after kernel changes
 #   all        tests parity bench
 # Environment: PARITY_SELECT (pytest -k for parity), TIMELINE_SHAPES (timeline: e.g. short6,long5), GAPS_WORKLOAD
-# (gaps: short6 or long5), BENCH_ARGS (bench), GROW_ARGS (grow), LONGATTN_ARGS (longattn), PROFILE_ARGS (profile: e.g.
+# (gaps: short6 or long5), BENCH_ARGS (bench), GROW_ARGS (grow), LONGATTN_ARGS (longattn), TURNATTN_ARGS (turnattn), PROFILE_ARGS (profile: e.g.
 # "--state-tokens 65535" or "--size 27b"), GEMMPAD_ARGS (gemmpad).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -83,6 +85,7 @@ run_step() {
     invariance) diag 400 . invariance ;;
     batchtrace) diag 400 "^batchtrace|Error" batchtrace --out "$out" ;;
     longattn) diag 300 "^longattn|Error" longattn ${LONGATTN_ARGS:-} ;;
+    turnattn) diag 300 "^turnattn|Error" turnattn ${TURNATTN_ARGS:-} ;;
     gemmpad) diag 300 "^gemmpad|Error" gemmpad ${GEMMPAD_ARGS:-} ;;
     chunkvariants | chainwaves | prepregs | padded | rowsattn | convscan | gemm)
       diag 300 "^$1|Error" "$1" ;;

@@ -45,10 +45,12 @@ SPLIT_KEYS = 4096
 # A tile whose keys lie in the first part (every state of FOLD_KEYS tokens or fewer) never folds and computes what it
 # always did. A tile never straddles a part: its rows (BM tokens) and a point (64-token pages) divide FOLD_KEYS.
 FOLD_KEYS = 4096
-# States continuing a point read their parts in parallel in launches of up to this many tokens (a turn, or the few of
-# a graph's extension bucket: graphs.EXT_BUCKETS), whose parts' partial outputs take [tokens, Hq, parts, D] fp32; a
-# longer launch has programs enough and folds in turn, as a state computed whole does.
-PARALLEL_PARTS_TOKENS = 1024
+# States continuing a point read their parts in parallel where the launch's tokens × parts come to at most this many
+# (the parts' partial outputs: [tokens, Hq, parts, D] fp32, 256 MiB at Kev-4B's heads): a turn or a few dozen at any
+# length, a graph's extension bucket (1,024 tokens × 16 parts: graphs.EXT_BUCKETS). A larger launch folds in turn,
+# as a state computed whole does, and is slower for it: six turns near 8k tokens on an H100, ms a layer, 1.16 in
+# parallel, 1.98 in turn (unsplit before: 1.10).
+PARALLEL_PARTS_ENTRIES = 16_384
 
 
 @triton.jit
@@ -505,7 +507,7 @@ def states_attention(
     GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, LONG_TILE_ROWS if long_tiles else TILE_ROWS)
     assert FOLD_KEYS % BM == 0 and FOLD_KEYS % BN == 0 and (not has_prefix or 64 % BM == 0)
     folds = keys > FOLD_KEYS
-    split = folds and has_prefix and T <= PARALLEL_PARTS_TOKENS
+    split = folds and has_prefix and T * triton.cdiv(keys, FOLD_KEYS) <= PARALLEL_PARTS_ENTRIES
     parts = triton.cdiv(keys, FOLD_KEYS) if split else 1
     part_acc = part_ml = o  # not read unless the launch folds
     if folds:  # a part's entries for each (token, query head): split, every part's; folding in turn, the fold's

@@ -188,10 +188,10 @@ def test_a_state_continued_from_any_point_gets_the_whole_states_bits(
 ) -> None:
     """A 300-token state continued from points at 64, 128 and 256 tokens (one launch): each continuation's tokens
     get the bits of the state computed whole, which folds its five parts in turn, whether the continuations read
-    their parts a program each and merge them (a turn) or fold them in turn (a launch over PARALLEL_PARTS_TOKENS),
+    their parts a program each and merge them (a turn) or fold them in turn (a launch over PARALLEL_PARTS_ENTRIES),
     and with the parts of a longer point than any of theirs (a graph's)."""
     if not parallel:
-        monkeypatch.setattr(attention, "PARALLEL_PARTS_TOKENS", 0)
+        monkeypatch.setattr(attention, "PARALLEL_PARTS_ENTRIES", 0)
     L, points = 300, [64, 128, 256]
     q, k, v, kp, vp, index, starts, lengths, cu, tokens = grown_state(HQ, HKV, L, points)
     whole = states_attention(q, k, v, kp, vp, None, None, None, torch.tensor([0, L]), max_len=L)
