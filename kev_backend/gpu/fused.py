@@ -44,11 +44,8 @@ class FusedQwen35:
         self._sigmoid_gate = k.sigmoid_gate
         self._norm_rope = k.rms_norm_rope
         self._chunked_rows, self._conv = k.chunked_rows, k.conv
-        self._rows_attention, self._states_attention, self._bank_kv = (
-            k.rows_attention,
-            k.states_attention,
-            k.bank_kv,
-        )
+        self._rows_attention, self._states_attention = k.rows_attention, k.states_attention
+        self._bank_kv = k.bank_kv
         c = weights.config
         # The projections on cuBLASLt algorithms without split-K, so that a row's output is the same in any batch
         # (kev_backend/gpu/cublaslt.py); `gemm_algos` chooses a pre-tuned table of the fastest. F.linear on a CPU.

@@ -193,8 +193,8 @@ def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: in
     """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a prefix index over
     `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX tokens, extensions with new states computed
     whole, of RECURRENT_MAX_LEN tokens or fewer or making a state of more than LONG_PREFIX_MAX, or too large for any
-    (the pass runs eagerly). Rows over a state of
-    more than SPLIT_ABOVE tokens take a long-prefix bucket; extensions an extensions' bucket."""
+    (the pass runs eagerly). Rows over a state of more than SPLIT_ABOVE tokens take a long-prefix bucket; extensions
+    an extensions' bucket."""
     if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
         return None
     longest = max(layout.prefix_len, default=0)

@@ -46,11 +46,11 @@ SPLIT_KEYS = 4096
 # always did. A tile never straddles a part: its rows (BM tokens) and a point (64-token pages) divide FOLD_KEYS.
 FOLD_KEYS = 4096
 # States continuing a point read their parts in parallel where the launch's tokens × parts come to at most this many
-# (the parts' partial outputs: [tokens, Hq, parts, D] fp32, 256 MiB at Kev-4B's heads): a turn or a few dozen at any
-# length, a graph's extension bucket (1,024 tokens × 16 parts: graphs.EXT_BUCKETS). A larger launch folds in turn,
-# as a state computed whole does, and is slower for it: six turns near 8k tokens on an H100, ms a layer, 1.16 in
-# parallel, 1.98 in turn (unsplit before: 1.10).
-PARALLEL_PARTS_ENTRIES = 16_384
+# (the parts' partial outputs: [tokens, Hq, parts, D] fp32, 512 MiB at Kev-4B's heads, 768 MiB at Kev-27B's): a
+# graph's extension bucket (1,024 tokens × 16 parts: graphs.EXT_BUCKETS), or dozens of turns near 8k tokens at once.
+# A larger launch folds in turn, as a state computed whole does, and is slower for it: six turns near 8k tokens on
+# an H100, ms a layer, 1.16 in parallel, 1.98 in turn (unsplit before: 1.10).
+PARALLEL_PARTS_ENTRIES = 32_768
 
 
 @triton.jit
@@ -500,6 +500,7 @@ def states_attention(
     has_prefix = prefix is not None
     if not has_prefix:
         prefix = prefix_start = prefix_len = cu  # not read
+    assert max_keys > 0 or not has_prefix, "states continuing a point: max_keys bounds their parts"
     keys = max(max_keys, max_len)
     # New states' tiles are long (LONG_TILE_ROWS) where their rows attend to many keys; states continuing a point
     # take rows' tiles (twice the programs for a turn's few tokens, and a tile's rows change no row's arithmetic).
