@@ -41,7 +41,8 @@ SPLIT_KEYS = 4096
 # the parts' running max, sum and output are combined in part order by _fold. A state computed whole folds them in
 # turn inside its tile's program; a state continuing a banked point (a conversation's next turn) reads its parts in
 # parallel, a program each, and _merge_parts_kernel folds them with the same _fold in the same order: the same bits,
-# and a lone turn over a 64k-token conversation runs ~16 programs where one walked all its keys (the GPU mostly idle).
+# and a lone turn over a 64k-token conversation runs 16 programs a tile where one walked all its keys (the GPU mostly
+# idle).
 # A tile whose keys lie in the first part (every state of FOLD_KEYS tokens or fewer) never folds and computes what it
 # always did. A tile never straddles a part: its rows (BM tokens) and a point (64-token pages) divide FOLD_KEYS.
 FOLD_KEYS = 4096
