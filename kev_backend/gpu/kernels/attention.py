@@ -426,36 +426,17 @@ def rows_attention(
     given. max_prefix: the longest row prefix (a host count); over SPLIT_ABOVE the launch is split (SPLIT_ABOVE says
     why).
     """
-    T, HQ, D = q.shape
+    HQ, D = q.shape[1:]
     HKV = k.shape[1]
     o = _checked(q, k, v, k_pool, v_pool, out)
     n = cu.shape[0] - 1
     GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, TILE_ROWS)
     parts = triton.cdiv(max_prefix, SPLIT_KEYS) if max_prefix > SPLIT_ABOVE else 1
-    part_acc = part_ml = o  # not read unless split
-    if parts > 1:
-        part_acc = torch.empty(T, HQ, parts, D, device=q.device, dtype=torch.float32)
-        part_ml = torch.empty(T, HQ, parts, 2, device=q.device, dtype=torch.float32)
+    part_acc, part_ml = _partials(q, parts) if parts > 1 else (o, o)  # not read unless split
     for first, last in grid.segment_spans(n, HKV):  # a program per (query block, row, key/value head[, part])
+        spans = (prefix_start[first:last], prefix_len[first:last], cu[first : last + 1])
         _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV, parts)](
-            q,
-            k,
-            v,
-            k_pool,
-            v_pool,
-            o,
-            part_acc,
-            part_ml,
-            prefix,
-            prefix_start[first:last],
-            prefix_len[first:last],
-            cu[first : last + 1],
-            D**-0.5 * LOG2_E,
-            q.stride(0),
-            k.stride(0),
-            v.stride(0),
-            k_pool.stride(0),
-            o.stride(0),
+            *_leading(q, k, v, k_pool, v_pool, o, part_acc, part_ml, prefix, *spans),
             HQ=HQ,
             HKV=HKV,
             D=D,
@@ -469,8 +450,7 @@ def rows_attention(
             num_stages=stages,
         )
         if parts > 1:
-            spans = (prefix_len[first:last], cu[first : last + 1])
-            _merge_parts(o, part_acc, part_ml, *spans, max_len, HKV, BM, GP, warps)
+            _merge_parts(o, part_acc, part_ml, *spans[1:], max_len, HKV, BM, GP, warps)
     return o
 
 
@@ -511,30 +491,12 @@ def states_attention(
     folds = keys > FOLD_KEYS
     split = folds and has_prefix and T * triton.cdiv(keys, FOLD_KEYS) <= PARALLEL_PARTS_ENTRIES
     parts = triton.cdiv(keys, FOLD_KEYS) if split else 1
-    part_acc = part_ml = o  # not read unless the launch folds
-    if folds:  # a part's entries for each (token, query head): split, every part's; folding in turn, the fold's
-        part_acc = torch.empty(T, HQ, parts, D, device=q.device, dtype=torch.float32)
-        part_ml = torch.empty(T, HQ, parts, 2, device=q.device, dtype=torch.float32)
+    # A part's entries for each (token, query head): split, every part's; folding in turn, the fold's. Not read else.
+    part_acc, part_ml = _partials(q, parts) if folds else (o, o)
     for first, last in grid.segment_spans(n, HKV):  # a program per (query block, state, key/value head[, part])
+        spans = (prefix_start[first:last], prefix_len[first:last], cu[first : last + 1])
         _states_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV, parts)](
-            q,
-            k,
-            v,
-            k_pool,
-            v_pool,
-            o,
-            part_acc,
-            part_ml,
-            prefix,
-            prefix_start[first:last],
-            prefix_len[first:last],
-            cu[first : last + 1],
-            D**-0.5 * LOG2_E,
-            q.stride(0),
-            k.stride(0),
-            v.stride(0),
-            k_pool.stride(0),
-            o.stride(0),
+            *_leading(q, k, v, k_pool, v_pool, o, part_acc, part_ml, prefix, *spans),
             HQ=HQ,
             HKV=HKV,
             D=D,
@@ -550,8 +512,7 @@ def states_attention(
             num_stages=stages,
         )
         if split:
-            spans = (prefix_len[first:last], cu[first : last + 1])
-            _merge_parts(o, part_acc, part_ml, *spans, max_len, HKV, BM, GP, warps, by_position=True)
+            _merge_parts(o, part_acc, part_ml, *spans[1:], max_len, HKV, BM, GP, warps, by_position=True)
     return o
 
 
@@ -570,6 +531,34 @@ def _checked(
     o = torch.empty_like(q) if out is None else out
     assert o.shape == q.shape and o.is_contiguous()
     return o
+
+
+def _leading(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    o: torch.Tensor,
+    part_acc: torch.Tensor,
+    part_ml: torch.Tensor,
+    prefix: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
+    cu: torch.Tensor,
+) -> tuple:
+    """The attention kernels' arguments before their constants, for one span of segments: the tensors, the softmax
+    scale (log2(e) in it) and the token strides."""
+    D = q.shape[2]
+    tensors = (q, k, v, k_pool, v_pool, o, part_acc, part_ml, prefix, prefix_start, prefix_len, cu)
+    return (*tensors, D**-0.5 * LOG2_E, q.stride(0), k.stride(0), v.stride(0), k_pool.stride(0), o.stride(0))
+
+
+def _partials(q: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running outputs and (max, sum) per (token, query head, part), fp32: [T, Hq, parts, D] and [T, Hq, parts, 2]."""
+    T, HQ, D = q.shape
+    acc = torch.empty(T, HQ, parts, D, device=q.device, dtype=torch.float32)
+    return acc, torch.empty(T, HQ, parts, 2, device=q.device, dtype=torch.float32)
 
 
 def _tiles(HQ: int, HKV: int, D: int, rows: int) -> tuple[int, int, int, int, int]:
