@@ -141,7 +141,7 @@ class Parameter:
 PARAMETERS = (
     Parameter("checkpoint", "model", text),
     Parameter("warmup_requests", "model", text),
-    Parameter("submit_bytes", "model", integer(1)),
+    Parameter("part_tokens", "model", integer(1)),
     Parameter("device", "engine", text),
     Parameter("bank_bytes", "engine", integer(1)),
     Parameter("row_pass_tokens", "engine", integer(1)),
@@ -176,7 +176,7 @@ class ModelSettings:
 
     checkpoint: Path
     warmup_requests: Path | None = None
-    submit_bytes: int | None = None  # None: the pipeline's default
+    part_tokens: int | None = None  # None: the pipeline's default (the engine's pass budget)
     engine: dict[str, Any] = field(default_factory=dict)
     load: dict[str, Any] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
@@ -209,7 +209,7 @@ class ModelSettings:
         return cls(
             checkpoint=resolve(model["checkpoint"], model_dir),
             warmup_requests=resolve(warmup, model_dir) if warmup else None,
-            submit_bytes=model.get("submit_bytes"),
+            part_tokens=model.get("part_tokens"),
             engine=engine,
             load=groups["load"],
             limits=limits,

@@ -81,6 +81,7 @@ def test_switches_take_one_grammar_everywhere(value: str, expected: bool) -> Non
         ({"bank_bytes": "1GiB"}, {}, "parameter bank_bytes='1GiB': must be a whole number"),
         ({"max_json_depth": "500"}, {}, "max_json_depth='500': must be 2..200"),
         ({"long_kernels": "triton"}, {}, "unknown model parameter.*long_kernels"),  # a retired switch
+        ({"submit_bytes": "262144"}, {}, "unknown model parameter.*submit_bytes"),  # parts are sized by work now
         ({"dtype": "int8"}, {}, "dtype='int8'"),
         ({"temprature": "1"}, {}, "unknown model parameter.*temprature"),
     ],

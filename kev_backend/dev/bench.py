@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..engine.engine import Engine, EngineOptions, dumps
-from ..engine.pipeline import Pipeline, parts_by_size
+from ..engine.engine import Engine, EngineOptions, PreparedBatch, dumps
+from ..engine.pipeline import Pipeline
 from ..gpu.memory import states_held
 from ..gpu.pool import StatePool
 from ..model.checkpoint import KevCheckpoint, LoadOptions, load_checkpoint
@@ -111,6 +111,7 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
     stop = time.perf_counter() + seconds
     done: list[float] = []
     batches: list[int] = []
+    failures: list[Exception] = []  # engine faults (their clients are let go, the run fails after)
     lock = threading.Lock()
     pipeline = Pipeline(engine) if pipelined else None
 
@@ -137,13 +138,15 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
                 batches.append(len(batch))
                 answered(events, engine.answer(bodies))
                 continue
-            for part in parts_by_size([len(body) for body in bodies]):  # as model.py parts Triton's batches
-                batches.append(len(part))
-                part_events = [events[i] for i in part]
-                pipeline.submit(
-                    [bodies[i] for i in part],
-                    lambda results, _, part_events=part_events: answered(part_events, results),
-                )
+
+            def delivered(results: list | Exception, part: PreparedBatch, events: list = events) -> None:
+                batches.append(len(part.indices))  # the parts the pipeline made of the batch
+                if isinstance(results, Exception):
+                    failures.append(results)
+                    results = [None] * len(part.indices)
+                answered([events[i] for i in part.indices], results)
+
+            pipeline.submit(bodies, delivered)  # in parts, as Triton's model submits its batches
 
     def client() -> None:
         while time.perf_counter() < stop:
@@ -168,6 +171,8 @@ def throughput(engine: Engine, make, clients: int, seconds: float, pipelined: bo
     elapsed = time.perf_counter() - begin
     if pipeline is not None:
         pipeline.close()
+    if failures:
+        raise RuntimeError(f"{len(failures)} batches failed in the closed loop") from failures[0]
     latencies = sorted(done)
     return {
         "rps": len(done) / elapsed,

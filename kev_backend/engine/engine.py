@@ -148,6 +148,8 @@ class PreparedBatch:
     launched_at: float = 0.0
     # Where each request came from in the bodies the batch was prepared from (a part of them: `part`).
     indices: list[int] = field(default_factory=list)
+    # Each accepted request's model work in tokens as estimated when it was prepared (Scorer.work), by its place.
+    work: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.indices:
@@ -165,12 +167,25 @@ class PreparedBatch:
             accepted=[(local[i], record, encoded) for i, record, encoded in self.accepted if i in local],
             usage_by_question=frozenset(local[i] for i in self.usage_by_question if i in local),
             indices=[self.indices[i] for i in positions],
+            work={local[i]: w for i, w in self.work.items() if i in local},
         )
 
-    def work_tokens(self, positions: Sequence[int]) -> int:
-        """The model work of the requests at `positions` in tokens: each one's state and every question's branch."""
-        wanted = set(positions)
-        return sum(encoded.input_tokens for i, _, encoded in self.accepted if i in wanted)
+    @staticmethod
+    def join(batches: Sequence[PreparedBatch]) -> PreparedBatch:
+        """The batches' requests, in order, as one batch (none of them launched yet)."""
+        joined = PreparedBatch(results=[])
+        for batch in batches:
+            at = len(joined.results)
+            joined.results += batch.results
+            joined.accepted += [(at + i, record, encoded) for i, record, encoded in batch.accepted]
+            joined.usage_by_question |= {at + i for i in batch.usage_by_question}
+            joined.indices += batch.indices
+            joined.work.update((at + i, w) for i, w in batch.work.items())
+        return joined
+
+    def work_tokens(self, positions: Sequence[int] | None = None) -> int:
+        """The estimated model work of the requests at `positions` (default: all) in tokens (`work`)."""
+        return sum(self.work[i] for i in (self.work if positions is None else positions) if i in self.work)
 
     def drop(self, indices: set[int]) -> None:
         """Takes the requests at `indices` out before scoring: their places stay None and they cost no model work."""
@@ -389,7 +404,8 @@ class Engine:
 
     # answer() in three stages, so a pipeline (engine/pipeline.py) can run them on different threads: one batch's host
     # work (parsing, tokenizing; answers and their token counts) overlaps another's GPU work. Only `score` touches the
-    # model and the bank; `prepare_batch` and `finish` read the tokenizer, which is safe to share.
+    # model and changes the bank; `prepare_batch` and `finish` read the tokenizer, which is safe to share, and
+    # `prepare_batch` looks the bank up for an estimate of each request's work (Scorer.work: dict lookups alone).
 
     def prepare_batch(self, bodies: Sequence[Body], usage_by_question: Collection[int] = ()) -> PreparedBatch:
         """Validates and encodes each request (host work only); a refused one keeps its RequestError, one that failed
@@ -398,12 +414,14 @@ class Engine:
         for i, body in enumerate(bodies):
             try:
                 record, encoded = self.prepare(body)
+                work = self.scorer.work(encoded)
             except RequestError as error:
                 batch.results[i] = error
             except Exception as error:  # noqa: BLE001 - one request's fault is its own
                 batch.results[i] = RequestFault.of("preparing the request", error)
             else:
                 batch.accepted.append((i, record, encoded))
+                batch.work[i] = work
         return batch
 
     def score(self, batch: PreparedBatch) -> PreparedBatch:

@@ -18,10 +18,13 @@ medians), and the next batch's arrival takes the recent time from a return to th
 (Triton's batching, its IPC, decoding and preparing). Requests keep waiting where they arrived (Triton's queue, with
 its size limit and timeouts) meanwhile.
 
-A batch whose bodies hold more than the pipeline's `submit_bytes` of JSON goes to `submit` in parts (parts_by_size).
+A batch goes to the model thread in parts of at most `part_tokens` of model work (a pass's worth), each answered
+once scored, so the first part's clients are back and prepared while the later parts run. A request's work is
+estimated when it is prepared, from the bank as it is then (Scorer.work): a turn that continues a banked point costs
+what it computes, so dozens of grown conversations share a part that a byte count would have split six ways.
 
-Long work (engine/scheduler.py): once prepared, each request with more than `long_tokens` tokens of model work
-becomes a batch of its own, scheduled as long, and the rest of its Triton batch stays one normal batch. The model
+Long work (engine/scheduler.py): once prepared, each request with more than `long_tokens` tokens of estimated model
+work becomes a batch of its own, scheduled as long, and the rest of its Triton batch goes in normal parts. The model
 thread runs batches a unit at a time (a chunk of a state on the CPU, a pass on the GPU) and takes new batches between
 units, so a short request waits for at most one unit of long work, however long the long request. `submit` waits
 only on its normal batch: long batches are handed over without waiting, and a request over PREPARE_APART_BYTES of
@@ -39,12 +42,13 @@ An engine fault fails only its own batch, delivered as the exception.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -140,13 +144,12 @@ class NoProgress:
         pass
 
 
-# The default of Pipeline's `submit_bytes`: a batch whose bodies hold more than this many bytes of JSON goes to
-# `submit` in parts (parts_by_size), each scored and answered on its own. Why: under closed-loop load of long requests
+# Parts: the model thread gets a batch in parts, each answered once scored. Why: under closed-loop load of long requests
 # a large batch alternates with a batch of one, and the large batch's clients come back together: the GPU idles while
 # they are tokenized and planned. In parts, the first part's clients are back and prepared while the later parts run
-# (docs/kernels.md, The pipeline). 256 KiB: up to 19 long5 requests (13.7 KB each) a part; 64 short6 (1.35 KB each)
-# stay one batch.
-SUBMIT_BYTES = 256 << 10
+# (docs/kernels.md, The pipeline). A part holds at most the engine's pass budget of estimated work (`part_tokens`, by
+# default EngineOptions.pass_tokens), so it is one pass: up to 12 long5 requests (~2,600 tokens each), 64 short6 (~250),
+# or ~50 turns of conversations near 8k tokens that continue their banked points (~650 each, weighted by the prefix).
 # A request holding more JSON than this is prepared (parsed, tokenized) on the pipeline's preparation thread, on its
 # own, so the caller hands the rest of its batch over and returns at once.
 PREPARE_APART_BYTES = 64 << 10
@@ -156,22 +159,26 @@ DELIVERY_WAITING = 8
 LONG_WAITING = 64
 
 
-def parts_by_size(sizes: Sequence[int], budget: int = SUBMIT_BYTES) -> list[range]:
-    """Consecutive ranges of the items (by their sizes, in order) each holding at most `budget` (an item larger
-    than that: a part of its own), as even as the fewest parts allow: 20 items of 16 under a budget of 256 make two
-    parts of 10, not 16 and 4."""
-    total = sum(sizes)
-    if total <= budget or len(sizes) <= 1:
-        return [range(len(sizes))] if sizes else []
-    target = total / -(-total // budget)  # the same total over the fewest parts the budget allows
-    parts, start, held = [], 0, 0
-    for i, size in enumerate(sizes):
-        if i > start and (held + size > budget or held >= target):
-            parts.append(range(start, i))
-            start, held = i, 0
-        held += size
-    parts.append(range(start, len(sizes)))
-    return parts
+def part_ends(sizes: Sequence[int], work: Iterable[int], budget: int) -> Iterator[int]:
+    """Where consecutive parts of items end (exclusive), each holding at most `budget` of work (an item over it: a
+    part of its own), as even as the fewest parts allow: 20 items of 16 under a budget of 256 make two parts of 10,
+    not 16 and 4. Each item's work is known only once it is reached (`work` yields it as the item is prepared), so
+    the whole's is estimated from the sizes (bytes of JSON) at the work per size seen so far. Each end is yielded as
+    soon as it is known, before the next item's work is asked for."""
+    total_size = sum(max(1, size) for size in sizes)
+    seen_size, seen_work, held = 0, 0, 0
+    for i, (size, cost) in enumerate(zip(sizes, work, strict=True)):
+        if held and held + cost > budget:
+            yield i
+            held = 0
+        held += cost
+        seen_size, seen_work = seen_size + max(1, size), seen_work + cost
+        total = seen_work * total_size / seen_size  # the whole's work, estimated
+        if held and held >= total / max(1, math.ceil(total / budget)) and i + 1 < len(sizes):
+            yield i + 1
+            held = 0
+    if sizes:
+        yield len(sizes)
 
 
 class Recent:
@@ -196,18 +203,18 @@ class Pipeline:
         self,
         engine: Engine,
         recheck_after_s: float = 0.005,
-        submit_bytes: int = SUBMIT_BYTES,
+        part_tokens: int | None = None,
         progress: Progress | None = None,
         long_tokens: int = LONG_WORK_TOKENS,
     ) -> None:
-        if submit_bytes < 1:
-            raise ValueError(f"submit_bytes must be at least 1, not {submit_bytes}")
+        self.part_tokens = engine.options.pass_tokens if part_tokens is None else part_tokens
+        if self.part_tokens < 1:
+            raise ValueError(f"part_tokens must be at least 1, not {self.part_tokens}")
         self.engine = engine
         self.long_tokens = long_tokens
         self.progress = Guarded(progress or NoProgress())
         engine.on_progress(self.progress.beat)
         self.recheck_after_s = recheck_after_s
-        self.submit_bytes = submit_bytes  # the callers' parts_by_size budget
         # A batch's service time: from when it was taken, or when the batch before it was done if later, to its
         # answers on the host.
         self.service_s = Recent()
@@ -269,22 +276,28 @@ class Pipeline:
         for request in large:  # prepared and handed over by the preparation thread, not this one
             self._to_preparer.put((bodies, [request], usage, deliver, cancelled))
         job = None
-        if small:
-            for part, long in self.parts(*self.prepared(bodies, small, usage)):
-                new = Job(part, deliver, cancelled, long)
-                self._hand_over(new)
-                job = job if long else new
+        service, arrival = self.service_s.median(), self.arrival_s.median()
+        for part, long in self.parts(bodies, small, usage):
+            new = Job(part, deliver, cancelled, long)
+            self._hand_over(new)
+            if not long:
+                job = new
+                self._expect(job, service)
         if job is None:  # long work only: the next Triton batch may form now
             return
-        service, arrival = self.service_s.median(), self.arrival_s.median()
-        previous, self._previous = self._previous, job
         if service is not None:
-            # It starts once taken and once the batch before it is done (its work is queued behind that one's).
-            before = 0.0
-            if previous is not None:
-                before = previous.done if previous.scored.is_set() else previous.expected_done
-            job.expected_done = max(job.taken, before) + service
             job.scored.wait(timeout=max(0.0, job.expected_done - (arrival or 0.0) - time.perf_counter()))
+
+    def _expect(self, job: Job, service: float | None) -> None:
+        """When a normal batch just taken is expected done: a service time after it was taken or after the batch before
+        it (of this submit or an earlier one) is done, whichever is later: its work is queued behind that one's."""
+        previous, self._previous = self._previous, job
+        if service is None:
+            return
+        before = 0.0
+        if previous is not None:
+            before = previous.done if previous.scored.is_set() else previous.expected_done
+        job.expected_done = max(job.taken, before) + service
 
     @staticmethod
     def by_size(bodies: Sequence[Body], requests: Sequence[range]) -> tuple[list[range], list[range]]:
@@ -294,34 +307,44 @@ class Pipeline:
         small: list[range] = []
         large: list[range] = []
         for request in requests:
-            size = sum(len(body) for i in request if isinstance(body := bodies[i], (str, bytes)))
-            (small if size <= PREPARE_APART_BYTES else large).append(request)
+            (small if Pipeline.size(bodies, request) <= PREPARE_APART_BYTES else large).append(request)
         return small, large
 
-    def prepared(
-        self, bodies: Sequence[Body], requests: Sequence[range], usage: frozenset[int]
-    ) -> tuple[PreparedBatch, list[range]]:
-        """The bodies of `requests` prepared as one batch (whose `indices` are their places in `bodies`), and the
-        requests' ranges in it."""
-        positions = [i for request in requests for i in request]
-        usage_here = [k for k, i in enumerate(positions) if i in usage]
-        batch = self.engine.prepare_batch([bodies[i] for i in positions], usage_here)
-        batch.indices = positions
-        local, start = [], 0
-        for request in requests:
-            local.append(range(start, start + len(request)))
-            start += len(request)
-        return batch, local
+    @staticmethod
+    def size(bodies: Sequence[Body], request: range) -> int:
+        """The request's bytes of JSON (0 for bodies given as objects)."""
+        return sum(len(body) for i in request if isinstance(body := bodies[i], (str, bytes)))
 
-    def parts(self, batch: PreparedBatch, requests: Sequence[range]) -> list[tuple[PreparedBatch, bool]]:
-        """The batch as the model thread runs it: each long request alone, the rest together (first), each with
-        whether it is long."""
-        long = [r for r in requests if batch.work_tokens(r) > self.long_tokens]
-        if not long:
-            return [(batch, False)]
-        normal = [i for r in requests if r not in long for i in r]
-        parts = [(batch.part(normal), False)] if normal else []
-        return parts + [(batch.part(r), True) for r in long]
+    def parts(
+        self, bodies: Sequence[Body], requests: Sequence[range], usage: frozenset[int]
+    ) -> Iterator[tuple[PreparedBatch, bool]]:
+        """The requests, prepared one at a time, as the model thread runs them, each with whether it is long: a
+        request with more than `long_tokens` of estimated work alone, the rest in parts of at most `part_tokens`
+        (part_ends), each yielded as soon as it is complete, so it runs while the next is prepared."""
+        prepared: list[tuple[PreparedBatch, bool]] = []
+
+        def work() -> Iterator[int]:
+            for request in requests:
+                batch = self.prepared(bodies, request, usage)
+                long = batch.work_tokens() > self.long_tokens
+                prepared.append((batch, long))
+                yield 0 if long else batch.work_tokens()
+
+        sizes = [self.size(bodies, request) for request in requests]
+        start = 0
+        for end in part_ends(sizes, work(), self.part_tokens):
+            normal = [batch for batch, long in prepared[start:end] if not long]
+            if normal:
+                yield PreparedBatch.join(normal), False
+            yield from ((batch, True) for batch, long in prepared[start:end] if long)
+            start = end
+
+    def prepared(self, bodies: Sequence[Body], request: range, usage: frozenset[int]) -> PreparedBatch:
+        """The bodies of `request` prepared as one batch (whose `indices` are their places in `bodies`)."""
+        usage_here = [k for k, i in enumerate(request) if i in usage]
+        batch = self.engine.prepare_batch([bodies[i] for i in request], usage_here)
+        batch.indices = list(request)
+        return batch
 
     def _hand_over(self, job: Job) -> None:
         """To the model thread: a normal batch once it is taken (the caller's pace follows the model's); long work at
@@ -337,7 +360,7 @@ class Pipeline:
         while (item := self._to_preparer.get()) is not _STOP:
             bodies, requests, usage, deliver, cancelled = item
             try:
-                parts = self.parts(*self.prepared(bodies, requests, usage))
+                parts = list(self.parts(bodies, requests, usage))
             except Exception as error:  # noqa: BLE001 - one request's fault goes to it alone
                 log.exception("kev: preparing a large request failed")
                 batch = PreparedBatch(results=[None] * len(requests[0]), indices=list(requests[0]))

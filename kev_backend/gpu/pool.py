@@ -175,6 +175,11 @@ class GpuBank(PointIndex[Slot]):
         state keeping it, that state's slot and the point; None where it continues none."""
         return self.longest_prefix(key, self.pool.page_size, after=EXTEND_MIN_TOKENS)  # type: ignore[return-value]
 
+    def continued_estimate(self, key: tuple[int, ...]) -> int:
+        """Where the point `continued` would find lies (0: none), as read from any thread (PointIndex.continued_length:
+        an estimate)."""
+        return self.continued_length(key, self.pool.page_size, after=EXTEND_MIN_TOKENS)
+
     def allocate(
         self, key: tuple[int, ...], pinned: set[tuple[int, ...]], found: Continued | None
     ) -> tuple[Slot, Extension] | None:

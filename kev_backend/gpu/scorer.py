@@ -32,6 +32,16 @@ DEFAULT_CPU_BANK_BYTES = 1 << 30
 # 41.5 ms after 64k (x3.7; counted x5).
 PREFIX_TOKENS_PER_COST = 16_384
 
+
+def state_cost(tokens: int, rows_tokens: int, start: int) -> int:
+    """What a state costs a pass (FusedScorer.next_pass): its tokens and its rows', or, continuing a point `start`
+    tokens in, the tokens it computes after the point and its rows', as much again per PREFIX_TOKENS_PER_COST tokens
+    before the point."""
+    if not start:
+        return tokens + rows_tokens
+    return (tokens - start + rows_tokens) * (PREFIX_TOKENS_PER_COST + start) // PREFIX_TOKENS_PER_COST
+
+
 Found = dict[tuple[int, ...], Continued | None]  # FusedScorer.next_pass: the point each new state of a pass continues
 Picked = tuple[torch.Tensor, dict[tuple[int, int], int]]  # FusedScorer.run_group: a pass's picks, each <decide>'s row
 
@@ -290,6 +300,13 @@ class FusedScorer:
             self.graphs = self._new_graphs()
             return [self.run_group(group) for group in self.plan(rows)]
 
+    def work(self, encoded: Encoded) -> int:
+        """What the request would cost a pass planned now (`next_pass`), read on any thread: an estimate, for the
+        pipeline's parts (the bank may change before its pass is planned)."""
+        state, bank = encoded.state, self.bank  # None for a moment while an out-of-memory retry builds a new one
+        start = 0 if bank is None or state in bank else bank.continued_estimate(state)
+        return state_cost(len(state), sum(len(q.tokens) for q in encoded.questions), start)
+
     def plan(self, rows: list[Row]) -> list[list[Row]]:
         """The passes `next_pass` makes of the rows, one after another, on the bank as it is (each pass's states
         banked for the passes after it)."""
@@ -328,11 +345,7 @@ class FusedScorer:
             rows_tokens = sum(len(m.tokens.tokens) for m in members)
             banked = state in planned or state in self.bank
             continued = None if banked else self.bank.continued(state)
-            if continued is None:
-                need = len(state) + rows_tokens
-            else:
-                start = continued[2].length
-                need = (len(state) - start + rows_tokens) * (PREFIX_TOKENS_PER_COST + start) // PREFIX_TOKENS_PER_COST
+            need = state_cost(len(state), rows_tokens, 0 if continued is None else continued[2].length)
             slots = slots_for(len(state), page)
             if current and (cost + need > self.pass_tokens or states + slots > max_states):
                 break

@@ -101,10 +101,12 @@ class StateTokens(tuple):
 
     _hash: int
     ids: np.ndarray
+    chains: dict[int, list[int]]  # its chunk boundaries' keys by chunk width (scoring/growth.py, boundary_keys)
 
     def __new__(cls, tokens: Iterable[int]) -> StateTokens:
         self = super().__new__(cls, tokens)
         self._hash = tuple.__hash__(self)
+        self.chains = {}
         self.ids = np.array(self, dtype=np.int64)
         self.ids.flags.writeable = False
         return self

@@ -42,6 +42,9 @@ class Scorer(Protocol):
 
     def units(self, batch: Sequence[Encoded]) -> Generator[None, None, Pending]: ...
 
+    # The request's model work in tokens were it run now, read on any thread (an estimate: the bank may change first).
+    def work(self, encoded: Encoded) -> int: ...
+
     def warm_graphs(self) -> None: ...  # captures what the scorer replays (nothing where it replays nothing)
 
     def wide_states(self) -> int: ...  # long new states that make one busy pass for the warm-up (0: none needed)

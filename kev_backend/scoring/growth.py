@@ -24,9 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from ..model.qwen35 import SequenceCache
+from ..protocol.encoding import token_ids
 from .bank import LruIndex, StateBank
 
 TAIL_TOKENS = 16  # a state's last tokens that a grown state may not share
@@ -39,11 +41,19 @@ def point_length(tokens: int, width: int) -> int:
 
 
 def boundary_keys(tokens: Sequence[int], width: int, upto: int) -> list[int]:
-    """The key of each chunk boundary of `tokens` up to `upto` tokens: each hashes the one before and its chunk."""
+    """The key of each chunk boundary of `tokens` up to `upto` tokens: each hashes the one before and its chunk. A
+    state's (StateTokens) are computed once a width, on the first thread that asks (the request's preparation, where
+    the pipeline estimates its work), not again on the model's."""
+    chains = getattr(tokens, "chains", None)
+    if chains is not None and (known := chains.get(width)) is not None:
+        return known[: upto // width]
     keys, key = [], 0
-    for end in range(width, upto + 1, width):
+    for end in range(width, (len(tokens) if chains is not None else upto) + 1, width):
         key = hash((key, width, tuple(tokens[end - width : end])))
         keys.append(key)
+    if chains is not None:
+        chains[width] = keys
+        return keys[: upto // width]
     return keys
 
 
@@ -140,10 +150,20 @@ class PointIndex(LruIndex[Entry], Generic[Entry]):
                 point = entry.point
                 if point is None or (point.length, point.width) != (length, width):
                     continue
-                if tuple(state[:length]) == owner[:length]:
+                if np.array_equal(token_ids(state)[:length], token_ids(owner)[:length]):  # StateTokens: no tuples
                     self._entries.move_to_end(owner)
                     return owner, entry, point
         return None
+
+    def continued_length(self, state: Sequence[int], width: int, after: int = 1) -> int:
+        """How far into `state` the furthest point `longest_prefix` may find lies (0: none), from the keys alone: the
+        tokens are not compared and nothing is touched, so a thread other than the bank's user may ask, for an
+        estimate (a point found here may be evicted, or rarely a hash's false match, before the bank's user looks)."""
+        keys = boundary_keys(state, width, len(state) - after)
+        for length, key in zip(range(len(keys) * width, 0, -width), reversed(keys), strict=True):
+            if self._owners.get(key):  # one dict lookup: atomic beside the bank user's changes
+                return length
+        return 0
 
     def _add(self, key: tuple[int, ...], entry: Entry) -> None:
         super()._add(key, entry)

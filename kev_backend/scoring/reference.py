@@ -91,6 +91,16 @@ class ReferenceScorer:
         self.bank.put(state, Banked(cache, point))
         return cache
 
+    def work(self, encoded: Encoded) -> int:
+        """The request's tokens of model work if it ran now, read on any thread (an estimate: the bank may change
+        before it runs): its state's tokens after the point it would continue (all of them unless banked) and its
+        rows'."""
+        state = encoded.state
+        start = 0
+        if state not in self.bank:
+            start = self.bank.continued_length(state, chunk_width(self.chunk_tokens))
+        return len(state) - start + sum(len(q.tokens) for q in encoded.questions)
+
     def warm_head(self) -> None:
         warm_pointer_head(self.head)
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from kev_backend.engine.engine import Engine, EngineOptions
-from kev_backend.engine.pipeline import PREPARE_APART_BYTES, SUBMIT_BYTES, Pipeline, parts_by_size
+from kev_backend.engine.pipeline import PREPARE_APART_BYTES, Pipeline, part_ends
 from kev_backend.protocol.request import RequestError
 from tests.helpers import request
+from tests.scoring.test_growth import conversation, reference_engine
 
 BAD = {"state": "x", "questions": {}}
 
@@ -94,34 +95,86 @@ def test_an_engine_fault_fails_only_its_batch(engine: Engine, monkeypatch: pytes
 
 
 @pytest.mark.parametrize(
-    ("sizes", "budget", "lengths"),
+    ("sizes", "work", "budget", "lengths"),
     [
-        ([16] * 20, 256, [10, 10]),  # as even as two parts allow, not 16 + 4
-        ([16] * 64, 256, [16, 16, 16, 16]),
-        ([16] * 63, 256, [16, 16, 16, 15]),
-        ([2] * 64, 256, [64]),  # within the budget: one part
-        ([300, 1, 1], 256, [1, 2]),  # a body over the budget is a part of its own
-        ([1, 300, 1], 256, [1, 1, 1]),
-        ([], 256, []),
+        ([16] * 20, [16] * 20, 256, [10, 10]),  # as even as two parts allow, not 16 + 4
+        ([16] * 64, [16] * 64, 256, [16, 16, 16, 16]),
+        ([16] * 63, [16] * 63, 256, [16, 16, 16, 15]),
+        ([2] * 64, [2] * 64, 256, [64]),  # within the budget: one part
+        ([300, 1, 1], [300, 1, 1], 256, [1, 2]),  # an item over the budget is a part of its own
+        ([1, 300, 1], [1, 300, 1], 256, [1, 1, 1]),
+        ([44_000] * 64, [650] * 64, 32_768, [32, 32]),  # by work, not bytes: turns continuing their points
+        ([13_700] * 64, [2_600] * 64, 32_768, [11, 11, 11, 11, 11, 9]),
+        ([10] * 8, [0] * 8, 256, [8]),  # no work (every request refused): one part
+        ([], [], 256, []),
     ],
 )
-def test_parts_by_size(sizes: list[int], budget: int, lengths: list[int]) -> None:
-    parts = parts_by_size(sizes, budget)
+def test_part_ends(sizes: list[int], work: list[int], budget: int, lengths: list[int]) -> None:
+    pulled: list[int] = []
+
+    def lazily():
+        for i, cost in enumerate(work):
+            pulled.append(i)
+            yield cost
+
+    parts, start = [], 0
+    for end in part_ends(sizes, lazily(), budget):
+        # Each end is known before the work past it is asked for (a part runs while the next is prepared).
+        assert pulled[-1] <= end
+        parts.append(range(start, end))
+        start = end
     assert [len(part) for part in parts] == lengths
     assert [i for part in parts for i in part] == list(range(len(sizes)))  # every item once, in order
-    assert all(sum(sizes[i] for i in part) <= budget or len(part) == 1 for part in parts)
+    assert all(sum(work[i] for i in part) <= budget or len(part) == 1 for part in parts)
 
 
-def test_submit_bytes_is_the_pipelines_budget(engine: Engine) -> None:
-    """A pipeline's budget for parts_by_size is its `submit_bytes` (SUBMIT_BYTES unless given); under one byte is
+def test_part_tokens_is_the_pipelines_budget(engine: Engine) -> None:
+    """A pipeline's parts hold at most `part_tokens` of work (the engine's pass budget unless given); under one token is
     refused."""
-    for pipeline, budget in ((Pipeline(engine), SUBMIT_BYTES), (Pipeline(engine, submit_bytes=1000), 1000)):
+    given = ((Pipeline(engine), engine.options.pass_tokens), (Pipeline(engine, part_tokens=1000), 1000))
+    for pipeline, budget in given:
         try:
-            assert pipeline.submit_bytes == budget
+            assert pipeline.part_tokens == budget
         finally:
             pipeline.close()
-    with pytest.raises(ValueError, match="submit_bytes"):
-        Pipeline(engine, submit_bytes=0)
+    with pytest.raises(ValueError, match="part_tokens"):
+        Pipeline(engine, part_tokens=0)
+
+
+def test_turns_that_continue_their_points_share_a_part(tiny_dir: Path) -> None:
+    """Parts are sized by each request's work as estimated when it is prepared (Scorer.work): eight conversations'
+    next turns, each continuing its banked point, go in one part under a budget that splits the same turns computed
+    whole eight ways; and with each whole state over `long_tokens` but its own tokens under it, they run as normal
+    work. Their answers are the turns' computed whole."""
+    whole = reference_engine(tiny_dir, bank_bytes=0)
+    turns = [[f"Conversation {c}. {text}" for text in conversation(21)[-2:]] for c in range(8)]
+    following = [json.dumps(request(state=t[1])) for t in turns]
+    expected = whole.answer(following)
+    outcomes = {}
+    for banked in (True, False):
+        engine = reference_engine(tiny_dir)
+        if banked:
+            engine.answer([request(state=t[0]) for t in turns])
+        encoded = [engine.prepare(body)[1] for body in following]
+        work = [engine.scorer.work(e) for e in encoded]
+        if banked:  # the budget: all eight continued turns; over it, any one state computed whole
+            budget, long_tokens = sum(work), max(work)
+            assert min(e.input_tokens for e in encoded) > long_tokens
+        pipeline = Pipeline(engine, part_tokens=budget, long_tokens=long_tokens)
+        try:
+            delivered: queue.Queue = queue.Queue()
+            pipeline.submit(following, lambda results, batch, to=delivered: to.put((results, batch.indices)))
+            got, sizes = {}, []
+            while len(got) < len(following):
+                results, indices = delivered.get(timeout=60)
+                sizes.append(len(indices))
+                got.update(zip(indices, results, strict=True))
+        finally:
+            pipeline.close()
+        for i, want in enumerate(expected):
+            assert got[i]["answers"] == want["answers"]
+        outcomes[banked] = sizes
+    assert outcomes == {True: [8], False: [1] * 8}
 
 
 class Beats:

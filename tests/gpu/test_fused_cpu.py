@@ -15,6 +15,7 @@ from kev_backend.gpu.graphs import Bucket
 from kev_backend.gpu.kernels import attention
 from kev_backend.gpu.pass_kernels import PassKernels
 from kev_backend.gpu.passes import Row
+from kev_backend.gpu.scorer import state_cost
 from kev_backend.scoring import growth
 from tests.gpu.fused_cpu_ops import CALLS, engines
 
@@ -281,6 +282,11 @@ def test_continued_turns_are_planned_by_the_tokens_they_compute(tiny_dir: Path, 
     assert all(e.state in fused.bank for e in banked)
     whole = sum(len(e.state) + sum(len(q.tokens) for q in e.questions) for e in following)
     assert len(fused.plan(rows_of(following))) == 1 and whole > 2 * budget  # whole: three passes at least
+    # Each turn's work as the pipeline estimates it before the pass (Scorer.work) is what the pass is planned at.
+    for e in following:
+        point = fused.bank.continued(e.state)[2]
+        assert fused.work(e) == state_cost(len(e.state), sum(len(q.tokens) for q in e.questions), point.length)
+    assert sum(fused.work(e) for e in following) <= budget
     passes = []
     forward = fused.forward
     monkeypatch.setattr(fused, "forward", lambda layout: passes.append(layout) or forward(layout))

@@ -120,6 +120,22 @@ def test_a_json_state_growing_at_its_end_continues_its_point(growing: Engine, wh
         assert growing.bank.stats.prefix_hits - hits >= 20, shape
 
 
+def test_a_turns_work_is_what_it_computes(growing: Engine) -> None:
+    """Scorer.work, read before a request runs (on any thread): a new state's tokens and its rows'; a banked state's
+    the same (a pass counts it whole); a turn continuing a point, the tokens it then computes after the point (the
+    bank's tokens_computed) and its rows'."""
+    texts = conversation(20)
+    first, turn = encoded(growing, texts[-2]), encoded(growing, texts[-1])
+    assert growing.scorer.work(first) == first.input_tokens
+    growing.scorer.probabilities([first])
+    assert growing.scorer.work(first) == first.input_tokens
+    work, before = growing.scorer.work(turn), growing.bank.stats.tokens_computed
+    growing.scorer.probabilities([turn])
+    computed = growing.bank.stats.tokens_computed - before
+    assert 0 < computed < len(turn.state) - CHUNK_TOKENS
+    assert work == computed + turn.input_tokens - len(turn.state)
+
+
 def test_a_point_is_where_the_state_keeps_it(growing: Engine) -> None:
     """The last chunk boundary at least TAIL_TOKENS before the end; none on a state shorter than a chunk and a tail."""
     assert point_length(CHUNK_TOKENS + TAIL_TOKENS - 1, CHUNK_TOKENS) == 0

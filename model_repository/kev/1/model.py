@@ -1,6 +1,6 @@
 """Triton Python-backend adapter for Kev: one System One JSON request per REQUEST element, Kev 1.0's response JSON
-per RESPONSE element. Each batch (in parts when large) goes to the engine through a pipeline that overlaps batches'
-host and GPU work (kev_backend/engine/pipeline.py).
+per RESPONSE element. Each batch goes to the engine, in parts of a pass's work, through a pipeline that overlaps
+batches' host and GPU work (kev_backend/engine/pipeline.py).
 
 Every request gets exactly one response, whatever happens to its neighbours: a request Kev refuses gets INVALID_ARG
 with Kev's message, a fault while preparing or answering one request gets INTERNAL for that request alone, a
@@ -36,7 +36,7 @@ class TritonPythonModel:
     config.pbtxt."""
 
     def initialize(self, args):
-        from kev_backend.engine.pipeline import SUBMIT_BYTES, Pipeline
+        from kev_backend.engine.pipeline import Pipeline
         from kev_backend.serve.stub.heartbeat import Heartbeat
         from kev_backend.serve.stub.metrics import KevMetrics, SupervisorMetrics
         from kev_backend.serve.stub.provenance import BuildInfo
@@ -51,8 +51,7 @@ class TritonPythonModel:
         warmed = warm_up(self.engine, self.metrics, settings, config)
         self.heartbeat = Heartbeat.for_instance(settings.heartbeat_prefix, args["model_instance_name"])
         self.supervisor_metrics = SupervisorMetrics(pb_utils, settings.heartbeat_prefix)
-        submit_bytes = settings.submit_bytes or SUBMIT_BYTES
-        self.pipeline = Pipeline(self.engine, submit_bytes=submit_bytes, progress=self.heartbeat)
+        self.pipeline = Pipeline(self.engine, part_tokens=settings.part_tokens, progress=self.heartbeat)
         self.build_info = BuildInfo(pb_utils, labels, self.engine, settings.checkpoint)
         pb_utils.Logger.log_info(
             f"kev: {settings.checkpoint}; {warmed} warm-up requests; {self.engine.summary()}; {self.build_info.line()}"
@@ -69,8 +68,6 @@ class TritonPythonModel:
         # model work: Triton's batcher answers it CANCELLED before any batch takes it, and a batch that waits in the
         # pipeline asks again before it is scored. Asking here too would cost an IPC round trip a request on the
         # thread that forms the next batch, for the microseconds since the batcher asked.
-        from kev_backend.engine.pipeline import parts_by_size
-
         bodies, senders = [], []
         for request in requests:
             sender = Sender(request.get_response_sender(), self.metrics)
@@ -87,15 +84,15 @@ class TritonPythonModel:
                 continue
             bodies.append(items)
             senders.append(sender)
-        # A request may carry several JSON strings (batch dim n > 1); all are scored together. A large batch goes to
-        # the pipeline in parts (whole requests each), each answered once scored (pipeline.parts_by_size).
-        for part in parts_by_size([sum(len(body) for body in items) for items in bodies], self.pipeline.submit_bytes):
-            self._submit([bodies[i] for i in part], [senders[i] for i in part])
+        # A request may carry several JSON strings (batch dim n > 1); all are scored together. The pipeline runs a
+        # large batch in parts (whole requests each), each answered once scored.
+        if bodies:
+            self._submit(bodies, senders)
         return None
 
     def _submit(self, bodies, senders):
-        """Scores the requests' bodies (one list per request) in one pipeline batch; answers through their senders.
-        The pipeline may answer them in parts (a long request on its own): each part's callback answers its own."""
+        """Scores the requests' bodies (one list per request) through the pipeline; answers through their senders.
+        The pipeline answers them in parts (a long request on its own): each part's callback answers its own."""
         spans, owner, start = [], {}, 0
         for s, items in enumerate(bodies):
             spans.append(range(start, start + len(items)))

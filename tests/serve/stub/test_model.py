@@ -238,13 +238,14 @@ def test_warmup_requests_run_before_ready(tiny_dir, tmp_path) -> None:
 
 
 def test_large_batches_are_scored_in_parts(tiny_dir, tmp_path, expected: list[dict]) -> None:
-    """A batch over KEV_SUBMIT_BYTES of JSON is scored and answered in parts (pipeline.parts_by_size):
+    """A batch holding more than KEV_PART_TOKENS of model work is scored and answered in parts (pipeline.part_ends):
     here a budget of one request and a half, so Triton's batches of several requests run as several engine batches,
     and every answer is still the engine's."""
     from tests.conftest import start_triton, stop_triton
 
-    budget = len(json.dumps(make_request(0)).encode()) * 3 // 2
-    server = start_triton(tiny_dir / "kev", tmp_path / "triton.log", KEV_SUBMIT_BYTES=str(budget))
+    engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(bank_bytes=1 << 24))
+    budget = min(engine.prepare(make_request(i))[1].input_tokens for i in range(24)) * 3 // 2
+    server = start_triton(tiny_dir / "kev", tmp_path / "triton.log", KEV_PART_TOKENS=str(budget))
     try:
         before_values, before_sizes = metric_values(server), batch_sizes(server)
         results = http_all(server, [make_request(i) for i in range(24)])
