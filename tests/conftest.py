@@ -75,6 +75,18 @@ def kernel_run() -> Iterator[KernelRun]:
         torch.set_default_device(None)
 
 
+@pytest.fixture
+def one_tile_size(kernel_run: KernelRun, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interpreted, long new states attend in rows' tiles (kernels.attention.LONG_TILE_ROWS): there tl.dot is numpy's
+    matmul, whose rows on some CPUs depend on how many rows it multiplies (the BLAS kernel it picks), so bits compared
+    across tile sizes would compare BLAS kernels. Compiled, a row's arithmetic does not depend on its tile's other
+    rows, and the long tiles stay."""
+    if kernel_run.interpreted:
+        from kev_backend.gpu.kernels import attention
+
+        monkeypatch.setattr(attention, "LONG_TILE_ROWS", attention.TILE_ROWS)
+
+
 @pytest.fixture(scope="session")
 def parity_questions(request: pytest.FixtureRequest) -> int:
     """Questions of each GPU parity comparison (pytest --parity-questions; fewer only for a quick probe)."""

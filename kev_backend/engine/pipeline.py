@@ -248,11 +248,12 @@ class Pipeline:
         usage_by_question: Collection[int] = (),
         requests: Sequence[range] | None = None,
     ) -> None:
-        """Prepares the batch on this thread, hands it to the model thread, and returns once the next batch, formed
-        from now on, would arrive about when this one is scored (or once it is, or at once without a history).
-        `usage_by_question`: the bodies whose responses report each question's usage (Engine.prepare_batch).
-        `requests`: the bodies answered together, one range each (a Triton request may carry several; default: each
-        body alone); a request with more than `long_tokens` of model work is delivered on its own, as long work."""
+        """Prepares the batch on this thread and hands it to the model thread in parts (`parts`: each delivered once
+        scored), and returns once the next batch, formed from now on, would arrive about when its last part is scored
+        (or once it is, or at once without a history). `usage_by_question`: the bodies whose responses report each
+        question's usage (Engine.prepare_batch). `requests`: the bodies answered together, one range each (a Triton
+        request may carry several; default: each body alone); a request with more than `long_tokens` of estimated
+        work is delivered on its own, as long work."""
         self._submitting += 1
         try:
             self._submit(bodies, deliver, cancelled, usage_by_question, requests)

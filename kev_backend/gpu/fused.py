@@ -296,6 +296,7 @@ class FusedQwen35:
             r.max_len,
             out,
             max_prefix=p.row_prefix_max,
+            parallel=p.row_parts_parallel,
         )
 
     def last_attention(

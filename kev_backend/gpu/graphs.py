@@ -76,11 +76,13 @@ MAX_PASS_STATES = 64
 # where its 2,631 need 21.
 TRIM = 128
 TRIMMED_FROM_STATES = 1024
-# Rows over a state of more than kernels.attention.SPLIT_ABOVE tokens (same-state requests on long documents) take
-# buckets of their own, rows only (LONG_PREFIX_ROWS), whose rows' attention is the split launch with the parts of a
-# LONG_PREFIX_MAX-token prefix: a row's programs past its own parts return, so its answer is the eager pass's. Why:
-# an eager pass of rows is ~385 launches, bound by their host time (docs/kernels.md). Rows over longer states run
-# eagerly.
+# Every bucket's rows attend to states of up to LONG_PREFIX_MAX tokens, their parts (kernels.attention.FOLD_KEYS)
+# folded in turn; passes of rows only over a state of more than FOLD_KEYS tokens (same-state requests on long
+# documents) take buckets of their own where they fit one (LONG_PREFIX_ROWS), whose rows read their parts in parallel,
+# launched with the parts of a LONG_PREFIX_MAX-token prefix (a row's programs past its own parts return). Either way
+# a row's answer is the eager pass's, bit for bit. Why: a lone question over a 32k-token state walked its keys in a
+# few dozen programs, the GPU mostly idle; an eager pass of rows is ~385 launches, bound by their host time
+# (docs/kernels.md). Rows over longer states run eagerly.
 LONG_PREFIX_ROWS = (64, 128, 192, 256, 384, 512)
 LONG_PREFIX_MAX = 65_536  # Kev's state limit
 # The prefix index a graph's pass holds: the K/V pages of the states its rows continue (1 MB of int64); the same again
@@ -105,7 +107,7 @@ class Bucket:
     # Tokens cut from the pass's end (TRIM, or 0): the rows' region [tokens − row_tokens, tokens) then overlaps the
     # states' [0, state_tokens), and the rows sit at its end, after the new states' tokens (`fits` checks the total).
     trim: int = 0
-    long_prefix: bool = False  # rows over states of more than SPLIT_ABOVE tokens (LONG_PREFIX_ROWS)
+    long_prefix: bool = False  # rows only, over states of more than FOLD_KEYS tokens (LONG_PREFIX_ROWS)
     ext_tokens: int = 0  # extensions' tokens (EXT_BUCKETS), after the new states' region; 0: none
 
     @property
@@ -132,7 +134,7 @@ class Bucket:
 
     @property
     def split_rows(self) -> bool:
-        """Whether the rows' attention is the split launch (passes.PassInput.row_prefix_max)."""
+        """Whether the rows read their parts in parallel (passes.PassInput.row_parts_parallel), not in turn."""
         return self.long_prefix or self.ext_tokens > 0
 
     @property
@@ -193,8 +195,8 @@ def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: in
     """The smallest of `buckets` (sorted) that holds the pass, or None: a long row, a prefix index over
     `prefix_tokens`, a row over a state of more than LONG_PREFIX_MAX tokens, extensions with new states computed
     whole, of RECURRENT_MAX_LEN tokens or fewer or making a state of more than LONG_PREFIX_MAX, or too large for any
-    (the pass runs eagerly). Rows over a state of more than SPLIT_ABOVE tokens take a long-prefix bucket; extensions
-    an extensions' bucket."""
+    (the pass runs eagerly). Rows only over a state of more than FOLD_KEYS tokens take a long-prefix bucket where
+    one holds them; extensions an extensions' bucket."""
     if not all(is_short(n) for n in layout.row_lengths) or len(layout.prefix) > prefix_tokens:
         return None
     longest = max(layout.prefix_len, default=0)
@@ -209,9 +211,12 @@ def smallest_bucket(buckets: list[Bucket], layout: PassLayout, prefix_tokens: in
         ):
             return None
         return next((b for b in buckets if b.ext_tokens and b.fits(layout, 0)), None)
+    if longest > attention.FOLD_KEYS and not layout.state_lengths:
+        bucket = next((b for b in buckets if b.long_prefix and b.fits(layout, 0)), None)
+        if bucket is not None:
+            return bucket
     long = sum(not is_short(n) for n in layout.state_lengths)
-    split = longest > attention.SPLIT_ABOVE
-    return next((b for b in buckets if not b.ext_tokens and b.long_prefix == split and b.fits(layout, long)), None)
+    return next((b for b in buckets if not b.ext_tokens and not b.long_prefix and b.fits(layout, long)), None)
 
 
 class StaticInputs:
@@ -331,7 +336,8 @@ class StaticInputs:
             row_prefix_start=self.view("prefix_start", bucket.rows),
             row_prefix_len=self.view("prefix_len", bucket.rows),
             picks=self.view("picks", bucket.picks),
-            row_prefix_max=LONG_PREFIX_MAX if bucket.split_rows else 0,
+            row_prefix_max=LONG_PREFIX_MAX,
+            row_parts_parallel=bucket.split_rows,
             point_windows=windows,
             extends=extends,
             extend_kv_dst=self.view("ext_kv_dst", e) if e else None,

@@ -165,9 +165,10 @@ class PassInput:
     row_prefix_start: torch.Tensor  # where each row's state run starts in row_prefix
     row_prefix_len: torch.Tensor  # its length (the state's tokens)
     picks: torch.Tensor  # pass token index of every </opt> and <decide> read by the head
-    # The longest row prefix, on the host (a long-prefix graph's: graphs.LONG_PREFIX_MAX): over
-    # kernels.attention.SPLIT_ABOVE the rows' attention is a split launch
+    # The longest row prefix, on the host (a graph's: the longest it takes, graphs.LONG_PREFIX_MAX): it sizes the rows'
+    # attention's parts (kernels.attention.FOLD_KEYS), which run in parallel (row_parts_parallel) or fold in turn
     row_prefix_max: int = 0
+    row_parts_parallel: bool = True
     # New states continuing a banked point: their tokens from the point on, each
     # attending to its point's tokens' K/V through `extend_prefix` (the state's own first pages, shared with the
     # state keeping the point), one run a state.

@@ -46,14 +46,14 @@ def boundary_keys(tokens: Sequence[int], width: int, upto: int) -> list[int]:
     the pipeline estimates its work), not again on the model's."""
     chains = getattr(tokens, "chains", None)
     if chains is not None and (known := chains.get(width)) is not None:
-        return known[: upto // width]
+        return known[: max(0, upto) // width]
     keys, key = [], 0
     for end in range(width, (len(tokens) if chains is not None else upto) + 1, width):
         key = hash((key, width, tuple(tokens[end - width : end])))
         keys.append(key)
     if chains is not None:
         chains[width] = keys
-        return keys[: upto // width]
+        return keys[: max(0, upto) // width]
     return keys
 
 

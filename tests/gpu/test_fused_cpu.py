@@ -233,7 +233,7 @@ def test_a_growing_conversation_continues_its_points_and_answers_as_computed_who
     assert set(np.flatnonzero(pool.page_refs)) == held and len(pool.free_pages) == pool.pages - len(held)
 
 
-def test_our_kernels_grow_a_state_bit_for_bit(tiny_dir: Path, monkeypatch, kernel_run) -> None:
+def test_our_kernels_grow_a_state_bit_for_bit(tiny_dir: Path, monkeypatch, kernel_run, one_tile_size) -> None:
     """The pass on this project's Triton kernels (interpreted here; tests/gpu/test_determinism.py compiles them on a
     GPU at Kev-4B's shapes): turns continuing the turn before's point answer, bit for bit, as the same states computed
     whole. Holds because an extension's chunks of the delta rule and key blocks of attention start where the whole

@@ -122,24 +122,29 @@ def test_graph_replay_matches_eager(tiny_dir: Path, parity_questions: int) -> No
     torch.cuda.empty_cache()
 
 
-def test_rows_over_a_long_state_replay_a_long_prefix_graph(tiny_dir: Path) -> None:
-    """Same-state requests on a state of more than SPLIT_ABOVE tokens replay a long-prefix graph (their attention
-    split in parts) and answer, bit for bit, as eagerly and as on the pass that banked the state."""
+@pytest.mark.parametrize("tokens", [8_000, 40_000])
+def test_rows_over_a_long_state_answer_alike_in_every_launch(tiny_dir: Path, tokens: int) -> None:
+    """Same-state requests on a state of more than FOLD_KEYS tokens replay a long-prefix graph (their attention's
+    parts in parallel), and beside a new state the pass's own bucket (its parts folded in turn): either way they
+    answer, bit for bit, as eagerly and as on the pass that banked the state."""
     from kev_backend.dev.determinism import eagerly
-    from kev_backend.dev.workloads import sized, state_counter
-    from kev_backend.gpu.kernels.attention import SPLIT_ABOVE
+    from kev_backend.dev.workloads import short6, sized, state_counter
+    from kev_backend.gpu.kernels.attention import FOLD_KEYS
 
     engine = Engine.from_checkpoint(tiny_dir / "kev", EngineOptions(backend="fused", bank_bytes=4 << 30))
-    _, encoded = engine.prepare(sized(40_000, state_counter(engine.tokenizer)))
-    assert len(encoded.state) > SPLIT_ABOVE
+    _, encoded = engine.prepare(sized(tokens, state_counter(engine.tokenizer)))
+    _, new = engine.prepare(short6(tokens))
+    assert len(encoded.state) > FOLD_KEYS
     scorer, graphs = engine.scorer, engine.scorer.graphs
     banked = scorer.probabilities([encoded])  # a pass of its own, eagerly: too long for any bucket
     replays = graphs.stats.replays
     again = scorer.probabilities([encoded])
     assert graphs.stats.replays == replays + 1 and any(b.long_prefix for b in graphs.seen)
+    beside = scorer.probabilities([encoded, new])
+    assert graphs.stats.replays == replays + 2 and any(b.state_tokens and b.row_tokens for b in graphs.seen)
     with eagerly(scorer):
         eager = scorer.probabilities([encoded])
-    assert again == eager == banked
+    assert again == eager == banked == beside[:1]
     del engine
     torch.cuda.empty_cache()
 

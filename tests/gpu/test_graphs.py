@@ -85,16 +85,19 @@ def test_the_smallest_bucket_that_holds_the_pass() -> None:
     assert smallest_bucket(buckets, many_long, 1000) == Bucket(1536, 64)
     assert smallest_bucket(buckets, layout([], [65]), 1000) is None  # a long row: eager
     assert bucket_for(layout([], [10] * 2000)) is None  # beyond the largest bucket
-    split = layout([], [39] * 6)  # rows on a banked state long enough for a split launch of their attention
-    split.prefix_len[0] = attention.SPLIT_ABOVE + 1
+    split = layout([], [39] * 6)  # rows only, on a banked state of more than one part: their parts in parallel
+    split.prefix_len[0] = attention.FOLD_KEYS + 1
     assert smallest_bucket(buckets, split, 1 << 20) == Bucket(0, 256, long_prefix=True)
-    split.prefix_len[0] = LONG_PREFIX_MAX + 1  # past the long-prefix graphs' parts: eager
+    split.prefix_len[0] = LONG_PREFIX_MAX + 1  # past the graphs' parts: eager
     assert smallest_bucket(buckets, split, 1 << 20) is None
-    split.prefix_len[0] = attention.SPLIT_ABOVE  # one part: captured as any other
+    split.prefix_len[0] = attention.FOLD_KEYS  # one part: captured as any other
     assert smallest_bucket(buckets, split, 1 << 20) == Bucket(0, 256)
-    with_new_state = layout([34], [39] * 6)  # a new state beside them: no long-prefix bucket holds one
-    with_new_state.prefix_len[0] = attention.SPLIT_ABOVE + 1
-    assert smallest_bucket(buckets, with_new_state, 1 << 20) is None
+    many = layout([], [39] * 20)  # more rows than any long-prefix bucket holds: their parts in turn
+    many.prefix_len[0] = attention.FOLD_KEYS + 1
+    assert smallest_bucket(buckets, many, 1 << 20) == Bucket(0, 1024)
+    with_new_state = layout([34], [39] * 6)  # a new state beside them: their parts in turn, in the pass's bucket
+    with_new_state.prefix_len[0] = LONG_PREFIX_MAX
+    assert smallest_bucket(buckets, with_new_state, 1 << 20) == Bucket(64, 256)
     # At most MAX_PASS_STATES (64) short new states in any bucket: long5's s2560 holds 64 short slots, not 320; a pass
     # with more short new states than a batch of requests can bring runs eagerly.
     assert Bucket(2560, 256).states == MAX_PASS_STATES == 64 and Bucket(256, 0).states == 32
@@ -127,7 +130,7 @@ def test_extensions_take_the_extensions_buckets() -> None:
     buckets = all_buckets(4096)
     turn = extension_layout([300], [2048], [31, 30, 33, 30, 31, 30])
     assert smallest_bucket(buckets, turn, 1 << 20) == Bucket(0, 192, ext_tokens=384)
-    turn.prefix_len = [attention.SPLIT_ABOVE + 1] * 6  # rows on a long conversation: the same bucket
+    turn.prefix_len = [attention.FOLD_KEYS + 1] * 6  # rows on a long conversation: the same bucket
     assert smallest_bucket(buckets, turn, 1 << 20) == Bucket(0, 192, ext_tokens=384)
     three = extension_layout([300, 200, 90], [1024, 2048, 4096], [31] * 6)
     assert smallest_bucket(buckets, three, 1 << 20) == Bucket(0, 192, ext_tokens=1024)
@@ -188,12 +191,14 @@ def test_padding_writes_only_scratch() -> None:
     assert p.positions[64:103].tolist() == list(range(50, 89)) and p.positions[39:64].eq(0).all()
 
 
-def test_a_long_prefix_bucket_launches_the_rows_attention_split() -> None:
-    """A long-prefix bucket's pass tells the rows' attention to split as for a LONG_PREFIX_MAX-token prefix (the
-    parts of any row it holds); every other bucket's, not at all."""
+def test_a_long_prefix_bucket_launches_the_rows_parts_in_parallel() -> None:
+    """Every bucket's pass sizes the rows' attention for a LONG_PREFIX_MAX-token prefix (the parts of any row it may
+    hold): a long-prefix bucket's reads them in parallel, every other rows bucket's folds them in turn."""
     inputs = StaticInputs(Bucket(4096, 4096), prefix_tokens=1000, device=torch.device("cpu"))
-    assert inputs.pass_input(Bucket(0, 256, long_prefix=True)).row_prefix_max == LONG_PREFIX_MAX
-    assert inputs.pass_input(Bucket(0, 256)).row_prefix_max == 0
+    split = inputs.pass_input(Bucket(0, 256, long_prefix=True))
+    assert split.row_prefix_max == LONG_PREFIX_MAX and split.row_parts_parallel
+    in_turn = inputs.pass_input(Bucket(64, 256))
+    assert in_turn.row_prefix_max == LONG_PREFIX_MAX and not in_turn.row_parts_parallel
 
 
 def test_long_and_short_new_states_share_the_state_region() -> None:

@@ -12,7 +12,7 @@ import torch
 
 from kev_backend.engine.engine import Engine, EngineOptions
 from kev_backend.model.qwen35 import SequenceCache
-from kev_backend.protocol.encoding import Encoded
+from kev_backend.protocol.encoding import Encoded, StateTokens
 from kev_backend.scoring import growth
 from kev_backend.scoring.growth import TAIL_TOKENS, point_length
 from tests.helpers import QUESTIONS, request
@@ -118,6 +118,16 @@ def test_a_json_state_growing_at_its_end_continues_its_point(growing: Engine, wh
             request_ = encoded(growing, state)
             assert growing.scorer.probabilities([request_]) == whole.scorer.probabilities([request_])
         assert growing.bank.stats.prefix_hits - hits >= 20, shape
+
+
+def test_a_states_boundary_keys_are_computed_once_and_the_same() -> None:
+    """A state's (StateTokens) boundary keys, computed once a width and kept on it, are those of its plain tokens for
+    any bound, before and after they are kept."""
+    tokens = tuple(range(1000, 1300))
+    state = StateTokens(tokens)
+    for upto in (300, 0, -5, 64, 65, 299, 1000, 128):
+        assert growth.boundary_keys(state, 64, upto) == growth.boundary_keys(tokens, 64, min(upto, len(tokens)))
+    assert list(state.chains) == [64]
 
 
 def test_a_turns_work_is_what_it_computes(growing: Engine) -> None:

@@ -29,28 +29,23 @@ LONG_ABOVE = 128
 ATTENTION_STAGES = 3
 # The scale holds log2(e) and the softmax exponentiates in base 2 (the same softmax, fewer instructions).
 LOG2_E = 1.4426950408889634
-# A row over a state of more than SPLIT_ABOVE tokens reads its prefix in parts of SPLIT_KEYS keys, a program each,
-# merged afterwards in part order (_merge_parts_kernel): one program walking a 64k-token prefix alone left the GPU
-# mostly idle (about 80 programs a layer for five questions). A row's parts depend on its own state's length alone,
-# and a row of one part ends as the unsplit kernel does, so its answer does not depend on the rows beside it, split
-# launch or not, nor on how many parts the launch has (a graph's: graphs.LONG_PREFIX_MAX). Rows over shorter states
-# keep the unsplit launch, which graphs capture for every other bucket.
-SPLIT_ABOVE = 32_768
-SPLIT_KEYS = 4096
 # A state's keys in parts of FOLD_KEYS (from the state's first token): each part's online softmax starts afresh and
-# the parts' running max, sum and output are combined in part order by _fold. A state computed whole folds them in
-# turn inside its tile's program; a state continuing a banked point (a conversation's next turn) reads its parts in
-# parallel, a program each, and _merge_parts_kernel folds them with the same _fold in the same order: the same bits,
-# and a lone turn over a 64k-token conversation runs 16 programs a tile where one walked all its keys (the GPU mostly
-# idle).
-# A tile whose keys lie in the first part (every state of FOLD_KEYS tokens or fewer) never folds and computes what it
-# always did. A tile never straddles a part: its rows (BM tokens) and a point (64-token pages) divide FOLD_KEYS.
+# the parts' running max, sum and output are combined in part order by _fold. Rows (questions) read their state's keys
+# in the same parts, then their own keys in the last; a state's own tokens attend to its keys up to theirs. A launch
+# folds the parts in turn inside each tile's program, or reads them in parallel, a program each, and
+# _merge_parts_kernel folds them with the same _fold in the same order: the same bits either way, so a row's or a
+# turn's answer depends on neither the launch nor its batch, and a lone turn or question over a 64k-token
+# conversation runs 16 programs a tile where one walked all its keys (the GPU mostly idle). Eagerly, rows and
+# states continuing a point take the parallel launch where their tokens × parts fit PARALLEL_PARTS_ENTRIES; a new
+# state computed whole folds in turn. A tile whose keys lie in the first part (every state of FOLD_KEYS tokens or
+# fewer, every row over such a state) never folds and computes what it always did. A state's tile never straddles a
+# part: its rows (BM tokens) and a point (64-token pages) divide FOLD_KEYS.
 FOLD_KEYS = 4096
-# States continuing a point read their parts in parallel where the launch's tokens × parts come to at most this many
-# (the parts' partial outputs: [tokens, Hq, parts, D] fp32, 512 MiB at Kev-4B's heads, 768 MiB at Kev-27B's): a
-# graph's extension bucket (1,024 tokens × 16 parts: graphs.EXT_BUCKETS), or dozens of turns near 8k tokens at once.
-# A larger launch folds in turn, as a state computed whole does, and is slower for it: six turns near 8k tokens on
-# an H100, ms a layer, 1.16 in parallel, 1.98 in turn (unsplit before: 1.10).
+# Rows and states continuing a point read their parts in parallel where the launch's tokens × parts come to at most
+# this many (the parts' partial outputs: [tokens, Hq, parts, D] fp32, 512 MiB at Kev-4B's heads, 768 MiB at
+# Kev-27B's): a graph's extension or long-prefix bucket (1,024 tokens × 16 parts: graphs.EXT_BUCKETS), or dozens of
+# turns near 8k tokens at once. A larger launch folds in turn and is slower for it: six turns near 8k tokens on an
+# H100, ms a layer, 1.16 in parallel, 1.98 in turn.
 PARALLEL_PARTS_ENTRIES = 32_768
 
 
@@ -82,6 +77,25 @@ def _fold(m_i, l_i, acc, m_j, l_j, acc_j):
 
 
 @triton.jit
+def _fold_in_turn(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D: tl.constexpr):
+    """A program folding its parts in turn: part `part`'s running max, sum and accumulator after what is folded so far
+    (kept at the rows' entries `at` of part_ml / part_acc, fp32), stored back for the next part unless this is the
+    `last`; returns what is folded so far."""
+    if part > 0:  # what is folded so far, then this part
+        tl.debug_barrier()  # this program's stores before are visible to all its threads
+        m_s = tl.load(part_ml + at * 2, mask=m_r, other=0.0)
+        l_s = tl.load(part_ml + at * 2 + 1, mask=m_r, other=1.0)
+        acc_s = tl.load(part_acc + at[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+        m_i, l_i, acc = _fold(m_s, l_s, acc_s, m_i, l_i, acc)
+    if part < last:
+        tl.debug_barrier()  # every thread has read the entries before any overwrites them
+        tl.store(part_ml + at * 2, m_i, mask=m_r)
+        tl.store(part_ml + at * 2 + 1, l_i, mask=m_r)
+        tl.store(part_acc + at[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _rows_attention_kernel(
     q,
     k,
@@ -109,36 +123,38 @@ def _rows_attention_kernel(
     GP: tl.constexpr,
     PARTS: tl.constexpr,
     SPLIT: tl.constexpr,
-    SPLIT_ABOVE: tl.constexpr,
+    FOLD: tl.constexpr,
+    FOLD_KEYS: tl.constexpr,
 ):
-    """A program per (BM query tokens, row, key/value head): its tile's rows are those tokens for each of the
+    """A program per (BM query tokens, row, key/value head[, part]): its tile's rows are those tokens for each of the
     HQ // HKV query heads sharing the key/value head (GP: that group size rounded up to a power of two, the extra
     rows masked), so each key tile is read once for all of them: with Kev-4B's 4 query heads per key/value head, a
-    row's prefix is read by one program of 64 rows, not by 4 programs of 16. With PARTS > 1 (a split launch), the
-    third grid axis is the part: a row's prefix over SPLIT_ABOVE keys is read in parts of SPLIT keys (as many as its
-    own length asks, programs past them return), the last part goes on with the row's own keys, and each writes its
-    running max, sum and accumulator into part_ml / part_acc for _merge_parts_kernel."""
+    row's prefix is read by one program of 64 rows, not by 4 programs of 16. A row's P prefix keys come in parts of
+    FOLD_KEYS, its own keys in the last: FOLD folds the parts in turn in this program, what is folded so far kept in
+    part_acc / part_ml ([T, HQ] entries, written and read by this program alone); SPLIT runs a program per part (the
+    grid's third axis; programs past the row's parts return), each writing its own into part_acc / part_ml ([T, HQ,
+    PARTS] entries) for _merge_parts_kernel. Neither: no row's prefix reaches a second part (the launch's prefixes
+    are FOLD_KEYS keys or fewer)."""
     G: tl.constexpr = HQ // HKV
     # The last query blocks (the most keys under causal attention) are dispatched first: less of a tail.
     i_m, i_nh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     n, hk = i_nh // HKV, i_nh % HKV
     bos, eos = tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
     L = eos - bos
-    # An unsplit launch (PARTS 1, a constexpr) compiles to the kernel without parts, instruction for instruction. A
-    # split one (rows with a prefix only) needs the row's prefix length first, for its part's bounds.
-    if PARTS > 1:
-        p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
-        part = tl.program_id(2)
-        parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
-        lo = tl.where(parts > 1, part * SPLIT, 0)
-        hi = tl.where(parts > 1, tl.minimum(P, lo + SPLIT), P)
-        active = (i_m * BM < L) & (part < parts)
+    p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
+    if SPLIT or FOLD:
+        last = tl.maximum(tl.cdiv(P, FOLD_KEYS), 1) - 1  # the row's last part, which goes on with its own keys
     else:
+        last = 0
+    if SPLIT:
+        first = tl.program_id(2)
+        stop = first + 1
+        active = (i_m * BM < L) & (first <= last)
+    else:
+        first = 0
+        stop = last + 1
         active = i_m * BM < L
     if active:
-        if PARTS == 1:
-            p_bos, P = tl.load(prefix_start + n).to(tl.int64), tl.load(prefix_len + n).to(tl.int64)
-            lo, hi = 0, P
         o_r = tl.arange(0, GP * BM)
         g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
         o_m = i_m * BM + o_r % BM
@@ -147,56 +163,61 @@ def _rows_attention_kernel(
         o_d = tl.arange(0, D)
         q_rows = (bos + o_m)[:, None] * stride_qt + head[:, None] * D + o_d[None, :]
         b_q = tl.load(q + q_rows, mask=m_r[:, None], other=0.0)
+        at = ((bos + o_m) * HQ + head) * PARTS  # the rows' entries in part_acc / part_ml
         m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GP * BM], dtype=tl.float32)
         acc = tl.zeros([GP * BM, D], dtype=tl.float32)
-        # The state's K/V (this part's keys), read in place from the bank pool through its token index: its whole key
-        # blocks without masks, then the rest masked.
-        if PARTS > 1:
+        for part in range(first, stop):
+            m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([GP * BM], dtype=tl.float32)
+            acc = tl.zeros([GP * BM, D], dtype=tl.float32)
+            if SPLIT or FOLD:
+                lo = part * FOLD_KEYS
+                hi = tl.minimum(P, lo + FOLD_KEYS)
+            else:
+                lo, hi = 0, P
+            # The state's K/V (this part's keys), read in place from the bank pool through its token index: its whole
+            # key blocks without masks, then the rest masked.
             whole = lo + (hi - lo) // BN * BN
-        else:
-            whole = P // BN * BN
-        for start in range(lo, whole, BN):
-            idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
-            b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
-            b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
-        for start in range(whole, hi, BN):
-            o_n = start + tl.arange(0, BN)
-            m_n = o_n < hi
-            idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
-            b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True)
-        # The segment's own K/V, causal (in the last part): the keys before the tile's first token, which every row
-        # of the tile sees (whole key blocks of them), without masks, then the rest masked.
-        if PARTS > 1:
-            own = part == parts - 1
-            diagonal = tl.where(own, (i_m * BM) // BN * BN, 0)
-        else:
-            diagonal = (i_m * BM) // BN * BN
-        for start in range(0, diagonal, BN):
-            o_n = start + tl.arange(0, BN)
-            b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
-            b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
-        if PARTS > 1:
-            end = tl.where(own, (i_m + 1) * BM, 0)
-        else:
-            end = (i_m + 1) * BM
-        for start in range(diagonal, end, BN):
-            o_n = start + tl.arange(0, BN)
-            m_n = o_n < L
-            b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-            keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
-            m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True)
-        if PARTS > 1:
-            at = ((bos + o_m) * HQ + head) * PARTS + part  # [tokens, HQ, PARTS] entries
-            tl.store(part_ml + at * 2, m_i, mask=m_r)
-            tl.store(part_ml + at * 2 + 1, l_i, mask=m_r)
-            tl.store(part_acc + at[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
-        else:
+            for start in range(lo, whole, BN):
+                idx = tl.load(prefix + p_bos + start + tl.arange(0, BN)).to(tl.int64)
+                b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+                b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :])
+                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
+            for start in range(whole, hi, BN):
+                o_n = start + tl.arange(0, BN)
+                m_n = o_n < hi
+                idx = tl.load(prefix + p_bos + o_n, mask=m_n, other=0).to(tl.int64)
+                b_k = tl.load(k_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+                b_v = tl.load(v_pool + idx[:, None] * stride_pt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+                m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, m_n[None, :], scale, m_i, l_i, acc, True)
+            # The segment's own K/V, causal (in the last part): the keys before the tile's first token, which every
+            # row of the tile sees (whole key blocks of them), without masks, then the rest masked.
+            if part == last:
+                diagonal = (i_m * BM) // BN * BN
+                for own in range(0, diagonal, BN):
+                    o_n = own + tl.arange(0, BN)
+                    b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :])
+                    b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :])
+                    m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
+                for own in range(diagonal, (i_m + 1) * BM, BN):
+                    o_n = own + tl.arange(0, BN)
+                    m_n = o_n < L
+                    b_k = tl.load(
+                        k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0
+                    )
+                    b_v = tl.load(
+                        v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0
+                    )
+                    keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
+                    m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True)
+            if SPLIT:
+                tl.store(part_ml + (at + part) * 2, m_i, mask=m_r)
+                tl.store(part_ml + (at + part) * 2 + 1, l_i, mask=m_r)
+                tl.store(part_acc + (at + part)[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
+            elif FOLD:
+                m_i, l_i, acc = _fold_in_turn(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D)
+        if not SPLIT:
             out = acc / l_i[:, None]
             tl.store(
                 o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
@@ -326,17 +347,7 @@ def _states_attention_kernel(
                 tl.store(part_ml + (at + part) * 2 + 1, l_i, mask=m_r)
                 tl.store(part_acc + (at + part)[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
             elif FOLD:
-                if part > 0:  # what is folded so far, then this part
-                    tl.debug_barrier()  # this program's stores before are visible to all its threads
-                    m_s = tl.load(part_ml + at * 2, mask=m_r, other=0.0)
-                    l_s = tl.load(part_ml + at * 2 + 1, mask=m_r, other=1.0)
-                    acc_s = tl.load(part_acc + at[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-                    m_i, l_i, acc = _fold(m_s, l_s, acc_s, m_i, l_i, acc)
-                if part < last:
-                    tl.debug_barrier()  # every thread has read the entries before any overwrites them
-                    tl.store(part_ml + at * 2, m_i, mask=m_r)
-                    tl.store(part_ml + at * 2 + 1, l_i, mask=m_r)
-                    tl.store(part_acc + at[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
+                m_i, l_i, acc = _fold_in_turn(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D)
         if not SPLIT:
             out = acc / l_i[:, None]
             tl.store(
@@ -360,14 +371,13 @@ def _merge_parts_kernel(
     BM: tl.constexpr,
     GP: tl.constexpr,
     PARTS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    SPLIT_ABOVE: tl.constexpr,
+    FOLD_KEYS: tl.constexpr,
     BY_POSITION: tl.constexpr,
 ):
     """A split launch's outputs: for the rows of the attention kernel's tile, their parts' running max, sum and
-    accumulator folded in part order (_fold), then divided. Rows' parts (_rows_attention_kernel) follow their
-    prefix's length: one part ends exactly as the unsplit kernel does. A state's (BY_POSITION:
-    _states_attention_kernel's) follow the tile's first token, from the state's first: as the state folds them whole."""
+    accumulator folded in part order (_fold), then divided, as a launch folding them in turn does. Rows' parts
+    (_rows_attention_kernel) follow their prefix's length; a state's (BY_POSITION: _states_attention_kernel's) the
+    tile's first token, from the state's first."""
     G: tl.constexpr = HQ // HKV
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     n, hk = i_nh // HKV, i_nh % HKV
@@ -376,9 +386,9 @@ def _merge_parts_kernel(
     if i_m * BM < L:
         P = tl.load(prefix_len + n).to(tl.int64)
         if BY_POSITION:
-            parts = (P + i_m * BM) // SPLIT + 1
+            parts = (P + i_m * BM) // FOLD_KEYS + 1
         else:
-            parts = tl.where(P > SPLIT_ABOVE, tl.cdiv(P, SPLIT), 1)
+            parts = tl.maximum(tl.cdiv(P, FOLD_KEYS), 1)
         o_r = tl.arange(0, GP * BM)
         g = o_r // BM
         o_m = i_m * BM + o_r % BM
@@ -415,6 +425,7 @@ def rows_attention(
     max_len: int,
     out: torch.Tensor | None = None,
     max_prefix: int = 0,
+    parallel: bool = True,
 ) -> torch.Tensor:
     """Attention of question rows over [their state's K/V | their own K/V], bottom-right causal, GQA.
 
@@ -423,16 +434,20 @@ def rows_attention(
     prefix: pool token indices of the states' tokens, one run per state; row n's state is the run of
     prefix_len[n] entries at prefix_start[n]; cu [N + 1] the rows' token offsets; max_len bounds a row's length
     (it sizes the grid). The state's K/V are read where the bank keeps them, never copied per row. Writes `out` when
-    given. max_prefix: the longest row prefix (a host count); over SPLIT_ABOVE the launch is split (SPLIT_ABOVE says
-    why).
+    given. max_prefix: the longest row prefix (a host count, or a bound: at least each row's), which sizes its parts
+    (FOLD_KEYS); `parallel`: its parts may run a program each (where T × parts fits PARALLEL_PARTS_ENTRIES), else
+    they fold in turn. Every row gets the same bits whatever the launch.
     """
-    HQ, D = q.shape[1:]
+    T, HQ, D = q.shape
     HKV = k.shape[1]
     o = _checked(q, k, v, k_pool, v_pool, out)
     n = cu.shape[0] - 1
     GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, TILE_ROWS)
-    parts = triton.cdiv(max_prefix, SPLIT_KEYS) if max_prefix > SPLIT_ABOVE else 1
-    part_acc, part_ml = _partials(q, parts) if parts > 1 else (o, o)  # not read unless split
+    folds = max_prefix > FOLD_KEYS
+    split = folds and parallel and T * triton.cdiv(max_prefix, FOLD_KEYS) <= PARALLEL_PARTS_ENTRIES
+    parts = triton.cdiv(max_prefix, FOLD_KEYS) if split else 1
+    # A part's entries for each (token, query head): split, every part's; folding in turn, the fold's. Not read else.
+    part_acc, part_ml = _partials(q, parts) if folds else (o, o)
     for first, last in grid.segment_spans(n, HKV):  # a program per (query block, row, key/value head[, part])
         spans = (prefix_start[first:last], prefix_len[first:last], cu[first : last + 1])
         _rows_attention_kernel[(triton.cdiv(max_len, BM), (last - first) * HKV, parts)](
@@ -444,12 +459,13 @@ def rows_attention(
             BN=BN,
             GP=GP,
             PARTS=parts,
-            SPLIT=SPLIT_KEYS,
-            SPLIT_ABOVE=SPLIT_ABOVE,
+            SPLIT=split,
+            FOLD=folds and not split,
+            FOLD_KEYS=FOLD_KEYS,
             num_warps=warps,
             num_stages=stages,
         )
-        if parts > 1:
+        if split:
             _merge_parts(o, part_acc, part_ml, *spans[1:], max_len, HKV, BM, GP, warps)
     return o
 
@@ -599,8 +615,7 @@ def _merge_parts(
         BM=BM,
         GP=GP,
         PARTS=parts,
-        SPLIT=FOLD_KEYS if by_position else SPLIT_KEYS,
-        SPLIT_ABOVE=SPLIT_ABOVE,
+        FOLD_KEYS=FOLD_KEYS,
         BY_POSITION=by_position,
         num_warps=warps,
     )
@@ -631,6 +646,7 @@ def reference_rows_attention(
     max_len: int,
     out: torch.Tensor | None = None,
     max_prefix: int = 0,
+    parallel: bool = True,
 ) -> torch.Tensor:
     """rows_attention and states_attention in torch (tests/gpu/kernels/test_attention.py, tests/gpu/fused_cpu_ops.py),
     segment by segment: over [k_pool/v_pool at the segment's prefix run, if any | its own K/V], bottom-right causal (a

@@ -88,7 +88,9 @@ def test_long_new_state(kernel_run) -> None:
 
 
 @GROUPS
-def test_a_state_continued_from_a_point_attends_as_the_state_whole(kernel_run, HQ: int, HKV: int) -> None:
+def test_a_state_continued_from_a_point_attends_as_the_state_whole(
+    kernel_run, one_tile_size, HQ: int, HKV: int
+) -> None:
     """A new state's tokens after a point (128: a multiple of the key blocks) attending over the point's tokens' K/V
     in the pool, then their own, give the same bits as the state attending over its own tokens whole: the same key
     blocks in the same order. In rows' tiles, where the state whole has a long state's: a row's arithmetic does not
@@ -106,48 +108,53 @@ def test_a_state_continued_from_a_point_attends_as_the_state_whole(kernel_run, H
 
 
 @pytest.fixture
-def split_16(monkeypatch) -> None:
-    """Prefixes over 16 keys split in parts of 16: the rows above (6 and 37 keys) take one part and three."""
-    monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
-    monkeypatch.setattr(attention, "SPLIT_ABOVE", 16)
+def fold_16(monkeypatch) -> None:
+    """Rows' prefixes in parts of 16 keys: the rows above (6 and 37 keys) take one part and three."""
+    monkeypatch.setattr(attention, "FOLD_KEYS", 16)
 
 
 @GROUPS
-def test_a_split_prefix_answers_as_the_reference(kernel_run, split_16, HQ: int, HKV: int) -> None:
-    """Prefixes over SPLIT_ABOVE read in parts of SPLIT_KEYS and merged: row 1's 37 keys in three parts of 16, rows 0
-    and 2 (6 keys) in one."""
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "in_turn"])
+def test_a_rows_parts_answer_as_the_reference(kernel_run, fold_16, HQ: int, HKV: int, parallel: bool) -> None:
+    """A row's prefix over FOLD_KEYS keys is read in parts, in parallel and merged or folded in turn: row 1's 37 keys
+    in three parts of 16, rows 0 and 2 (6 keys) in one."""
     q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
     cu = torch.tensor(CU)
-    o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37)
+    o = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37, parallel=parallel)
     ref = reference_rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
     assert (o - ref).abs().max() < kernel_run.tol
 
 
 @GROUPS
-def test_a_rows_bits_do_not_depend_on_the_launch(kernel_run, split_16, HQ: int, HKV: int) -> None:
-    """A row's parts follow its own prefix alone: a short row gets the same bits from a split launch as from an
-    unsplit one, and a long row the same bits alone as beside other rows."""
+def test_a_rows_bits_do_not_depend_on_the_launch(kernel_run, fold_16, HQ: int, HKV: int) -> None:
+    """A row's parts follow its own prefix alone: every row gets the same bits with its parts in parallel as folded
+    in turn, a long row the same alone as beside other rows, and a row of one part the same as from a launch that
+    never folds."""
     q, k, v, kp, vp, prefix, start, length = rows(HQ, HKV)
     cu = torch.tensor(CU)
     split = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37)
-    unsplit = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
+    in_turn = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20, max_prefix=37, parallel=False)
+    assert torch.equal(split, in_turn)
+    plain = rows_attention(q, k, v, kp, vp, prefix, start, length, cu, max_len=20)
     for a, b in ((CU[0], CU[1]), (CU[2], CU[3])):  # the 6-key rows: one part
-        assert torch.equal(split[a:b], unsplit[a:b])
+        assert torch.equal(split[a:b], plain[a:b])
     a, b = CU[1], CU[2]  # the 37-key row alone
-    alone = rows_attention(
-        q[a:b].contiguous(),
-        k[a:b].contiguous(),
-        v[a:b],
-        kp,
-        vp,
-        prefix,
-        start[1:2],
-        length[1:2],
-        torch.tensor([0, b - a]),
-        max_len=20,
-        max_prefix=37,
-    )
-    assert torch.equal(alone, split[a:b])
+    for parallel in (True, False):
+        alone = rows_attention(
+            q[a:b].contiguous(),
+            k[a:b].contiguous(),
+            v[a:b],
+            kp,
+            vp,
+            prefix,
+            start[1:2],
+            length[1:2],
+            torch.tensor([0, b - a]),
+            max_len=20,
+            max_prefix=64,  # a bound over its own: a graph's
+            parallel=parallel,
+        )
+        assert torch.equal(alone, split[a:b])
 
 
 @pytest.fixture(params=[64, 128], ids=["fold64", "fold128"])
@@ -184,7 +191,7 @@ def test_a_long_state_folds_its_parts_and_answers_as_the_reference(kernel_run, f
 @GROUPS
 @pytest.mark.parametrize("parallel", [True, False], ids=["parts-in-parallel", "parts-in-turn"])
 def test_a_state_continued_from_any_point_gets_the_whole_states_bits(
-    kernel_run, fold_keys, monkeypatch, HQ: int, HKV: int, parallel: bool
+    kernel_run, one_tile_size, fold_keys, monkeypatch, HQ: int, HKV: int, parallel: bool
 ) -> None:
     """A 300-token state continued from points at 64, 128 and 256 tokens (one launch): each continuation's tokens
     get the bits of the state computed whole, which folds its five parts in turn, whether the continuations read
@@ -206,7 +213,9 @@ def test_a_state_continued_from_any_point_gets_the_whole_states_bits(
 
 
 @GROUPS
-def test_a_short_states_bits_do_not_depend_on_a_long_one_beside_it(kernel_run, fold_keys, HQ: int, HKV: int) -> None:
+def test_a_short_states_bits_do_not_depend_on_a_long_one_beside_it(
+    kernel_run, one_tile_size, fold_keys, HQ: int, HKV: int
+) -> None:
     """A state of FOLD_KEYS tokens or fewer never folds: the same bits alone as in a launch that folds a long one."""
     short, long = 60, 200
     q, k, v = torch.randn(short + long, HQ, D), torch.randn(short + long, HKV, D), torch.randn(short + long, HKV, D)

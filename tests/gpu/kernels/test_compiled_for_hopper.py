@@ -16,14 +16,16 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 # Spills allowed, by (kernel, CONTINUE, FOLD, register cap, BM): the prep capped at 168 registers (six programs an SM,
-# not four: kernels.delta_rule.PREP_MAXNREG), measured to pay; states' attention folding its parts in turn, around
-# each fold (once every FOLD_KEYS keys: what is folded so far comes back from memory beside the part's accumulator),
-# not in its key loops. Compiled as a launch specialises them (aligned pointers and strides), no other kernel spills;
-# compiled without that specialisation, rows' attention would spill and no loop would load by async copies.
+# not four: kernels.delta_rule.PREP_MAXNREG), measured to pay; states' and rows' attention folding their parts in
+# turn, around each fold (once every FOLD_KEYS keys: what is folded so far comes back from memory beside the part's
+# accumulator), and at most three spill instructions in a key loop's body (of its 36 HGMMAs). Compiled as a launch
+# specialises them (aligned pointers and strides), no other kernel spills; compiled without that specialisation,
+# rows' attention would spill and no loop would load by async copies.
 SPILL_ALLOWED: dict[tuple[str, bool | None, bool | None, int | None, int | None], int] = {
     ("_chunk_prep_kernel", None, None, 168, None): 60,
     ("_states_attention_kernel", None, True, None, 32): 1400,
     ("_states_attention_kernel", None, True, None, 16): 772,
+    ("_rows_attention_kernel", None, True, None, 16): 708,
 }
 
 
@@ -170,10 +172,14 @@ def compile_for_hopper(tmp: str) -> None:
                 A._rows_attention_kernel,
                 attention,
                 dict(HQ=16, HKV=4, D=256, BM=A.TILE_ROWS // 4, BN=A.WIDE_HEAD_KEYS, GP=4)
-                | dict(PARTS=parts, SPLIT=A.SPLIT_KEYS, SPLIT_ABOVE=A.SPLIT_ABOVE),
+                | dict(PARTS=parts, SPLIT=split, FOLD=fold, FOLD_KEYS=A.FOLD_KEYS),
                 A.WIDE_HEAD_WARPS,
             )
-            for parts in (1, 16)  # 16: a split launch, rows over a 64k-token state
+            for parts, split, fold in (
+                (1, False, False),  # rows over states of FOLD_KEYS tokens or fewer, eagerly
+                (16, True, False),  # a long-prefix or extensions' graph: rows over a 64k-token state in parallel
+                (1, False, True),  # any other graph's: their parts in turn
+            )
         ],
         *[
             (
@@ -195,11 +201,11 @@ def compile_for_hopper(tmp: str) -> None:
             (
                 A._merge_parts_kernel,
                 {"o": bf, "part_acc": f32, "part_ml": f32, "prefix_len": i64, "cu": i64},
-                dict(HQ=16, HKV=4, D=256, BM=A.TILE_ROWS // 4, GP=4, PARTS=parts, SPLIT=split)
-                | dict(SPLIT_ABOVE=A.SPLIT_ABOVE, BY_POSITION=by_position),
+                dict(HQ=16, HKV=4, D=256, BM=A.TILE_ROWS // 4, GP=4, PARTS=parts, FOLD_KEYS=A.FOLD_KEYS)
+                | dict(BY_POSITION=by_position),
                 A.WIDE_HEAD_WARPS,
             )
-            for parts, split, by_position in ((16, A.SPLIT_KEYS, False), (17, A.FOLD_KEYS, True))
+            for parts, by_position in ((16, False), (17, True))
         ],
     ]
     for fn, types, constants, warps, *cap in cases:  # cap: a register cap (ptxas's .maxnreg), where one is set
