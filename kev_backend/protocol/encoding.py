@@ -62,7 +62,15 @@ CACHE_MAX_CHARS = 1 << 16  # longer texts are never cached: their bank entry is 
 # text. 4,096 characters are ~1,000 tokens of ordinary text, under a millisecond to tokenize.
 PIECE_CHARS = 4096
 PIECES_A_CALL = LAZY_CHARS // PIECE_CHARS  # pieces tokenized (or counted against a budget) together
-BATCH_ENCODE_FROM = 4  # count_tokens_batch: fewer texts are encoded one by one (a lone request's answers, mostly)
+BATCH_ENCODE_FROM = 4  # output counts: fewer texts are counted one by one, more in one call (the tokenizer's threads)
+# Output counts (usage.output_tokens): a tokenizer `in_pieces` counts a response's answers in pieces cut before every
+# lone space, each piece's count kept: from one response to the next the answers repeat their keys, option names and
+# most of their numbers, so a count is mostly lookups (docs/kernels.md, Output counts). Pieces of at most
+# COUNTED_PIECE_CHARS characters are kept, at most COUNTED_PIECES of them (then the kept ones are dropped and the
+# counting starts over; ~20 MB at most): a client's own option names cannot grow it.
+COUNTED_PIECE_CHARS = 64
+COUNTED_PIECES = 1 << 17
+LONE_SPACE = re.compile(r"(?<=\S)(?= \S)")  # just before a space between two non-space characters (safe_cuts)
 # A cut inside a word may change BPE's count near the cut by a token or two: the count is trusted only past this
 # much slack per such cut.
 UNSAFE_CUT_TOKENS = 4
@@ -168,6 +176,8 @@ class KevTokenizer:
             ids[role] = token_id
         self.delimiters = Delimiters(**ids, pad=self._pad_id(directory))
         self.cache = TextCache(CACHE_BYTES)
+        self.counts: dict[str, int] = {}  # output pieces' token counts (count_tokens_batch)
+        self.counts_lock = threading.Lock()
         self.tokenized_chars = 0  # characters of caller text run through the tokenizer (a running total)
         self.in_pieces = pieces_are_exact(self.tokenizer)
         if not self.in_pieces:
@@ -279,15 +289,30 @@ class KevTokenizer:
 
     def count_tokens(self, text: str) -> int:
         """Plain token count (no escaping), as Kev counts usage.output_tokens."""
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.count_tokens_batch([text])[0]
 
     def count_tokens_batch(self, texts: list[str]) -> list[int]:
-        """count_tokens of each text: a batch of BATCH_ENCODE_FROM or more in one call, which the tokenizer spreads
-        over its threads (32 short6 answers took 4.7 ms on 2 cores, 7.3 one by one); fewer one by one, where handing
-        them to the threads costs more than it saves (on a 16-core H100 host, one short6 answer took 0.6 ms through
-        the batch call, a longer request text 0.1 ms alone: cProfile of 20 requests)."""
+        """count_tokens of each text. A tokenizer `in_pieces` counts them in pieces cut before every lone space (the
+        pieces' counts add up to the whole text's: pieces_are_exact), each piece's count looked up or, for those not
+        kept yet, counted together in one call (COUNTED_PIECES says why); another tokenizer counts each text whole."""
+        if not self.in_pieces:
+            return self._counted(texts)
+        split = [LONE_SPACE.split(text) for text in texts]
+        with self.counts_lock:
+            counts = self.counts
+            missing = list({piece for pieces in split for piece in pieces if piece not in counts})
+            new = dict(zip(missing, self._counted(missing))) if missing else {}
+            found = [sum(new[piece] if piece in new else counts[piece] for piece in pieces) for pieces in split]
+            if len(counts) + len(new) > COUNTED_PIECES:
+                counts.clear()
+            counts.update((piece, n) for piece, n in new.items() if len(piece) <= COUNTED_PIECE_CHARS)
+        return found
+
+    def _counted(self, texts: list[str]) -> list[int]:
+        """Each text's tokens counted by the tokenizer: BATCH_ENCODE_FROM or more in one call, which spreads them over
+        its threads, fewer one by one (handing a few to the threads costs more than it saves)."""
         if len(texts) < BATCH_ENCODE_FROM:
-            return [self.count_tokens(text) for text in texts]
+            return [len(self.tokenizer.encode(text, add_special_tokens=False).ids) for text in texts]
         return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 

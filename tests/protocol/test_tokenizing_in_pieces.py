@@ -1,10 +1,11 @@
 """Long texts tokenized in pieces (protocol/encoding.py, Pieces): the tokens are the whole text's, a growing
-conversation's turn tokenizes only its new text and the last piece or two before it, and a tokenizer that may join
-text across a space is never cut. Against a byte-level BPE tokenizer with Qwen's pre-tokenizer (trained here with HF
-`tokenizers`)."""
+conversation's turn tokenizes only its new text and the last piece or two before it, output texts are counted in
+pieces as whole, and a tokenizer that may join text across a space is never cut. Against a byte-level BPE tokenizer
+with Qwen's pre-tokenizer (trained here with HF `tokenizers`)."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -98,3 +99,41 @@ def test_a_tokenizer_that_strips_beside_an_added_token_is_never_cut(tmp_path: Pa
     assert list(tokenizer.encode_user_text(text)) == whole
     tokenizer.in_pieces = True  # what cutting it would give
     assert list(tokenizer.encode_user_text(text)) != whole
+
+
+def test_output_counts_in_pieces_are_the_whole_texts(qwen_bpe: Tokenizer, tmp_path: Path, monkeypatch) -> None:
+    """usage.output_tokens counted in pieces cut before every lone space, each piece's count kept: every count is the
+    whole text's, in one batch or alone; a count of pieces all kept asks the tokenizer nothing; pieces over
+    COUNTED_PIECE_CHARS are not kept, and past COUNTED_PIECES the kept ones are dropped, the counts still exact."""
+    tokenizer = kev_tokenizer(qwen_bpe, tmp_path)
+    assert tokenizer.in_pieces
+    rng = random.Random(5)
+    answers = [
+        json.dumps({f"q{i}": {"choice": rng.choice(CORPUS[0].split()), "confidence": round(rng.random(), 4)}})
+        for i in range(40)
+    ]
+    texts = answers + [random_text(rng, 200) for _ in range(20)] + ["x" * 300 + " y", "", " ", "a  b"]
+    whole = [len(qwen_bpe.encode(text, add_special_tokens=False).ids) for text in texts]
+    assert tokenizer.count_tokens_batch(texts) == whole
+    assert [tokenizer.count_tokens(text) for text in texts] == whole
+    assert all(len(piece) <= encoding.COUNTED_PIECE_CHARS for piece in tokenizer.counts)
+    asked: list[list[str]] = []
+    counted = tokenizer._counted
+    monkeypatch.setattr(tokenizer, "_counted", lambda pieces: asked.append(pieces) or counted(pieces))
+    assert tokenizer.count_tokens(answers[3]) == whole[3] and asked == []
+    monkeypatch.setattr(encoding, "COUNTED_PIECES", 50)
+    assert tokenizer.count_tokens_batch(texts) == whole
+    assert len(tokenizer.counts) <= 50
+
+
+def test_a_tokenizer_not_in_pieces_counts_whole(tmp_path: Path) -> None:
+    """A tokenizer that may join text across a lone space counts each output text whole."""
+    words = sorted({w for line in CORPUS for w in line.split()} | {"[UNK]"})
+    bpe = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_next")
+    bpe.add_tokens([AddedToken("<note>", rstrip=True)])
+    tokenizer = kev_tokenizer(bpe, tmp_path)
+    assert not tokenizer.in_pieces
+    text = " ".join(f"{w} <note> {w}" for w in words)
+    assert tokenizer.count_tokens(text) == len(bpe.encode(text, add_special_tokens=False).ids)
+    assert not tokenizer.counts
