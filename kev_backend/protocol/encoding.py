@@ -411,11 +411,11 @@ class TextCache:
             return item[0]
 
     def put(self, text: str, tokens: tuple[int, ...]) -> None:
-        cost = self.cost(text, tokens)
-        if cost > self.max_bytes:
-            return
         with self._lock:
-            if text in self._items:
+            if text in self._items:  # most of a request's texts, found here when it was encoded
+                return
+            cost = self.cost(text, tokens)
+            if cost > self.max_bytes:
                 return
             self._items[text] = (tokens, cost)
             self.bytes += cost
