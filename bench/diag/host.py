@@ -294,9 +294,63 @@ def hostprofile(args) -> None:
         print(f"hostprofile {label}: {host:.1f} us per launch (host)", flush=True)
 
 
+def outputcounts(args) -> None:
+    """usage.output_tokens of short6 responses on this machine's CPU (no GPU needed): each answers' JSON counted whole
+    through the tokenizer against in pieces with kept counts (KevTokenizer.count_tokens), µs, medians of --repeat
+    after --warm responses, the probabilities of each drawn at random (4 decimals, as answers give them); both counts
+    checked equal. The benches' word-level tokenizer, or --tokenizer DIR's tokenizer.json (a Kev base's)."""
+    import json
+    import random
+
+    from kev_backend.dev import synthetic
+    from kev_backend.dev.workloads import short6
+    from kev_backend.engine.engine import Engine, EngineOptions
+    from kev_backend.protocol.answers import answers_json
+    from kev_backend.protocol.encoding import KevTokenizer
+
+    directory = Path(tempfile.mkdtemp())
+    synthetic.build(directory)
+    engine = Engine.from_checkpoint(directory / "kev", EngineOptions(bank_bytes=0))
+    answers = engine.answer([json.dumps(short6(0))])[0]["answers"]
+    tokenizer = KevTokenizer(Path(args.tokenizer)) if args.tokenizer else engine.tokenizer
+    rng = random.Random(0)
+
+    def drawn() -> str:  # the answers' shape with other probabilities, as responses differ
+        out = json.loads(json.dumps(answers))
+        for answer in out.values():
+            for key, value in answer.items():
+                if isinstance(value, float):
+                    answer[key] = round(rng.random(), 4)
+                elif isinstance(value, dict):
+                    answer[key] = {option: round(rng.random(), 4) for option in value}
+        return answers_json(out)
+
+    for _ in range(args.warm):
+        tokenizer.count_tokens(drawn())
+    whole, pieces = [], []
+    for _ in range(args.repeat):
+        text = drawn()
+        started = time.perf_counter()
+        counted = len(tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
+        whole.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        assert tokenizer.count_tokens(text) == counted
+        pieces.append(time.perf_counter() - started)
+    print(
+        f"outputcounts: {len(text)} characters, {'in pieces' if tokenizer.in_pieces else 'whole (not in pieces)'}; "
+        f"whole {1e6 * statistics.median(whole):.0f} µs, with kept counts {1e6 * statistics.median(pieces):.0f} µs "
+        f"({len(tokenizer.counts)} pieces kept after {args.warm} responses)",
+        flush=True,
+    )
+
+
 def register(sub) -> None:
     command(sub, "hostsplit", hostsplit, "one request's model time by host phase and GPU span, from graphs")
     command(sub, "hostops", hostops, "the host's primitive steps (launch, events, pinned copy), short6's layout, fill")
     command(sub, "hostpath", hostpath, "the host's work before a pass, on the CPU alone (no GPU needed)")
     command(sub, "launch", launch, "whether a graph's launch delays its first kernel")
     command(sub, "hostprofile", hostprofile, "short6 same: host functions by own time, launch costs", engine=True)
+    counts = command(sub, "outputcounts", outputcounts, "a response's output tokens, counted whole and in pieces (CPU)")
+    counts.add_argument("--tokenizer", help="a directory holding tokenizer.json (default: the benches' tokenizer)")
+    counts.add_argument("--warm", type=int, default=15_000, help="responses counted before the timed ones")
+    counts.add_argument("--repeat", type=int, default=300, help="responses timed")

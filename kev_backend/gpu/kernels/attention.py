@@ -45,7 +45,8 @@ FOLD_KEYS = 4096
 # this many (the parts' partial outputs: [tokens, Hq, parts, D] fp32, 512 MiB at Kev-4B's heads, 768 MiB at
 # Kev-27B's): a graph's extension or long-prefix bucket (1,024 tokens × 16 parts: graphs.EXT_BUCKETS), or dozens of
 # turns near 8k tokens at once. A larger launch folds in turn and is slower for it: six turns near 8k tokens on an
-# H100, ms a layer, 1.16 in parallel, 1.98 in turn.
+# H100, ms a layer, 1.16 in parallel, 1.98 in turn. A launch's part count is an argument, not a constant its kernel is
+# compiled for (do_not_specialize): eager passes over states of any length run the kernels the warm-up compiled.
 PARALLEL_PARTS_ENTRIES = 32_768
 
 
@@ -95,7 +96,7 @@ def _fold_in_turn(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D:
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PARTS"])
 def _rows_attention_kernel(
     q,
     k,
@@ -121,7 +122,7 @@ def _rows_attention_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     GP: tl.constexpr,
-    PARTS: tl.constexpr,
+    PARTS,
     SPLIT: tl.constexpr,
     FOLD: tl.constexpr,
     FOLD_KEYS: tl.constexpr,
@@ -226,7 +227,7 @@ def _rows_attention_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PARTS"])
 def _states_attention_kernel(
     q,
     k,
@@ -253,7 +254,7 @@ def _states_attention_kernel(
     BN: tl.constexpr,
     GP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
-    PARTS: tl.constexpr,
+    PARTS,
     SPLIT: tl.constexpr,
     FOLD: tl.constexpr,
     FOLD_KEYS: tl.constexpr,
@@ -357,7 +358,7 @@ def _states_attention_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PARTS"])
 def _merge_parts_kernel(
     o,
     part_acc,
@@ -370,7 +371,7 @@ def _merge_parts_kernel(
     D: tl.constexpr,
     BM: tl.constexpr,
     GP: tl.constexpr,
-    PARTS: tl.constexpr,
+    PARTS,
     FOLD_KEYS: tl.constexpr,
     BY_POSITION: tl.constexpr,
 ):

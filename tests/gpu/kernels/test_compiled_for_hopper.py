@@ -172,13 +172,13 @@ def compile_for_hopper(tmp: str) -> None:
                 A._rows_attention_kernel,
                 attention,
                 dict(HQ=16, HKV=4, D=256, BM=A.TILE_ROWS // 4, BN=A.WIDE_HEAD_KEYS, GP=4)
-                | dict(PARTS=parts, SPLIT=split, FOLD=fold, FOLD_KEYS=A.FOLD_KEYS),
+                | dict(SPLIT=split, FOLD=fold, FOLD_KEYS=A.FOLD_KEYS),
                 A.WIDE_HEAD_WARPS,
             )
-            for parts, split, fold in (
-                (1, False, False),  # rows over states of FOLD_KEYS tokens or fewer, eagerly
-                (16, True, False),  # a long-prefix or extensions' graph: rows over a 64k-token state in parallel
-                (1, False, True),  # any other graph's: their parts in turn
+            for split, fold in (
+                (False, False),  # rows over states of FOLD_KEYS tokens or fewer, eagerly
+                (True, False),  # their parts in parallel: a long-prefix or extensions' graph, or eagerly
+                (False, True),  # in turn: any other graph's
             )
         ],
         *[
@@ -186,26 +186,25 @@ def compile_for_hopper(tmp: str) -> None:
                 A._states_attention_kernel,
                 attention,
                 dict(HQ=16, HKV=4, D=256, BM=rows // 4, BN=A.WIDE_HEAD_KEYS, GP=4, HAS_PREFIX=has_prefix)
-                | dict(PARTS=parts, SPLIT=split, FOLD=fold, FOLD_KEYS=A.FOLD_KEYS),
+                | dict(SPLIT=split, FOLD=fold, FOLD_KEYS=A.FOLD_KEYS),
                 A.WIDE_HEAD_WARPS,
             )
-            for has_prefix, rows, parts, split, fold in (
-                (False, A.TILE_ROWS, 1, False, False),  # short new states
-                (False, A.LONG_TILE_ROWS, 1, False, False),  # long ones, up to FOLD_KEYS tokens
-                (False, A.LONG_TILE_ROWS, 1, False, True),  # longer ones
-                (True, A.TILE_ROWS, 17, True, False),  # a turn over a 64k-token conversation
-                (True, A.TILE_ROWS, 1, False, True),  # many turns at once
+            for has_prefix, rows, split, fold in (
+                (False, A.TILE_ROWS, False, False),  # short new states
+                (False, A.LONG_TILE_ROWS, False, False),  # long ones, up to FOLD_KEYS tokens
+                (False, A.LONG_TILE_ROWS, False, True),  # longer ones
+                (True, A.TILE_ROWS, True, False),  # a turn over a long conversation
+                (True, A.TILE_ROWS, False, True),  # many turns at once
             )
         ],
         *[
             (
                 A._merge_parts_kernel,
                 {"o": bf, "part_acc": f32, "part_ml": f32, "prefix_len": i64, "cu": i64},
-                dict(HQ=16, HKV=4, D=256, BM=A.TILE_ROWS // 4, GP=4, PARTS=parts, FOLD_KEYS=A.FOLD_KEYS)
-                | dict(BY_POSITION=by_position),
+                dict(HQ=16, HKV=4, D=256, BM=A.TILE_ROWS // 4, GP=4, FOLD_KEYS=A.FOLD_KEYS, BY_POSITION=by_position),
                 A.WIDE_HEAD_WARPS,
             )
-            for parts, by_position in ((16, False), (17, True))
+            for by_position in (False, True)
         ],
     ]
     for fn, types, constants, warps, *cap in cases:  # cap: a register cap (ptxas's .maxnreg), where one is set
