@@ -327,9 +327,9 @@ class Pipeline:
         def work() -> Iterator[int]:
             for request in requests:
                 batch = self.prepared(bodies, request, usage)
-                long = batch.work_tokens() > self.long_tokens
-                prepared.append((batch, long))
-                yield 0 if long else batch.work_tokens()
+                work = batch.work_tokens()
+                prepared.append((batch, work > self.long_tokens))
+                yield 0 if work > self.long_tokens else work
 
         sizes = [self.size(bodies, request) for request in requests]
         start = 0

@@ -78,22 +78,63 @@ def _fold(m_i, l_i, acc, m_j, l_j, acc_j):
 
 
 @triton.jit
-def _fold_in_turn(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D: tl.constexpr):
-    """A program folding its parts in turn: part `part`'s running max, sum and accumulator after what is folded so far
-    (kept at the rows' entries `at` of part_ml / part_acc, fp32), stored back for the next part unless this is the
-    `last`; returns what is folded so far."""
-    if part > 0:  # what is folded so far, then this part
-        tl.debug_barrier()  # this program's stores before are visible to all its threads
-        m_s = tl.load(part_ml + at * 2, mask=m_r, other=0.0)
-        l_s = tl.load(part_ml + at * 2 + 1, mask=m_r, other=1.0)
-        acc_s = tl.load(part_acc + at[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
-        m_i, l_i, acc = _fold(m_s, l_s, acc_s, m_i, l_i, acc)
-    if part < last:
-        tl.debug_barrier()  # every thread has read the entries before any overwrites them
-        tl.store(part_ml + at * 2, m_i, mask=m_r)
-        tl.store(part_ml + at * 2 + 1, l_i, mask=m_r)
-        tl.store(part_acc + at[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
+def _tile_rows(i_m, hk, L, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr):
+    """A tile's rows: for its BM tokens from the segment's i_m-th block, each of the G query heads sharing key/value
+    head hk (GP: G rounded up to a power of two, the extra rows masked). Returns each row's token in the segment,
+    whether it is one, and its query head."""
+    o_r = tl.arange(0, GP * BM)
+    g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
+    o_m = i_m * BM + o_r % BM
+    return o_m, (o_m < L) & (g < G), hk * G + g
+
+
+@triton.jit
+def _attend_causal_block(
+    b_q, k, v, bos, o_n, o_m, L, hk, o_d, stride_kt, stride_vt, scale, m_i, l_i, acc, D: tl.constexpr
+):
+    """The segment's own keys at o_n (positions in the segment, past its end masked) for the tile's rows at o_m,
+    causal: a row sees the keys up to its own token."""
+    m_n = o_n < L
+    b_k = tl.load(k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+    b_v = tl.load(v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+    keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
+    return _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True)
+
+
+@triton.jit
+def _end_part(
+    part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D: tl.constexpr, SPLIT: tl.constexpr,
+    FOLD: tl.constexpr
+):  # fmt: skip
+    """A part's running max, sum and accumulator, at its end: SPLIT, stored at the rows' entries `at` + part of
+    part_ml / part_acc for _merge_parts_kernel; FOLD (a program folding its parts in turn), folded after what is folded
+    so far (kept at the entries `at`, fp32) and stored back for the next part unless this is the `last`. Returns what
+    the program goes on with."""
+    if SPLIT:
+        tl.store(part_ml + (at + part) * 2, m_i, mask=m_r)
+        tl.store(part_ml + (at + part) * 2 + 1, l_i, mask=m_r)
+        tl.store(part_acc + (at + part)[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
+    elif FOLD:
+        if part > 0:  # what is folded so far, then this part
+            tl.debug_barrier()  # this program's stores before are visible to all its threads
+            m_s = tl.load(part_ml + at * 2, mask=m_r, other=0.0)
+            l_s = tl.load(part_ml + at * 2 + 1, mask=m_r, other=1.0)
+            acc_s = tl.load(part_acc + at[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+            m_i, l_i, acc = _fold(m_s, l_s, acc_s, m_i, l_i, acc)
+        if part < last:
+            tl.debug_barrier()  # every thread has read the entries before any overwrites them
+            tl.store(part_ml + at * 2, m_i, mask=m_r)
+            tl.store(part_ml + at * 2 + 1, l_i, mask=m_r)
+            tl.store(part_acc + at[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
     return m_i, l_i, acc
+
+
+@triton.jit
+def _store_out(o, bos, o_m, head, o_d, m_r, acc, l_i, stride_ot, D: tl.constexpr):
+    """The tile's rows' attention output: the accumulator over the sum, in o's dtype."""
+    out = acc / l_i[:, None]
+    o_rows = (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :]
+    tl.store(o + o_rows, out.to(o.dtype.element_ty), mask=m_r[:, None])
 
 
 @triton.jit(do_not_specialize=["PARTS"])
@@ -156,11 +197,7 @@ def _rows_attention_kernel(
         stop = last + 1
         active = i_m * BM < L
     if active:
-        o_r = tl.arange(0, GP * BM)
-        g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
-        o_m = i_m * BM + o_r % BM
-        m_r = (o_m < L) & (g < G)
-        head = hk * G + g
+        o_m, m_r, head = _tile_rows(i_m, hk, L, G, GP, BM)
         o_d = tl.arange(0, D)
         q_rows = (bos + o_m)[:, None] * stride_qt + head[:, None] * D + o_d[None, :]
         b_q = tl.load(q + q_rows, mask=m_r[:, None], other=0.0)
@@ -203,28 +240,12 @@ def _rows_attention_kernel(
                     m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, None, scale, m_i, l_i, acc, False)
                 for own in range(diagonal, (i_m + 1) * BM, BN):
                     o_n = own + tl.arange(0, BN)
-                    m_n = o_n < L
-                    b_k = tl.load(
-                        k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0
+                    m_i, l_i, acc = _attend_causal_block(
+                        b_q, k, v, bos, o_n, o_m, L, hk, o_d, stride_kt, stride_vt, scale, m_i, l_i, acc, D
                     )
-                    b_v = tl.load(
-                        v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0
-                    )
-                    keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
-                    m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True)
-            if SPLIT:
-                tl.store(part_ml + (at + part) * 2, m_i, mask=m_r)
-                tl.store(part_ml + (at + part) * 2 + 1, l_i, mask=m_r)
-                tl.store(part_acc + (at + part)[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
-            elif FOLD:
-                m_i, l_i, acc = _fold_in_turn(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D)
+            m_i, l_i, acc = _end_part(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D, SPLIT, FOLD)
         if not SPLIT:
-            out = acc / l_i[:, None]
-            tl.store(
-                o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
-                out.to(o.dtype.element_ty),
-                mask=m_r[:, None],
-            )
+            _store_out(o, bos, o_m, head, o_d, m_r, acc, l_i, stride_ot, D)
 
 
 @triton.jit(do_not_specialize=["PARTS"])
@@ -293,11 +314,7 @@ def _states_attention_kernel(
         stop = last + 1
         active = i_m * BM < L
     if active:
-        o_r = tl.arange(0, GP * BM)
-        g = o_r // BM  # the tile's row r: query head hk * G + g, token i_m * BM + r % BM of the segment
-        o_m = i_m * BM + o_r % BM
-        m_r = (o_m < L) & (g < G)
-        head = hk * G + g
+        o_m, m_r, head = _tile_rows(i_m, hk, L, G, GP, BM)
         o_d = tl.arange(0, D)
         q_rows = (bos + o_m)[:, None] * stride_qt + head[:, None] * D + o_d[None, :]
         b_q = tl.load(q + q_rows, mask=m_r[:, None], other=0.0)
@@ -334,28 +351,12 @@ def _states_attention_kernel(
             if part == last:
                 for start in range(diagonal, t0 + BM, BN):
                     o_n = start - P + tl.arange(0, BN)
-                    m_n = o_n < L
-                    b_k = tl.load(
-                        k + (bos + o_n)[:, None] * stride_kt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0
+                    m_i, l_i, acc = _attend_causal_block(
+                        b_q, k, v, bos, o_n, o_m, L, hk, o_d, stride_kt, stride_vt, scale, m_i, l_i, acc, D
                     )
-                    b_v = tl.load(
-                        v + (bos + o_n)[:, None] * stride_vt + hk * D + o_d[None, :], mask=m_n[:, None], other=0.0
-                    )
-                    keep = m_n[None, :] & (o_n[None, :] <= o_m[:, None])
-                    m_i, l_i, acc = _attend_tile(b_q, b_k, b_v, keep, scale, m_i, l_i, acc, True)
-            if SPLIT:
-                tl.store(part_ml + (at + part) * 2, m_i, mask=m_r)
-                tl.store(part_ml + (at + part) * 2 + 1, l_i, mask=m_r)
-                tl.store(part_acc + (at + part)[:, None] * D + o_d[None, :], acc, mask=m_r[:, None])
-            elif FOLD:
-                m_i, l_i, acc = _fold_in_turn(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D)
+            m_i, l_i, acc = _end_part(part_acc, part_ml, at, o_d, m_r, part, last, m_i, l_i, acc, D, SPLIT, FOLD)
         if not SPLIT:
-            out = acc / l_i[:, None]
-            tl.store(
-                o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
-                out.to(o.dtype.element_ty),
-                mask=m_r[:, None],
-            )
+            _store_out(o, bos, o_m, head, o_d, m_r, acc, l_i, stride_ot, D)
 
 
 @triton.jit(do_not_specialize=["PARTS"])
@@ -390,11 +391,7 @@ def _merge_parts_kernel(
             parts = (P + i_m * BM) // FOLD_KEYS + 1
         else:
             parts = tl.maximum(tl.cdiv(P, FOLD_KEYS), 1)
-        o_r = tl.arange(0, GP * BM)
-        g = o_r // BM
-        o_m = i_m * BM + o_r % BM
-        m_r = (o_m < L) & (g < G)
-        head = hk * G + g
+        o_m, m_r, head = _tile_rows(i_m, hk, L, G, GP, BM)
         o_d = tl.arange(0, D)
         base = ((bos + o_m) * HQ + head) * PARTS
         m_i = tl.full([GP * BM], float("-inf"), dtype=tl.float32)
@@ -405,12 +402,7 @@ def _merge_parts_kernel(
             l_j = tl.load(part_ml + (base + j) * 2 + 1, mask=m_r, other=1.0)
             acc_j = tl.load(part_acc + (base + j)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
             m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j)
-        out = acc / l_i[:, None]
-        tl.store(
-            o + (bos + o_m)[:, None] * stride_ot + head[:, None] * D + o_d[None, :],
-            out.to(o.dtype.element_ty),
-            mask=m_r[:, None],
-        )
+        _store_out(o, bos, o_m, head, o_d, m_r, acc, l_i, stride_ot, D)
 
 
 def rows_attention(
