@@ -174,12 +174,18 @@ def gaps(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from kev_backend.dev import bench, workloads
+    from kev_backend.dev.grow import GrowingClients
     from kev_backend.engine.pipeline import Pipeline
     from kev_backend.gpu import scorer as scorer_module
 
-    warm_s, measure_s = {"short6": (1.0, 2.0), "long5": (3.0, 6.0)}[args.workload]
-    make = getattr(workloads, args.workload)
-    engine = kev4b_engine(args)
+    warm_s, measure_s = {"short6": (1.0, 2.0), "long5": (3.0, 6.0), "grow": (2.0, 6.0)}[args.workload]
+    engine = kev4b_engine(args, **({"bank_bytes": 48 << 30} if args.workload == "grow" else {}))
+    if args.workload == "grow":
+        make = GrowingClients(engine, 64)
+        make.warm(engine, warm_s)
+    else:
+        make = getattr(workloads, args.workload)
+        bench.throughput(engine, make, 64, warm_s, True)
     scorer = engine.scorer
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (start, end) of each call, by phase
 
@@ -212,7 +218,6 @@ def gaps(args) -> None:
         else:
             collections.append((info["generation"], time.perf_counter() - collecting[0]))
 
-    bench.throughput(engine, make, 64, warm_s, True)
     # Each measured batch's pipeline job: its size, when submit was called and returned, and the job.
     jobs: list[tuple[int, float, float, object]] = []
     submit = Pipeline.submit
@@ -354,7 +359,8 @@ def register(sub) -> None:
     parser = command(sub, "timeline", timeline, summary, engine=True)
     parser.add_argument("--shapes", default="short6", help="comma-separated workloads (default short6)")
     parser = command(sub, "gaps", gaps, "the GPU's idle gaps and the model thread's phases at 64 clients", engine=True)
-    parser.add_argument("--workload", choices=("short6", "long5"), default="short6")
+    help = "grow: 64 conversations near 8k tokens, a turn each at a time, on a 48 GiB bank (the bench's rps_64)"
+    parser.add_argument("--workload", choices=("short6", "long5", "grow"), default="short6", help=help)
     command(sub, "invariance", invariance, "where answers depend on the batch")
     parser = command(sub, "batchtrace", batchtrace, "the op where a question's numbers first depend on its batch")
     parser.add_argument("--requests", type=int, default=200)

@@ -298,9 +298,9 @@ def turnattn(args) -> None:
     """A conversation's next turn's attention (Kev-4B heads; --size: another Kev size's), ms a layer: --tokens tokens
     (default 256) after a point of each of --points tokens, as the engine launches them (their parts in parallel),
     with a graph's parts (LONG_PREFIX_MAX keys) and folded in turn; --batch such turns at once (default 6, on
-    8,192-token points); and the state computed whole, which folds its parts in turn. "long tiles": the turns in new
-    states' 128-row tiles (LONG_TILE_ROWS) instead of rows' (half the programs, each key block read for twice the
-    rows). Each turn's output is compared bit for bit with the whole state's ("same bits")."""
+    8,192-token points); and the state computed whole, which folds its parts in turn. "rows' tiles": the turns in
+    rows' 64-row tiles (TILE_ROWS) instead of long states' (LONG_TILE_ROWS: half the programs, each key block read for
+    twice the rows). Each turn's output is compared bit for bit with the whole state's ("same bits")."""
     from kev_backend.gpu.graphs import LONG_PREFIX_MAX
     from kev_backend.gpu.kernels import attention as A
 
@@ -326,13 +326,13 @@ def turnattn(args) -> None:
             "turn": dict(max_keys=L),
             "graph": dict(max_keys=LONG_PREFIX_MAX),
             "in turn": dict(max_keys=L),
-            "turn, long tiles": dict(max_keys=L),
+            "turn, rows' tiles": dict(max_keys=L),
         }
         line = [f"whole {cuda_ms(whole_run):.3f}"]
         for name, kw in cases.items():
             entries = 0 if name == "in turn" else A.PARALLEL_PARTS_ENTRIES
-            rows = A.LONG_TILE_ROWS if name.endswith("long tiles") else A.TILE_ROWS
-            with patched(A, PARALLEL_PARTS_ENTRIES=entries, TILE_ROWS=rows):
+            rows = A.TILE_ROWS if name.endswith("rows' tiles") else A.LONG_TILE_ROWS
+            with patched(A, PARALLEL_PARTS_ENTRIES=entries, LONG_TILE_ROWS=rows):
                 out = turn(**kw)
                 ms = cuda_ms(functools.partial(turn, **kw))
             line.append(f"{name} {ms:.3f} same bits {torch.equal(out, whole[point:])}")
@@ -350,11 +350,12 @@ def turnattn(args) -> None:
     batch = functools.partial(A.states_attention, tq, tk, tv, k, v, index, start, length, cu, n, max_keys=L)
     line = [f"as launched {cuda_ms(batch):.3f}"]
     for name, entries, rows in (
-        ("in parallel", 1 << 30, A.TILE_ROWS),
-        ("in turn", 0, A.TILE_ROWS),
-        ("in parallel, long tiles", 1 << 30, A.LONG_TILE_ROWS),
+        ("in parallel", 1 << 30, A.LONG_TILE_ROWS),
+        ("in turn", 0, A.LONG_TILE_ROWS),
+        ("in parallel, rows' tiles", 1 << 30, A.TILE_ROWS),
+        ("in turn, rows' tiles", 0, A.TILE_ROWS),
     ):
-        with patched(A, PARALLEL_PARTS_ENTRIES=entries, TILE_ROWS=rows):
+        with patched(A, PARALLEL_PARTS_ENTRIES=entries, LONG_TILE_ROWS=rows):
             line.append(f"{name} {cuda_ms(batch):.3f}")
     print(f"turnattn {b} turns at {point} +{n}: " + "; ".join(line), flush=True)
 

@@ -14,7 +14,7 @@
 #   timeline   diag timeline: one short6 request's model time against its kernels' busy time and gaps, then the host
 #              functions by own time, from graphs (~1 min)
 #   gaps       diag gaps: the GPU's idle gaps and the model thread's phases at 64 pipelined short6 clients, from
-#              graphs; GAPS_WORKLOAD=long5 for long5 (~1 min)
+#              graphs; GAPS_WORKLOAD=long5 or grow for those (~1 min)
 #   invariance diag invariance: where answers depend on the batch (~3 min)
 #   batchtrace diag batchtrace: the op where a question's numbers first depend on its batch, alone against
 #              shuffled batches, bit for bit (~3 min; batchtrace.json)

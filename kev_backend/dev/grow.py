@@ -106,32 +106,46 @@ def differing(engine: Engine, turns: int, per_conversation: int = 25, together: 
     return {"turns": answers, "differing": differ}
 
 
-def throughput(engine: Engine, clients: int, seconds: float, near: int = 8192) -> dict[str, float]:
-    """`clients` closed-loop clients (bench.throughput), each sending the next turn of a conversation near `near`
-    tokens, of `clients` conversations. As a user does, a conversation's next turn is sent only once its last one is
-    answered: a client hands its conversation back when it sends its next request (its last one answered by then) and
-    takes the longest-waiting one. One that has grown by ~2,000 tokens starts over as a new one."""
-    count = state_counter(engine.tokenizer)
-    first = last_turn_within(near - 1_000, count, next(CONVERSATION))
-    lock = threading.Lock()
-    conversations = [[next(CONVERSATION), first] for _ in range(clients)]
-    waiting = deque(conversations)
-    held = threading.local()  # the conversation this client thread sent its last turn of
+class GrowingClients:
+    """The turns closed-loop clients send (bench.throughput's `make`), of `clients` conversations near `near` tokens.
+    As a user does, a conversation's next turn is sent only once its last one is answered: a client hands its
+    conversation back when it sends its next request (its last one answered by then) and takes the longest-waiting
+    one. One that has grown by ~2,000 tokens starts over as a new one."""
 
-    def make(_: int | None) -> dict[str, Any]:
-        with lock:
-            if (last := getattr(held, "conversation", None)) is not None:
-                waiting.append(last)
-            conversation = held.conversation = waiting.popleft()
+    def __init__(self, engine: Engine, clients: int, near: int = 8192) -> None:
+        self.first = last_turn_within(near - 1_000, state_counter(engine.tokenizer), next(CONVERSATION))
+        self.lock = threading.Lock()
+        self.conversations = [[next(CONVERSATION), self.first] for _ in range(clients)]
+        self.waiting = deque(self.conversations)
+        self.held = threading.local()  # the conversation this client thread sent its last turn of
+
+    def __call__(self, _: int | None) -> dict[str, Any]:
+        with self.lock:
+            if (last := getattr(self.held, "conversation", None)) is not None:
+                self.waiting.append(last)
+            conversation = self.held.conversation = self.waiting.popleft()
             conversation[1] += 1
-            if conversation[1] > first + 10:
-                conversation[:] = [next(CONVERSATION), first]
+            if conversation[1] > self.first + 10:
+                conversation[:] = [next(CONVERSATION), self.first]
             return grow(*conversation)
 
-    closed_loop(engine, make, clients, min(seconds, 2.0))  # every conversation's first turn, computed whole
-    waiting.clear()
-    waiting.extend(conversations)  # every turn answered: the next run's clients take them afresh
-    return closed_loop(engine, make, clients, seconds)
+    def answered(self) -> None:
+        """After a closed loop, every turn answered: the next loop's client threads take the conversations afresh."""
+        self.waiting.clear()
+        self.waiting.extend(self.conversations)
+
+    def warm(self, engine: Engine, seconds: float = 2.0) -> None:
+        """Every conversation's first turn, computed whole, in a closed loop of its own for `seconds`."""
+        closed_loop(engine, self, len(self.conversations), seconds)
+        self.answered()
+
+
+def throughput(engine: Engine, clients: int, seconds: float, near: int = 8192) -> dict[str, float]:
+    """`clients` closed-loop clients (bench.throughput) growing their conversations near `near` tokens
+    (GrowingClients), once each conversation's first turn is banked."""
+    turns = GrowingClients(engine, clients, near)
+    turns.warm(engine, min(seconds, 2.0))
+    return closed_loop(engine, turns, clients, seconds)
 
 
 def batched(engine: Engine, sizes: tuple[int, ...], near: int = 8192, repeat: int = 2) -> list[dict[str, Any]]:

@@ -19,10 +19,11 @@ TILE_ROWS = 64
 WIDE_HEAD_KEYS = 64
 WIDE_HEAD_STAGES = 2
 WIDE_HEAD_WARPS = 8
-# Query rows per program for new states over LONG_ABOVE tokens (no prefix): every row attends to many keys, so bigger
-# tiles pay (128 rows × 64 keys on 2 stages, faster than torch's varlen attention: docs/kernels.md). A row's
-# arithmetic does not depend on the tile's rows (keys per step and warps are the same), so a state's output does not
-# depend on the states batched with it.
+# Query rows per program for states whose rows attend to more than LONG_ABOVE keys (new states over LONG_ABOVE tokens,
+# turns over a point and their own): bigger tiles pay (128 rows × 64 keys on 2 stages, faster than torch's varlen
+# attention; a turn after 32k-64k tokens, or six at once after 8k, in half the time of rows' tiles: docs/kernels.md).
+# A row's arithmetic does not depend on the tile's rows (keys per step and warps are the same), so a state's output
+# depends neither on the states batched with it nor on the point it was computed from.
 LONG_TILE_ROWS = 128
 LONG_ABOVE = 128
 # Pipeline stages of the key loop for heads up to 128 wide (Triton's default on sm_90), read at each launch.
@@ -492,10 +493,7 @@ def states_attention(
         prefix = prefix_start = prefix_len = cu  # not read
     assert max_keys > 0 or not has_prefix, "states continuing a point: max_keys bounds their parts"
     keys = max(max_keys, max_len)
-    # New states' tiles are long (LONG_TILE_ROWS) where their rows attend to many keys; states continuing a point
-    # take rows' tiles (twice the programs for a turn's few tokens, and a tile's rows change no row's arithmetic).
-    long_tiles = not has_prefix and max_len > LONG_ABOVE
-    GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, LONG_TILE_ROWS if long_tiles else TILE_ROWS)
+    GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, LONG_TILE_ROWS if keys > LONG_ABOVE else TILE_ROWS)
     assert FOLD_KEYS % BM == 0 and FOLD_KEYS % BN == 0 and (not has_prefix or 64 % BM == 0)
     folds = keys > FOLD_KEYS
     split = folds and has_prefix and T * triton.cdiv(keys, FOLD_KEYS) <= PARALLEL_PARTS_ENTRIES
