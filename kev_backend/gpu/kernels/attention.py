@@ -494,6 +494,8 @@ def states_attention(
     assert max_keys > 0 or not has_prefix, "states continuing a point: max_keys bounds their parts"
     keys = max(max_keys, max_len)
     GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, LONG_TILE_ROWS if keys > LONG_ABOVE else TILE_ROWS)
+    if has_prefix and 64 % BM:  # a turn's tiles start at its point, a page boundary: rows' tiles without GQA
+        GP, BM, BN, stages, warps = _tiles(HQ, HKV, D, TILE_ROWS)
     assert FOLD_KEYS % BM == 0 and FOLD_KEYS % BN == 0 and (not has_prefix or 64 % BM == 0)
     folds = keys > FOLD_KEYS
     split = folds and has_prefix and T * triton.cdiv(keys, FOLD_KEYS) <= PARALLEL_PARTS_ENTRIES

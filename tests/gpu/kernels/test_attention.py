@@ -87,14 +87,14 @@ def test_long_new_state(kernel_run) -> None:
     assert (o - ref).abs().max() < kernel_run.tol
 
 
-@GROUPS
-def test_a_state_continued_from_a_point_attends_as_the_state_whole(
-    kernel_run, one_tile_size, HQ: int, HKV: int
-) -> None:
+@pytest.mark.parametrize(("HQ", "HKV"), [(4, 2), (6, 2), (2, 2)], ids=["gqa2", "gqa3", "mha"])
+def test_a_state_continued_from_a_point_attends_as_the_state_whole(request, kernel_run, HQ: int, HKV: int) -> None:
     """A new state's tokens after a point (128: a multiple of the key blocks) attending over the point's tokens' K/V
     in the pool, then their own, give the same bits as the state attending over its own tokens whole: the same key
-    blocks in the same order. In rows' tiles, where the state whole has a long state's: a row's arithmetic does not
-    depend on its tile's other rows (so on an H100 too, at Kev-4B's heads and 384-5,760-token points)."""
+    blocks in the same order, in the same long tiles (its rows attend to more than LONG_ABOVE keys either way), or
+    without GQA in rows' tiles, which start at a page boundary where the state whole has 128-token ones."""
+    if HQ == HKV:
+        request.getfixturevalue("one_tile_size")  # interpreted, bits compared across tile sizes compare BLAS kernels
     L, point = 200, 128
     q, k, v = torch.randn(L, HQ, D), torch.randn(L, HKV, D), torch.randn(L, HKV, D)
     kp, vp = torch.zeros(POOL + L, HKV, D), torch.zeros(POOL + L, HKV, D)
@@ -191,7 +191,7 @@ def test_a_long_state_folds_its_parts_and_answers_as_the_reference(kernel_run, f
 @GROUPS
 @pytest.mark.parametrize("parallel", [True, False], ids=["parts-in-parallel", "parts-in-turn"])
 def test_a_state_continued_from_any_point_gets_the_whole_states_bits(
-    kernel_run, one_tile_size, fold_keys, monkeypatch, HQ: int, HKV: int, parallel: bool
+    kernel_run, fold_keys, monkeypatch, HQ: int, HKV: int, parallel: bool
 ) -> None:
     """A 300-token state continued from points at 64, 128 and 256 tokens (one launch): each continuation's tokens
     get the bits of the state computed whole, which folds its five parts in turn, whether the continuations read
