@@ -359,8 +359,8 @@ def register(sub) -> None:
     parser = command(sub, "timeline", timeline, summary, engine=True)
     parser.add_argument("--shapes", default="short6", help="comma-separated workloads (default short6)")
     parser = command(sub, "gaps", gaps, "the GPU's idle gaps and the model thread's phases at 64 clients", engine=True)
-    help = "grow: 64 clients, each growing its own conversation near 8k tokens, on a 48 GiB bank (the bench's rps_64)"
-    parser.add_argument("--workload", choices=("short6", "long5", "grow"), default="short6", help=help)
+    about = "grow: 64 clients, each growing its own conversation near 8k tokens, on a 48 GiB bank (the bench's rps_64)"
+    parser.add_argument("--workload", choices=("short6", "long5", "grow"), default="short6", help=about)
     command(sub, "invariance", invariance, "where answers depend on the batch")
     parser = command(sub, "batchtrace", batchtrace, "the op where a question's numbers first depend on its batch")
     parser.add_argument("--requests", type=int, default=200)

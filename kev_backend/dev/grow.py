@@ -129,15 +129,12 @@ class GrowingClients:
                 conversation[:] = [next(CONVERSATION), self.first]
             return grow(*conversation)
 
-    def answered(self) -> None:
-        """After a closed loop, every turn answered: the next loop's client threads take the conversations afresh."""
+    def warm(self, engine: Engine, seconds: float = 2.0) -> None:
+        """Every conversation's first turn, computed whole, in a closed loop of its own for `seconds`. Every turn is
+        answered after it: the next loop's client threads take the conversations afresh."""
+        closed_loop(engine, self, len(self.conversations), seconds)
         self.waiting.clear()
         self.waiting.extend(self.conversations)
-
-    def warm(self, engine: Engine, seconds: float = 2.0) -> None:
-        """Every conversation's first turn, computed whole, in a closed loop of its own for `seconds`."""
-        closed_loop(engine, self, len(self.conversations), seconds)
-        self.answered()
 
 
 def throughput(engine: Engine, clients: int, seconds: float, near: int = 8192) -> dict[str, float]:

@@ -327,9 +327,10 @@ class Pipeline:
         def work() -> Iterator[int]:
             for request in requests:
                 batch = self.prepared(bodies, request, usage)
-                work = batch.work_tokens()
-                prepared.append((batch, work > self.long_tokens))
-                yield 0 if work > self.long_tokens else work
+                cost = batch.work_tokens()
+                long = cost > self.long_tokens
+                prepared.append((batch, long))
+                yield 0 if long else cost
 
         sizes = [self.size(bodies, request) for request in requests]
         start = 0

@@ -21,9 +21,8 @@ REPO = Path(__file__).resolve().parents[3]
 # accumulator), and at most three spill instructions in a key loop's body (of its 36 HGMMAs); turns in 32-token tiles
 # (Kev-4B's heads) storing their parts for the merge, at 255 registers, twice as fast as in 16-token tiles without
 # spills (docs/kernels.md, Growing states), or folding them in turn (1,556 bytes; not yet timed against 16-token
-# tiles). Compiled as a launch specialises them (aligned pointers and strides), no
-# other kernel spills; compiled without that specialisation, rows' attention would spill and no loop would load by
-# async copies.
+# tiles). Compiled as a launch specialises them (aligned pointers and strides), no other kernel spills; compiled
+# without that specialisation, rows' attention would spill and no loop would load by async copies.
 SPILL_ALLOWED: dict[tuple[str, bool | None, bool | None, bool | None, int | None, int | None], int] = {
     ("_chunk_prep_kernel", None, None, None, 168, None): 60,
     ("_states_attention_kernel", None, True, False, None, 32): 1560,
